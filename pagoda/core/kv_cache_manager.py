@@ -1,0 +1,147 @@
+"""Per-request block tables on top of the block pool, with prefix lookup."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pagoda.core.block_hash import BlockHash, hash_request_blocks
+from pagoda.core.block_pool import BlockPool, KVCacheBlock
+from pagoda.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns every request's block table.
+
+    The scheduler asks three things of it: which prefix of a new request is
+    already cached (``get_computed_blocks``), room for the tokens a step will
+    compute (``allocate_slots``, None when the pool is full) and to give a
+    request's blocks back (``free``).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request were offered to the prefix map.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache counters in tokens, for metrics.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        extra = (request.cache_salt,) if request.cache_salt else ()
+        return hash_request_blocks(
+            request.all_token_ids, self.block_size, request.block_hashes, extra
+        )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a request that holds no blocks yet.
+
+        At least one token is always left to compute, because the step must
+        produce logits at the last position: a 32-token prompt fully cached in
+        blocks of 16 hits only its first block, and recomputes tokens 16..31.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request`` (after
+        adopting ``new_computed_blocks`` from a prefix hit). Returns the newly
+        allocated blocks, or None, changing nothing, if the pool is too small.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks and blocks:
+            raise RuntimeError("prefix hits can only be adopted by a request without blocks")
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Hit blocks that sit in the free queue stop being allocatable.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Blocks become valid during this step's forward, which writes each
+            # layer's new K/V before any attention reads, so another request
+            # scheduled in the same step may already share them.
+            self._cache_full_blocks(request, num_total)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        blocks = self.req_to_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+        self.num_cached_blocks.pop(request.request_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        ref_counts: dict[int, int] = {}
+        for rid, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            if len(ids) != len(set(ids)):
+                raise AssertionError(f"request {rid} holds a block twice")
+            for block_id in ids:
+                ref_counts[block_id] = ref_counts.get(block_id, 0) + 1
+        self.pool.check_integrity(ref_counts)
+        for rid, n in self.num_cached_blocks.items():
+            if n > len(self.req_to_blocks.get(rid, [])):
+                raise AssertionError(f"request {rid} cached more blocks than it holds")

@@ -1,0 +1,55 @@
+"""What the scheduler tells the model runner each step.
+
+New requests (and requests resumed after preemption) are sent whole; requests
+the runner already knows are sent as a diff: their new blocks and progress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]     # non-empty when resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step, in batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per scheduled request: [] for a request still inside its
+    # prompt (a prefill chunk samples nothing), else the sampled token(s).
+    sampled_token_ids: list[list[int]]
+    # Per request: None, or one (logprob, top ids, top logprobs) per sampled token.
+    logprobs: list[list[tuple[float, list[int], list[float]]] | None] | None = None

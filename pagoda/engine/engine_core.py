@@ -1,0 +1,137 @@
+"""EngineCore: the scheduler and the model runner, stepped together.
+
+It speaks only token ids (EngineCoreRequest in, EngineCoreOutputs out), so the
+same object runs inside the caller's process (offline LLM, tests) or in an
+engine-core process behind ZMQ (the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagoda.config import EngineConfig, available_memory_bytes
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagoda.model.loader import LoadedModel, load_model, parse_dtype
+from pagoda.request import Request, RequestStatus
+from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+# Default KV budget on CPU: this share of available memory, at most this much.
+_CPU_KV_FRACTION = 0.25
+_CPU_KV_MAX_BYTES = 4 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        dtype = parse_dtype(config.dtype)
+        if loaded is None:
+            loaded = load_model(config.model, dtype, device, show_progress=config.show_progress)
+        self.loaded = loaded
+        arch = loaded.arch
+        max_model_len = config.max_model_len or arch.max_position_embeddings
+        if arch.sliding_window is not None and max_model_len > arch.sliding_window:
+            logger.warning("capping max_model_len at the sliding window (%d)", arch.sliding_window)
+            max_model_len = arch.sliding_window
+        self.max_model_len = max_model_len
+
+        per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            budget = config.kv_cache_memory
+            if budget is None:
+                if device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(device)
+                    budget = int(free * 0.8)
+                else:
+                    budget = min(int(available_memory_bytes() * _CPU_KV_FRACTION), _CPU_KV_MAX_BYTES)
+            num_blocks = budget // per_block
+        capacity = num_blocks * config.block_size
+        if capacity < max_model_len:
+            if config.max_model_len is not None or num_blocks < 1:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                    f"{config.block_size}), fewer than max_model_len={max_model_len}; "
+                    f"raise --kv-cache-memory or lower --max-model-len"
+                )
+            max_model_len = self.max_model_len = capacity
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
+                    num_blocks * per_block / 2**20)
+
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+            ),
+            self.kv_manager,
+        )
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
+        self.vocab_size = arch.vocab_size
+
+    # ---- requests ----------------------------------------------------------------
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        params = req.sampling_params
+        params.validate_for_vocab(self.vocab_size)
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(req.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(req.prompt_token_ids)} tokens; the context length "
+                f"(max_model_len) is {self.max_model_len}, leaving no room to generate"
+            )
+        if params.max_tokens is not None and len(req.prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(req.prompt_token_ids)} tokens "
+                f"exceeds the context length (max_model_len={self.max_model_len})"
+            )
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            params,
+            eos_token_ids=frozenset(req.eos_token_ids),
+            max_model_len=self.max_model_len,
+            arrival_time=req.arrival_time or None,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [
+            EngineCoreOutput(r.request_id, [], finish_reason="abort",
+                             num_cached_tokens=max(r.num_cached_tokens, 0))
+            for r in ended
+        ]
+
+    def finish_stopped(self, request_ids: list[str]) -> None:
+        """End requests that the front end stopped (a stop string matched)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ----------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

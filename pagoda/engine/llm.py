@@ -1,0 +1,151 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from pagoda.config import EngineConfig
+from pagoda.engine.engine_core import EngineCore
+from pagoda.engine.output_processor import OutputProcessor, make_core_requests
+from pagoda.model.loader import LoadedModel
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import Tokenizer
+
+PromptType = str | dict[str, Any]
+
+
+def build_tokenizer(loaded: LoadedModel, chat_template: str | None) -> Tokenizer:
+    if loaded.gguf_metadata is not None:
+        tokenizer = Tokenizer.from_gguf_metadata(loaded.gguf_metadata)
+    else:
+        tokenizer = Tokenizer.from_pretrained_dir(loaded.path)
+    if chat_template is not None:
+        if os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                chat_template = f.read()
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+class LLM:
+    """Generate from many prompts at once, batched by the same scheduler the server uses.
+
+    >>> llm = LLM()                      # the bundled SmolLM2-135M-Instruct
+    >>> out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer: Tokenizer | None = None
+        if not self.config.skip_tokenizer_init:
+            self.tokenizer = build_tokenizer(self.engine.loaded, self.config.chat_template)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        self.processor = OutputProcessor(self.tokenizer)
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("the engine was started with skip_tokenizer_init=True")
+        return self.tokenizer
+
+    # ---- public API ----------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        items = []
+        for p in prompts:
+            if isinstance(p, str):
+                items.append((p, self.get_tokenizer().encode(p)))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            elif isinstance(p, dict) and "prompt" in p:
+                items.append((p["prompt"], self.get_tokenizer().encode(p["prompt"])))
+            else:
+                raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        tokenizer = self.get_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        items = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conv), add_generation_prompt=add_generation_prompt,
+                tools=tools, chat_template=chat_template,
+            )
+            # The template already writes any BOS token it wants.
+            items.append((text, tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(items, sampling_params, use_tqdm)
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def _run(
+        self,
+        items: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(items)} prompts"
+                )
+        ids: list[str] = []
+        try:
+            for (prompt, token_ids), params in zip(items, params_list):
+                rid = f"offline-{uuid.uuid4().hex[:12]}"
+                self.processor.add_request(rid, prompt, token_ids, params)
+                ids.append(rid)
+                for req in make_core_requests(rid, token_ids, params, self.eos_token_ids):
+                    self.engine.add_request(req)
+        except Exception:
+            self._abort(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, leave=False)
+        try:
+            while self.engine.has_unfinished_requests():
+                step = self.engine.step()
+                outputs, to_stop = self.processor.process_outputs(step.outputs)
+                if to_stop:
+                    self.engine.finish_stopped(to_stop)
+                for out in outputs:
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self._abort(ids)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            children = self.processor.child_ids(rid)
+            self.processor.abort_request(rid)
+            self.engine.abort_requests(children)

@@ -1,0 +1,221 @@
+"""Turns engine-core token outputs into RequestOutputs.
+
+Runs in the front-end process: detokenizes incrementally, matches stop
+strings (the engine core only knows token ids, so a stop string is reported
+back as a request to finish), gathers logprobs, and joins the n samples of a
+request (each runs in the core as its own child request, sharing the prompt's
+KV blocks through the prefix cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.engine.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import Tokenizer
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def make_core_requests(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> list[EngineCoreRequest]:
+    """One core request per sample. With a seed, sample i uses seed + i, so
+    the n samples differ yet the whole request is reproducible."""
+    reqs = []
+    for i in range(params.n):
+        seed = params.seed + i if params.seed is not None else None
+        child = dataclasses.replace(params, n=1, seed=seed)
+        reqs.append(
+            EngineCoreRequest(
+                request_id=child_request_id(request_id, i, params.n),
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=child,
+                eos_token_ids=sorted(eos_token_ids),
+                arrival_time=arrival_time,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        )
+    return reqs
+
+
+@dataclass
+class _ChildState:
+    parent: _ParentState
+    index: int
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_ChildState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.output.finished for c in self.children)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.output for c in self.children],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._children: dict[str, _ChildState] = {}
+        self._parents: dict[str, _ParentState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        if request_id in self._parents:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (the engine was started with skip_tokenizer_init)")
+        parent = _ParentState(request_id, prompt, prompt_token_ids, params, [])
+        for i in range(params.n):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer.backend,
+                    prompt_token_ids=prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop or (),
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            out = CompletionOutput(
+                index=i, text="", token_ids=[],
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            child = _ChildState(parent, i, out, detok)
+            parent.children.append(child)
+            self._children[child_request_id(request_id, i, params.n)] = child
+        self._parents[request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        n = len(parent.children)
+        return [child_request_id(request_id, i, n) for i in range(n) if not parent.children[i].output.finished]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    def _logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> SampleLogprobs:
+        out: SampleLogprobs = []
+        for entry, token_id in zip(entries, token_ids):
+            pos: dict[int, Logprob] = {}
+            for rank, (tid, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
+                pos[tid] = Logprob(lp, rank, self._decode_one(tid))
+            if token_id not in pos:
+                pos = {token_id: Logprob(entry.logprob, None, self._decode_one(token_id)), **pos}
+            out.append(pos)
+        return out
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the RequestOutputs of every parent
+        request that changed, and the child ids the engine core must stop
+        because a stop string matched."""
+        touched: dict[str, _ParentState] = {}
+        to_stop: list[str] = []
+        for parent in self._parents.values():
+            for child in parent.children:
+                child.output.delta_text = ""
+                child.output.delta_token_ids = []
+                child.output.delta_logprobs = None
+                child.output.just_finished = False
+        for core_out in outputs:
+            child = self._children.get(core_out.request_id)
+            if child is None or child.output.finished:
+                continue
+            out = child.output
+            parent = child.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, core_out.num_cached_tokens)
+            new_ids = core_out.new_token_ids
+            finish_reason = core_out.finish_reason
+            stop_reason = core_out.stop_reason
+            if new_ids:
+                out.token_ids.extend(new_ids)
+                out.delta_token_ids = list(new_ids)
+                if core_out.new_logprobs is not None and out.logprobs is not None:
+                    lps = self._logprobs(core_out.new_logprobs, new_ids)
+                    out.logprobs.extend(lps)
+                    out.delta_logprobs = lps
+                    out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sum(
+                        e.logprob for e in core_out.new_logprobs
+                    )
+                if child.detokenizer is not None:
+                    matched = child.detokenizer.update(new_ids)
+                    if matched is not None and finish_reason is None:
+                        finish_reason, stop_reason = "stop", matched
+                        to_stop.append(core_out.request_id)
+            if finish_reason is not None:
+                out.finish_reason = finish_reason
+                out.stop_reason = stop_reason
+                out.just_finished = True
+            if child.detokenizer is not None:
+                out.delta_text = child.detokenizer.get_delta(finished=out.finished)
+                out.text = child.detokenizer.output_text if out.finished else out.text + out.delta_text
+            touched[parent.request_id] = parent
+        results = []
+        for rid, parent in touched.items():
+            results.append(parent.to_output())
+            if parent.finished:
+                del self._parents[rid]
+                n = len(parent.children)
+                for i in range(n):
+                    self._children.pop(child_request_id(rid, i, n), None)
+        return results, to_stop
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request (the caller aborts it in the core); returns its final state."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        n = len(parent.children)
+        for child in parent.children:
+            if not child.output.finished:
+                child.output.finish_reason = "abort"
+                child.output.just_finished = True
+            self._children.pop(child_request_id(request_id, child.index, n), None)
+        return parent.to_output()

@@ -1,0 +1,62 @@
+"""Messages between the engine front end and the engine core.
+
+They are msgspec structs so that the same objects serve the in-process client
+and the ZMQ link to an engine-core process.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagoda.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprob of one sampled token and the top alternatives at its position."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None        # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None    # the stop token id, if one ended it
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0     # cumulative, tokens
+    prefix_cache_hits: int = 0        # cumulative, tokens
+    num_preemptions: int = 0          # cumulative
+    step_batch_size: int = 0          # requests scheduled in the last step
+    step_num_tokens: int = 0          # tokens computed in the last step
+    num_steps: int = 0                # cumulative
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0

