@@ -67,10 +67,10 @@ _TEKKEN = (
 #              ignore_merges: a piece that is already a whole vocabulary token is taken as is)
 _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {}
 for _group, _spec in [
-    # 'default' is llama.cpp's fallback for files converted without a pre type; its exact llama.cpp
-    # regex set is a heuristic, and the GPT-2 pattern is what such vocabularies were trained with.
+    # 'default' marks files converted without a known pre-tokenizer. llama.cpp then guesses with extra
+    # punctuation/number splits; we use the plain GPT-2 pattern, as transformers does for such files.
     (("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling",
-            "gigachat", "mellum", "a.x-4.0", "roberta-bpe"), ((_GPT2,), False)),
+      "gigachat", "mellum", "a.x-4.0", "roberta-bpe"), ((_GPT2,), False)),
     # These vocabularies were trained with every digit a token of its own.
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "minerva"),
      ((r"\p{N}", _GPT2), False)),
@@ -124,9 +124,7 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.unk_token_id = unk_token_id
-        self.eos_token_ids = frozenset(
-            [*([eos_token_id] if eos_token_id is not None else []), *extra_eos_token_ids]
-        )
+        self.eos_token_ids = frozenset(extra_eos_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self._named_chat_templates = dict(named_chat_templates or {})

@@ -50,6 +50,9 @@ _PROMPT_CONTEXT_TOKENS = 8
 # ``_settle``): a few ids before the pending ones are enough context.
 _SETTLE_CONTEXT_TOKENS = 8
 
+# ``_ids`` is trimmed once the ids before the pending ones exceed this many.
+_ID_HISTORY_TRIM = 512
+
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -106,8 +109,8 @@ class IncrementalDetokenizer:
 
         context = self._clean_context(prompt_token_ids)
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        # Prompt context followed by every output id.  Needed only to rebuild
-        # the held-back tail (``_settle``); appending an int is cheap.
+        # Recent ids (prompt context, then output ids; older ones are trimmed).
+        # Needed only to rebuild the held-back tail (``_settle``).
         self._ids: list[int] = list(context)
         # Index in ``_ids`` of the first id whose text the stream still holds.
         # Equal to len(_ids) when nothing is held.
@@ -176,6 +179,13 @@ class IncrementalDetokenizer:
                 self._pending_start = len(self._ids)
         self.num_output_tokens += len(new_token_ids)
         self._settle_cache = None
+        if self._pending_start > _ID_HISTORY_TRIM:
+            # Only a few ids before the pending ones are ever read again, so
+            # drop the rest (amortised O(1)) instead of keeping every id of a
+            # long output alive for each running sequence.
+            cut = self._pending_start - _SETTLE_CONTEXT_TOKENS
+            del self._ids[:cut]
+            self._pending_start -= cut
         if not pieces:
             return None
         new_text = pieces[0] if len(pieces) == 1 else "".join(pieces)

@@ -225,7 +225,8 @@ class GGUFFile:
         # ne[0] (the innermost, contiguous dimension) must hold whole quantization blocks.
         if dims and dims[0] % block_size:
             raise self._error(
-                f"tensor {name!r} row length {dims[0]} is not a multiple of the {ggml_type.name} block size {block_size}"
+                f"tensor {name!r} row length {dims[0]} is not a multiple of "
+                f"the {ggml_type.name} block size {block_size}"
             )
         nbytes = math.prod(dims) // block_size * type_size
         # GGUF lists dimensions innermost-first; PyTorch wants outermost-first.

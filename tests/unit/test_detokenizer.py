@@ -503,3 +503,18 @@ def test_byte_fallback_random_text(bf_tok: tokenizers.Tokenizer, text: str, grou
     streamed += detok.get_delta(True)
     assert detok.output_text == bf_tok.decode(ids)
     assert streamed == detok.output_text
+
+
+def test_long_output_with_incomplete_tail(tok: tokenizers.Tokenizer, prompt_ids: list[int]) -> None:
+    # Long enough that the detokenizer trims its id history; the pending tail
+    # must still be rebuilt correctly afterwards.
+    ids = encode(tok, "word 你好 😀 " * 200 + "end 😀")
+    cut = next(k for k in range(len(ids) - 1, 0, -1) if tok.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt_ids)
+    streamed = ""
+    for tid in ids[:cut]:
+        detok.update([tid])
+        streamed += detok.get_delta(False)
+    assert cut > 600
+    assert detok.output_text == tok.decode(ids[:cut])
+    assert streamed + detok.get_delta(True) == tok.decode(ids[:cut])

@@ -1,0 +1,65 @@
+"""Shared fixtures: the bundled default model, a transformers reference, tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from pagoda.model.loader import default_model_path as find
+
+    return find()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    """transformers' fp32 load of the same GGUF: the reference implementation."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model_path),
+        gguf_file=os.path.basename(default_model_path),
+        dtype=torch.float32,
+    )
+    return model.eval()
+
+
+def _save_tiny(tmp_path_factory, name: str, config) -> str:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    path = tmp_path_factory.mktemp(name)
+    # Small shards, so the loader's sharded path is exercised.
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.3,
+        architectures=["LlamaForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-llama", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+        rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=0.3,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-qwen2", config)
