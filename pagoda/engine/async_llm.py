@@ -1,17 +1,43 @@
 """AsyncLLM: the asyncio front end of the engine, used by the HTTP server.
 
-(Interface first; the implementation is being written.)
+The engine core (scheduler + model runner) runs its busy loop in its own
+process and talks to this object over ZMQ, so neither GIL stalls the other.
+This side tokenizes, detokenizes and tracks each request's stream; a
+background task reads the core's outputs and fans them out to per-request
+queues. ``multiprocess=False`` runs the same loop in a thread (inproc ZMQ),
+for tests and tools.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+import uuid
 from typing import AsyncIterator
 
+import msgspec
+import zmq
+import zmq.asyncio
+
 from pagoda.config import EngineConfig
-from pagoda.engine.protocol import SchedulerStats
+from pagoda.engine.core_proc import EngineInfo, engine_core_process_main, run_engine_core
+from pagoda.engine.output_processor import OutputProcessor, make_core_requests
+from pagoda.engine.protocol import EngineCoreOutputs, SchedulerStats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+# Busy with no output for this long = stalled (one CPU step is well under it).
+STALL_TIMEOUT_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -26,20 +52,170 @@ class EngineOverloadedError(RuntimeError):
         self.retry_after = retry_after
 
 
+def _tokenizer_for(config: EngineConfig) -> Tokenizer:
+    from pagoda.engine.llm import load_tokenizer
+
+    return load_tokenizer(config)
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """Copy what later steps mutate in place, so a slow consumer sees this step."""
+    return dataclasses.replace(out, outputs=[
+        dataclasses.replace(
+            c, token_ids=list(c.token_ids),
+            logprobs=list(c.logprobs) if c.logprobs is not None else None,
+        )
+        for c in out.outputs
+    ])
+
+
 class AsyncLLM:
-    config: EngineConfig
-    tokenizer: Tokenizer
-    max_model_len: int
-    vocab_size: int
+    def __init__(self, config: EngineConfig, multiprocess: bool = True) -> None:
+        self.config = config
+        self.tokenizer: Tokenizer = _tokenizer_for(config)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.processor = OutputProcessor(self.tokenizer)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats = SchedulerStats()
+        self._dead: str | None = None
+        self._last_output = time.monotonic()
+        self._ctx = zmq.asyncio.Context()
+        self._tmpdir = None
+        if multiprocess:
+            self._tmpdir = tempfile.mkdtemp(prefix="pagoda-")
+            in_addr = f"ipc://{self._tmpdir}/input"
+            out_addr = f"ipc://{self._tmpdir}/output"
+        else:
+            tag = uuid.uuid4().hex
+            in_addr, out_addr = f"inproc://in-{tag}", f"inproc://out-{tag}"
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.bind(in_addr)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(out_addr)
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._thread: threading.Thread | None = None
+        if multiprocess:
+            mp = multiprocessing.get_context("spawn")
+            self._proc = mp.Process(
+                target=engine_core_process_main, args=(config, in_addr, out_addr),
+                name="pagoda-engine-core", daemon=True,
+            )
+            self._proc.start()
+        else:
+            sync_ctx = zmq.Context.shadow(self._ctx.underlying)
+            self._thread = threading.Thread(
+                target=run_engine_core, args=(config, in_addr, out_addr, sync_ctx),
+                name="pagoda-engine-core", daemon=True,
+            )
+            self._thread.start()
+        self.info = self._wait_ready()
+        self.max_model_len = self.info.max_model_len
+        self.vocab_size = self.info.vocab_size
+        self._output_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> "AsyncLLM":
-        """Start the engine (an engine-core process when multiprocess)."""
-        raise NotImplementedError
+    def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> AsyncLLM:
+        return cls(config, multiprocess)
+
+    def _wait_ready(self) -> EngineInfo:
+        # Read the first frame synchronously through a shadow of the bound socket.
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        raw = zmq.Socket.shadow(self._output.underlying)
+        poller = zmq.Poller()
+        poller.register(raw, zmq.POLLIN)
+        while time.monotonic() < deadline:
+            if poller.poll(200):
+                kind, payload = raw.recv_multipart()
+                if kind == b"ready":
+                    return msgspec.msgpack.decode(payload, type=EngineInfo)
+                if kind == b"dead":
+                    self._cleanup()
+                    raise RuntimeError(f"engine core failed to start:\n{msgspec.msgpack.decode(payload)}")
+            if self._proc is not None and not self._proc.is_alive():
+                self._cleanup()
+                raise RuntimeError(f"engine core process exited with code {self._proc.exitcode} during startup")
+        self._cleanup()
+        raise RuntimeError("engine core did not start in time")
+
+    # ---- background tasks ----------------------------------------------------------
+
+    def _ensure_tasks(self) -> None:
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(self._read_outputs())
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_process())
+
+    async def _read_outputs(self) -> None:
+        while True:
+            kind, payload = await self._output.recv_multipart()
+            self._last_output = time.monotonic()
+            if kind in (b"outputs", b"heartbeat"):
+                msg = msgspec.msgpack.decode(payload, type=EngineCoreOutputs)
+                if msg.scheduler_stats is not None:
+                    self._stats = msg.scheduler_stats
+                if msg.outputs:
+                    outputs, to_stop = self.processor.process_outputs(msg.outputs)
+                    if to_stop:
+                        await self._send(b"stop", to_stop)
+                    for out in outputs:
+                        q = self._queues.get(out.request_id)
+                        if q is not None:
+                            q.put_nowait(_snapshot(out))
+            elif kind == b"error":
+                child_id, message = msgspec.msgpack.decode(payload)
+                parent = self.processor.parent_id(child_id)
+                if parent is not None:
+                    await self.abort(parent)
+                    q = self._queues.get(parent)
+                    if q is not None:
+                        q.put_nowait(ValueError(message))
+            elif kind == b"dead":
+                self._die(f"engine core failed: {msgspec.msgpack.decode(payload)}")
+                return
+
+    async def _watch_process(self) -> None:
+        while self._dead is None:
+            await asyncio.sleep(0.2)
+            if self._proc is not None and not self._proc.is_alive():
+                self._die(f"engine core process exited with code {self._proc.exitcode}")
+            elif self._thread is not None and not self._thread.is_alive():
+                self._die("engine core thread exited")
+
+    def _die(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        logger.error("%s", reason)
+        self._dead = reason
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+
+    async def _send(self, kind: bytes, obj: object) -> None:
+        await self._input.send_multipart([kind, msgspec.msgpack.encode(obj)])
+
+    # ---- public API ----------------------------------------------------------------
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (message names the problem) for a request the engine would reject."""
-        raise NotImplementedError
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        params.validate_for_vocab(self.vocab_size)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {n} tokens"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt ({n}) plus max_tokens ({params.max_tokens}) exceeds it"
+            )
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._queues)
 
     async def generate(
         self,
@@ -50,26 +226,90 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput after every engine step that changed the request.
-        Each CompletionOutput carries cumulative text/token_ids plus this update's
-        delta_text / delta_token_ids / delta_logprobs and just_finished. The last
-        output has finished=True. Closing the iterator early (client gone)
-        aborts the request and frees its KV blocks. Raises ValueError for an
-        invalid request before the first yield, EngineOverloadedError when the
-        queue is full, EngineDeadError if the engine dies."""
-        raise NotImplementedError
-        yield
+        self.validate_request(prompt_token_ids, sampling_params)
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self._ensure_tasks()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self.processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
+            for req in make_core_requests(
+                request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
+                arrival_time=time.monotonic(), priority=priority, cache_salt=cache_salt,
+            ):
+                await self._send(b"add", req)
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        children = self.processor.child_ids(request_id)
+        self.processor.abort_request(request_id)
+        if children and self._dead is None:
+            await self._send(b"abort", children)
 
     @property
     def is_healthy(self) -> bool:
-        """False once the engine process died or its loop stalled while busy."""
-        raise NotImplementedError
+        if self._dead is not None:
+            return False
+        if self._proc is not None and not self._proc.is_alive():
+            return False
+        busy = bool(self._queues)
+        return not busy or time.monotonic() - self._last_output < STALL_TIMEOUT_S
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
 
     def latest_stats(self) -> SchedulerStats:
-        raise NotImplementedError
+        return self._stats
 
     async def shutdown(self) -> None:
-        raise NotImplementedError
+        if self._dead is None:
+            try:
+                await self._send(b"shutdown", None)
+            except zmq.ZMQError:
+                pass
+        for task in (self._output_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+        self._dead = self._dead or "engine shut down"
+        await asyncio.get_running_loop().run_in_executor(None, self._join)
+        self._cleanup()
+
+    def _join(self) -> None:
+        if self._proc is not None:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _cleanup(self) -> None:
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        if self._tmpdir is not None:
+            for name in ("input", "output"):
+                try:
+                    os.unlink(os.path.join(self._tmpdir, name))
+                except OSError:
+                    pass
+            try:
+                os.rmdir(self._tmpdir)
+            except OSError:
+                pass

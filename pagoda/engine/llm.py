@@ -11,7 +11,7 @@ from tqdm import tqdm
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
-from pagoda.model.loader import LoadedModel
+from pagoda.model.loader import LoadedModel, resolve_model_path
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
@@ -24,6 +24,22 @@ def build_tokenizer(loaded: LoadedModel, chat_template: str | None) -> Tokenizer
         tokenizer = Tokenizer.from_gguf_metadata(loaded.gguf_metadata)
     else:
         tokenizer = Tokenizer.from_pretrained_dir(loaded.path)
+    return _with_template(tokenizer, chat_template)
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer:
+    """The tokenizer alone, without the weights (the API server process needs only this)."""
+    path = resolve_model_path(config.model)
+    if os.path.isdir(path):
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+    else:
+        from pagoda.model.gguf_file import GGUFFile
+
+        tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+    return _with_template(tokenizer, config.chat_template)
+
+
+def _with_template(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer:
     if chat_template is not None:
         if os.path.isfile(chat_template):
             with open(chat_template) as f:

@@ -129,6 +129,10 @@ class OutputProcessor:
         n = len(parent.children)
         return [child_request_id(request_id, i, n) for i in range(n) if not parent.children[i].output.finished]
 
+    def parent_id(self, child_id: str) -> str | None:
+        child = self._children.get(child_id)
+        return child.parent.request_id if child is not None else None
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
 

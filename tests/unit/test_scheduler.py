@@ -622,19 +622,19 @@ def test_salted_requests_do_not_share() -> None:
 # ---------------------------------------------------------------- random workloads
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
-    num_blocks=st.integers(6, 24),
+    num_blocks=st.integers(3, 12),
     block_size=st.sampled_from([1, 2, 4]),
     budget=st.integers(1, 24),
-    max_seqs=st.integers(1, 6),
+    max_seqs=st.integers(1, 8),
     caching=st.booleans(),
     reqs=st.lists(
         st.tuples(
-            st.lists(st.integers(0, 2), min_size=1, max_size=12),  # prompt (collides)
-            st.integers(1, 8),                                     # max_tokens
-            st.integers(0, 10),                                    # arrival step
-            st.integers(0, 60),                                    # abort at step (>40: never)
+            st.lists(st.integers(0, 2), min_size=1, max_size=16),  # prompt (collides)
+            st.integers(1, 12),                                    # max_tokens
+            st.integers(0, 6),                                     # arrival step
+            st.integers(0, 80),                                    # abort at step (rarely hit)
         ),
         min_size=1,
         max_size=8,
@@ -642,7 +642,7 @@ def test_salted_requests_do_not_share() -> None:
 )
 def test_random_workload(num_blocks, block_size, budget, max_seqs, caching, reqs) -> None:
     # The pool always fits one request of max_model_len tokens, like the engine guarantees.
-    max_model_len = min(num_blocks * block_size, 20)
+    max_model_len = min(num_blocks * block_size, 24)
     sched = make_sched(num_blocks, block_size, budget, max_seqs, max_model_len, caching)
     live: dict[str, Request] = {}
     done: dict[str, Request] = {}

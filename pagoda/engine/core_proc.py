@@ -1,0 +1,119 @@
+"""The engine-core busy loop, run in its own process (or thread) behind ZMQ.
+
+Frames are [kind, msgspec-msgpack payload]. In: add / abort / stop /
+shutdown. Out: ready (engine facts), outputs (one per step, with scheduler
+stats), heartbeat (idle; stats only), error (a request the core rejected),
+dead (a fatal error; the loop exits).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from pagoda.config import EngineConfig
+from pagoda.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+IDLE_POLL_MS = 100
+
+
+class EngineInfo(msgspec.Struct):
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_dec_request = msgspec.msgpack.Decoder(EngineCoreRequest)
+_dec_ids = msgspec.msgpack.Decoder(list[str])
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    context: zmq.Context | None = None) -> int:
+    """Serve the engine core until told to shut down. Returns an exit code."""
+    own_context = context is None
+    ctx = context or zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    try:
+        from pagoda.engine.engine_core import EngineCore
+
+        core = EngineCore(config)
+    except Exception:
+        out.send_multipart([b"dead", _encoder.encode(traceback.format_exc())])
+        _close(inp, out, ctx, own_context)
+        return 1
+    out.send_multipart([b"ready", _encoder.encode(EngineInfo(
+        core.max_model_len, core.vocab_size, core.num_blocks, config.block_size))])
+
+    last_sent = 0.0
+    code = 0
+    try:
+        while True:
+            timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+            shutdown = False
+            while inp.poll(timeout):
+                timeout = 0
+                kind, payload = inp.recv_multipart()
+                if kind == b"add":
+                    req = _dec_request.decode(payload)
+                    try:
+                        core.add_request(req)
+                    except ValueError as e:
+                        out.send_multipart([b"error", _encoder.encode([req.request_id, str(e)])])
+                elif kind == b"abort":
+                    aborted = core.abort_requests(_dec_ids.decode(payload))
+                    if aborted:
+                        out.send_multipart([b"outputs", _encoder.encode(EngineCoreOutputs(outputs=aborted))])
+                elif kind == b"stop":
+                    core.finish_stopped(_dec_ids.decode(payload))
+                elif kind == b"shutdown":
+                    shutdown = True
+                    break
+            if shutdown:
+                break
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                out.send_multipart([b"outputs", _encoder.encode(outputs)])
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent > HEARTBEAT_INTERVAL_S:
+                beat = EngineCoreOutputs(scheduler_stats=core.scheduler.make_stats(), timestamp=time.time())
+                out.send_multipart([b"heartbeat", _encoder.encode(beat)])
+                last_sent = time.monotonic()
+    except Exception:
+        logger.exception("engine core failed")
+        out.send_multipart([b"dead", _encoder.encode(traceback.format_exc())])
+        code = 1
+    _close(inp, out, ctx, own_context)
+    return code
+
+
+def _close(inp, out, ctx, own_context: bool) -> None:
+    inp.close(linger=0)
+    out.close(linger=1000)
+    if own_context:
+        ctx.term()
+
+
+def engine_core_process_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the spawned engine-core process."""
+    import os
+    import signal
+    import sys
+
+    # The API server handles SIGINT/SIGTERM and shuts us down by message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s engine-core %(levelname)s %(message)s")
+    sys.exit(run_engine_core(config, input_addr, output_addr))
