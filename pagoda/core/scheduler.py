@@ -123,6 +123,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                # All scheduled already; its sampled token has not arrived yet.
+                i += 1
+                continue
             new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 # Out of blocks: evict the most recently admitted request.

@@ -79,6 +79,7 @@ def _assert_same(outs, baseline, label) -> list[str]:
     return excused
 
 
+@pytest.mark.slow
 def test_prefix_caching_on_gives_same_tokens(prompts, baseline):
     llm, first = _run(prompts, enable_prefix_caching=True, max_num_batched_tokens=8192, num_kv_blocks=1024)
     _assert_same(first, baseline, "prefix-cache cold")
@@ -91,11 +92,13 @@ def test_prefix_caching_on_gives_same_tokens(prompts, baseline):
     _assert_same([o.outputs[0] for o in outs], baseline, "prefix-cache warm")
 
 
+@pytest.mark.slow
 def test_small_chunked_prefill_gives_same_tokens(prompts, baseline):
     llm, outs = _run(prompts, max_num_batched_tokens=32, num_kv_blocks=1024)
     _assert_same(outs, baseline, "budget 32")
 
 
+@pytest.mark.slow
 def test_batch_of_one_gives_same_tokens(prompts, baseline):
     llm = LLM(show_progress=False, num_kv_blocks=256)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
@@ -104,6 +107,7 @@ def test_batch_of_one_gives_same_tokens(prompts, baseline):
     _assert_same(outs, [baseline[i] for i in picks], "batch of 1")
 
 
+@pytest.mark.slow
 def test_preemption_gives_same_tokens(prompts, baseline):
     # Room for only a few requests at once: the scheduler must preempt.
     llm, outs = _run(prompts, num_kv_blocks=24, max_model_len=256, max_num_batched_tokens=256)

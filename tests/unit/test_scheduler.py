@@ -80,6 +80,14 @@ def step(
             assert victim.num_computed_tokens == 0
             assert rid not in so.num_scheduled_tokens
             assert sched.kv.get_block_ids(rid) == []
+    # Running requests are served oldest first; one is skipped only when the
+    # budget ran out or it was preempted.
+    kept = [r.request_id for r in running_before if r.request_id not in so.preempted_req_ids]
+    cached = [c.req_id for c in so.scheduled_cached_reqs]
+    assert cached == kept[: len(cached)]
+    if len(cached) < len(kept):
+        assert so.total_num_scheduled_tokens == sched.config.max_num_batched_tokens
+    assert list(so.num_scheduled_tokens) == cached + [n.req_id for n in so.scheduled_new_reqs]
     sampled: dict[str, list[int]] = {}
     tokens = []
     for rid in so.num_scheduled_tokens:
@@ -689,3 +697,31 @@ def test_random_workload(num_blocks, block_size, budget, max_seqs, caching, reqs
         if rid not in aborted:
             assert r.num_output_tokens == r.max_output_tokens
             assert r.num_tokens == r.num_prompt_tokens + r.max_output_tokens <= max_model_len
+
+
+def test_schedule_again_before_output_arrives() -> None:
+    """schedule() accounts for the tokens it hands out, so calling it again
+    before update_from_output (as its comment allows) must not reschedule them."""
+    sched = make_sched(budget=8)
+    a = make_req(sched, "a", 20, max_tokens=2)
+    outs = [sched.schedule() for _ in range(3)]
+    assert [so.num_scheduled_tokens for so in outs] == [{"a": 8}, {"a": 8}, {"a": 4}]
+    assert a.num_computed_tokens == a.num_tokens == 20
+    sched.check_integrity()
+    # Nothing is left to compute until the sampled token arrives.
+    b = make_req(sched, "b", 3, max_tokens=1)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"b": 3}
+    sched.check_integrity()
+    for o in outs:
+        sched.update_from_output(o, ModelRunnerOutput(["a"], [[] if o is not outs[-1] else [10]]))
+    sched.update_from_output(so, ModelRunnerOutput(["b"], [[10]]))
+    assert b.is_finished
+    assert a.output_token_ids == [10]
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 1}
+    assert so.finished_req_ids == {"b"}
+    sched.update_from_output(so, ModelRunnerOutput(["a"], [[11]]))
+    assert a.is_finished
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    sched.check_integrity()
