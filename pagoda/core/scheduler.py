@@ -164,6 +164,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:

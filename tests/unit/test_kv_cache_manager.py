@@ -268,7 +268,12 @@ def test_free_unknown_request_is_noop() -> None:
 def test_prefix_counters() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     admit(kv, make_req("a", A_TOKENS))
+    # A lookup alone counts nothing: the scheduler records admitted requests only.
+    hits, n = kv.get_computed_blocks(make_req("probe", A_TOKENS))
+    assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
+    kv.record_prefix_lookup(40, 0)
     admit(kv, make_req("b", A_TOKENS))
+    kv.record_prefix_lookup(40, 32)
     assert kv.prefix_queries == 80
     assert kv.prefix_hits == 32
 
