@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP server: ``build_app`` (routes) and ``serve`` (uvicorn, graceful shutdown)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import pagoda
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    install_error_handlers,
+    internal_error,
+    service_unavailable,
+)
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagoda.entrypoints.openai.request_group import ServerState
+from pagoda.entrypoints.openai.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
+from pagoda.entrypoints.openai.serving_chat import ChatServing
+from pagoda.entrypoints.openai.serving_completion import CompletionServing
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+}
+
+
+# ---------------------------------------------------------------------- middleware
+class ServerMiddleware:
+    """Everything checked before routing, as plain ASGI so it also covers streaming responses:
+
+    - while draining for shutdown, new requests get 503;
+    - Bearer auth on /v1/* when an API key is set (/health and friends stay open to probes);
+    - the body limit, from Content-Length and again while reading (chunked bodies have none).
+      The body is buffered here (it is small) and replayed to the app, after which the app's
+      receive() yields only the disconnect, which is how handlers notice a client leaving;
+    - a 500 in OpenAI's shape for an unexpected exception (logged with its traceback);
+    - counting requests in progress, which graceful shutdown waits on.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.state = state
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            draining = service_unavailable("The server is shutting down.", "server_shutting_down")
+            draining.headers["Connection"] = "close"
+            await draining.to_response()(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+            denied = self._check_auth(scope, self.api_key)
+            if denied is not None:
+                await denied.to_response()(scope, receive, send)
+                return
+        body_or_error = await self._read_body(scope, receive)
+        if isinstance(body_or_error, APIError):
+            await body_or_error.to_response()(scope, receive, send)
+            return
+        if body_or_error is None:
+            return  # the client left while sending the body
+
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body_or_error, "more_body": False}
+            return await receive()
+
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        self.state.num_active_http += 1
+        try:
+            await self.app(scope, replay, tracking_send)
+        except Exception:
+            if started:
+                raise  # too late for an error response; uvicorn drops the connection
+            logger.exception("unhandled error in %s %s", scope.get("method"), path)
+            await internal_error().to_response()(scope, receive, send)
+        finally:
+            self.state.num_active_http -= 1
+
+    @staticmethod
+    def _check_auth(scope: Scope, api_key: str) -> APIError | None:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            message = "No API key provided; send it as 'Authorization: Bearer <key>'."
+        elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            message = "Incorrect API key provided."
+        else:
+            return None
+        return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | APIError | None:
+        too_large = APIError(
+            413, f"The request body is larger than the limit of {self.max_body_bytes} bytes.",
+            code="request_too_large", headers={"Connection": "close"},
+        )  # fmt: skip
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return bad_request("Invalid Content-Length header.")
+            if declared > self.max_body_bytes:
+                return too_large
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------- the app
+def build_app(
+    engine: AsyncLLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_num_queued_requests: int | None = None,
+    request_timeout: float | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the model id ``served_model_name``.
+
+    ``api_key``: required as a Bearer token on /v1/*. ``max_num_queued_requests``: at most this many
+    requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
+    which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
+    """
+    if max_num_queued_requests is not None and max_num_queued_requests < 1:
+        raise ValueError(f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+
+    state = ServerState(max_num_queued_requests)
+    completions = CompletionServing(engine, state, served_model_name, request_timeout)
+    chat = ChatServing(engine, state, served_model_name, request_timeout)
+    created = int(time.time())
+
+    app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
+    app.state.pagoda = state
+    install_error_handlers(app)
+    app.add_middleware(ServerMiddleware, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=served_model_name, created=created, max_model_len=engine.max_model_len)
+
+    def check_model(model: str | None) -> None:
+        completions.check_model(model)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(body, raw_request)
+
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create(body, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model)
+        if body.prompt is not None:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+        else:
+            assert body.messages is not None
+            text = chat.render([m.to_template_dict() for m in body.messages], body.add_generation_prompt)
+            tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise bad_request(f"Token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
+        # Special tokens kept, so that detokenize(tokenize(x)) gives x back.
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if not engine.is_healthy:
+            reason = getattr(engine, "dead_reason", None) or "the engine is not healthy"
+            return service_unavailable(f"Unhealthy: {reason}", "engine_dead").to_response()
+        return JSONResponse({})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagoda.__version__}
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats() -> dict[str, Any]:
+        stats: dict[str, Any] = msgspec.structs.asdict(engine.latest_stats())
+        queries = stats.get("prefix_cache_queries") or 0
+        stats["prefix_cache_hit_rate"] = (stats.get("prefix_cache_hits") or 0) / queries if queries else 0.0
+        stats["server_num_active_requests"] = state.num_active_http - 1  # not counting this one
+        stats["server_num_waiting_requests"] = state.num_waiting
+        return stats
+
+    return app

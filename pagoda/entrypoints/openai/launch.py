@@ -1,0 +1,47 @@
+"""`pagoda serve`: start the engine, then serve it until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from pagoda.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# The bundled default model is served under its plain name.
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_served_model_name(config: EngineConfig) -> str:
+    """--served-model-name, else the model's file or folder name (without .gguf)."""
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model is None:
+        return DEFAULT_SERVED_NAME
+    from pagoda.model.loader import resolve_model_path
+
+    name = os.path.basename(os.path.normpath(resolve_model_path(config.model)))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.entrypoints.openai.server import serve
+
+    engine = AsyncLLM.from_config(config)
+    await serve(
+        engine, args.host, args.port, args.served_model_name or default_served_model_name(config),
+        api_key=args.api_key, max_num_queued_requests=args.max_num_queued_requests,
+        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )  # fmt: skip
+
+
+def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Returns the exit status: 0 after a graceful shutdown."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(args, config))
+    return 0

@@ -1,0 +1,180 @@
+"""What the chat and completions endpoints share: prompt checks, running the engine, streaming."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_error, model_not_found
+from pagoda.entrypoints.openai.logprobs import LogprobFormatter
+from pagoda.entrypoints.openai.request_group import RequestGroup, RequestStopped, ServerState, SubRequest
+from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Sent for a request whose client disconnected: nobody reads it (nginx's "client closed request").
+CLIENT_GONE = 499
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response; there is nobody to answer."""
+
+
+def error_event(err: APIError) -> str:
+    # The openai client raises APIError for a stream event with an "error" key.
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its event generator and request group.
+
+    On disconnect Starlette cancels the task iterating the body, and that may happen
+    between two chunks, leaving the generator suspended and the engine request running
+    until garbage collection. Closing here makes the abort immediate and certain.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            await self._on_close()
+
+
+class OpenAIServing:
+    def __init__(
+        self, engine: AsyncLLM, state: ServerState, served_model_name: str, request_timeout: float | None
+    ) -> None:
+        self.engine = engine
+        self.state = state
+        self.served_model_name = served_model_name
+        self.request_timeout = request_timeout
+        self.tokenizer = engine.tokenizer
+        self.logprobs = LogprobFormatter(engine.tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise model_not_found(model)
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        requested_max_tokens: int | None,
+        to_params: Callable[[int], SamplingParams],
+        prompt_param: str,
+        max_tokens_param: str,
+    ) -> SubRequest:
+        """Check one prompt against the context length and build its SamplingParams; 400 on any problem."""
+        max_len = self.engine.max_model_len
+        n = len(prompt_token_ids)
+        if n >= max_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens, but the prompt has {n} tokens "
+                "(at least one token must be left for the completion).",
+                param=prompt_param, code="context_length_exceeded",
+            )  # fmt: skip
+        if requested_max_tokens is not None and requested_max_tokens > 0 and n + requested_max_tokens > max_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{n + requested_max_tokens} tokens ({n} in the prompt, {requested_max_tokens} for the completion). "
+                f"Please reduce the prompt or '{max_tokens_param}'.",
+                param=max_tokens_param, code="context_length_exceeded",
+            )  # fmt: skip
+        # Absent max_tokens: whatever room the context leaves, as vLLM does.
+        params = to_params(max_len - n)
+        try:
+            self.engine.validate_request(prompt_token_ids, params)
+        except ValueError as e:
+            # Its message names the problem (prompt, logit_bias or stop_token_ids out of range...).
+            raise bad_request(str(e)) from None
+        return SubRequest(request_id, prompt, prompt_token_ids, params)
+
+    def group(self, raw_request: Request, subrequests: list[SubRequest]) -> RequestGroup:
+        return RequestGroup(self.engine, self.state, subrequests, raw_request, self.request_timeout)
+
+    # ---- running ---------------------------------------------------------------------
+    @staticmethod
+    async def run_to_end(group: RequestGroup) -> list[RequestOutput | None]:
+        try:
+            async with group:
+                return await group.final_outputs()
+        except RequestStopped as e:
+            raise _stopped_error(e) from None
+
+    @staticmethod
+    async def start_stream(group: RequestGroup) -> list[tuple[int, RequestOutput]]:
+        """Admit the group and wait for its first outputs; on failure it is closed and the error raised."""
+        try:
+            group.start()
+            return await group.first_outputs()
+        except RequestStopped as e:
+            await group.close()
+            raise _stopped_error(e) from None
+        except BaseException:
+            await group.close()
+            raise
+
+    @staticmethod
+    def stream_response(group: RequestGroup, events: AsyncIterator[str]) -> SSEResponse:
+        return SSEResponse(_guarded(events), on_close=group.close)
+
+    @staticmethod
+    def usage(subrequests: Sequence[SubRequest], outputs: Sequence[RequestOutput | None]) -> Usage:
+        # Each prompt counts once, however many choices it has; completions count every choice.
+        return Usage.of(
+            prompt_tokens=sum(len(s.prompt_token_ids) for s in subrequests),
+            completion_tokens=sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs),
+            cached_tokens=sum(o.num_cached_tokens for o in outputs if o is not None),
+        )
+
+
+def _stopped_error(stopped: RequestStopped) -> Exception:
+    err = stopped.to_api_error()
+    return err if err is not None else ClientGone()
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass events through; an error after the 200 headers went out becomes an error event.
+    Every stream that was not cut by the client ends with [DONE]."""
+    try:
+        try:
+            async for event in events:
+                yield event
+        except RequestStopped as e:
+            err = e.to_api_error()
+            if err is None:
+                logger.info("client disconnected; request aborted")
+                return
+            yield error_event(err)
+        except APIError as e:
+            yield error_event(e)
+        except Exception:
+            logger.exception("error while streaming a response")
+            yield error_event(internal_error())
+        yield SSE_DONE
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def client_gone_response() -> Response:
+    return Response(status_code=CLIENT_GONE)
