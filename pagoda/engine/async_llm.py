@@ -176,10 +176,14 @@ class AsyncLLM:
     async def _watch_process(self) -> None:
         while self._dead is None:
             await asyncio.sleep(0.2)
-            if self._proc is not None and not self._proc.is_alive():
-                self._die(f"engine core process exited with code {self._proc.exitcode}")
-            elif self._thread is not None and not self._thread.is_alive():
-                self._die("engine core thread exited")
+            self._check_alive()
+
+    def _check_alive(self) -> None:
+        # The watcher task only runs once a request started; check directly too.
+        if self._proc is not None and not self._proc.is_alive():
+            self._die(f"engine core process exited with code {self._proc.exitcode}")
+        elif self._thread is not None and not self._thread.is_alive():
+            self._die("engine core thread exited")
 
     def _die(self, reason: str) -> None:
         if self._dead is not None:
@@ -227,6 +231,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params)
+        self._check_alive()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         self._ensure_tasks()
