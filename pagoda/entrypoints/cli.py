@@ -126,12 +126,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args, config_from_args(args))
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from pagoda.bench.throughput import run_throughput
-
-    return run_throughput(args, config_from_args(args))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,17 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput through LLM.generate")
-    add_engine_args(tp)
-    tp.add_argument("--num-prompts", type=int, default=64)
-    tp.add_argument("--input-len", type=int, default=128)
-    tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--compare-hf", action="store_true",
-                    help="also run HF transformers generate() with a static batch, same prompts")
-    tp.add_argument("--hf-batch-size", type=int, default=None, help="static batch size for HF (default: all)")
-    tp.add_argument("--save-result", default=None, help="write the results as JSON here")
-    tp.set_defaults(func=cmd_bench)
+    from pagoda.bench.commands import add_bench_commands
+
+    add_bench_commands(bench.add_subparsers(dest="bench_command", required=True),
+                       add_engine_args, config_from_args)
     return parser
 
 
