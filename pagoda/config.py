@@ -17,6 +17,7 @@ class EngineConfig:
     model: str | None = None              # HF folder or .gguf file; None = bundled default
     served_model_name: str | None = None
     dtype: str = "auto"                   # auto = float32 on CPU
+    quantization: str = "none"            # none (exact) | int8 (dynamic int8 GEMMs, CPU)
     device: str = "cpu"
     max_model_len: int | None = None      # None = the model's own context length
     max_num_seqs: int = 256
@@ -39,6 +40,8 @@ class EngineConfig:
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

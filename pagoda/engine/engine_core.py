@@ -16,6 +16,7 @@ from pagoda.config import EngineConfig, available_memory_bytes
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parse_dtype
 from pagoda.request import Request, RequestStatus
 from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -28,12 +29,15 @@ _CPU_KV_MAX_BYTES = 4 << 30
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, collect_stats: bool = True) -> None:
+        """``collect_stats``: attach a StepRecord (batch, FLOPs/bytes estimate) to each step's
+        outputs and now and then a KV pool picture, for metrics and the dashboard."""
         self.config = config
         device = torch.device(config.device)
         dtype = parse_dtype(config.dtype)
         if loaded is None:
-            loaded = load_model(config.model, dtype, device, show_progress=config.show_progress)
+            loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
+                                quantization=config.quantization)
         self.loaded = loaded
         arch = loaded.arch
         max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -77,6 +81,11 @@ class EngineCore:
         )
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
         self.vocab_size = arch.vocab_size
+        self.step_stats: StepStatsCollector | None = None
+        if collect_stats:
+            weight_elem = next(loaded.model.parameters()).element_size()
+            elem = torch.empty(0, dtype=dtype).element_size()
+            self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=elem)
 
     # ---- requests ----------------------------------------------------------------
 
@@ -126,12 +135,31 @@ class EngineCore:
     # ---- one step ----------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        start = time.monotonic()
         sched_out = self.scheduler.schedule()
+        collector = self.step_stats
+        record = None
+        if collector is not None:
+            # Before update_from_output, which forgets the requests that finish.
+            record = collector.record_step(sched_out, self.scheduler.requests, start)
         runner_out = self.runner.execute_model(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
-        )
+        end = time.monotonic()
+        out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)
+        if collector is not None:
+            if record is not None:
+                record.duration = end - start
+            out.step = record
+            out.kv_block_map = collector.maybe_block_map(self.kv_manager.pool, end)
+        return out
+
+    def idle_stats(self) -> EngineCoreOutputs:
+        """Stats alone (no step), for the heartbeat the core sends while idle."""
+        now = time.monotonic()
+        out = EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=now)
+        if self.step_stats is not None:
+            out.kv_block_map = self.step_stats.maybe_block_map(self.kv_manager.pool, now)
+        return out
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

