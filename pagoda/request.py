@@ -72,9 +72,14 @@ class Request:
         # Prompt tokens found in the prefix cache when first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # time.monotonic() when first admitted to running (queue time ends); kept across preemption.
+        self.first_scheduled_time: float | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[BlockHash] = []
+        # Structured output: a Future while the grammar compiles, then a matcher.
+        self.grammar = None
+        self.matcher = None
         # Generation stops at max_tokens or when the context is full.
         limit = sampling_params.max_tokens
         if max_model_len is not None:

@@ -13,6 +13,8 @@ an API layer can turn it into a 400 response as is.
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import enum
 import math
@@ -67,6 +69,60 @@ def _check_bool(name: str, value: Any) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar. Exactly one form is set.
+
+    - json: a JSON schema (a dict, or its JSON text); stored as canonical text.
+    - json_object: any JSON object.
+    - regex: a regular expression the whole output must match.
+    - choice: the output is exactly one of these strings.
+    - grammar: a context-free grammar in Lark syntax (llguidance's EBNF dialect).
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            # Key order kept: a schema's property order is the order generated.
+            self.json = json.dumps(self.json)
+        if self.json is not None and not isinstance(self.json, str):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r}")
+        self.json_object = _check_bool("structured_outputs.json_object", self.json_object)
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs.regex must be a string, got {self.regex!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"structured_outputs.grammar must be a string, got {self.grammar!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        forms = [self.json is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        if sum(forms) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar"
+            )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """A hashable description, for grammar caches."""
+        if self.json is not None:
+            return ("json", str(self.json))
+        if self.json_object:
+            return ("json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(self.choice))
+        return ("grammar", str(self.grammar))
+
+
+@dataclass
 class SamplingParams:
     """How to pick the tokens of one request; see the module docstring."""
 
@@ -88,6 +144,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives; 0 = only the sampled token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -113,6 +170,12 @@ class SamplingParams:
         )
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
 
     def _validate_sampling(self) -> None:
         self.temperature = _check_float("temperature", self.temperature)

@@ -27,3 +27,41 @@ def add_bench_commands(
         return run_throughput(args, config_from_args(args))
 
     tp.set_defaults(func=run_tp)
+
+    sv = sub.add_parser("serve", help="load-test an OpenAI-compatible server (streamed; sweeps, plots)")
+    from pagoda.bench.serve import add_serve_args
+
+    add_serve_args(sv)
+
+    def run_sv(args: argparse.Namespace) -> int:
+        from pagoda.bench.serve import run_serve
+
+        return run_serve(args)
+
+    sv.set_defaults(func=run_sv)
+
+    lat = sub.add_parser("latency", help="one batch through the engine core: per-step prefill and decode times")
+    add_engine_args(lat)
+    from pagoda.bench.latency import add_latency_args
+
+    add_latency_args(lat)
+
+    def run_lat(args: argparse.Namespace) -> int:
+        from pagoda.bench.latency import run_latency
+
+        return run_latency(args, config_from_args(args))
+
+    lat.set_defaults(func=run_lat)
+
+    rf = sub.add_parser("roofline", help="GEMM peak and memory bandwidth, and where prefill/decode steps sit")
+    add_engine_args(rf)
+    from pagoda.bench.roofline import add_roofline_args
+
+    add_roofline_args(rf)
+
+    def run_rf(args: argparse.Namespace) -> int:
+        from pagoda.bench.roofline import run_roofline
+
+        return run_roofline(args, config_from_args(args))
+
+    rf.set_defaults(func=run_rf)

@@ -39,6 +39,8 @@ class SchedulerOutput:
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests under a grammar that sample this step (their logits get masked).
+    structured_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -15,6 +15,7 @@ those tokens are computed again (often mostly from the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -53,6 +54,7 @@ class Scheduler:
         # Forgotten since the last schedule(); the runner drops their state.
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self._grammar_failures: list[str] = []
         self.num_steps = 0
         self._last_batch_size = 0
         self._last_num_tokens = 0
@@ -109,6 +111,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _grammar_ready(self, request: Request) -> bool:
+        """True once the request's grammar (if any) is compiled. A failed
+        compile ends the request (aborted) at the next update."""
+        future = request.grammar
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        request.grammar = None
+        try:
+            request.matcher = future.result()
+        except Exception:  # the front end validated it; a failure here is rare
+            self._grammar_failures.append(request.request_id)
+            return False
+        return True
+
     # ---- one step --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -150,7 +168,9 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, in order, while budget, seats and blocks last.
-        # Nothing new is admitted in a step that had to preempt.
+        # Nothing new is admitted in a step that had to preempt. A request
+        # whose grammar is still compiling lets the ones behind it go first.
+        compiling: list[Request] = []
         while (
             self.waiting
             and budget > 0
@@ -158,6 +178,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if not self._grammar_ready(request):
+                compiling.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
@@ -169,6 +192,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(
@@ -184,10 +209,16 @@ class Scheduler:
             )
             budget -= num_new
 
+        self.waiting.extendleft(reversed(compiling))
+
         # The step will compute these tokens; account for them now so the next
         # schedule() (possibly before this step's output arrives) sees them.
+        structured: list[str] = []
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            if request.matcher is not None and request.num_computed_tokens == request.num_tokens:
+                structured.append(rid)
 
         finished = self._finished_ids
         self._finished_ids = set()
@@ -203,6 +234,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            structured_req_ids=structured,
         )
 
     def update_from_output(
@@ -210,6 +242,10 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests, free their blocks."""
         outputs: list[EngineCoreOutput] = []
+        if self._grammar_failures:
+            failed = self.finish_requests(self._grammar_failures, RequestStatus.FINISHED_ABORTED)
+            self._grammar_failures = []
+            outputs.extend(EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in failed)
         for idx, rid in enumerate(runner_out.req_ids):
             request = self.requests.get(rid)
             token_ids = runner_out.sampled_token_ids[idx]
@@ -223,6 +259,13 @@ class Scheduler:
                 new_ids.append(token_id)
                 if request.check_stop():
                     break
+                if request.matcher is not None:
+                    # The mask only offered tokens the grammar accepts; it
+                    # ends the request once nothing more may follow.
+                    request.matcher.accept_token(token_id)
+                    if request.matcher.is_terminated():
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        break
             new_logprobs = None
             if runner_out.logprobs is not None and runner_out.logprobs[idx] is not None:
                 new_logprobs = [
@@ -234,6 +277,8 @@ class Scheduler:
                 finish_reason = request.status.finish_reason
                 self.running.remove(request)
                 self._free(request)
+            # Metrics: the admission time rides on the first output, preemptions on the last.
+            first = request.num_output_tokens == len(new_ids)
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
@@ -242,6 +287,8 @@ class Scheduler:
                     finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    scheduled_time=(request.first_scheduled_time or 0.0) if first else 0.0,
+                    num_preemptions=request.num_preemptions if finish_reason is not None else 0,
                 )
             )
         return outputs

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import msgspec
 import zmq
@@ -29,6 +29,8 @@ from pagoda.config import EngineConfig
 from pagoda.engine.core_proc import EngineInfo, engine_core_process_main, run_engine_core
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.engine.protocol import EngineCoreOutputs, SchedulerStats
+from pagoda.metrics.log import StatLogger, log_request
+from pagoda.metrics.stats import EngineMetrics
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 # Busy with no output for this long = stalled (one CPU step is well under it).
 STALL_TIMEOUT_S = 60.0
+
+_dec_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs)
 
 
 class EngineDeadError(RuntimeError):
@@ -70,13 +74,29 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, multiprocess: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        multiprocess: bool = True,
+        *,
+        log_stats: bool = True,
+        log_stats_interval: float = 10.0,
+        log_requests: bool = True,
+    ) -> None:
+        """``log_stats``: log a throughput / queue / KV line every ``log_stats_interval``
+        seconds while busy. ``log_requests``: log one line per finished request."""
+        if log_stats and not log_stats_interval > 0:
+            raise ValueError(f"log_stats_interval must be > 0, got {log_stats_interval}")
         self.config = config
         self.tokenizer: Tokenizer = _tokenizer_for(config)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.processor = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._validator = None
         self._stats = SchedulerStats()
+        # Filled in once the engine reports its limits (below); read by /metrics and /dashboard.
+        self.metrics: EngineMetrics
+        self._stat_logger: StatLogger | None = None
         self._dead: str | None = None
         self._last_output = time.monotonic()
         self._ctx = zmq.asyncio.Context()
@@ -111,12 +131,21 @@ class AsyncLLM:
         self.info = self._wait_ready()
         self.max_model_len = self.info.max_model_len
         self.vocab_size = self.info.vocab_size
+        # Until the first heartbeat: an idle engine with an empty pool.
+        self._stats = SchedulerStats(num_blocks=self.info.num_blocks, num_free_blocks=self.info.num_blocks)
+        self.metrics = EngineMetrics(
+            self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+            on_request_end=log_request if log_requests else None,
+        )  # fmt: skip
+        self.metrics.stats = self._stats
+        if log_stats:
+            self._stat_logger = StatLogger(self.metrics, log_stats_interval)
         self._output_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> AsyncLLM:
-        return cls(config, multiprocess)
+    def from_config(cls, config: EngineConfig, multiprocess: bool = True, **kwargs: Any) -> AsyncLLM:
+        return cls(config, multiprocess, **kwargs)
 
     def _wait_ready(self) -> EngineInfo:
         # Read the first frame synchronously through a shadow of the bound socket.
@@ -140,6 +169,13 @@ class AsyncLLM:
 
     # ---- background tasks ----------------------------------------------------------
 
+    def ensure_background_tasks(self) -> None:
+        """Start reading the engine's messages (call on the serving loop). Done by the
+        first request anyway; /metrics and the dashboard call it so that they show the
+        engine's state before any request."""
+        if self._dead is None:
+            self._ensure_tasks()
+
     def _ensure_tasks(self) -> None:
         if self._output_task is None:
             self._output_task = asyncio.get_running_loop().create_task(self._read_outputs())
@@ -150,17 +186,22 @@ class AsyncLLM:
             kind, payload = await self._output.recv_multipart()
             self._last_output = time.monotonic()
             if kind in (b"outputs", b"heartbeat"):
-                msg = msgspec.msgpack.decode(payload, type=EngineCoreOutputs)
+                msg = _dec_outputs.decode(payload)
+                now = self._last_output
                 if msg.scheduler_stats is not None:
                     self._stats = msg.scheduler_stats
+                self.metrics.on_engine_outputs(msg, now)
                 if msg.outputs:
                     outputs, to_stop = self.processor.process_outputs(msg.outputs)
+                    self.metrics.on_request_outputs(outputs, now)
                     if to_stop:
                         await self._send(b"stop", to_stop)
                     for out in outputs:
                         q = self._queues.get(out.request_id)
                         if q is not None:
                             q.put_nowait(_snapshot(out))
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log(now)
             elif kind == b"error":
                 child_id, message = msgspec.msgpack.decode(payload)
                 parent = self.processor.parent_id(child_id)
@@ -198,9 +239,25 @@ class AsyncLLM:
 
     # ---- public API ----------------------------------------------------------------
 
+    def _grammar_validator(self):
+        """A grammar manager of the API process, used only to validate (and
+        so reject bad schemas with a 400 before they reach the engine)."""
+        if self._validator is None:
+            from pagoda.structured_output.backend import LLGuidanceBackend
+            from pagoda.structured_output.manager import StructuredOutputManager
+
+            tok = self.tokenizer
+            self._validator = StructuredOutputManager(
+                lambda: LLGuidanceBackend(tok.backend.to_str(), self.vocab_size, tok.eos_token_ids))
+        return self._validator
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (GrammarError for a bad schema/regex/grammar) for a
+        request the engine would reject."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.structured_outputs is not None:
+            self._grammar_validator().validate(params.structured_outputs)
         params.validate_for_vocab(self.vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -242,10 +299,12 @@ class AsyncLLM:
         finished = False
         try:
             self.processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
+            arrival = time.monotonic()
             for req in make_core_requests(
                 request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
-                arrival_time=time.monotonic(), priority=priority, cache_salt=cache_salt,
+                arrival_time=arrival, priority=priority, cache_salt=cache_salt,
             ):
+                self.metrics.add_request(req.request_id, arrival, len(prompt_token_ids))
                 await self._send(b"add", req)
             while True:
                 item = await queue.get()
@@ -264,6 +323,7 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         children = self.processor.child_ids(request_id)
         self.processor.abort_request(request_id)
+        self.metrics.on_abort(children, time.monotonic())
         if children and self._dead is None:
             await self._send(b"abort", children)
 

@@ -87,7 +87,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                 out.send_multipart([b"outputs", _encoder.encode(outputs)])
                 last_sent = time.monotonic()
             elif time.monotonic() - last_sent > HEARTBEAT_INTERVAL_S:
-                beat = EngineCoreOutputs(scheduler_stats=core.scheduler.make_stats(), timestamp=time.time())
+                beat = core.idle_stats()
                 out.send_multipart([b"heartbeat", _encoder.encode(beat)])
                 last_sent = time.monotonic()
     except Exception:

@@ -81,11 +81,28 @@ class EngineCore:
         )
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
         self.vocab_size = arch.vocab_size
+        self._structured = None
         self.step_stats: StepStatsCollector | None = None
         if collect_stats:
             weight_elem = next(loaded.model.parameters()).element_size()
             elem = torch.empty(0, dtype=dtype).element_size()
             self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=elem)
+
+    @property
+    def structured(self):
+        """The grammar manager, built on first use (it needs the tokenizer)."""
+        if self._structured is None:
+            from pagoda.structured_output.manager import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self._make_grammar_backend)
+        return self._structured
+
+    def _make_grammar_backend(self):
+        from pagoda.engine.llm import build_tokenizer
+        from pagoda.structured_output.backend import LLGuidanceBackend
+
+        tokenizer = build_tokenizer(self.loaded, self.config.chat_template)
+        return LLGuidanceBackend(tokenizer.backend.to_str(), self.vocab_size, tokenizer.eos_token_ids)
 
     # ---- requests ----------------------------------------------------------------
 
@@ -115,6 +132,9 @@ class EngineCore:
             priority=req.priority,
             cache_salt=req.cache_salt,
         )
+        if params.structured_outputs is not None:
+            # Compiled off the step loop; the scheduler waits for it.
+            request.grammar = self.structured.submit(params.structured_outputs)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -142,7 +162,14 @@ class EngineCore:
         if collector is not None:
             # Before update_from_output, which forgets the requests that finish.
             record = collector.record_step(sched_out, self.scheduler.requests, start)
-        runner_out = self.runner.execute_model(sched_out)
+        masks = None
+        if sched_out.structured_req_ids:
+            reqs = self.scheduler.requests
+            rows = self.structured.bitmask_for(
+                [reqs[rid].matcher for rid in sched_out.structured_req_ids], self.vocab_size
+            )
+            masks = dict(zip(sched_out.structured_req_ids, rows))
+        runner_out = self.runner.execute_model(sched_out, masks)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
         out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)

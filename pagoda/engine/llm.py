@@ -134,6 +134,8 @@ class LLM:
         try:
             for (prompt, token_ids), params in zip(items, params_list):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
+                if params.structured_outputs is not None:
+                    self.engine.structured.validate(params.structured_outputs)
                 self.processor.add_request(rid, prompt, token_ids, params)
                 ids.append(rid)
                 for req in make_core_requests(rid, token_ids, params, self.eos_token_ids):

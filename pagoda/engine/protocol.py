@@ -36,6 +36,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None        # "stop" | "length" | "abort"
     stop_reason: int | str | None = None    # the stop token id, if one ended it
     num_cached_tokens: int = 0
+    # For metrics. Set only on the request's first output: when the scheduler first
+    # admitted it (time.monotonic(), comparable with the front end's arrival time).
+    scheduled_time: float = 0.0
+    # Set only on the final output: how often the request was preempted.
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
@@ -56,7 +61,28 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_steps: int = 0                # cumulative
 
 
+class StepRecord(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One engine step, for metrics and the dashboard's batching timeline."""
+
+    step_id: int
+    start: float                          # time.monotonic() when the step began
+    duration: float                       # seconds: schedule + model + update
+    # (request id, tokens computed, is_prompt), in batch order. is_prompt: the tokens
+    # were prompt tokens (a chunk, a whole prompt, or a recompute after preemption)
+    # rather than the one token sampled last step.
+    batch: list[tuple[str, int, bool]] = []
+    num_preempted: int = 0
+    flops: float = 0.0                    # estimated (pagoda/metrics/cost.py)
+    bytes_moved: float = 0.0              # estimated: weights + KV read + KV written
+
+
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
+    # time.monotonic() in the engine core when the step ended. CLOCK_MONOTONIC is
+    # system-wide, so the front end can subtract its own monotonic timestamps.
     timestamp: float = 0.0
+    step: StepRecord | None = None
+    # A sampled picture of the KV block pool, sent about once a second: one char per
+    # sampled block, "u" in use, "c" free but still holding a cached prefix, "." free.
+    kv_block_map: str | None = None

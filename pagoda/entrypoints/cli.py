@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds to let in-flight requests finish")
     serve.add_argument("--uvicorn-log-level", default="warning")
+    from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+
+    serve.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
+                       help="the format tool calls are written in by the model and read from its output "
+                            "(hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="do not log a line (id, queue time, TTFT, tokens, finish reason) per finished request")
     serve.add_argument("--disable-log-stats", action="store_true",

@@ -55,7 +55,9 @@ class ModelRunner:
         self.device = device
         c = model.config
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=device)
+            # empty, not zeros: a fresh large allocation is zero pages from the OS
+            # already, and untouched pages cost no RSS until blocks are used.
+            torch.empty(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=device)
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler()
@@ -93,7 +95,11 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, so: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None
+    ) -> ModelRunnerOutput:
+        """One forward + sampling. ``grammar_masks``: req id -> [vocab] bool
+        (True = allowed) for requests under a grammar."""
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
@@ -134,6 +140,15 @@ class ModelRunner:
         logprobs: list = [None for _ in order]
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
+            if grammar_masks:
+                rows = [j for j, i in enumerate(sample_rows) if order[i] in grammar_masks]
+                if rows:
+                    allowed = torch.stack([grammar_masks[order[sample_rows[j]]] for j in rows]).to(self.device)
+                    vocab = min(allowed.shape[1], logits.shape[1])
+                    banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=self.device)
+                    banned[:, :vocab] = ~allowed[:, :vocab]
+                    idx = torch.tensor(rows, device=self.device)
+                    logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
             rows = []
             for i in sample_rows:
                 state = self.requests[order[i]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from importlib import resources
 from typing import Any
 
 import msgspec
@@ -39,6 +40,10 @@ from pagoda.entrypoints.openai.responses import (
 )
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.metrics.dashboard import dashboard_data
+from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagoda.metrics.prometheus import make_registry
+from pagoda.metrics.prometheus import render as render_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +171,7 @@ def build_app(
     max_num_queued_requests: int | None = None,
     request_timeout: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    tool_call_parser: str = "hermes",  # the format tool calls are read in (tool_parsers.TOOL_PARSERS)
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``served_model_name``.
 
@@ -182,7 +188,7 @@ def build_app(
 
     state = ServerState(max_num_queued_requests)
     completions = CompletionServing(engine, state, served_model_name, request_timeout)
-    chat = ChatServing(engine, state, served_model_name, request_timeout)
+    chat = ChatServing(engine, state, served_model_name, request_timeout, tool_call_parser)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
@@ -254,4 +260,35 @@ def build_app(
         stats["server_num_waiting_requests"] = state.num_waiting
         return stats
 
+    _add_observability_routes(app, engine, served_model_name)
     return app
+
+
+def _add_observability_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:
+    """/metrics (Prometheus), /dashboard (a self-contained page) and /dashboard/data (its JSON).
+
+    Open like /health (no API key): scrapers and the page's own fetches carry none, and
+    they show counts and timings, never prompts or outputs.
+    """
+    registry = make_registry(engine, served_model_name)
+    page = (resources.files("pagoda.entrypoints.openai") / "dashboard.html").read_bytes()
+
+    def start_reading() -> None:
+        # So that a scrape before the first request sees the engine's real state.
+        start = getattr(engine, "ensure_background_tasks", None)
+        if start is not None:
+            start()
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        start_reading()
+        return Response(render_metrics(registry), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    @app.get("/dashboard/data", include_in_schema=False)
+    async def dashboard_json(since: int = -1) -> dict[str, Any]:
+        start_reading()
+        return dashboard_data(engine, served_model_name, since)

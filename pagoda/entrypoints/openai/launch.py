@@ -31,12 +31,18 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.openai.server import serve
 
-    engine = AsyncLLM.from_config(config)
+    engine = AsyncLLM.from_config(
+        config,
+        log_stats=not getattr(args, "disable_log_stats", False),
+        log_stats_interval=getattr(args, "log_stats_interval", 10.0),
+        log_requests=not getattr(args, "disable_log_requests", False),
+    )
     await serve(
         engine, args.host, args.port, args.served_model_name or default_served_model_name(config),
         api_key=args.api_key, max_num_queued_requests=args.max_num_queued_requests,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
+        tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
     )  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 Every model forbids unknown fields, so a misspelt or unsupported parameter is a 400
 naming it rather than being silently ignored (which would change what the client
 thinks it asked for). Fields OpenAI defines that cannot change the generated text
-(``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``,
+(``user``, ``metadata``, ``store``, ``service_tier``,
 ``prompt_cache_key``, ``safety_identifier``, ``stream_options.include_obfuscation``)
 are accepted and ignored. Fields that would change the output but that pagoda does
 not implement are declared too, only to reject them with a clear message
@@ -17,8 +17,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
+from pagoda.entrypoints.openai import structured
 from pagoda.entrypoints.openai.errors import APIError, bad_request, unsupported
-from pagoda.sampling_params import SamplingParams
+from pagoda.entrypoints.openai.structured import ResponseFormat, StructuredOutputsRequest
+from pagoda.entrypoints.openai.tools import ChatTool, ToolChoiceField, ToolPlan, plan_tools
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Strict(BaseModel):
@@ -119,6 +122,13 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -127,6 +137,12 @@ class _SamplingRequest(_Strict):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+
+    def structured_output(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint the request asks for and the parameter that asked (400 on conflicts)."""
+        guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}  # fmt: skip
+        return structured.resolve(self.response_format, self.structured_outputs, guided)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -192,8 +208,11 @@ class CompletionRequest(_SamplingRequest):
             return [self.prompt]  # type: ignore[list-item]
         return list(self.prompt)  # type: ignore[arg-type]  # a list of strings or of token lists
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         kwargs = self._sampling_kwargs()
+        kwargs["structured_outputs"] = structured_outputs
         kwargs["max_tokens"] = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
@@ -234,10 +253,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # ignored (no tool calling yet)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoiceField = None
+    parallel_tool_calls: bool | None = None  # with tool_choice "required": whether several calls may come
     prompt_cache_key: str | None = None  # ignored: a routing hint; prefix caching is automatic
     safety_identifier: str | None = None  # ignored
     # OpenAI fields that would change the output and are not implemented: rejected unless unset.
@@ -258,20 +276,29 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise unsupported(name, "is not supported by this server")
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported("modalities", "other than ['text'] are not supported")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise unsupported("tool_choice", "is not supported: tool calling is not supported yet")
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "are not supported: tool calling is not supported yet")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise unsupported("response_format", "other than {'type': 'text'} is not supported yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def tool_plan(self) -> ToolPlan:
+        """What to do with the tools (400 for an inconsistent tools / tool_choice / response format)."""
+        plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if plan.forced:
+            _, param = self.structured_output()
+            if param is not None:
+                raise bad_request(
+                    f"'{param}' cannot be combined with a forced tool call (tool_choice "
+                    f"{plan.named or plan.mode!r}): both constrain the whole output.", param=param,
+                )  # fmt: skip
+        return plan
+
+    def to_sampling_params(
+        self, default_max_tokens: int, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         kwargs = self._sampling_kwargs()
+        kwargs["structured_outputs"] = structured_outputs
         names: dict[str, str] = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             kwargs["max_tokens"] = self.max_completion_tokens

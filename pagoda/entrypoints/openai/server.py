@@ -89,10 +89,11 @@ def create_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_timeout: float = 30.0,
     uvicorn_log_level: str = "info",
+    tool_call_parser: str = "hermes",
 ) -> PagodaServer:
     app = build_app(
         engine, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
-        request_timeout=request_timeout, max_body_bytes=max_body_bytes,
+        request_timeout=request_timeout, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
     )  # fmt: skip
     config = uvicorn.Config(
         app, host=host, port=port, log_level=uvicorn_log_level, lifespan="off",
@@ -116,6 +117,7 @@ async def serve(
     uvicorn_log_level: str = "info",
     sock: socket.socket | None = None,
     shutdown_engine: bool = True,
+    tool_call_parser: str = "hermes",
 ) -> None:
     """Serve until SIGTERM/SIGINT, drain (see the module docstring), then return.
 
@@ -126,7 +128,7 @@ async def serve(
     server = create_server(
         engine, host, port, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
         request_timeout=request_timeout, max_body_bytes=max_body_bytes, shutdown_timeout=shutdown_timeout,
-        uvicorn_log_level=uvicorn_log_level,
+        uvicorn_log_level=uvicorn_log_level, tool_call_parser=tool_call_parser,
     )  # fmt: skip
     try:
         await server.serve(sockets=[sock] if sock is not None else None)

@@ -14,6 +14,7 @@ from pagoda.entrypoints.openai.request_group import RequestGroup, SubRequest
 from pagoda.entrypoints.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, sse
 from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, client_gone_response
 from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
 
 
 class CompletionServing(OpenAIServing):
@@ -22,6 +23,11 @@ class CompletionServing(OpenAIServing):
         body.check_supported()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = body.prompts()
+        structured, structured_param = body.structured_output()
+
+        def to_params(default_max_tokens: int) -> SamplingParams:
+            return body.to_sampling_params(default_max_tokens, structured)
+
         subrequests = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
@@ -31,7 +37,7 @@ class CompletionServing(OpenAIServing):
                 text, ids = None, list(prompt)
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             subrequests.append(
-                self.prepare(sub_id, text, ids, body.max_tokens, body.to_sampling_params, "prompt", "max_tokens")
+                self.prepare(sub_id, text, ids, body.max_tokens, to_params, "prompt", "max_tokens", structured_param)
             )
         group = self.group(raw_request, subrequests)
         if body.stream:

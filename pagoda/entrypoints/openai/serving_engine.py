@@ -17,6 +17,7 @@ from pagoda.entrypoints.openai.request_group import RequestGroup, RequestStopped
 from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,11 @@ class OpenAIServing:
         to_params: Callable[[int], SamplingParams],
         prompt_param: str,
         max_tokens_param: str,
+        structured_param: str | None = None,
     ) -> SubRequest:
-        """Check one prompt against the context length and build its SamplingParams; 400 on any problem."""
+        """Check one prompt against the context length and build its SamplingParams; 400 on any problem.
+        ``structured_param``: the request field the structured output constraint came from, named
+        by the 400 for a schema, regex or grammar the compiler rejects."""
         max_len = self.engine.max_model_len
         n = len(prompt_token_ids)
         if n >= max_len:
@@ -102,6 +106,8 @@ class OpenAIServing:
         params = to_params(max_len - n)
         try:
             self.engine.validate_request(prompt_token_ids, params)
+        except GrammarError as e:
+            raise bad_request(str(e), param=structured_param, code="invalid_structured_output") from None
         except ValueError as e:
             # Its message names the problem (prompt, logit_bias or stop_token_ids out of range...).
             raise bad_request(str(e)) from None

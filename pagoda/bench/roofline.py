@@ -1,0 +1,203 @@
+"""`pagoda bench roofline`: where the model's prefill and decode steps sit on this machine's roofline.
+
+1. The roofs: the best GEMM FLOP/s torch reaches here (fp32, and bf16 for reference) and
+   the memory bandwidth of a large read and a large copy.
+2. The model's forward (all layers + LM head on the sampled rows) is timed directly, with
+   the per-step AttentionMetadata pagoda's runner would build, for decode batches of
+   several sizes and context lengths and for prefills of several lengths.
+3. Each step's FLOPs and ideal bytes come from `pagoda.bench.cost.step_cost`; arithmetic
+   intensity = FLOPs / bytes. A step left of the ridge (peak / bandwidth) is bound by
+   memory, right of it by compute; "% of roof" is achieved FLOP/s over the roof at that
+   intensity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import torch
+
+from pagoda.bench.cost import step_cost_breakdown
+from pagoda.config import EngineConfig
+
+
+def _best_time(fn: Callable[[], Any], min_time_s: float = 0.3, max_reps: int = 50) -> float:
+    """Fastest of repeated runs (after one warm-up): on a shared machine the minimum is the
+    least disturbed measurement, which is what a roof should be."""
+    fn()
+    best = float("inf")
+    spent = 0.0
+    for _ in range(max_reps):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        spent += dt
+        if spent >= min_time_s:
+            break
+    return best
+
+
+def measure_gemm_peak(dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
+    per_shape = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, dtype=torch.float32).to(dtype)
+        b = torch.randn(k, n, dtype=torch.float32).to(dtype)
+        t = _best_time(lambda: torch.mm(a, b))
+        per_shape[f"{m}x{k}x{n}"] = 2.0 * m * k * n / t
+    return {"dtype": str(dtype).removeprefix("torch."), "peak_flops": max(per_shape.values()),
+            "per_shape_flops": per_shape}
+
+
+def measure_bandwidth(size_bytes: int) -> dict[str, float]:
+    """A read (sum) and a copy of buffers far larger than the caches."""
+    n = size_bytes // 4
+    src = torch.rand(n)
+    dst = torch.empty_like(src)
+    read = size_bytes / _best_time(lambda: src.sum(), min_time_s=0.5)
+    copy = 2 * size_bytes / _best_time(lambda: dst.copy_(src), min_time_s=0.5)
+    return {"read_bytes_per_s": read, "copy_bytes_per_s": copy}
+
+
+class StepTimer:
+    """The model and a KV pool of distinct blocks per request (sharing blocks would let
+    attention hit the caches and flatter decode)."""
+
+    def __init__(self, config: EngineConfig, max_tokens_in_kv: int) -> None:
+        from pagoda.model.loader import load_model, parse_dtype
+
+        self.dtype = parse_dtype(config.dtype)
+        self.device = torch.device(config.device)
+        self.loaded = load_model(config.model, self.dtype, self.device, show_progress=False)
+        self.model = self.loaded.model
+        self.arch = self.loaded.arch
+        self.block_size = config.block_size
+        num_blocks = max_tokens_in_kv // self.block_size + 1
+        a = self.arch
+        self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
+                                      dtype=self.dtype, device=self.device) for _ in range(a.num_hidden_layers)]
+        self.num_blocks = num_blocks
+
+    def time_step(self, query_lens: list[int], context_lens: list[int], min_time_s: float) -> float:
+        from pagoda.model.attention import AttentionMetadata
+
+        tables, next_block = [], 0
+        for q, c in zip(query_lens, context_lens):
+            need = -(-(q + c) // self.block_size)
+            if next_block + need > self.num_blocks:
+                raise ValueError("the KV pool is too small for this step")
+            tables.append(list(range(next_block, next_block + need)))
+            next_block += need
+        num_tokens = sum(query_lens)
+        gen = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, self.arch.vocab_size, (num_tokens,), generator=gen).to(self.device)
+        positions = torch.tensor([p for q, c in zip(query_lens, context_lens) for p in range(c, c + q)],
+                                 device=self.device)
+        last = (torch.tensor(query_lens).cumsum(0) - 1).to(self.device)   # each request's last token
+
+        @torch.inference_mode()
+        def step() -> None:
+            # The metadata is rebuilt each time, as the runner does every step.
+            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[last])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        return _best_time(step, min_time_s=min_time_s, max_reps=10)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_roofline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decode-batch-sizes", type=_int_list, default=[1, 4, 16, 64])
+    p.add_argument("--context-lens", type=_int_list, default=[128, 512],
+                   help="tokens already in the cache for the decode steps")
+    p.add_argument("--prefill-lens", type=_int_list, default=[32, 128, 512],
+                   help="prompt tokens of one request's prefill step")
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per step (best is kept)")
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size for the bandwidth test")
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 GEMM measurement")
+    p.add_argument("--save-result", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="write the roofline PNG here")
+
+
+def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    shapes = [(512, 576, 1536), (1024, 1024, 1024), (2048, 2048, 2048)]
+    gemm = [measure_gemm_peak(torch.float32, shapes)]
+    if not args.no_bf16:
+        gemm.append(measure_gemm_peak(torch.bfloat16, shapes[:2]))
+    for g in gemm:
+        print(f"GEMM {g['dtype']}: peak {g['peak_flops'] / 1e9:.1f} GFLOP/s "
+              f"({', '.join(f'{s} {v / 1e9:.1f}' for s, v in g['per_shape_flops'].items())})")
+    bw = measure_bandwidth(args.bandwidth_mib << 20)
+    print(f"memory: read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.2f} GB/s")
+
+    max_kv = max([b * (c + 1) + b * config.block_size for b in args.decode_batch_sizes for c in args.context_lens]
+                 + [p + config.block_size for p in args.prefill_lens])
+    timer = StepTimer(config, max_kv)
+    elem = torch.empty(0, dtype=timer.dtype).element_size()
+    peak = next(g["peak_flops"] for g in gemm if g["dtype"] == str(timer.dtype).removeprefix("torch."))
+    bandwidth = max(bw["read_bytes_per_s"], bw["copy_bytes_per_s"])
+    ridge = peak / bandwidth
+    cases = [("prefill", f"prefill {p}", [p], [0]) for p in args.prefill_lens]
+    cases += [("decode", f"decode b{b} ctx{c}", [1] * b, [c] * b)
+              for c in args.context_lens for b in args.decode_batch_sizes]
+    steps = []
+    for kind, name, q_lens, c_lens in cases:
+        t = timer.time_step(q_lens, c_lens, args.min_time)
+        cost = step_cost_breakdown(timer.arch, sum(q_lens), c_lens, q_lens,
+                                   weight_bytes=elem, act_bytes=elem, kv_bytes=elem)
+        achieved = cost["flops"] / t
+        roof = min(peak, cost["intensity"] * bandwidth)
+        steps.append({
+            "kind": kind, "name": name, "num_tokens": sum(q_lens), "batch_size": len(q_lens),
+            "context_len": c_lens[0], "time_s": t, "flops": cost["flops"], "bytes": cost["bytes"],
+            "intensity": cost["intensity"], "achieved_flops": achieved, "achieved_bytes_per_s": cost["bytes"] / t,
+            "bound": "memory" if cost["intensity"] < ridge else "compute", "roof_fraction": achieved / roof,
+            "tokens_per_s": sum(q_lens) / t, "cost": cost,
+        })
+    report = {
+        "benchmark": "roofline",
+        "title": f"{os.path.basename(timer.loaded.path)} ({str(timer.dtype).removeprefix('torch.')}) on "
+                 f"{os.cpu_count()} CPUs",
+        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "torch": torch.__version__, "gemm": gemm, "bandwidth": bw, "peak_flops": peak,
+                    "bandwidth_bytes_per_s": bandwidth, "ridge_flops_per_byte": ridge},
+        "model": {"path": timer.loaded.path, "dtype": str(timer.dtype), "params": timer.arch.num_params},
+        "steps": steps,
+    }
+    print(format_table(report))
+    if args.save_result:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_result)), exist_ok=True)
+        with open(args.save_result, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"results: {args.save_result}")
+    if args.plot:
+        from pagoda.bench.plots import plot_roofline
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        print(f"plot: {plot_roofline(report, args.plot)}")
+    return 0
+
+
+def format_table(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    rows = [f"roofs: {m['peak_flops'] / 1e9:.1f} GFLOP/s, {m['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
+            f"ridge {m['ridge_flops_per_byte']:.1f} FLOP/B",
+            "| step | tokens | time ms | tok/s | GFLOP | MB moved | FLOP/B | GFLOP/s | GB/s | bound | % of roof |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in report["steps"]:
+        rows.append(f"| {s['name']} | {s['num_tokens']} | {s['time_s'] * 1000:.1f} | {s['tokens_per_s']:.0f} | "
+                    f"{s['flops'] / 1e9:.2f} | {s['bytes'] / 1e6:.0f} | {s['intensity']:.1f} | "
+                    f"{s['achieved_flops'] / 1e9:.1f} | {s['achieved_bytes_per_s'] / 1e9:.2f} | {s['bound']} | "
+                    f"{s['roof_fraction']:.0%} |")
+    return "\n".join(rows)

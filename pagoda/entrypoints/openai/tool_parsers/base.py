@@ -1,0 +1,84 @@
+"""The interface every tool-call format implements, and what parsing gives back.
+
+A format (Hermes/Qwen's ``<tool_call>{...}</tool_call>``, ...) covers both directions:
+reading calls out of generated text, in one go or while it streams, and writing
+tools, earlier calls and their results into a prompt when the chat template cannot.
+It also says how to constrain generation so that only valid calls can come out
+(``tool_choice`` "required" or a named function).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pagoda.sampling_params import StructuredOutputsParams
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's function.arguments
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str | None
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+@dataclass
+class ToolCallDelta:
+    """One piece of a streamed call: the name comes once, first; then argument fragments."""
+
+    index: int
+    name: str | None = None  # set on the first delta of a call
+    arguments: str = ""
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class ToolCallStreamer(ABC):
+    """Follows one choice's text as it grows and says what is new in each step."""
+
+    @abstractmethod
+    def feed(self, delta_text: str, final: bool = False) -> StreamDelta:
+        """Take the next piece of generated text (``final``: it is the last one)."""
+
+    @property
+    @abstractmethod
+    def num_calls(self) -> int:
+        """How many calls have been started (had their name sent) so far."""
+
+
+class ToolParser(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def extract(self, text: str) -> ExtractedToolCalls:
+        """The calls in a complete output, and the text around them (None if there is none)."""
+
+    @abstractmethod
+    def streamer(self) -> ToolCallStreamer: ...
+
+    @abstractmethod
+    def constraint(self, call_schema: dict[str, Any], multiple: bool) -> StructuredOutputsParams:
+        """A grammar admitting one call (``multiple``: one or more) whose JSON
+        ``{"name", "arguments"}`` matches ``call_schema``, written in this format."""
+
+    @abstractmethod
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        """Instructions describing ``tools`` (OpenAI tool objects) and how to call them."""
+
+    @abstractmethod
+    def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
+        """An assistant turn that made ``tool_calls`` (OpenAI's shape), as text."""
+
+    @abstractmethod
+    def render_results(self, results: list[str]) -> str:
+        """The results of one or more calls, as the text of one user turn."""

@@ -1,0 +1,200 @@
+"""Hermes / Qwen tool calls: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+
+Several calls are several blocks; an array of call objects inside one block (as
+SmolLM2 was trained to write) is read too. Text outside the blocks is the message
+content, without the whitespace next to a block. If a block does not hold valid calls,
+the whole output is returned as content, with no calls.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagoda.entrypoints.openai.tool_parsers.base import (
+    ExtractedToolCalls,
+    ParsedToolCall,
+    StreamDelta,
+    ToolCallDelta,
+    ToolCallStreamer,
+    ToolParser,
+)
+from pagoda.entrypoints.openai.tool_parsers.partial_json import PartialCall, scan_calls
+from pagoda.sampling_params import StructuredOutputsParams
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_WS = " \t\r\n"
+
+# How the constrained JSON is laid out: single-line, with the separators json.dumps writes.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _partial_tag_len(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def split_blocks(text: str) -> tuple[list[str], list[tuple[str, bool]]]:
+    """Text -> (the segments outside blocks, the blocks as (inner text, closed)).
+    There is always one segment more than blocks: before, between and after them."""
+    segments: list[str] = []
+    blocks: list[tuple[str, bool]] = []
+    pos = 0
+    while True:
+        start = text.find(OPEN, pos)
+        if start < 0:
+            segments.append(text[pos:])
+            return segments, blocks
+        segments.append(text[pos:start])
+        inner = start + len(OPEN)
+        end = text.find(CLOSE, inner)
+        if end < 0:
+            blocks.append((text[inner:], False))
+            segments.append("")
+            return segments, blocks
+        blocks.append((text[inner:end], True))
+        pos = end + len(CLOSE)
+
+
+def _parts(segments: list[str]) -> list[str]:
+    """The outside segments without the whitespace that touches a block."""
+    if len(segments) == 1:
+        return segments
+    last = len(segments) - 1
+    return [s.rstrip(_WS) if i == 0 else s.lstrip(_WS) if i == last else s.strip(_WS)
+            for i, s in enumerate(segments)]  # fmt: skip
+
+
+def _content(segments: list[str]) -> str:
+    """The message content: the text around the blocks, pieces joined by a space."""
+    return " ".join(p for p in _parts(segments) if p)
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        segments, blocks = split_blocks(text)
+        if not blocks:
+            return ExtractedToolCalls(content=text or None)
+        calls: list[ParsedToolCall] = []
+        for inner, _closed in blocks:  # an unclosed last block (stopped at EOS) is fine if complete
+            scanned, complete = scan_calls(inner, final=True)
+            if not complete or not _valid_json(inner) or any(c.name is None or not c.done for c in scanned):
+                return ExtractedToolCalls(content=text)
+            calls.extend(ParsedToolCall(c.name, c.final_arguments()) for c in scanned)  # type: ignore[arg-type]
+        content = _content(segments)
+        return ExtractedToolCalls(content=content if content.strip(_WS) else None, calls=calls)
+
+    def streamer(self) -> HermesStreamer:
+        return HermesStreamer()
+
+    def constraint(self, call_schema: dict[str, Any], multiple: bool) -> StructuredOutputsParams:
+        schema = {**call_schema, "x-guidance": _JSON_LAYOUT}
+        start = 'start: call ("\\n" call)*' if multiple else "start: call"
+        grammar = (
+            f"{start}\n"
+            f'call: "{OPEN}\\n" call_json "\\n{CLOSE}"\n'
+            f"call_json: %json {json.dumps(schema)}\n"
+        )
+        return StructuredOutputsParams(grammar=grammar)
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listing}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            f"{OPEN}{CLOSE} XML tags:\n"
+            f'{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}'
+        )
+
+    def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
+        parts = [content] if content else []
+        for call in tool_calls:
+            function = call.get("function") or {}
+            arguments = function.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    pass  # written as the string it is
+            body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+            parts.append(f"{OPEN}\n{body}\n{CLOSE}")
+        return "\n".join(parts)
+
+    def render_results(self, results: list[str]) -> str:
+        return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+
+
+def _valid_json(text: str) -> bool:
+    try:
+        json.JSONDecoder(strict=False).decode(text.strip(_WS))
+    except ValueError:
+        return False
+    return True
+
+
+class HermesStreamer(ToolCallStreamer):
+    """Re-reads the whole text at each step (outputs are short) and sends what is new:
+    content outside blocks, each call's name once it is complete, then its arguments as
+    they grow. Whitespace that may turn out to touch a block, and what may be the start
+    of ``<tool_call>``, are held back until the next step tells."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._content_sent = 0  # characters of _stable_content() already sent
+        self._names_sent: list[str] = []
+        self._args_sent: list[int] = []
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._names_sent)
+
+    def feed(self, delta_text: str, final: bool = False) -> StreamDelta:
+        self._text += delta_text
+        segments, blocks = split_blocks(self._text)
+        out = StreamDelta(content=self._new_content(segments, bool(blocks), final))
+        calls: list[PartialCall] = []
+        for inner, closed in blocks:
+            scanned, _ = scan_calls(inner, final=final or closed)
+            calls.extend(scanned)
+        for index, call in enumerate(calls):
+            if index == len(self._names_sent):
+                if call.name is None:
+                    break  # calls go out in order: wait for this one's name
+                self._names_sent.append(call.name)
+                self._args_sent.append(0)
+                out.calls.append(ToolCallDelta(index=index, name=call.name))
+            if call.arguments_done or not call.done:
+                arguments = call.arguments  # complete, or the raw prefix of an object so far
+            else:
+                arguments = "{}"  # a closed call without arguments
+            new = arguments[self._args_sent[index]:]
+            if not new:
+                continue
+            self._args_sent[index] = len(arguments)
+            if out.calls and out.calls[-1].index == index:
+                out.calls[-1].arguments += new
+            else:
+                out.calls.append(ToolCallDelta(index=index, arguments=new))
+        return out
+
+    def _new_content(self, segments: list[str], has_blocks: bool, final: bool) -> str:
+        last = segments[-1]
+        if has_blocks:
+            last = last.lstrip(_WS)
+        if not final:
+            last = last[: len(last) - _partial_tag_len(last, OPEN)]
+            last = last.rstrip(_WS)  # it stays if text follows, goes if a block does
+        stable = " ".join(p for p in _parts(segments)[:-1] if p) if has_blocks else ""
+        if stable and last:
+            stable += " "
+        stable += last
+        new = stable[self._content_sent:]
+        self._content_sent = max(self._content_sent, len(stable))
+        return new
