@@ -9,6 +9,7 @@ dead (a fatal error; the loop exits).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 
@@ -59,7 +60,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     last_sent = 0.0
     code = 0
     try:
+        parent = os.getppid()
         while True:
+            if os.getppid() != parent:
+                logger.error("the API server process is gone; engine core exiting")
+                break
             timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
             shutdown = False
             while inp.poll(timeout):
@@ -112,8 +117,11 @@ def engine_core_process_main(config: EngineConfig, input_addr: str, output_addr:
     import sys
 
     # The API server handles SIGINT/SIGTERM and shuts us down by message.
+    # A SIGTERM sent to the whole process group (systemd, `timeout`) must not
+    # kill the core before the server has drained; the server stops us by
+    # message, and we exit on our own if the server process disappears.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine-core %(levelname)s %(message)s")
     sys.exit(run_engine_core(config, input_addr, output_addr))

@@ -5,8 +5,9 @@ Two measurements on the same EngineCore and workload:
 1. Direct: the time spent in the engine-side metrics code (the step record with its
    FLOPs/bytes estimate, the KV pool picture, and the extra msgpack bytes they add to
    each step's message), divided by the step time. Precise even on a noisy machine.
-2. A/B: whole workloads with stats collection on and off, alternated; the ratio of
-   median step times. Honest but noisy where other processes share the cores.
+2. A/B: one workload with stats collection switched on and off on alternate steps
+   (so both see the same batches and the same machine load); the ratio of the median
+   decode step times. Honest, but only as precise as the machine is quiet.
 
 The front end's share (decode + EngineMetrics updates) runs in the API process, not
 in the step, and is reported separately per step.
@@ -55,40 +56,55 @@ def _add_requests(core: EngineCore, tag: str, n: int, prompt_len: int, output_le
     return ids
 
 
-def run_round(core: EngineCore, collect: Any, tag: str, n: int, prompt_len: int, output_len: int) -> dict[str, float]:
-    core.step_stats = collect
+def run_interleaved(core: EngineCore, collector: Any, tag: str, n: int, prompt_len: int,
+                    output_len: int) -> dict[str, Any]:
+    """One workload in which stats collection is switched on and off on alternate steps,
+    so that both halves see the same batch and the same machine load."""
     enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(EngineCoreOutputs)
     ids = _add_requests(core, tag, n, prompt_len, output_len)
     front = EngineMetrics(core.max_model_len, core.config.max_num_seqs, core.config.max_num_batched_tokens)
     proc = OutputProcessor(None)
     for rid in ids:
         front.add_request(rid, time.monotonic(), prompt_len)
         proc.add_request(rid, None, [0] * prompt_len, SamplingParams(max_tokens=output_len))
-    dec = msgspec.msgpack.Decoder(EngineCoreOutputs)
-    step_times, encode_extra, front_time = [], 0.0, 0.0
+    times: dict[bool, list[float]] = {True: [], False: []}     # decode-only steps, by stats on/off
+    on_total, on_steps, encode_extra, front_time = 0.0, 0, 0.0, 0.0
+    i = 0
     while core.has_unfinished_requests():
+        on = i % 2 == 0
+        i += 1
+        core.step_stats = collector if on else None
         t0 = time.perf_counter()
         out = core.step()
         payload = enc.encode(out)
-        step_times.append(time.perf_counter() - t0)
-        if collect is not None:
-            # What the record and the pool picture add to encoding the message.
-            t1 = time.perf_counter()
-            enc.encode(out)
-            with_stats = time.perf_counter() - t1
-            bare = msgspec.structs.replace(out, step=None, kv_block_map=None)
-            t1 = time.perf_counter()
-            enc.encode(bare)
-            encode_extra += max(0.0, with_stats - (time.perf_counter() - t1))
-            t1 = time.perf_counter()
-            msg = dec.decode(payload)
-            now = time.monotonic()
-            front.on_engine_outputs(msg, now)
-            results, _ = proc.process_outputs(msg.outputs)
-            front.on_request_outputs(results, now)
-            front_time += time.perf_counter() - t1
-    return {"steps": len(step_times), "step_total": sum(step_times), "step_median": statistics.median(step_times),
-            "encode_extra": encode_extra, "front": front_time}
+        elapsed = time.perf_counter() - t0
+        stats = out.scheduler_stats
+        if stats is not None and stats.step_num_tokens == stats.step_batch_size:
+            times[on].append(elapsed)
+        if not on:
+            continue
+        on_total += elapsed
+        on_steps += 1
+        # What the record and the pool picture add to encoding the message.
+        t1 = time.perf_counter()
+        enc.encode(out)
+        with_stats = time.perf_counter() - t1
+        bare = msgspec.structs.replace(out, step=None, kv_block_map=None)
+        t1 = time.perf_counter()
+        enc.encode(bare)
+        encode_extra += max(0.0, with_stats - (time.perf_counter() - t1))
+        # The front end's work for this message (in the API process in a server).
+        t1 = time.perf_counter()
+        msg = dec.decode(payload)
+        now = time.monotonic()
+        front.on_engine_outputs(msg, now)
+        results, _ = proc.process_outputs(msg.outputs)
+        front.on_request_outputs(results, now)
+        front_time += time.perf_counter() - t1
+    core.step_stats = collector
+    return {"on_steps": on_steps, "on_total": on_total, "encode_extra": encode_extra, "front": front_time,
+            "decode_on": times[True], "decode_off": times[False]}
 
 
 def record_cost_per_request(arch: Any, batch: int = 256, repeats: int = 200) -> float:
@@ -121,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=1, help="A/B pairs")
+    p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
@@ -132,33 +147,26 @@ def main(argv: list[str] | None = None) -> None:
     assert collector is not None
     record = collector.record_step = _Timed(collector.record_step)  # type: ignore[method-assign]
     pool_map = collector.maybe_block_map = _Timed(collector.maybe_block_map)  # type: ignore[method-assign]
-    run_round(core, collector, "warmup", 4, args.prompt_len, 4)
+    run_interleaved(core, collector, "warmup", 4, args.prompt_len, 4)
     record.total = pool_map.total = 0.0
 
-    on, off = [], []
-    for r in range(args.rounds):
-        # Alternate which goes first, so a drift in machine load hits both alike.
-        order = [("on", collector), ("off", None)] if r % 2 == 0 else [("off", None), ("on", collector)]
-        for name, collect in order:
-            res = run_round(core, collect, f"{name}{r}", args.num_requests, args.prompt_len, args.output_len)
-            (on if name == "on" else off).append(res)
-
-    steps_on = sum(x["steps"] for x in on)
-    step_time_on = sum(x["step_total"] for x in on)
-    engine_metrics = record.total + pool_map.total + sum(x["encode_extra"] for x in on)
-    per_step = step_time_on / steps_on
+    res = run_interleaved(core, collector, "run", args.num_requests, args.prompt_len, args.output_len)
+    steps_on = res["on_steps"]
+    engine_metrics = record.total + pool_map.total + res["encode_extra"]
     print(f"workload: {args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
-          f"{args.rounds} on/off pairs, {steps_on} steps with stats on, device {args.device}")
-    print(f"mean step time (stats on): {per_step * 1e3:.2f} ms")
+          f"stats on for every other step ({steps_on} steps), device {args.device}")
+    print(f"mean step time (stats on): {res['on_total'] / steps_on * 1e3:.2f} ms")
     print(f"engine-side metrics per step: record {record.total / steps_on * 1e6:.1f} us, "
           f"KV pool picture {pool_map.total / steps_on * 1e6:.1f} us, "
-          f"extra encoding {sum(x['encode_extra'] for x in on) / steps_on * 1e6:.1f} us")
-    print(f"direct overhead: {engine_metrics / (step_time_on - engine_metrics) * 100:.3f} % of step time")
-    med_on = statistics.median(x["step_median"] for x in on)
-    med_off = statistics.median(x["step_median"] for x in off)
-    print(f"A/B median step: on {med_on * 1e3:.2f} ms, off {med_off * 1e3:.2f} ms, "
-          f"ratio {med_on / med_off:.4f} (noisy on a shared machine)")
-    print(f"front end (API process, not in the step): {sum(x['front'] for x in on) / steps_on * 1e6:.1f} us per step")
+          f"extra encoding {res['encode_extra'] / steps_on * 1e6:.1f} us")
+    print(f"direct overhead: {engine_metrics / (res['on_total'] - engine_metrics) * 100:.3f} % of step time")
+    on, off = res["decode_on"], res["decode_off"]
+    if on and off:
+        med_on, med_off = statistics.median(on), statistics.median(off)
+        print(f"interleaved A/B, decode steps: median on {med_on * 1e3:.2f} ms ({len(on)}), "
+              f"off {med_off * 1e3:.2f} ms ({len(off)}), ratio {med_on / med_off:.4f} "
+              f"(noise: step times vary {statistics.pstdev(off) / med_off * 100:.0f} % around the median)")
+    print(f"front end (API process, not in the step): {res['front'] / steps_on * 1e6:.1f} us per step")
     per_req = record_cost_per_request(core.loaded.arch)
     print(f"step record on a 256-decode batch: {per_req * 1e6:.2f} us per request "
           f"({per_req * 256 * 1e3:.3f} ms per step; < 2 % of any step longer than {per_req * 256 * 50 * 1e3:.1f} ms)")

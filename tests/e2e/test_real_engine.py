@@ -193,7 +193,7 @@ def test_engine_crash_gives_503():
 
 
 def test_pagoda_serve_cli_starts_and_stops(tmp_path):
-    """What `make serve` runs: the CLI on the bundled model; SIGTERM exits 0."""
+    """What `make serve` runs: the CLI on the bundled model; SIGTERM to the group exits 0."""
     import socket
 
     with socket.socket() as s:
@@ -203,6 +203,7 @@ def test_pagoda_serve_cli_starts_and_stops(tmp_path):
         [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(port),
          "--kv-cache-memory", "256MiB", "--max-model-len", "2048"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"),
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 180
@@ -217,7 +218,9 @@ def test_pagoda_serve_cli_starts_and_stops(tmp_path):
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.5)
         assert r.json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
-        proc.send_signal(signal.SIGTERM)
+        # SIGTERM to the whole process group, as systemd or `timeout` send it:
+        # the engine core must outlive the server's drain, and all exit 0.
+        os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
