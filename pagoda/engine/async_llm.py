@@ -82,9 +82,12 @@ class AsyncLLM:
         log_stats: bool = True,
         log_stats_interval: float = 10.0,
         log_requests: bool = True,
+        stall_timeout: float = STALL_TIMEOUT_S,
     ) -> None:
         """``log_stats``: log a throughput / queue / KV line every ``log_stats_interval``
-        seconds while busy. ``log_requests``: log one line per finished request."""
+        seconds while busy. ``log_requests``: log one line per finished request.
+        ``stall_timeout``: busy with no engine output for this long = unhealthy."""
+        self.stall_timeout = stall_timeout
         if log_stats and not log_stats_interval > 0:
             raise ValueError(f"log_stats_interval must be > 0, got {log_stats_interval}")
         self.config = config
@@ -140,6 +143,7 @@ class AsyncLLM:
         self.metrics.stats = self._stats
         if log_stats:
             self._stat_logger = StatLogger(self.metrics, log_stats_interval)
+        self._integrity_checks: dict[str, asyncio.Future] = {}
         self._output_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
 
@@ -210,6 +214,11 @@ class AsyncLLM:
                     q = self._queues.get(parent)
                     if q is not None:
                         q.put_nowait(ValueError(message))
+            elif kind == b"integrity":
+                token, error, pid = msgspec.msgpack.decode(payload)
+                fut = self._integrity_checks.pop(token, None)
+                if fut is not None and not fut.done():
+                    fut.set_result({"ok": error is None, "error": error, "engine_pid": pid})
             elif kind == b"dead":
                 self._die(f"engine core failed: {msgspec.msgpack.decode(payload)}")
                 return
@@ -327,6 +336,22 @@ class AsyncLLM:
         if children and self._dead is None:
             await self._send(b"abort", children)
 
+    async def check_integrity(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Debug: have the engine core run check_integrity() (block pool, KV cache
+        manager, scheduler) between steps. Returns {"ok", "error", "engine_pid"}."""
+        self._check_alive()
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self._ensure_tasks()
+        token = uuid.uuid4().hex
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._integrity_checks[token] = fut
+        try:
+            await self._send(b"check", token)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._integrity_checks.pop(token, None)
+
     @property
     def is_healthy(self) -> bool:
         if self._dead is not None:
@@ -334,7 +359,7 @@ class AsyncLLM:
         if self._proc is not None and not self._proc.is_alive():
             return False
         busy = bool(self._queues)
-        return not busy or time.monotonic() - self._last_output < STALL_TIMEOUT_S
+        return not busy or time.monotonic() - self._last_output < self.stall_timeout
 
     @property
     def dead_reason(self) -> str | None:

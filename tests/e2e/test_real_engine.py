@@ -226,3 +226,37 @@ def test_pagoda_serve_cli_starts_and_stops(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stalled_engine_turns_health_red_and_recovers():
+    """A frozen engine loop (SIGSTOP) while requests are in flight: /health
+    goes 503 within the stall timeout, and back to 200 when it resumes."""
+    from pagoda.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=1024),
+                                  stall_timeout=1.0)
+    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+        url = running.base_url
+        result: dict = {}
+
+        def long_request():
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True})
+            result["status"] = r.status_code
+            result["tokens"] = r.json()["usage"]["completion_tokens"]
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        deadline = time.monotonic() + 30
+        while _stats(running)["num_running_reqs"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(engine._proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.5)
+            assert httpx.get(f"{url}/health").status_code == 503
+        finally:
+            os.kill(engine._proc.pid, signal.SIGCONT)
+        worker.join(120)
+        assert result == {"status": 200, "tokens": 64}
+        assert httpx.get(f"{url}/health").status_code == 200
