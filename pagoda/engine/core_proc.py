@@ -1,8 +1,9 @@
 """The engine-core busy loop, run in its own process (or thread) behind ZMQ.
 
 Frames are [kind, msgspec-msgpack payload]. In: add / abort / stop /
-shutdown. Out: ready (engine facts), outputs (one per step, with scheduler
-stats), heartbeat (idle; stats only), error (a request the core rejected),
+shutdown, and check (debug: run check_integrity()). Out: ready (engine facts),
+outputs (one per step, with scheduler stats), heartbeat (idle; stats only),
+error (a request the core rejected), integrity (the answer to a check),
 dead (a fatal error; the loop exits).
 """
 
@@ -82,6 +83,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                         out.send_multipart([b"outputs", _encoder.encode(EngineCoreOutputs(outputs=aborted))])
                 elif kind == b"stop":
                     core.finish_stopped(_dec_ids.decode(payload))
+                elif kind == b"check":
+                    out.send_multipart([b"integrity", _encoder.encode(_check_integrity(core, payload))])
                 elif kind == b"shutdown":
                     shutdown = True
                     break
@@ -101,6 +104,17 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         code = 1
     _close(inp, out, ctx, own_context)
     return code
+
+
+def _check_integrity(core, payload: bytes) -> list:
+    """Debug only: [token, error message or None, pid] for a ``check`` frame."""
+    token = msgspec.msgpack.decode(payload)
+    try:
+        core.check_integrity()
+        error = None
+    except Exception as e:  # an AssertionError from the block pool, most likely
+        error = f"{type(e).__name__}: {e}"
+    return [token, error, os.getpid()]
 
 
 def _close(inp, out, ctx, own_context: bool) -> None:

@@ -85,7 +85,7 @@ def test_json_schema_nested(client: openai.OpenAI) -> None:
 
     def ask(subject: str):
         return lambda: client.chat.completions.create(
-            model=MODEL, messages=user(f"Describe {subject} as a JSON object."), response_format=fmt,  # type: ignore[arg-type]
+            model=MODEL, messages=user(f"Describe {subject} as a JSON object."), response_format=fmt,
             max_tokens=128, temperature=0.8,
         )
 
@@ -157,34 +157,38 @@ def _check_calls(message: Any, allowed: set[str]) -> list[tuple[str, dict]]:
 
 
 def test_forced_tool_calls(client: openai.OpenAI) -> None:
-    questions = ["What's the weather in Paris?", "How warm is it in Tokyo right now, in fahrenheit?",
+    questions = ["What's the weather in Paris and in Rome?", "How warm is it in Tokyo right now, in fahrenheit?",
                  "What is 17 plus 25?", "Tell me a joke."]  # fmt: skip
 
     def ask(question: str, tool_choice: Any, **kwargs: Any):
         return lambda: client.chat.completions.create(
-            model=MODEL, messages=user(question), tools=TOOLS, tool_choice=tool_choice, max_tokens=96,  # type: ignore[arg-type]
+            model=MODEL, messages=user(question), tools=TOOLS, tool_choice=tool_choice, max_tokens=96,
             temperature=0.8, n=2, **kwargs,
         )
 
     named = {"type": "function", "function": {"name": "get_weather"}}
-    runs = [ask(q, "required", parallel_tool_calls=False) for q in questions]
-    runs += [ask(q, named) for q in questions]
+    runs = [ask(q, "required", parallel_tool_calls=False) for q in questions]  # exactly one call
+    runs += [ask(q, named) for q in questions]  # one call of get_weather
+    runs += [ask(q, "required") for q in questions[:2]]  # parallel_tool_calls defaults to true: one or more
     results = concurrently(runs)
     for i, r in enumerate(results):
+        parallel = i >= 2 * len(questions)
         for choice in r.choices:
-            assert choice.finish_reason == "tool_calls"
-            calls = _check_calls(choice.message, {"get_weather"} if i >= len(questions) else set(SCHEMAS))
-            assert len(calls) == 1
+            # Several calls may run into max_tokens: the completed ones are still returned.
+            assert choice.finish_reason == "tool_calls" or (parallel and choice.finish_reason == "length")
+            named_run = len(questions) <= i < 2 * len(questions)
+            calls = _check_calls(choice.message, {"get_weather"} if named_run else set(SCHEMAS))
+            assert len(calls) == 1 or parallel
 
 
 def test_streaming_tool_call_matches_non_streaming(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL, messages=user("What's the weather in Madrid?"), tools=TOOLS, max_tokens=96,
                   temperature=0, tool_choice="required")  # fmt: skip
-    full = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    full = client.chat.completions.create(**kwargs)
     expected = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
     calls: dict[int, list[str]] = {}
     finish = []
-    for chunk in client.chat.completions.create(**kwargs, stream=True):  # type: ignore[call-overload]
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
         choice = chunk.choices[0]
         for d in choice.delta.tool_calls or []:
             if d.id is not None:
@@ -201,7 +205,7 @@ def test_streaming_tool_call_matches_non_streaming(client: openai.OpenAI) -> Non
 def test_tool_round_trip(client: openai.OpenAI) -> None:
     messages: list[dict[str, Any]] = user("What's the weather in Paris?")
     first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, max_tokens=96, temperature=0,  # type: ignore[arg-type]
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=96, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     ).choices[0]
     [(name, arguments)] = _check_calls(first.message, {"get_weather"})
@@ -209,7 +213,7 @@ def test_tool_round_trip(client: openai.OpenAI) -> None:
     messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
     messages.append({"role": "tool", "tool_call_id": call.id,
                      "content": json.dumps({"city": arguments["city"], "temperature": 21, "sky": "sunny"})})
-    final = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
                                            max_tokens=48, temperature=0).choices[0]  # fmt: skip
     assert final.finish_reason in ("stop", "length") and final.message.tool_calls is None
     assert final.message.content and final.message.content.strip()

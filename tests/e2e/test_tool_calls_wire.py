@@ -28,7 +28,7 @@ def script(engine: FakeEngine, text: str) -> dict[str, Any]:
 
 def test_non_streaming_tool_call(client: openai.OpenAI, engine: FakeEngine) -> None:
     kwargs = script(engine, CALL)
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **kwargs)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **kwargs)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -41,14 +41,14 @@ def test_non_streaming_tool_call(client: openai.OpenAI, engine: FakeEngine) -> N
 
 def test_tool_choice_none_leaves_text_alone(client: openai.OpenAI, engine: FakeEngine) -> None:
     kwargs = script(engine, CALL)
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", **kwargs)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", **kwargs)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == CALL
     assert r.choices[0].message.tool_calls is None and "<tools>" not in engine.calls[0].prompt
 
 
 def test_content_without_calls(client: openai.OpenAI, engine: FakeEngine) -> None:
     kwargs = script(engine, "It is sunny.")
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **kwargs)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **kwargs)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "It is sunny."
     assert r.choices[0].message.tool_calls is None
 
@@ -83,7 +83,7 @@ def test_round_trip_messages_are_rendered(client: openai.OpenAI, engine: FakeEng
          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
     ]  # fmt: skip
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, **kwargs)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, **kwargs)
     assert r.choices[0].message.content == "It is sunny in Paris."
     prompt = engine.calls[0].prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
@@ -94,7 +94,7 @@ def test_forced_call_is_constrained(client: openai.OpenAI, engine: FakeEngine) -
     kwargs = script(engine, CALL)
     r = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     grammar = engine.calls[0].params.structured_outputs.grammar

@@ -124,7 +124,9 @@ def test_written_in_hermes_style_when_the_template_cannot() -> None:
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     )
-    assert messages[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n</tool_response>"
+    assert messages[3]["content"] == (
+        "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n</tool_response>"
+    )
     text = tok.apply_chat_template(messages, tools=tools)
     assert text.endswith("<|assistant|>") and "<tool_response>" in text
     # Without tools in play the history is still written; no system prompt is added.

@@ -71,6 +71,16 @@ def test_invalid_output_is_content(text: str) -> None:
     assert out.calls == [] and out.content == text
 
 
+def test_truncated_output_keeps_the_complete_calls() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    cut = call + '\n<tool_call>\n{"name": "f", "argu'
+    assert PARSER.extract(cut).calls == []  # taken as text when not known to be cut short
+    out = PARSER.extract(cut, truncated=True)
+    assert out.content is None and [(c.name, c.arguments) for c in out.calls] == [("f", '{"a": 1}')]
+    assert PARSER.extract(cut[:30], truncated=True).content == cut[:30]  # nothing complete: all text
+    assert _calls(call) == [(c.name, c.arguments) for c in PARSER.extract(call, truncated=True).calls]
+
+
 def _stream(text: str, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
     streamer = PARSER.streamer()
     content = ""

@@ -172,12 +172,14 @@ def build_app(
     request_timeout: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tool_call_parser: str = "hermes",  # the format tool calls are read in (tool_parsers.TOOL_PARSERS)
+    enable_debug_endpoints: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``served_model_name``.
 
     ``api_key``: required as a Bearer token on /v1/*. ``max_num_queued_requests``: at most this many
     requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
+    ``enable_debug_endpoints``: add POST /debug/check_integrity (internal; off by default).
     """
     if max_num_queued_requests is not None and max_num_queued_requests < 1:
         raise ValueError(f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
@@ -261,7 +263,30 @@ def build_app(
         return stats
 
     _add_observability_routes(app, engine, served_model_name)
+    if enable_debug_endpoints:
+        _add_debug_routes(app, engine)
     return app
+
+
+def _add_debug_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    """Internal endpoints for tests and soak runs; never expose them publicly.
+
+    POST /debug/check_integrity: the engine core runs check_integrity() (block pool ref
+    counts and free list, KV cache manager, scheduler) between two steps and reports
+    {"ok": bool, "error": str | null, "engine_pid": int}, with the current scheduler stats.
+    """
+
+    @app.post("/debug/check_integrity", include_in_schema=False)
+    async def check_integrity() -> Response:
+        check = getattr(engine, "check_integrity", None)
+        if check is None:
+            raise APIError(404, "This engine has no integrity check.", code="not_found")
+        try:
+            result: dict[str, Any] = await check()
+        except Exception as e:  # the engine is dead or did not answer in time
+            return service_unavailable(f"Integrity check failed to run: {e!r}", "engine_dead").to_response()
+        result["stats"] = msgspec.structs.asdict(engine.latest_stats())
+        return JSONResponse(result, status_code=200 if result["ok"] else 500)
 
 
 def _add_observability_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:

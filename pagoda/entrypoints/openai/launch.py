@@ -43,6 +43,7 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+        enable_debug_endpoints=getattr(args, "enable_debug_endpoints", False),
     )  # fmt: skip
 
 

@@ -90,10 +90,12 @@ def create_server(
     shutdown_timeout: float = 30.0,
     uvicorn_log_level: str = "info",
     tool_call_parser: str = "hermes",
+    enable_debug_endpoints: bool = False,
 ) -> PagodaServer:
     app = build_app(
         engine, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
         request_timeout=request_timeout, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
+        enable_debug_endpoints=enable_debug_endpoints,
     )  # fmt: skip
     config = uvicorn.Config(
         app, host=host, port=port, log_level=uvicorn_log_level, lifespan="off",
@@ -118,6 +120,7 @@ async def serve(
     sock: socket.socket | None = None,
     shutdown_engine: bool = True,
     tool_call_parser: str = "hermes",
+    enable_debug_endpoints: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT, drain (see the module docstring), then return.
 
@@ -129,6 +132,7 @@ async def serve(
         engine, host, port, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
         request_timeout=request_timeout, max_body_bytes=max_body_bytes, shutdown_timeout=shutdown_timeout,
         uvicorn_log_level=uvicorn_log_level, tool_call_parser=tool_call_parser,
+        enable_debug_endpoints=enable_debug_endpoints,
     )  # fmt: skip
     try:
         await server.serve(sockets=[sock] if sock is not None else None)

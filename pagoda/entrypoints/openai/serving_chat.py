@@ -128,7 +128,7 @@ class ChatServing(OpenAIServing):
             return ChatMessageOut(content=""), "abort"
         if not plan.active:
             return ChatMessageOut(content=c.text), c.finish_reason or "abort"
-        extracted = self.tool_parser.extract(c.text)
+        extracted = self.tool_parser.extract(c.text, truncated=c.finish_reason == "length")
         calls = [
             ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in extracted.calls

@@ -60,8 +60,10 @@ class ToolParser(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def extract(self, text: str) -> ExtractedToolCalls:
-        """The calls in a complete output, and the text around them (None if there is none)."""
+    def extract(self, text: str, truncated: bool = False) -> ExtractedToolCalls:
+        """The calls in an output, and the text around them (None if there is none).
+        ``truncated``: the output was cut short; a call left incomplete at its end is dropped
+        (rather than the whole output being taken as text)."""
 
     @abstractmethod
     def streamer(self) -> ToolCallStreamer: ...

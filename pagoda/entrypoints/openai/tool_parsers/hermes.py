@@ -76,7 +76,15 @@ def _content(segments: list[str]) -> str:
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, truncated: bool = False) -> ExtractedToolCalls:
+        if truncated:
+            # Cut short (max_tokens): the calls that were completed, without the one in progress.
+            start = text.rfind(OPEN)
+            if start >= 0 and CLOSE not in text[start:]:
+                _, complete = scan_calls(text[start + len(OPEN):], final=True)
+                if not complete:
+                    before = self.extract(text[:start])
+                    return before if before.calls else ExtractedToolCalls(content=text)
         segments, blocks = split_blocks(text)
         if not blocks:
             return ExtractedToolCalls(content=text or None)
