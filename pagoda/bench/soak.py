@@ -268,7 +268,11 @@ async def run_soak(base_url: str, model: str, cfg: SoakConfig, max_model_len: in
     """Send cfg.num_requests requests with at most cfg.concurrency in flight."""
     report = SoakReport()
     rng = random.Random(cfg.seed)
-    jobs = [(pick_kind(rng, cfg), random.Random(rng.getrandbits(64))) for _ in range(cfg.num_requests)]
+    # Every kind at least once (when num_requests allows), the rest drawn at random.
+    kinds = [*BAD, *WELL_FORMED, "disconnect"][: cfg.num_requests]
+    kinds += [pick_kind(rng, cfg) for _ in range(cfg.num_requests - len(kinds))]
+    rng.shuffle(kinds)
+    jobs = [(kind, random.Random(rng.getrandbits(64))) for kind in kinds]
     sem = asyncio.Semaphore(cfg.concurrency)
     limits = httpx.Limits(max_connections=cfg.concurrency * 2, max_keepalive_connections=cfg.concurrency)
     start = time.monotonic()

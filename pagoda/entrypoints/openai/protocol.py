@@ -24,6 +24,11 @@ from pagoda.entrypoints.openai.tools import ChatTool, ToolChoiceField, ToolPlan,
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 
+# Upper bound on ``n`` (OpenAI's own limit): each choice is a sequence with its own KV
+# cache, so an unbounded n lets one request occupy the engine for minutes.
+MAX_N = 128
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -135,6 +140,9 @@ class _SamplingRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
+        if self.n > MAX_N:
+            raise bad_request(f"Invalid value for 'n': at most {MAX_N}, got {self.n}.", param="n",
+                              code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
 
