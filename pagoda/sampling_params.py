@@ -23,6 +23,11 @@ from typing import Any
 
 # The largest number of top alternatives a request may ask logprobs for.
 MAX_LOGPROBS = 20
+# Bounds on per-request lists, so one request cannot make every step slow.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 # Below this temperature sampling is greedy: dividing logits by something this
 # small only amplifies noise, and temperature 0 would divide by zero.
@@ -208,6 +213,10 @@ class SamplingParams:
             return
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}"
+            )
         bias: dict[int, float] = {}
         for token_id, value in self.logit_bias.items():
             if not _is_int(token_id) or token_id < 0:
@@ -231,11 +240,15 @@ class SamplingParams:
             stop = list(stop)
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str):
                 raise ValueError(f"stop must contain only strings, got {s!r}")
             if not s:
                 raise ValueError("stop must not contain empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
         self.stop = stop
 
         ids = self.stop_token_ids
@@ -245,6 +258,8 @@ class SamplingParams:
             ids = list(ids)
         else:
             raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         for token_id in ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {token_id!r}")

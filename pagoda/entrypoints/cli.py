@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
                        help="the format tool calls are written in by the model and read from its output "
                             "(hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
+    serve.add_argument("--api-key-on-internal-endpoints", action="store_true",
+                       help="require --api-key on /metrics, /dashboard and /debug too (open by default, "
+                            "for scrapers; they never show prompt or output text)")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="add POST /debug/check_integrity (internal, for soak tests; do not expose)")
     serve.add_argument("--disable-log-requests", action="store_true",

@@ -192,3 +192,31 @@ def test_internal_error_is_generic_500(
     err = error_of(http.post("/v1/chat/completions", json=CHAT), 500)
     assert err["type"] == "server_error" and "secret" not in err["message"]
     assert "secret internals" in caplog.text  # the traceback went to the log
+
+
+def test_internal_endpoints_can_require_the_api_key():
+    from tests.e2e.fake_engine import FakeEngine
+    from tests.e2e.server_utils import running_server
+
+    with running_server(FakeEngine(), api_key="secret", api_key_on_internal_endpoints=True) as running:
+        for path in ("/metrics", "/dashboard"):
+            r = httpx.get(f"{running.base_url}{path}")
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            ok = httpx.get(f"{running.base_url}{path}", headers={"Authorization": "Bearer secret"})
+            assert ok.status_code == 200
+        assert httpx.get(f"{running.base_url}/health").status_code == 200
+
+
+def test_per_request_list_limits_are_400():
+    from tests.e2e.fake_engine import FakeEngine
+    from tests.e2e.server_utils import running_server
+
+    with running_server(FakeEngine()) as running:
+        url = f"{running.base_url}/v1/completions"
+        for extra, param in (({"stop": ["x"] * 65}, "stop"),
+                             ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+                             ({"stop_token_ids": list(range(1025))}, "stop_token_ids")):
+            r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, **extra})
+            assert r.status_code == 400, extra
+            assert param in r.json()["error"]["message"]

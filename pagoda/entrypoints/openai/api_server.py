@@ -67,11 +67,14 @@ class ServerMiddleware:
     - counting requests in progress, which graceful shutdown waits on.
     """
 
-    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body_bytes: int,
+                 protect_internal: bool = False) -> None:
         self.app = app
         self.state = state
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        # Also require the key on the operator endpoints (/metrics, /dashboard, /debug).
+        self.protect_internal = protect_internal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,7 +86,9 @@ class ServerMiddleware:
             await draining.to_response()(scope, receive, send)
             return
         path: str = scope["path"]
-        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/") or (
+            self.protect_internal and path.startswith(_INTERNAL_PREFIXES)
+        )):
             denied = self._check_auth(scope, self.api_key)
             if denied is not None:
                 await denied.to_response()(scope, receive, send)
@@ -163,6 +168,9 @@ class ServerMiddleware:
                 return b"".join(chunks)
 
 
+_INTERNAL_PREFIXES = ("/metrics", "/dashboard", "/debug")
+
+
 # ---------------------------------------------------------------------- the app
 def build_app(
     engine: AsyncLLM,
@@ -173,6 +181,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tool_call_parser: str = "hermes",  # the format tool calls are read in (tool_parsers.TOOL_PARSERS)
     enable_debug_endpoints: bool = False,
+    api_key_on_internal_endpoints: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``served_model_name``.
 
@@ -180,6 +189,7 @@ def build_app(
     requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
     ``enable_debug_endpoints``: add POST /debug/check_integrity (internal; off by default).
+    ``api_key_on_internal_endpoints``: require the API key on /metrics, /dashboard and /debug too.
     """
     if max_num_queued_requests is not None and max_num_queued_requests < 1:
         raise ValueError(f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
@@ -196,7 +206,8 @@ def build_app(
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
     app.state.pagoda = state
     install_error_handlers(app)
-    app.add_middleware(ServerMiddleware, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(ServerMiddleware, state=state, api_key=api_key, max_body_bytes=max_body_bytes,
+                       protect_internal=api_key_on_internal_endpoints)
 
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, created=created, max_model_len=engine.max_model_len)

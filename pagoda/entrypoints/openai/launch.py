@@ -44,6 +44,7 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
         uvicorn_log_level=args.uvicorn_log_level,
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
         enable_debug_endpoints=getattr(args, "enable_debug_endpoints", False),
+        api_key_on_internal_endpoints=getattr(args, "api_key_on_internal_endpoints", False),
     )  # fmt: skip
 
 

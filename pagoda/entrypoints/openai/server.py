@@ -91,11 +91,13 @@ def create_server(
     uvicorn_log_level: str = "info",
     tool_call_parser: str = "hermes",
     enable_debug_endpoints: bool = False,
+    api_key_on_internal_endpoints: bool = False,
 ) -> PagodaServer:
     app = build_app(
         engine, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
         request_timeout=request_timeout, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
         enable_debug_endpoints=enable_debug_endpoints,
+        api_key_on_internal_endpoints=api_key_on_internal_endpoints,
     )  # fmt: skip
     config = uvicorn.Config(
         app, host=host, port=port, log_level=uvicorn_log_level, lifespan="off",
@@ -121,6 +123,7 @@ async def serve(
     shutdown_engine: bool = True,
     tool_call_parser: str = "hermes",
     enable_debug_endpoints: bool = False,
+    api_key_on_internal_endpoints: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT, drain (see the module docstring), then return.
 
@@ -133,6 +136,7 @@ async def serve(
         request_timeout=request_timeout, max_body_bytes=max_body_bytes, shutdown_timeout=shutdown_timeout,
         uvicorn_log_level=uvicorn_log_level, tool_call_parser=tool_call_parser,
         enable_debug_endpoints=enable_debug_endpoints,
+        api_key_on_internal_endpoints=api_key_on_internal_endpoints,
     )  # fmt: skip
     try:
         await server.serve(sockets=[sock] if sock is not None else None)
