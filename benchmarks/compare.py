@@ -119,7 +119,11 @@ def merge_points(reports: list[dict[str, Any]], label: str) -> dict[str, Any]:
 def server_spec(engine: str, args: argparse.Namespace, port: int, concurrency: int) -> peers.ServerSpec:
     max_len = args.input_len + args.output_len + 64
     if engine == "pagoda":
-        return peers.pagoda_server(args.model, port, args.pagoda_args.split() if args.pagoda_args else [])
+        spec = peers.pagoda_server(args.model, port, args.pagoda_args.split() if args.pagoda_args else [])
+        if args.pagoda_threads:
+            # torch sizes its intra-op pool from OMP_NUM_THREADS (the engine-core child inherits it).
+            spec.env = {**os.environ, "OMP_NUM_THREADS": str(args.pagoda_threads)}
+        return spec
     if engine == "llama-server":
         binary = peers.llama_server_binary(args.cache_dir)
         if binary is None:
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     run.add_argument("--pagoda-args", default="", help="extra `pagoda serve` options, quoted")
+    run.add_argument("--pagoda-threads", type=int, default=None,
+                     help="OMP_NUM_THREADS for pagoda's server (default: torch's own choice, one per core)")
     run.add_argument("--wait-quiet", type=float, default=None, metavar="LOAD",
                      help="before each engine, wait until the 1-min load average is below LOAD")
     run.add_argument("--wait-quiet-max-s", type=float, default=600.0)
@@ -354,6 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     # Points outer, engines inner: on a shared, noisy machine the engines compared at one
     # concurrency are measured minutes apart, not a whole sweep apart.
     parts: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    for engine in engines:
+        # Points of an earlier run at other concurrencies stay: runs can be split or resumed.
+        path = os.path.join(args.out_dir, f"{engine}.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                old = json.load(f)
+            kept = [p for p in old["points"] if p["max_concurrency"] not in conc]
+            if kept:
+                parts[engine].append({**old, "points": kept})
     for i, (c, n) in enumerate(zip(conc, nums)):
         for engine in engines:
             wait_quiet(args.wait_quiet, args.wait_quiet_max_s)
@@ -363,8 +378,10 @@ def main(argv: list[str] | None = None) -> int:
             rep["points"][0].update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
                                     wall_s=time.monotonic() - t0)
             parts[engine].append(rep)
+            merged = merge_points(parts[engine], engine)
+            merged["points"].sort(key=lambda p: p["max_concurrency"])
             with open(os.path.join(args.out_dir, f"{engine}.json"), "w") as f:
-                json.dump(merge_points(parts[engine], engine), f, indent=1)
+                json.dump(merged, f, indent=1)
             print(f"{engine} c={c}: {time.monotonic() - t0:.0f} s, load {load_before[0]:.1f} -> "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
     table(args.out_dir, args.plot_dir)

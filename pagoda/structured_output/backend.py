@@ -37,6 +37,12 @@ class StructuredOutputBackend(Protocol):
     def matcher(self, grammar: str) -> Matcher: ...
 
 
+# One-line JSON with the usual separators. Flexible whitespace lets a sampled
+# model pad with newlines and spaces until max_tokens cuts the document off.
+# A schema's own "x-guidance" settings still override this.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _choice_to_lark(choices: Sequence[str]) -> str:
     alternatives = " | ".join(json.dumps(c) for c in choices)
     return f"start: {alternatives}\n"
@@ -82,9 +88,9 @@ class LLGuidanceBackend:
         m = self._ll.LLMatcher
         try:
             if params.json is not None:
-                grammar = m.grammar_from_json_schema(params.json)
+                grammar = m.grammar_from_json_schema(params.json, defaults=_JSON_LAYOUT)
             elif params.json_object:
-                grammar = m.grammar_from_json_schema({"type": "object"})
+                grammar = m.grammar_from_json_schema({"type": "object"}, defaults=_JSON_LAYOUT)
             elif params.regex is not None:
                 grammar = m.grammar_from_regex(params.regex)
             elif params.choice is not None:

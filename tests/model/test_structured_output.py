@@ -35,6 +35,7 @@ def llm():
     return LLM(show_progress=False, num_kv_blocks=512, max_model_len=2048)
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_validate(llm):
     convs = [[{"role": "user", "content": f"Invent person number {i} and describe them as JSON."}] for i in range(6)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=160, structured_outputs=StructuredOutputsParams(json=SCHEMA))
