@@ -5,6 +5,12 @@ server, one server at a time, on the same model file; then a table of ratios and
     python benchmarks/compare.py run --engines pagoda,llama-server,hf \
         --concurrency 1,4,16,64 --num-prompts 8,16,32,64 --out-dir bench_results/compare
     python benchmarks/compare.py table bench_results/compare    # redraw table and plots
+    python benchmarks/compare.py prefix                         # pagoda, prefix caching on/off
+
+Points run engine after engine at each concurrency (the engines compared at one point are
+measured minutes apart on a noisy machine), each on a freshly started server. `--threads`
+and `--pagoda-threads` pin llama-server's and pagoda's thread counts; see
+docs/benchmarks.md for why that matters on a shared machine.
 
 Peers live under --cache-dir (default ~/.cache/pagoda-bench), never in pagoda's venv.
 `hf` is HF transformers' static-batch generate(), offline (no server, no TTFT): batch size

@@ -90,11 +90,15 @@ def plot_sweep(reports: Sequence[dict[str, Any]], path: str, title: str | None =
         xs = [p["max_concurrency"] for p in rep["points"]]
         axes[0].plot(xs, [p["metrics"]["output_throughput"] for p in rep["points"]], "s--",
                      label=f"{rep['label']} (offline, static batch = c)")
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
+    ticks = sorted({x for rep in reports for x in _sweep_x(rep)[0]})
     for ax, ylabel in zip(axes, ("output tokens/s", "TTFT (s)", "TPOT p50 (ms)")):
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(ScalarFormatter())   # 1, 4, 16, 64 rather than 2^k
+        # Ticks at the measured points, written 1, 4, 16, 64 rather than 2^k.
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)

@@ -168,7 +168,7 @@ def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     report = {
         "benchmark": "roofline",
         "title": f"{os.path.basename(timer.loaded.path)} ({str(timer.dtype).removeprefix('torch.')}) on "
-                 f"{os.cpu_count()} CPUs",
+                 f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s)",
         "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__, "gemm": gemm, "bandwidth": bw, "peak_flops": peak,
                     "bandwidth_bytes_per_s": bandwidth, "ridge_flops_per_byte": ridge},
