@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pagoda.config import EngineConfig, available_memory_bytes
+from pagoda.config import EngineConfig, available_memory_bytes, cpu_threads_policy
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -34,6 +34,11 @@ class EngineCore:
         outputs and now and then a KV pool picture, for metrics and the dashboard."""
         self.config = config
         device = torch.device(config.device)
+        if device.type == "cpu":
+            threads = cpu_threads_policy(config.num_threads)
+            if threads is not None:
+                torch.set_num_threads(threads)
+            logger.info("CPU threads: %d", torch.get_num_threads())
         dtype = parse_dtype(config.dtype)
         if loaded is None:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,

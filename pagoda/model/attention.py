@@ -7,9 +7,12 @@ attention reads each request's whole context from the cache. Writing first is
 what lets a request reuse prefix blocks that another request in the same
 step is computing.
 
-- Decodes: one batched SDPA over gathered, padded contexts. Grouped-query
-  attention is folded into the query-length axis: the G query heads sharing a
-  KV head act as G queries of length-1 each, so no K/V repeat is needed.
+- Decodes, on CPU with pagoda's C++ kernels (``pagoda/csrc``): one kernel call
+  reads every decode's K/V in place through its block table (no copy, no
+  padding to the longest context). Elsewhere: one batched SDPA over gathered,
+  padded contexts; grouped-query attention is folded into the query-length
+  axis (the G query heads sharing a KV head act as G queries of length 1), so
+  no K/V repeat is needed.
 - Prompt chunks: one SDPA per request over its gathered context, with a
   causal mask offset by the tokens already computed.
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.ops import cpu_kernels
 
 
 @dataclass
@@ -41,6 +46,9 @@ class AttentionMetadata:
     decode_gather_slots: torch.Tensor | None  # [D, L] slots of each decode's context, padded
     decode_mask: torch.Tensor | None       # [D, 1, 1, L] True where a position is valid
     prefills: list[PrefillChunk]
+    # For the in-place decode kernel (None when the gather path is used):
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None = None      # [D] int32, context + 1
 
     @classmethod
     def build(
@@ -50,6 +58,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device,
+        decode_kernel: bool = False,
     ) -> AttentionMetadata:
         """Per request (decodes first): tokens this step, tokens already in
         the cache, and its block table. Vectorised: Python work is per
@@ -73,8 +82,11 @@ class AttentionMetadata:
         pos = torch.arange(int(q_lens.sum())) - first[owner] + ctx[owner]
         slot_mapping = table[owner, pos // block_size] * block_size + pos % block_size
 
-        decode_gather = decode_mask = None
-        if num_decodes:
+        decode_gather = decode_mask = decode_tables = decode_lens = None
+        if num_decodes and decode_kernel:
+            decode_tables = table[:num_decodes].to(torch.int32)
+            decode_lens = (ctx[:num_decodes] + 1).to(torch.int32)
+        elif num_decodes:
             seq = ctx[:num_decodes] + 1
             p = torch.arange(int(seq.max()))
             # Padded positions read slot 0 of block 0 and are masked out.
@@ -98,6 +110,8 @@ class AttentionMetadata:
             decode_gather_slots=decode_gather,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_block_tables=decode_tables,
+            decode_seq_lens=decode_lens,
         )
 
 
@@ -119,7 +133,11 @@ def paged_attention(
 
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_block_tables is not None:
+        out[:nd] = cpu_kernels.kernels().paged_decode_attention(
+            q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    elif nd:
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
         ks = k_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
         vs = v_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)

@@ -15,6 +15,7 @@ import torch
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.models.llama import LlamaForCausalLM
+from pagoda.ops import cpu_kernels
 from pagoda.sample.sampler import Sampler, SamplingMetadata, SamplingRow
 from pagoda.sampling_params import SamplingParams
 
@@ -60,6 +61,14 @@ class ModelRunner:
             torch.empty(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=device)
             for _ in range(c.num_hidden_layers)
         ]
+        # Decode attention in place through the block tables (pagoda/csrc), where
+        # the kernels build: CPU, float32 KV.
+        self.decode_kernel = (
+            device.type == "cpu"
+            and kv_dtype == torch.float32
+            and model.model.embed_tokens.weight.dtype == torch.float32
+            and cpu_kernels.kernels() is not None
+        )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption, so a seeded request draws the same
@@ -129,7 +138,9 @@ class ModelRunner:
                 sample_rows.append(i)
                 logits_indices.append(offset - 1)
 
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
+        meta = AttentionMetadata.build(
+            query_lens, context_lens, tables, self.block_size, self.device, self.decode_kernel
+        )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

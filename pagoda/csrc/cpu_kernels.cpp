@@ -1,0 +1,272 @@
+// pagoda's CPU kernels, built on first use with torch.utils.cpp_extension
+// (pagoda/ops/cpu_kernels.py). Two kernels where plain torch leaves most of the
+// machine unused:
+//
+// q4_linear: y = x W^T with W in 4-bit groups of 32 (asymmetric: w = d*q + m,
+//   q in 0..15; the GGUF Q4_1 scheme, with the nibble order of ggml: byte j of a
+//   group holds weights j (low nibble) and j + 16 (high nibble)). Single-stream
+//   decode reads every weight once per token, so its speed is set by bytes per
+//   weight: 4.5 bits here against 32 for fp32. Rows of x are processed four at a
+//   time against each unpacked group, so small batches reuse the unpacked weights.
+//
+// paged_decode_attention: one query token per sequence against its K/V read in
+//   place from the paged cache through the block table (no gathered, padded
+//   copy). Each (sequence, kv head) is independent work with a fixed summation
+//   order, so a sequence's result does not depend on its batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int kGroup = 32;
+
+inline float hsum256(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 shuf = _mm_movehdup_ps(lo);
+  __m128 sums = _mm_add_ps(lo, shuf);
+  shuf = _mm_movehl_ps(shuf, sums);
+  sums = _mm_add_ss(sums, shuf);
+  return _mm_cvtss_f32(sums);
+}
+
+// Unpacks one group's 16 bytes into 4 x 8 floats (weights 0-7, 8-15, 16-23, 24-31),
+// still as the integers q (0..15).
+inline void unpack_group(const uint8_t* p, __m256 w[4]) {
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i lo = _mm_and_si128(bytes, mask);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+// Rows [r0, r0 + MR) of x against output channels [n0, n1).
+template <int MR>
+void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* qw,
+             const float* scales, const float* mins, const float* bias, float* y,
+             int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  const int64_t groups = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wrow = qw + n * (K / 2);
+    const float* d = scales + n * groups;
+    const float* m = mins + n * groups;
+    __m256 acc[MR];
+    float macc[MR];
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      macc[r] = 0.f;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 w[4];
+      unpack_group(wrow + g * 16, w);
+      const __m256 dg = _mm256_set1_ps(d[g]);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + (r0 + r) * K + g * kGroup;
+        __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), t);
+        t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), t);
+        t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), t);
+        acc[r] = _mm256_fmadd_ps(dg, t, acc[r]);
+        macc[r] += m[g] * xsum[(r0 + r) * groups + g];
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float v = hsum256(acc[r]) + macc[r];
+      if (bias) v += bias[n];
+      y[(r0 + r) * N + n] = v;
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                        torch::Tensor mins, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8, "qweight must be uint8");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kGroup == 0, "in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(qweight.size(1) == K / 2, "qweight has ", qweight.size(1), " bytes per row, expected ", K / 2);
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / kGroup && mins.sizes() == scales.sizes(),
+              "scales/mins must be [out_features, in_features / 32]");
+  const int64_t groups = K / kGroup;
+  auto xsum = x.view({M, groups, kGroup}).sum(-1).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* sp = xsum.data_ptr<float>();
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const float* dp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Split the output channels across threads; each thread streams its own rows of
+  // W once per four rows of x.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) q4_rows<4>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1);
+    switch (M - r) {
+      case 3: q4_rows<3>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1); break;
+      case 2: q4_rows<2>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1); break;
+      case 1: q4_rows<1>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1); break;
+      default: break;
+    }
+  });
+  return y;
+}
+
+// Large batches are compute-bound: dequantize W a tile of output channels at a time
+// into a cache-resident float32 buffer and multiply it with BLAS, so the weights
+// stay 4-bit in memory and are read once per step.
+torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                              torch::Tensor mins, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), groups = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) == K / 2, "qweight does not match x");
+  constexpr int64_t kTile = 128;
+  auto yt = torch::empty({N, M}, x.options());  // y transposed: each tile writes whole rows
+  auto xt = x.t();
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const float* dp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  const int64_t num_tiles = (N + kTile - 1) / kTile;
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    // Worker threads do not inherit the caller's inference mode.
+    c10::InferenceMode guard(inference);
+    std::vector<float> buf(kTile * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTile, rows = std::min(kTile, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = n0 + r;
+        for (int64_t g = 0; g < groups; ++g) {
+          __m256 q[4];
+          unpack_group(qp + n * (K / 2) + g * 16, q);
+          const __m256 d = _mm256_set1_ps(dp[n * groups + g]);
+          const __m256 m = _mm256_set1_ps(mp[n * groups + g]);
+          float* out = buf.data() + r * K + g * kGroup;
+          for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(q[i], d, m));
+        }
+      }
+      auto w = torch::from_blob(buf.data(), {rows, K}, x.options());
+      auto out = yt.narrow(0, n0, rows);
+      at::mm_out(out, w, xt);
+    }
+  });
+  auto y = yt.t().contiguous();
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// W as float32 [N, K] (tests, and callers without the kernels' speed needs).
+torch::Tensor q4_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins) {
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2, groups = K / kGroup;
+  auto w = torch::empty({N, K}, scales.options());
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const float* dp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 q[4];
+        unpack_group(qp + n * (K / 2) + g * 16, q);
+        const __m256 d = _mm256_set1_ps(dp[n * groups + g]);
+        const __m256 m = _mm256_set1_ps(mp[n * groups + g]);
+        float* out = wp + n * K + g * kGroup;
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(q[i], d, m));
+      }
+    }
+  });
+  return w;
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
+                                     torch::Tensor kv_cache,      // [2, blocks, bs, KVH, D]
+                                     torch::Tensor block_tables,  // [B, max_blocks] int32
+                                     torch::Tensor seq_lens,      // [B] int32
+                                     double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32,
+              "paged_decode_attention runs on float32");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "block_tables and seq_lens must be int32");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), KVH = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "head shapes of q and kv_cache disagree");
+  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kv_cache.data_ptr<float>();
+  const float* vp = kp + num_blocks * bs * KVH * D;
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores;
+    std::vector<float> acc;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / KVH, kvh = w % KVH;
+      const int64_t len = lp[b];
+      TORCH_CHECK(len >= 1 && len <= max_blocks * bs, "sequence length out of range");
+      scores.assign(G * len, 0.f);
+      const float* qh = qp + (b * H + kvh * G) * D;
+      // Scores: every key of the context against the G query heads sharing it.
+      for (int64_t p = 0; p < len; ++p) {
+        const int64_t blk = tp[b * max_blocks + p / bs];
+        const float* kk = kp + ((blk * bs + p % bs) * KVH + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qq = qh + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < D; ++i) s += qq[i] * kk[i];
+          scores[g * len + p] = s * sc;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * len;
+        float mx = *std::max_element(sg, sg + len);
+        float total = 0.f;
+        for (int64_t p = 0; p < len; ++p) {
+          sg[p] = std::exp(sg[p] - mx);
+          total += sg[p];
+        }
+        const float inv = 1.f / total;
+        for (int64_t p = 0; p < len; ++p) sg[p] *= inv;
+      }
+      acc.assign(G * D, 0.f);
+      for (int64_t p = 0; p < len; ++p) {
+        const int64_t blk = tp[b * max_blocks + p / bs];
+        const float* vv = vp + ((blk * bs + p % bs) * KVH + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = scores[g * len + p];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) a[i] += s * vv[i];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + (b * H + kvh * G) * D);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
+  m.def("q4_linear_tiled", &q4_linear_tiled, "x @ W^T for large batches: tiles of W dequantized, then BLAS");
+  m.def("q4_dequantize", &q4_dequantize, "4-bit groups of 32 -> float32 weight");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
+}

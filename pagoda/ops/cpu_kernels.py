@@ -1,0 +1,76 @@
+"""pagoda's C++ CPU kernels (``pagoda/csrc/cpu_kernels.cpp``), built on first use.
+
+``torch.utils.cpp_extension.load`` compiles the source once per machine (about a
+minute on 2 cores) into torch's extension cache and reloads it from there
+afterwards; concurrent processes wait on its lock. The kernels need AVX2 and
+FMA; where the build fails or the CPU lacks them, ``kernels()`` returns None,
+the reason is logged once, and callers use their plain-torch path.
+``PAGODA_DISABLE_CPU_KERNELS=1`` forces the plain-torch paths (for comparisons).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+_tried = False
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build() -> ModuleType:
+    flags = _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - flags
+    if missing:
+        raise RuntimeError(f"the CPU lacks {', '.join(sorted(missing))}")
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name="pagoda_cpu_kernels",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def kernels() -> ModuleType | None:
+    """The compiled module, or None when it is unavailable (reason in ``error()``)."""
+    global _module, _error, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        if os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1":
+            _error = "disabled by PAGODA_DISABLE_CPU_KERNELS=1"
+        else:
+            try:
+                _module = _build()
+            except Exception as exc:  # a compiler error, a missing ninja, an old CPU
+                _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+                logger.warning("pagoda CPU kernels unavailable (%s); using plain torch", _error)
+        _tried = True
+        return _module
+
+
+def error() -> str | None:
+    return _error
