@@ -129,3 +129,17 @@ def test_metadata_decode_kernel_path_equals_gather_path():
         results.append((paged_attention(q, k, v, cache, meta, d ** -0.5), cache))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(results[0][1], results[1][1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 40])
+def test_int8_weight_linear_matches_dequantized_reference(rows):
+    from pagoda.model.layers.quantization import Int8WeightLinear
+
+    torch.manual_seed(rows)
+    layer = Int8WeightLinear(torch.nn.Linear(96, 300, bias=False))
+    x = torch.randn(rows, 96)
+    ref = F.linear(x, layer.qweight.float() * layer.weight_scale[:, None])
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ops.q8_linear(x, layer.qweight, layer.weight_scale), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ops.q8_linear_tiled(x, layer.qweight, layer.weight_scale), ref, rtol=1e-4, atol=1e-4)

@@ -19,8 +19,8 @@ that reads the 4.5-bit weights once (single-stream decode is bound by weight
 bytes); larger steps dequantize cache-sized tiles and use BLAS. Needs pagoda's
 C++ kernels; without them it falls back to dequantizing in torch (correct,
 slow). No activation quantization: a request's numbers do not depend on its
-batch neighbours. The LM head stays 8-bit (int8 per channel), as a GGUF's output
-weights do.
+batch neighbours. The LM head stays 8-bit (int8 weights per channel, float
+activations: ``Int8WeightLinear``), as a GGUF's output weights do.
 """
 
 from __future__ import annotations
@@ -117,6 +117,38 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-token"
 
 
+class Int8WeightLinear(nn.Module):
+    """int8 weights per output channel, float activations (weight-only): q4
+    mode's LM head. Small batches run a kernel that reads one byte per weight;
+    larger ones dequantize cache-sized tiles and use BLAS."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Int8WeightLinear takes a linear layer without bias")
+        weight = linear.weight.detach().float()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("weight_scale", scale)
+        self._ops = cpu_kernels.kernels() if self.in_features % 16 == 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        if self._ops is None:
+            y = torch.nn.functional.linear(x2, self.qweight.float() * self.weight_scale[:, None])
+        elif x2.shape[0] <= Q4_FUSED_MAX_ROWS:
+            y = self._ops.q8_linear(x2, self.qweight, self.weight_scale)
+        else:
+            y = self._ops.q8_linear_tiled(x2, self.qweight, self.weight_scale)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, float activations"
+
+
 def quantize_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
     """Replace the model's projections and LM head with quantized layers, in place.
 
@@ -139,6 +171,11 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device) -> nn.Modu
         # q4 keeps the LM head at 8 bits, as GGUF files do (Q8_0/Q6_K output
         # weights): 4-bit logits cost more quality than the head's share of the
         # bytes saves (measured: q4 head -> wrong answers on the reference prompts).
-        use_int8 = mode == "int8" or name == "lm_head"
-        setattr(parent, attr, Int8Linear(module) if use_int8 else Q4Linear(module))
+        if mode == "int8":
+            layer = Int8Linear(module)
+        elif name == "lm_head" and module.bias is None:
+            layer = Int8WeightLinear(module)
+        else:
+            layer = Q4Linear(module)
+        setattr(parent, attr, layer)
     return model
