@@ -47,12 +47,19 @@ class EngineCore:
             try:
                 loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                     tp_group=self.tp_driver.group, tp_rank=0)
+                self._init_rest(config, loaded, device, dtype, collect_stats)
             except BaseException:
-                self.tp_driver.shutdown()
+                # The workers may be waiting in a collective: stop them, do not talk to them.
+                self.tp_driver.kill()
                 raise
+            return
         if loaded is None:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                 quantization=config.quantization)
+        self._init_rest(config, loaded, device, dtype, collect_stats)
+
+    def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                   collect_stats: bool) -> None:
         self.loaded = loaded
         arch = loaded.arch
         max_model_len = config.max_model_len or arch.max_position_embeddings

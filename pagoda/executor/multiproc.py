@@ -103,6 +103,14 @@ class TensorParallelDriver:
             if code is not None:
                 raise DistributedError(f"tensor-parallel worker (pid {proc.pid}) exited with code {code}")
 
+    def kill(self) -> None:
+        """Stop this node's workers at once (startup failed; they may be inside a collective)."""
+        self._closed = True
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
     def shutdown(self) -> None:
         if self._closed:
             return

@@ -112,7 +112,9 @@ def _assert_same_greedy(base, tp2, label: str) -> None:
         assert cmp.equal, cmp.excused
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_uneven_dir"])
+@pytest.mark.parametrize("model", [
+    # The even split is also covered by the default model (slow) and by the uneven model's MLP.
+    pytest.param("tiny_llama_dir", marks=pytest.mark.slow), "tiny_qwen2_dir", "tiny_uneven_dir"])
 def test_tp2_matches_tp1_tiny(model, request):
     """Even heads (4 q / 2 kv, tied embeddings), a replicated KV head (4 / 1, qkv bias)
     and uneven counts (6 / 3 heads, intermediate 99, vocabulary 509). A small token
@@ -140,3 +142,23 @@ def test_tp2_matches_tp1_default_model(default_model_path):
 def test_tp_rejects_quantization():
     with pytest.raises(ValueError, match="quantization"):
         LLM(None, tensor_parallel_size=2, quantization="int8")
+
+
+def _child_pids() -> set[int]:
+    import os
+
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/children") as f:
+            pids.update(int(x) for x in f.read().split())
+    return pids
+
+
+def test_tp_startup_error_stops_the_workers(tiny_llama_dir):
+    """A config error found after the group formed (KV pool smaller than the context)
+    raises at once and leaves no worker behind."""
+    before = _child_pids()
+    with pytest.raises(ValueError, match="KV cache holds"):
+        LLM(tiny_llama_dir, tensor_parallel_size=2, num_kv_blocks=2, max_model_len=512,
+            show_progress=False, skip_tokenizer_init=True)
+    assert _child_pids() - before == set()
