@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,13 +26,6 @@ _CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 class DistributedError(RuntimeError):
     """A peer of the tensor-parallel group is gone or did not answer in time."""
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world_size: int
-    local_rank: int
 
 
 def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:

@@ -98,7 +98,7 @@ class TensorParallelDriver:
     def check_workers(self) -> None:
         """Raise if a worker process of this node has exited (remote ones are caught by
         the next collective: a dead peer closes its sockets)."""
-        for rank, proc in enumerate(self.workers, start=1):
+        for proc in self.workers:
             code = proc.poll()
             if code is not None:
                 raise DistributedError(f"tensor-parallel worker (pid {proc.pid}) exited with code {code}")
