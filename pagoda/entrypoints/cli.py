@@ -139,10 +139,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**vars(config_from_args(args)))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(args))
-    else:
-        outs = llm.generate(prompts, _params(args))
+    try:
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(args))
+        else:
+            outs = llm.generate(prompts, _params(args))
+    finally:
+        llm.shutdown()
     for out in outs:
         print(out.outputs[0].text)
         if len(outs) > 1:
