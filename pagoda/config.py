@@ -32,6 +32,14 @@ class EngineConfig:
     chat_template: str | None = None      # a template string or a path to one
     show_progress: bool = True
     num_threads: int | None = None        # torch threads of the engine; None = cpu_threads_policy()
+    # Parallel runtime (docs/parallel.md).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_init_method: str | None = None  # tcp://host:port or env://; None = local, automatic
+    nnodes: int = 1                       # nodes the tensor-parallel group spans
+    node_rank: int = 0                    # 0 = the node running the engine core (rank 0)
+    distributed_timeout: float = 120.0    # seconds a collective may wait for a peer
+    threads_per_rank: int | None = None   # torch threads per rank; None = 1 when parallel on CPU
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -41,10 +49,32 @@ class EngineConfig:
         _positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("num_threads", self.num_threads, allow_none=True)
+        if self.num_threads is not None and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("--num-threads sets the threads of a single engine; with tensor or data "
+                             "parallelism use --threads-per-rank")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantization not in ("none", "int8", "q4"):
             raise ValueError(f"quantization must be none, int8 or q4, got {self.quantization!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        _positive("nnodes", self.nnodes)
+        _positive("threads_per_rank", self.threads_per_rank, allow_none=True)
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
+                             f"nnodes={self.nnodes} (the same number of ranks on every node)")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError(f"--quantization {self.quantization} is not supported with --tensor-parallel-size > 1")
+        if self.nnodes > 1 and self.distributed_init_method is None:
+            raise ValueError("a multi-node group needs a rendezvous: --master-addr/--master-port "
+                             "or --distributed-init-method tcp://host:port")
+        if self.data_parallel_size > 1 and (self.nnodes > 1 or self.distributed_init_method is not None):
+            raise ValueError("--data-parallel-size > 1 runs its replicas on this node; it cannot be "
+                             "combined with a multi-node or explicit tensor-parallel rendezvous")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

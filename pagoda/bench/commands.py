@@ -77,3 +77,16 @@ def add_bench_commands(
         return run_roofline(args, config_from_args(args))
 
     rf.set_defaults(func=run_rf)
+
+    par = sub.add_parser("parallel", help="throughput of TP=1 vs TP=2 and DP=1 vs DP=2 (one thread per rank)")
+    add_engine_args(par)
+    from pagoda.bench.parallel import add_parallel_args
+
+    add_parallel_args(par)
+
+    def run_par(args: argparse.Namespace) -> int:
+        from pagoda.bench.parallel import run_parallel
+
+        return run_parallel(args, config_from_args(args, data_parallel_size=1))
+
+    par.set_defaults(func=run_par)

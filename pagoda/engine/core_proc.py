@@ -90,6 +90,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     break
             if shutdown:
                 break
+            core.check_health()
             if core.has_unfinished_requests():
                 outputs = core.step()
                 out.send_multipart([b"outputs", _encoder.encode(outputs)])
@@ -102,6 +103,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         logger.exception("engine core failed")
         out.send_multipart([b"dead", _encoder.encode(traceback.format_exc())])
         code = 1
+    core.shutdown()
     _close(inp, out, ctx, own_context)
     return code
 
@@ -138,4 +140,7 @@ def engine_core_process_main(config: EngineConfig, input_addr: str, output_addr:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine-core %(levelname)s %(message)s")
+    from pagoda.executor.multiproc import configure_threads
+
+    configure_threads(config)
     sys.exit(run_engine_core(config, input_addr, output_addr))

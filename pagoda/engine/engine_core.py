@@ -34,15 +34,38 @@ class EngineCore:
         outputs and now and then a KV pool picture, for metrics and the dashboard."""
         self.config = config
         device = torch.device(config.device)
-        if device.type == "cpu":
+        parallel = config.tensor_parallel_size > 1 or config.data_parallel_size > 1
+        if device.type == "cpu" and not parallel:  # parallel ranks: configure_threads (threads_per_rank)
             threads = cpu_threads_policy(config.num_threads)
             if threads is not None:
                 torch.set_num_threads(threads)
             logger.info("CPU threads: %d", torch.get_num_threads())
         dtype = parse_dtype(config.dtype)
+        self.tp_driver = None
+        if config.tensor_parallel_size > 1:
+            # Rank 0 of a tensor-parallel group (pagoda/executor/multiproc.py).
+            from pagoda.executor.multiproc import configure_threads, start_driver
+
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its own shard; do not pass `loaded`")
+            configure_threads(config)
+            self.tp_driver, device = start_driver(config)
+            try:
+                loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
+                                    tp_group=self.tp_driver.group, tp_rank=0)
+                self._init_rest(config, loaded, device, dtype, collect_stats)
+            except BaseException:
+                # The workers may be waiting in a collective: stop them, do not talk to them.
+                self.tp_driver.kill()
+                raise
+            return
         if loaded is None:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                 quantization=config.quantization)
+        self._init_rest(config, loaded, device, dtype, collect_stats)
+
+    def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                   collect_stats: bool) -> None:
         self.loaded = loaded
         arch = loaded.arch
         max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -51,17 +74,13 @@ class EngineCore:
             max_model_len = arch.sliding_window
         self.max_model_len = max_model_len
 
+        if self.tp_driver is not None:
+            self.tp_driver.gather_weight_bytes(loaded.model)
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype)
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            budget = config.kv_cache_memory
-            if budget is None:
-                if device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(device)
-                    budget = int(free * 0.8)
-                else:
-                    budget = min(int(available_memory_bytes() * _CPU_KV_FRACTION), _CPU_KV_MAX_BYTES)
-            num_blocks = budget // per_block
+        num_blocks = kv_blocks_for(config, loaded.model, device, dtype)
+        if self.tp_driver is not None:
+            # Every rank sizes its own pool (its own heads, its own memory); the smallest wins.
+            num_blocks = self.tp_driver.group.all_reduce_min(num_blocks)
         capacity = num_blocks * config.block_size
         if capacity < max_model_len:
             if config.max_model_len is not None or num_blocks < 1:
@@ -85,6 +104,11 @@ class EngineCore:
             self.kv_manager,
         )
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
+        # What a step calls: the runner itself, or rank 0 driving a tensor-parallel group.
+        self.executor = self.runner
+        if self.tp_driver is not None:
+            self.tp_driver.runner = self.runner
+            self.executor = self.tp_driver
         self.vocab_size = arch.vocab_size
         self._structured = None
         self.step_stats: StepStatsCollector | None = None
@@ -174,7 +198,7 @@ class EngineCore:
                 [reqs[rid].matcher for rid in sched_out.structured_req_ids], self.vocab_size
             )
             masks = dict(zip(sched_out.structured_req_ids, rows))
-        runner_out = self.runner.execute_model(sched_out, masks)
+        runner_out = self.executor.execute_model(sched_out, masks)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
         out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)
@@ -195,3 +219,29 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def check_health(self) -> None:
+        """Raise if a part of the engine outside this process is gone (a tensor-parallel worker)."""
+        if self.tp_driver is not None:
+            self.tp_driver.check_workers()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
+
+
+def kv_blocks_for(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
+    """KV blocks this process can hold: --num-kv-blocks, else the memory budget over
+    the bytes of one block (of the heads this process holds)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_cache_bytes_per_block(model, config.block_size, dtype)
+    budget = config.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.8)
+        else:
+            budget = min(int(available_memory_bytes() * _CPU_KV_FRACTION), _CPU_KV_MAX_BYTES)
+    return budget // per_block

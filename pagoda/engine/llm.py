@@ -64,6 +64,10 @@ class LLM:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.processor = OutputProcessor(self.tokenizer)
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (a no-op for one process)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError("the engine was started with skip_tokenizer_init=True")

@@ -59,10 +59,52 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template string or file")
+    par = p.add_argument_group("parallelism (docs/parallel.md)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="engine replicas behind one server, with prefix-aware routing (serve only)")
+    par.add_argument("--nnodes", type=int, default=1, help="nodes the tensor-parallel group spans")
+    par.add_argument("--node-rank", type=int, default=0,
+                     help="this node's index; 0 runs the server and engine core, others only workers")
+    par.add_argument("--master-addr", default=None, help="node 0's address for the rendezvous")
+    par.add_argument("--master-port", type=int, default=None, help="node 0's rendezvous port")
+    par.add_argument("--distributed-init-method", default=None,
+                     help="tcp://host:port or env:// (MASTER_ADDR/MASTER_PORT, as torchrun sets them); "
+                          "alternative to --master-addr/--master-port")
+    par.add_argument("--distributed-timeout", type=_positive_float, default=120.0,
+                     help="seconds a collective waits for a peer before the engine reports it failed")
+    par.add_argument("--threads-per-rank", type=int, default=None,
+                     help="torch threads per rank or replica on CPU (default 1 when parallel, else all)")
+
+
+def _init_method(args: argparse.Namespace) -> str | None:
+    init = getattr(args, "distributed_init_method", None)
+    addr, port = getattr(args, "master_addr", None), getattr(args, "master_port", None)
+    if addr is None and port is None:
+        return init
+    if init is not None:
+        raise ValueError("give either --distributed-init-method or --master-addr/--master-port, not both")
+    if addr is None or port is None:
+        raise ValueError("--master-addr and --master-port go together")
+    return f"tcp://{addr}:{port}"
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
-    return EngineConfig(
+    if getattr(args, "data_parallel_size", 1) > 1 and getattr(args, "command", None) != "serve" \
+            and "data_parallel_size" not in extra:
+        raise ValueError("--data-parallel-size applies to `pagoda serve` (and bench serve) only")
+    parallel = {
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+        "data_parallel_size": getattr(args, "data_parallel_size", 1),
+        "nnodes": getattr(args, "nnodes", 1),
+        "node_rank": getattr(args, "node_rank", 0),
+        "distributed_init_method": _init_method(args),
+        "distributed_timeout": getattr(args, "distributed_timeout", 120.0),
+        "threads_per_rank": getattr(args, "threads_per_rank", None),
+    }
+    parallel.update({k: extra.pop(k) for k in list(extra) if k in parallel})
+    return EngineConfig(**parallel,
         model=args.model,
         served_model_name=getattr(args, "served_model_name", None),
         dtype=args.dtype,
@@ -102,10 +144,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**vars(config_from_args(args)))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(args))
-    else:
-        outs = llm.generate(prompts, _params(args))
+    try:
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(args))
+        else:
+            outs = llm.generate(prompts, _params(args))
+    finally:
+        llm.shutdown()
     for out in outs:
         print(out.outputs[0].text)
         if len(outs) > 1:

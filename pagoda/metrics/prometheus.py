@@ -51,54 +51,68 @@ class EngineCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name"]
-        value = [self.model_name]
-        metrics: EngineMetrics | None = getattr(self.engine, "metrics", None)
-        stats: SchedulerStats = self.engine.latest_stats()
+        # Data-parallel replicas (engine.replicas): one series per replica, label engine="i".
+        replicas = getattr(self.engine, "replicas", None)
+        if replicas:
+            labels = ["model_name", "engine"]
+            parts = [([self.model_name, str(i)], getattr(r, "metrics", None), r.latest_stats())
+                     for i, r in enumerate(replicas)]
+        else:
+            labels = ["model_name"]
+            parts = [([self.model_name], getattr(self.engine, "metrics", None), self.engine.latest_stats())]
+        yield from _families(labels, parts)
 
-        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"pagoda:{name}", doc, labels=labels)
-            g.add_metric(value, v)
-            return g
 
-        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"pagoda:{name}", doc, labels=labels)
-            c.add_metric(value, v)
-            return c
+def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | None, SchedulerStats]]
+              ) -> Iterator[Metric]:
+    def gauge(name: str, doc: str, get) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"pagoda:{name}", doc, labels=labels)
+        for value, metrics, stats in parts:
+            g.add_metric(value, get(stats))
+        return g
 
-        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running_reqs)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).",
-                    stats.kv_cache_usage)
-        yield gauge("kv_cache_num_blocks", "KV blocks in the pool.", stats.num_blocks)
-        # Cumulative in the engine core since start; exported as they are.
-        yield counter("num_preemptions", "Requests preempted (recompute).", stats.num_preemptions)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
-        if metrics is None:
-            return
-        yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.", metrics.prompt_tokens)
-        yield counter("generation_tokens", "Generated tokens.", metrics.generation_tokens)
-        success = CounterMetricFamily("pagoda:request_success", "Finished requests, by finish reason.",
-                                      labels=["model_name", "finished_reason"])
+    def counter(name: str, doc: str, get, source: str = "stats") -> CounterMetricFamily:
+        c = CounterMetricFamily(f"pagoda:{name}", doc, labels=labels)
+        for value, metrics, stats in parts:
+            c.add_metric(value, get(stats if source == "stats" else metrics))
+        return c
+
+    yield gauge("num_requests_running", "Requests in the running batch.", lambda s: s.num_running_reqs)
+    yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting_reqs)
+    yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).",
+                lambda s: s.kv_cache_usage)
+    yield gauge("kv_cache_num_blocks", "KV blocks in the pool.", lambda s: s.num_blocks)
+    # Cumulative in the engine core since start; exported as they are.
+    yield counter("num_preemptions", "Requests preempted (recompute).", lambda s: s.num_preemptions)
+    yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                  lambda s: s.prefix_cache_queries)
+    yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits)
+    if any(metrics is None for _, metrics, _ in parts):
+        return
+    yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.",
+                  lambda m: m.prompt_tokens, "metrics")
+    yield counter("generation_tokens", "Generated tokens.", lambda m: m.generation_tokens, "metrics")
+    success = CounterMetricFamily("pagoda:request_success", "Finished requests, by finish reason.",
+                                  labels=labels + ["finished_reason"])
+    for value, metrics, _ in parts:
         for reason in sorted(set(FINISH_REASONS) | set(metrics.request_success)):
-            success.add_metric([self.model_name, reason], metrics.request_success.get(reason, 0))
-        yield success
-        yield counter("request_aborted", "Requests aborted (client gone, timeout, shutdown).",
-                      metrics.request_aborted)
-        yield counter("engine_steps", "Engine steps that computed tokens.", metrics.num_steps)
-        yield counter("engine_step_seconds", "Time spent in engine steps; divide the estimates by it.",
-                      metrics.step_seconds)
-        yield counter("estimated_flops", "Estimated FLOPs computed by engine steps (analytic model).",
-                      metrics.step_flops)
-        yield counter("estimated_bytes", "Estimated bytes moved by engine steps: weights + KV read/written.",
-                      metrics.step_bytes)
-        for attr, name, doc in _HISTOGRAMS:
+            success.add_metric(value + [reason], metrics.request_success.get(reason, 0))
+    yield success
+    yield counter("request_aborted", "Requests aborted (client gone, timeout, shutdown).",
+                  lambda m: m.request_aborted, "metrics")
+    yield counter("engine_steps", "Engine steps that computed tokens.", lambda m: m.num_steps, "metrics")
+    yield counter("engine_step_seconds", "Time spent in engine steps; divide the estimates by it.",
+                  lambda m: m.step_seconds, "metrics")
+    yield counter("estimated_flops", "Estimated FLOPs computed by engine steps (analytic model).",
+                  lambda m: m.step_flops, "metrics")
+    yield counter("estimated_bytes", "Estimated bytes moved by engine steps: weights + KV read/written.",
+                  lambda m: m.step_bytes, "metrics")
+    for attr, name, doc in _HISTOGRAMS:
+        h = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
+        for value, metrics, _ in parts:
             hist: Histogram = getattr(metrics, attr)
-            h = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
             h.add_metric(value, hist.cumulative(), hist.sum)
-            yield h
+        yield h
 
 
 def make_registry(engine: Any, model_name: str) -> CollectorRegistry:

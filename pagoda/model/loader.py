@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
+from pagoda.model.layers.parallel import Collectives, ShardPlan
 from pagoda.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
 from pagoda.model.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
@@ -81,6 +82,18 @@ class LoadedModel:
     arch: ModelArchConfig
     path: str
     gguf_metadata: dict | None = None   # for building the tokenizer from a GGUF file
+    shard: ShardPlan | None = None       # this rank's part of a tensor-parallel model
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers this process holds (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def load_model(
@@ -89,17 +102,25 @@ def load_model(
     device: torch.device | str = "cpu",
     show_progress: bool = True,
     quantization: str = "none",
+    tp_group: Collectives | None = None,
+    tp_rank: int = 0,
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
-    code itself never branches on quantization)."""
+    code itself never branches on quantization). With ``tp_group`` (a
+    tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
+    shard only: parallel layers in place of the model's, and only this rank's
+    part of each tensor kept as it is read."""
     from pagoda.model.layers.quantization import quantize_model
 
     path = resolve_model_path(model)
     device = torch.device(device)
+    tp = None if tp_group is None else (tp_group, tp_rank)
+    if tp is not None and quantization != "none":
+        raise ValueError("quantization is not supported with tensor parallelism")
     if os.path.isdir(path):
-        loaded = _load_hf_folder(path, dtype, device, show_progress)
+        loaded = _load_hf_folder(path, dtype, device, show_progress, tp)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
-        loaded = _load_gguf(path, dtype, device, show_progress)
+        loaded = _load_gguf(path, dtype, device, show_progress, tp)
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
     quantize_model(loaded.model, quantization, device)
@@ -111,15 +132,23 @@ def _has_gguf_magic(path: str) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 tp: tuple[Collectives, int] | None = None) -> tuple[LlamaForCausalLM, ShardPlan | None]:
     cls = MODEL_REGISTRY[arch.architecture]
-    # Build on the meta device: no time spent on random init of weights we overwrite.
+    # Build on the meta device: no time spent on random init of weights we overwrite,
+    # and a tensor-parallel rank allocates only its shard.
     with torch.device("meta"):
         model = cls(arch)
+    plan = None
+    if tp is not None:
+        group, rank = tp
+        plan = ShardPlan.build(arch, rank, group.world_size)
+        with torch.device("meta"):
+            plan.apply(model, group)
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = _inv_freq(arch, device)  # buffers are not loaded from checkpoints
     model.eval().requires_grad_(False)
-    return model
+    return model, plan
 
 
 def _inv_freq(arch: ModelArchConfig, device: torch.device) -> torch.Tensor:
@@ -148,7 +177,9 @@ def _fill(
     total: int,
     path: str,
     show_progress: bool,
+    plan: ShardPlan | None = None,
 ) -> None:
+    """``plan``: keep only this rank's part of each tensor (tensor parallelism)."""
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
@@ -173,6 +204,8 @@ def _fill(
                 if "rotary_emb" not in name:
                     unexpected.append(name)
                 continue
+            if plan is not None:
+                tensor = plan.narrow(name, tensor)
             dest = param if rows is None else param[rows]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
@@ -194,7 +227,8 @@ def _fill(
 # ---- HF folders --------------------------------------------------------------
 
 
-def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool) -> LoadedModel:
+def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
+                    tp: tuple[Collectives, int] | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     config_file = os.path.join(path, "config.json")
@@ -206,7 +240,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
-    model = _instantiate(arch, dtype, device)
+    model, plan = _instantiate(arch, dtype, device, tp)
 
     handles = [safe_open(str(f), framework="pt") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
@@ -216,8 +250,8 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
 
-    _fill(model, tensors(), total, path, show_progress)
-    return LoadedModel(model, arch, path)
+    _fill(model, tensors(), total, path, show_progress, plan)
+    return LoadedModel(model, arch, path, shard=plan)
 
 
 # ---- GGUF --------------------------------------------------------------------
@@ -267,7 +301,8 @@ def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
+               tp: tuple[Collectives, int] | None = None) -> LoadedModel:
     from pagoda.model.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
@@ -275,7 +310,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
     arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
     # llama.cpp permutes Q/K only for models it converts with the Llama converter.
     permuted = md.get("general.architecture") in ("llama", "mistral")
-    model = _instantiate(arch, dtype, device)
+    model, plan = _instantiate(arch, dtype, device, tp)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name in gf.tensors:
@@ -292,5 +327,5 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
                 t = unpermute_rope(t, arch.num_key_value_heads)
             yield hf_name, t.to(dtype)
 
-    _fill(model, tensors(), len(gf.tensors), path, show_progress)
-    return LoadedModel(model, arch, path, gguf_metadata=md)
+    _fill(model, tensors(), len(gf.tensors), path, show_progress, plan)
+    return LoadedModel(model, arch, path, gguf_metadata=md, shard=plan)

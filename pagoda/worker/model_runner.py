@@ -35,10 +35,15 @@ class CachedRequestState:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
 
+def local_kv_heads(model: LlamaForCausalLM) -> int:
+    """KV heads this process holds (a tensor-parallel rank holds only its share)."""
+    return model.model.layers[0].self_attn.num_kv_heads
+
+
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+    return 2 * c.num_hidden_layers * block_size * local_kv_heads(model) * c.head_dim * elem
 
 
 class ModelRunner:
@@ -50,7 +55,12 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         seed: int = 0,
+        samples: bool = True,
     ) -> None:
+        """``samples``: False on tensor-parallel workers (rank > 0): they run the
+        forward (its collectives) but rank 0 samples, and they learn the sampled
+        tokens from it (``apply_sampled``) before the next step."""
+        self.samples = samples
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -58,7 +68,7 @@ class ModelRunner:
         self.kv_caches = [
             # empty, not zeros: a fresh large allocation is zero pages from the OS
             # already, and untouched pages cost no RSS until blocks are used.
-            torch.empty(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=device)
+            torch.empty(2, num_blocks, block_size, local_kv_heads(model), c.head_dim, dtype=kv_dtype, device=device)
             for _ in range(c.num_hidden_layers)
         ]
         # Decode attention in place through the block tables (pagoda/csrc), where
@@ -86,6 +96,14 @@ class ModelRunner:
             gen.manual_seed(seed)
             self.generators[req_id] = gen
         return gen
+
+    def apply_sampled(self, sampled: list[tuple[str, list[int]]]) -> None:
+        """Append the tokens rank 0 sampled last step (tensor-parallel workers)."""
+        for rid, tokens in sampled:
+            state = self.requests.get(rid)
+            if state is not None:
+                state.output_token_ids.extend(tokens)
+                state.all_token_ids.extend(tokens)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -151,6 +169,7 @@ class ModelRunner:
         logprobs: list = [None for _ in order]
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
+        if sample_rows and self.samples:
             if grammar_masks:
                 rows = [j for j, i in enumerate(sample_rows) if order[i] in grammar_masks]
                 if rows:
@@ -183,6 +202,10 @@ class ModelRunner:
                 k = rows[j].params.logprobs
                 if k is not None and lp is not None:
                     logprobs[i] = [(lp[j], top_ids[j][:k], top_lps[j][:k])]
+        if not self.samples:
+            for rid in order:
+                self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
+            return ModelRunnerOutput(order, sampled, logprobs)
         for i, rid in enumerate(order):
             state = self.requests[rid]
             state.num_computed_tokens += so.num_scheduled_tokens[rid]

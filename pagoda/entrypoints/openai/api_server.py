@@ -258,6 +258,10 @@ def build_app(
         if not engine.is_healthy:
             reason = getattr(engine, "dead_reason", None) or "the engine is not healthy"
             return service_unavailable(f"Unhealthy: {reason}", "engine_dead").to_response()
+        degraded = getattr(engine, "degraded_reason", None)
+        if degraded:
+            # Some data-parallel replicas are down; the others still serve.
+            return JSONResponse({"status": "degraded", "reason": degraded})
         return JSONResponse({})
 
     @app.get("/version")

@@ -31,7 +31,10 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.openai.server import serve
 
-    engine = AsyncLLM.from_config(
+    engine_cls = AsyncLLM
+    if config.data_parallel_size > 1:
+        from pagoda.engine.dp_client import DataParallelLLM as engine_cls
+    engine = engine_cls.from_config(
         config,
         log_stats=not getattr(args, "disable_log_stats", False),
         log_stats_interval=getattr(args, "log_stats_interval", 10.0),
@@ -51,5 +54,20 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """Returns the exit status: 0 after a graceful shutdown."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.node_rank > 0:
+        # A worker node of a multi-node tensor-parallel group: no API server here.
+        from pagoda.executor.multiproc import start_node_workers
+
+        logger.info("node %d of %d: starting tensor-parallel workers for %s", config.node_rank,
+                    config.nnodes, config.distributed_init_method)
+        return start_node_workers(config)
+    from pagoda.executor.multiproc import torchrun_rank
+
+    launched = torchrun_rank()
+    if launched is not None and launched[0] > 0:
+        # torchrun started this process as a worker rank.
+        from pagoda.executor.worker import run_worker
+
+        return run_worker(config, launched[0], launched[2], config.distributed_init_method or "env://")
     asyncio.run(_main(args, config))
     return 0

@@ -151,14 +151,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def shard_rows(self, stacked: str, shard: int) -> tuple[int, int]:
-        """Row range [start, end) of a shard inside a stacked projection."""
-        c = self.config
+        """Row range [start, end) of a shard inside a stacked projection (read from
+        the layers, which hold only a rank's heads under tensor parallelism)."""
+        layer = self.model.layers[0]
         if stacked == "qkv_proj":
-            q = c.num_attention_heads * c.head_dim
-            kv = c.num_key_value_heads * c.head_dim
+            q, kv = layer.self_attn.q_size, layer.self_attn.kv_size
             bounds = [0, q, q + kv, q + 2 * kv]
         else:
-            i = c.intermediate_size
+            i = layer.mlp.intermediate_size
             bounds = [0, i, 2 * i]
         return bounds[shard], bounds[shard + 1]
 

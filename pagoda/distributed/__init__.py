@@ -1,0 +1,1 @@
+"""The parallel runtime: process groups over torch.distributed and the tensor-parallel plan."""

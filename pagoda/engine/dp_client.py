@@ -1,0 +1,178 @@
+"""Data parallelism: N engine-core replicas behind one API server.
+
+Each replica is a full AsyncLLM (its own engine-core process, scheduler and KV
+cache; with --tensor-parallel-size, its own tensor-parallel group). A
+PrefixRouter picks the replica for each request: the one holding the longest
+cached prefix, else the least loaded. The object has AsyncLLM's interface,
+so the HTTP server serves it unchanged.
+
+A replica whose engine dies is taken out of routing: its in-flight requests
+end with an error, new requests go to the others, and /health reports the
+server degraded but serving. Only when every replica is dead is it unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+from pagoda.config import EngineConfig
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
+from pagoda.engine.protocol import SchedulerStats
+from pagoda.engine.router import PrefixRouter
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class DataParallelLLM:
+    def __init__(self, config: EngineConfig, multiprocess: bool = True, **kwargs: Any) -> None:
+        n = config.data_parallel_size
+        # Different seeds, so that unseeded random sampling differs between replicas.
+        configs = [dataclasses.replace(config, seed=config.seed + i) for i in range(n)]
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(AsyncLLM, c, multiprocess, **kwargs) for c in configs]
+            replicas, errors = [], []
+            for f in futures:
+                try:
+                    replicas.append(f.result())
+                except Exception as e:  # noqa: BLE001 - reported below, the others stopped
+                    errors.append(e)
+        if errors:
+            for r in replicas:
+                r._cleanup()
+            raise errors[0]
+        self.replicas: list[AsyncLLM] = replicas
+        first = replicas[0]
+        self.config = config
+        self.tokenizer = first.tokenizer
+        self.eos_token_ids = first.eos_token_ids
+        self.max_model_len = min(r.max_model_len for r in replicas)
+        self.vocab_size = first.vocab_size
+        self.info = first.info
+        # The dashboard shows replica 0; /metrics has every replica (label engine="i").
+        self.metrics = first.metrics
+        self.router = PrefixRouter(n, config.block_size)
+        self._owner: dict[str, int] = {}
+        self._dead_seen: set[int] = set()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, multiprocess: bool = True, **kwargs: Any) -> DataParallelLLM:
+        return cls(config, multiprocess, **kwargs)
+
+    # ---- replicas' state -------------------------------------------------------------
+
+    def _alive(self) -> list[bool]:
+        alive = []
+        for i, r in enumerate(self.replicas):
+            r._check_alive()
+            ok = r.dead_reason is None
+            if not ok and i not in self._dead_seen:
+                self._dead_seen.add(i)
+                self.router.forget_replica(i)
+                logger.error("data-parallel replica %d is dead (%s); routing around it", i, r.dead_reason)
+            alive.append(ok)
+        return alive
+
+    @property
+    def is_healthy(self) -> bool:
+        return any(r.is_healthy for r in self.replicas)
+
+    @property
+    def degraded_reason(self) -> str | None:
+        """Set while some (not all) replicas are down."""
+        down = [f"replica {i}: {r.dead_reason or 'unhealthy'}" for i, r in enumerate(self.replicas)
+                if not r.is_healthy]
+        if not down or len(down) == len(self.replicas):
+            return None
+        return "; ".join(down)
+
+    @property
+    def dead_reason(self) -> str | None:
+        reasons = [r.dead_reason for r in self.replicas]
+        if all(reasons):
+            return "; ".join(f"replica {i}: {x}" for i, x in enumerate(reasons))
+        return None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return sum(r.num_unfinished_requests for r in self.replicas)
+
+    def replica_stats(self) -> list[SchedulerStats]:
+        return [r.latest_stats() for r in self.replicas]
+
+    def latest_stats(self) -> SchedulerStats:
+        """The replicas' stats summed (KV usage: over all their blocks)."""
+        parts = self.replica_stats()
+        total = SchedulerStats()
+        for field in msgspec_fields(SchedulerStats):
+            if field != "kv_cache_usage":
+                setattr(total, field, sum(getattr(p, field) for p in parts))
+        blocks = sum(p.num_blocks for p in parts)
+        total.kv_cache_usage = sum(p.kv_cache_usage * p.num_blocks for p in parts) / blocks if blocks else 0.0
+        return total
+
+    def ensure_background_tasks(self) -> None:
+        for r in self.replicas:
+            r.ensure_background_tasks()
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.replicas[0].validate_request(prompt_token_ids, params)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        tried: set[int] = set()
+        while True:
+            alive = self._alive()
+            alive = [a and i not in tried for i, a in enumerate(alive)]
+            if not any(alive):
+                raise EngineDeadError(self.dead_reason or "no live data-parallel replica")
+            loads = [r.num_unfinished_requests for r in self.replicas]
+            route = self.router.choose(prompt_token_ids, loads, alive, cache_salt)
+            replica = self.replicas[route.replica]
+            self._owner[request_id] = route.replica
+            produced = False
+            try:
+                async for out in replica.generate(request_id, prompt, prompt_token_ids, sampling_params,
+                                                  priority=priority, cache_salt=cache_salt):
+                    produced = True
+                    yield out
+                return
+            except EngineDeadError:
+                if produced:
+                    raise
+                # Died before this request got anywhere: fail over to another replica.
+                tried.add(route.replica)
+            finally:
+                self._owner.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        i = self._owner.get(request_id)
+        if i is not None:
+            await self.replicas[i].abort(request_id)
+
+    async def check_integrity(self, timeout: float = 10.0) -> dict[str, Any]:
+        results = await asyncio.gather(*(r.check_integrity(timeout) for r in self.replicas if r.dead_reason is None))
+        errors = [f"replica {i}: {x['error']}" for i, x in enumerate(results) if not x["ok"]]
+        return {"ok": not errors, "error": "; ".join(errors) or None,
+                "engine_pid": [x["engine_pid"] for x in results]}
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(r.shutdown() for r in self.replicas))
+
+
+def msgspec_fields(cls) -> tuple[str, ...]:
+    return cls.__struct_fields__

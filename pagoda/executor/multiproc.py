@@ -1,0 +1,197 @@
+"""Tensor parallelism across processes: rank 0 (the engine core) drives, workers follow.
+
+The scheduler runs once, in the engine core, which is rank 0 of the group.
+Each step rank 0 broadcasts the SchedulerOutput (full data for new requests,
+diffs for running ones) plus the tokens it sampled last step; every rank
+updates its copy of the batch, runs its shard of the forward (the
+collectives inside keep them in lock step), and rank 0 alone samples.
+
+Ranks and nodes: ``tensor_parallel_size`` ranks over ``nnodes`` nodes, the
+same number on each; node n holds ranks [n * per_node, (n + 1) * per_node).
+Node 0's engine core is rank 0 and starts its node's other ranks; every other
+node runs `pagoda serve ... --node-rank n` (or `python -m pagoda.executor.worker`),
+which starts that node's ranks and waits for them. Under torchrun (RANK and
+WORLD_SIZE in the environment) every process is one rank and nothing is spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagoda.config import EngineConfig
+from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagoda.distributed.group import DistributedError, TPGroup, rendezvous_store
+
+logger = logging.getLogger(__name__)
+
+_WORKER_EXIT_TIMEOUT_S = 10.0
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun (or alike), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+    return None
+
+
+def configure_threads(config: EngineConfig) -> None:
+    """One torch thread per rank (default) when ranks or replicas share a CPU."""
+    if config.device != "cpu":
+        return
+    parallel = config.tensor_parallel_size > 1 or config.data_parallel_size > 1
+    if config.threads_per_rank is not None or parallel:
+        torch.set_num_threads(config.threads_per_rank or 1)
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + local_rank)
+    return device
+
+
+def ranks_of_node(config: EngineConfig, node_rank: int) -> range:
+    per_node = config.tensor_parallel_size // config.nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+@dataclass
+class StepMessage:
+    sched_out: SchedulerOutput
+    sampled: list[tuple[str, list[int]]]   # what rank 0 sampled last step
+
+
+class TensorParallelDriver:
+    """Rank 0's side: the engine core's executor. Same ``execute_model`` as ModelRunner."""
+
+    def __init__(self, group: TPGroup, workers: list[subprocess.Popen]) -> None:
+        self.group = group
+        self.workers = workers
+        self.runner = None
+        self.weight_bytes: list[int] = []
+        self._last_sampled: list[tuple[str, list[int]]] = []
+        self._closed = False
+
+    def gather_weight_bytes(self, model: torch.nn.Module) -> list[int]:
+        """Parameter bytes each rank holds (a collective: the workers call it too)."""
+        self.weight_bytes = gather_weight_bytes(self.group, model)
+        logger.info("tensor parallel: %d ranks, weights per rank %s MiB", self.group.world_size,
+                    [round(b / 2**20, 1) for b in self.weight_bytes])
+        return self.weight_bytes
+
+    def execute_model(self, so: SchedulerOutput, grammar_masks=None) -> ModelRunnerOutput:
+        self.check_workers()
+        self.group.broadcast_object(StepMessage(so, self._last_sampled))
+        out = self.runner.execute_model(so, grammar_masks)
+        self._last_sampled = [(rid, t) for rid, t in zip(out.req_ids, out.sampled_token_ids) if t]
+        return out
+
+    def check_workers(self) -> None:
+        """Raise if a worker process of this node has exited (remote ones are caught by
+        the next collective: a dead peer closes its sockets)."""
+        for proc in self.workers:
+            code = proc.poll()
+            if code is not None:
+                raise DistributedError(f"tensor-parallel worker (pid {proc.pid}) exited with code {code}")
+
+    def kill(self) -> None:
+        """Stop this node's workers at once (startup failed; they may be inside a collective)."""
+        self._closed = True
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(p.poll() is None for p in self.workers):
+                self.group.broadcast_object(None)
+        except DistributedError:
+            pass
+        for proc in self.workers:
+            try:
+                proc.wait(_WORKER_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_driver(config: EngineConfig) -> tuple[TensorParallelDriver, torch.device]:
+    """Rank 0: start this node's workers, join the group. Returns the driver (its
+    ``runner`` is set by the engine core once the KV cache is sized) and rank 0's device."""
+    world = config.tensor_parallel_size
+    launched = torchrun_rank()
+    if launched is not None:
+        rank, world_env, local_rank = launched
+        if rank != 0 or world_env != world:
+            raise ValueError(f"the engine core must be RANK 0 of WORLD_SIZE={world}; "
+                             f"got RANK={rank}, WORLD_SIZE={world_env}")
+        store = rendezvous_store(config.distributed_init_method or "env://", 0, world, config.distributed_timeout)
+        workers: list[subprocess.Popen] = []
+    elif config.distributed_init_method is None:
+        # One node: rank 0 hosts the store on a port the OS picks, then starts the others.
+        local_rank = 0
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=_td(config.distributed_timeout))
+        init = f"tcp://127.0.0.1:{store.port}"
+        workers = [spawn_worker(config, r, init, local_rank=r) for r in range(1, world)]
+    else:
+        if config.node_rank != 0:
+            raise ValueError("the engine core runs on node 0; other nodes run workers only")
+        local_rank = 0
+        workers = [spawn_worker(config, r, config.distributed_init_method, local_rank=r)
+                   for r in ranks_of_node(config, 0) if r != 0]
+        store = rendezvous_store(config.distributed_init_method, 0, world, config.distributed_timeout)
+    device = rank_device(config, local_rank)
+    try:
+        group = TPGroup(store, 0, world, device, config.distributed_timeout)
+    except Exception:
+        for proc in workers:
+            proc.kill()
+        raise
+    return TensorParallelDriver(group, workers), device
+
+
+def gather_weight_bytes(group: TPGroup, model: torch.nn.Module) -> list[int]:
+    from pagoda.model.loader import parameter_bytes
+
+    mine = torch.tensor([parameter_bytes(model)], dtype=torch.long, device=group.device)
+    return [int(b) for b in group.all_gather(mine, dim=0).tolist()]
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def spawn_worker(config: EngineConfig, rank: int, init_method: str, local_rank: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pagoda.executor.worker", "--rank", str(rank),
+           "--local-rank", str(local_rank), "--init-method", init_method,
+           "--config-json", json.dumps(asdict(config))]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+
+def start_node_workers(config: EngineConfig) -> int:
+    """A node other than 0: start its ranks, wait for them. Returns an exit code."""
+    if config.node_rank == 0:
+        raise ValueError("node 0 runs the engine core (pagoda serve); workers run on --node-rank >= 1")
+    if config.distributed_init_method is None:
+        raise ValueError("worker nodes need the rendezvous of node 0: --master-addr/--master-port "
+                         "or --distributed-init-method tcp://host:port")
+    procs = [spawn_worker(config, r, config.distributed_init_method, local_rank=i)
+             for i, r in enumerate(ranks_of_node(config, config.node_rank))]
+    codes = [p.wait() for p in procs]
+    return max(codes, default=0)

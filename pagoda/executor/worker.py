@@ -1,0 +1,95 @@
+"""A tensor-parallel worker (rank > 0): load this rank's shard, then follow rank 0's steps.
+
+    python -m pagoda.executor.worker --rank 1 --init-method tcp://host:port --config-json '{...}'
+
+Started by the engine core on its node, by `pagoda serve --node-rank N` on the
+others, or by torchrun (RANK / WORLD_SIZE / LOCAL_RANK in the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+from pagoda.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: str) -> int:
+    from pagoda.distributed.group import DistributedError, TPGroup, rendezvous_store
+    from pagoda.engine.engine_core import kv_blocks_for
+    from pagoda.executor.multiproc import configure_threads, gather_weight_bytes, rank_device
+    from pagoda.model.loader import load_model, parse_dtype
+    from pagoda.worker.model_runner import ModelRunner
+
+    configure_threads(config)
+    world = config.tensor_parallel_size
+    device = rank_device(config, local_rank)
+    dtype = parse_dtype(config.dtype)
+    store = rendezvous_store(init_method, rank, world, config.distributed_timeout)
+    group = TPGroup(store, rank, world, device, config.distributed_timeout)
+    loaded = load_model(config.model, dtype, device, show_progress=False, tp_group=group, tp_rank=rank)
+    gather_weight_bytes(group, loaded.model)
+    num_blocks = group.all_reduce_min(kv_blocks_for(config, loaded.model, device, dtype))
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed, samples=False)
+    logger.info("rank %d/%d ready: %d KV blocks", rank, world, num_blocks)
+    try:
+        while True:
+            msg = group.broadcast_object()
+            if msg is None:
+                return 0
+            runner.apply_sampled(msg.sampled)
+            runner.execute_model(msg.sched_out)
+    except DistributedError as e:
+        logger.error("rank %d: %s; exiting", rank, e)
+        return 1
+
+
+def _exit_with_parent() -> None:
+    """A worker started by a local engine core ends when that process is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagoda.executor.multiproc import torchrun_rank
+
+    p = argparse.ArgumentParser(prog="python -m pagoda.executor.worker")
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--local-rank", type=int, default=None)
+    p.add_argument("--init-method", default=None)
+    p.add_argument("--config-json", required=True)
+    args = p.parse_args(argv)
+    config = EngineConfig(**json.loads(args.config_json))
+    rank, local_rank, init = args.rank, args.local_rank, args.init_method
+    launched = torchrun_rank()
+    if rank is None:
+        if launched is None:
+            p.error("--rank is required outside torchrun")
+        rank, _, local_rank = launched
+        init = init or config.distributed_init_method or "env://"
+    logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
+    _exit_with_parent()
+    code = run_worker(config, rank, local_rank if local_rank is not None else rank, init)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo's threads may still hold sockets of dead peers.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

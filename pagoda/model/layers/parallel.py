@@ -1,0 +1,179 @@
+"""Tensor-parallel layers and the plan that shards a model over ranks.
+
+The loader applies the plan to a model built on the meta device (before any
+weight exists), so each rank allocates and reads only its shard; the model
+code itself never mentions parallelism (as in gpt-fast).
+
+- q/k/v and gate/up (stacked): column-parallel. A rank keeps the rows of its
+  attention heads (of q, of k and of v, each sharded on its own) and of its
+  slice of the intermediate size; no communication.
+- o_proj and down_proj: row-parallel; each rank multiplies its input columns
+  and the partial sums are all-reduced.
+- embedding: vocab-parallel; each rank looks up the ids in its vocab range,
+  zeros for the rest, then all-reduce.
+- LM head: vocab-parallel; each rank computes its logits, then all-gather.
+
+Heads are split by KV group, so that every rank keeps whole GQA groups, and
+shares need not be equal: E.g. 6 query heads, 3 KV heads (groups of 2) on
+2 ranks -> rank 0 has KV heads 0-1 and query heads 0-3, rank 1 KV head 2 and
+query heads 4-5. With fewer KV heads than ranks, each KV head is replicated on
+ranks // kv_heads ranks, which split its group of query heads: E.g. 4 query
+heads, 1 KV head on 2 ranks -> both hold KV head 0, with query heads 0-1 and 2-3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.model.arch import ModelArchConfig
+
+
+class Collectives(Protocol):
+    world_size: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Contiguous near-equal split, larger shares first: split_range(5, 2, 1) -> (3, 5)."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    world_size: int
+    q_heads: tuple[int, int]       # [start, end) of the query heads this rank computes
+    kv_heads: tuple[int, int]      # [start, end) of the KV heads it holds
+    intermediate: tuple[int, int]  # [start, end) of the MLP intermediate dimension
+    vocab: tuple[int, int]         # [start, end) of the vocabulary rows it holds
+    vocab_per_rank: int            # padded rows per rank (all ranks equal, for all-gather)
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def build(cls, arch: ModelArchConfig, rank: int, world_size: int) -> ShardPlan:
+        heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+        group = heads // kv
+        if heads < world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's {heads} attention heads")
+        if kv >= world_size:
+            kv_range = split_range(kv, world_size, rank)
+            q_range = (kv_range[0] * group, kv_range[1] * group)
+        else:
+            if world_size % kv:
+                raise ValueError(
+                    f"the model has {kv} KV heads: tensor_parallel_size={world_size} must be at most "
+                    f"{kv} or a multiple of it (each KV head is then replicated on the same number of ranks)")
+            copies = world_size // kv
+            if group < copies:
+                raise ValueError(f"tensor_parallel_size={world_size} leaves ranks without query heads")
+            head = rank // copies
+            sub = split_range(group, copies, rank % copies)
+            kv_range = (head, head + 1)
+            q_range = (head * group + sub[0], head * group + sub[1])
+        per = -(-arch.vocab_size // world_size)
+        vocab = (min(rank * per, arch.vocab_size), min((rank + 1) * per, arch.vocab_size))
+        return cls(rank, world_size, q_range, kv_range, split_range(arch.intermediate_size, world_size, rank),
+                   vocab, per, arch.head_dim, arch.vocab_size)
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    # ---- sharding the module tree (on the meta device) -------------------------------
+
+    def apply(self, model: nn.Module, comm: Collectives) -> None:
+        """Swap in this rank's layers. The model must be on the meta device."""
+        d = self.head_dim
+        i0, i1 = self.intermediate
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.num_heads, attn.num_kv_heads = self.num_heads, self.num_kv_heads
+            attn.q_size, attn.kv_size = self.num_heads * d, self.num_kv_heads * d
+            bias = attn.qkv_proj.bias is not None
+            attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_size + 2 * attn.kv_size, bias=bias)
+            attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, comm)
+            mlp.intermediate_size = i1 - i0
+            mlp.gate_up_proj = nn.Linear(mlp.gate_up_proj.in_features, 2 * (i1 - i0), bias=False)
+            mlp.down_proj = RowParallelLinear(i1 - i0, mlp.down_proj.out_features, comm)
+        hidden = model.model.embed_tokens.embedding_dim
+        model.model.embed_tokens = VocabParallelEmbedding(self.vocab, self.vocab_per_rank, hidden, comm)
+        model.lm_head = ParallelLMHead(self.vocab_per_rank, hidden, self.vocab_size, comm)
+
+    # ---- sharding the checkpoint's tensors as they are read ---------------------------
+
+    def narrow(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (HF naming)."""
+        d = self.head_dim
+        kind = name.split(".")[-2] if "." in name else name
+        if kind == "q_proj":
+            return t[self.q_heads[0] * d:self.q_heads[1] * d]
+        if kind in ("k_proj", "v_proj"):
+            return t[self.kv_heads[0] * d:self.kv_heads[1] * d]
+        if kind in ("gate_proj", "up_proj"):
+            return t[self.intermediate[0]:self.intermediate[1]]
+        if kind == "o_proj" and name.endswith("weight"):
+            return t[:, self.q_heads[0] * d:self.q_heads[1] * d]
+        if kind == "down_proj" and name.endswith("weight"):
+            return t[:, self.intermediate[0]:self.intermediate[1]]
+        if kind in ("embed_tokens", "lm_head"):
+            rows = t[self.vocab[0]:self.vocab[1]]
+            pad = self.vocab_per_rank - rows.shape[0]
+            return F.pad(rows, (0, 0, 0, pad)) if pad else rows
+        return t
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W_shard^T): the input is split over ranks."""
+
+    def __init__(self, in_features_per_rank: int, out_features: int, comm: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features_per_rank))
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the embedding (padded to ``rows`` rows); the rank that
+    holds a token's row contributes it, the others zeros, and all-reduce sums them."""
+
+    def __init__(self, vocab: tuple[int, int], rows: int, hidden: int, comm: Collectives) -> None:
+        super().__init__()
+        self.start, self.end = vocab
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.comm = comm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.end)
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        return self.comm.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Each rank's logits for its vocab rows, all-gathered, padding cut off."""
+
+    def __init__(self, rows: int, hidden: int, vocab_size: int, comm: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.vocab_size = vocab_size
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(F.linear(x, self.weight), dim=-1)[..., : self.vocab_size]

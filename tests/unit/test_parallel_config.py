@@ -1,0 +1,49 @@
+"""Parallel options: validated at the config and CLI boundary, never silently ignored."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.config import EngineConfig
+from pagoda.entrypoints.cli import build_parser, config_from_args
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"data_parallel_size": -1}, "data_parallel_size"),
+    ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_method": "tcp://h:1"}, "multiple of nnodes"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "rendezvous"),
+    ({"node_rank": 1}, "node_rank"),
+    ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization"),
+    ({"data_parallel_size": 2, "distributed_init_method": "tcp://h:1"}, "data-parallel"),
+    ({"distributed_timeout": 0}, "distributed_timeout"),
+    ({"threads_per_rank": 0}, "threads_per_rank"),
+])
+def test_invalid_parallel_configs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def _config(argv: list[str]) -> EngineConfig:
+    args = build_parser().parse_args(argv)
+    return config_from_args(args)
+
+
+def test_cli_master_addr_becomes_tcp_init_method():
+    c = _config(["serve", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+                 "--master-addr", "10.0.0.1", "--master-port", "29500"])
+    assert (c.tensor_parallel_size, c.nnodes, c.node_rank) == (2, 2, 1)
+    assert c.distributed_init_method == "tcp://10.0.0.1:29500"
+
+
+def test_cli_rendezvous_options_conflict_or_incomplete():
+    with pytest.raises(ValueError, match="not both"):
+        _config(["serve", "--distributed-init-method", "tcp://a:1", "--master-addr", "b", "--master-port", "2"])
+    with pytest.raises(ValueError, match="go together"):
+        _config(["serve", "--master-addr", "b"])
+
+
+def test_cli_data_parallel_is_for_serve():
+    assert _config(["serve", "-dp", "2"]).data_parallel_size == 2
+    with pytest.raises(ValueError, match="serve"):
+        _config(["generate", "--data-parallel-size", "2"])
