@@ -57,7 +57,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, collect_stats=False)  # no metrics consumer offline
         self.tokenizer: Tokenizer | None = None
         if not self.config.skip_tokenizer_init:
             self.tokenizer = build_tokenizer(self.engine.loaded, self.config.chat_template)
