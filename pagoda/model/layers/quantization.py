@@ -1,14 +1,17 @@
 """Quantized linear layers, chosen by the loader (the model code knows nothing of them).
 
-``int8``: weights quantized once, symmetric per output channel; each step's
-activations quantized on the fly, symmetric per token (per row); the GEMM runs
-on int8 with int32 accumulation (``torch._int_mm``) and is rescaled by
-(token scale x channel scale).
+``int8``: weights quantized once, symmetric per output channel. Steps of up
+to ``Q4_FUSED_MAX_ROWS`` tokens (decode batches: bound by weight bytes) keep
+activations in fp32 and run pagoda's weight-only int8 kernel. Larger steps
+(prefill, big decode batches: compute-bound) quantize activations on the fly,
+symmetric per token (per row), run the GEMM on int8 with int32 accumulation
+(``torch._int_mm``) and rescale by (token scale x channel scale).
 
 Per-token scales matter for a serving engine: with one scale per batch (what
 FBGEMM's dynamic linear does) a request's numbers would depend on which other
-requests share its step. Per token, a request gets the same tokens whatever
-the batch, as in the exact mode.
+requests share its step. A request's arithmetic still depends on whether its
+step is small or large (the two paths), so int8 output is not bit-identical
+across batch shapes.
 
 ``q4``: weights in 4-bit groups of 32 along the input dimension, each group
 with its own scale and minimum (w = d*q + m, q in 0..15: GGUF's Q4_1 scheme).
@@ -90,31 +93,39 @@ class Q4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
+    """``int8`` mode: int8 weights per output channel. Steps of up to
+    ``Q4_FUSED_MAX_ROWS`` tokens (decode batches) keep activations in fp32 and
+    run the weight-only kernel, which is bound by weight bytes; larger steps
+    quantize activations per token and run an int8 GEMM (compute-bound)."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        # [in, out], the layout _int_mm multiplies by.
-        self.register_buffer("qweight_t", qweight.t().contiguous())
+        # [out, in]; _int_mm multiplies by its transposed view at the same speed.
+        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("weight_scale", scale)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
+        self._ops = cpu_kernels.kernels() if self.in_features % 16 == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-        xq = torch.round(x2 / x_scale).to(torch.int8)
-        y = torch._int_mm(xq, self.qweight_t).float() * (x_scale * self.weight_scale)
+        if self._ops is not None and x2.shape[0] <= Q4_FUSED_MAX_ROWS:
+            y = self._ops.q8_linear(x2, self.qweight, self.weight_scale)
+        else:
+            x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+            xq = torch.round(x2 / x_scale).to(torch.int8)
+            y = torch._int_mm(xq, self.qweight.t()).float() * (x_scale * self.weight_scale)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-token"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
 
 
 class Int8WeightLinear(nn.Module):
