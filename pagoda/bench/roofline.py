@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 from pagoda.bench.cost import step_cost_breakdown
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, cpu_threads_policy
+from pagoda.ops import cpu_kernels
 
 
 def _best_time(fn: Callable[[], Any], min_time_s: float = 0.3, max_reps: int = 50) -> float:
@@ -54,6 +55,33 @@ def measure_gemm_peak(dtype: torch.dtype, shapes: list[tuple[int, int, int]]) ->
             "per_shape_flops": per_shape}
 
 
+def measure_int8_peak(shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """int8 x int8 -> int32 GEMM (torch._int_mm, what --quantization int8 runs for large steps)."""
+    per_shape = {}
+    for m, k, n in shapes:
+        a = torch.randint(-127, 127, (m, k), dtype=torch.int8)
+        b = torch.randint(-127, 127, (k, n), dtype=torch.int8)
+        t = _best_time(lambda: torch._int_mm(a, b))
+        per_shape[f"{m}x{k}x{n}"] = 2.0 * m * k * n / t
+    return {"dtype": "int8", "peak_flops": max(per_shape.values()), "per_shape_flops": per_shape}
+
+
+def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
+    """Bytes per weight of the projections and LM head as loaded (4 for fp32, ~1 for
+    int8, ~0.6 for q4 with its scales), for the ideal-bytes side of the roofline."""
+    from pagoda.model.layers.quantization import Int8Linear, Int8WeightLinear, Q4Linear
+
+    elems = nbytes = 0
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, Int8Linear, Int8WeightLinear, Q4Linear)):
+            elems += m.in_features * m.out_features
+            if isinstance(m, torch.nn.Linear):
+                nbytes += m.weight.numel() * m.weight.element_size()
+            else:
+                nbytes += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "bias")
+    return nbytes / elems
+
+
 def measure_bandwidth(size_bytes: int) -> dict[str, float]:
     """A read (sum) and a copy of buffers far larger than the caches."""
     n = size_bytes // 4
@@ -73,8 +101,10 @@ class StepTimer:
 
         self.dtype = parse_dtype(config.dtype)
         self.device = torch.device(config.device)
-        self.loaded = load_model(config.model, self.dtype, self.device, show_progress=False)
+        self.loaded = load_model(config.model, self.dtype, self.device, show_progress=False,
+                                 quantization=config.quantization)
         self.model = self.loaded.model
+        self.decode_kernel = cpu_kernels.use_decode_kernel(self.device, self.dtype, self.dtype)
         self.arch = self.loaded.arch
         self.block_size = config.block_size
         num_blocks = max_tokens_in_kv // self.block_size + 1
@@ -103,7 +133,8 @@ class StepTimer:
         @torch.inference_mode()
         def step() -> None:
             # The metadata is rebuilt each time, as the runner does every step.
-            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
+            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device,
+                                           self.decode_kernel)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             self.model.compute_logits(hidden[last])
             if self.device.type == "cuda":
@@ -130,6 +161,13 @@ def add_roofline_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
+    if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
+        raise SystemExit("pagoda bench roofline times one process's forward; it does not take "
+                         "--tensor-parallel-size or --data-parallel-size")
+    if config.device == "cpu":
+        threads = cpu_threads_policy(config.num_threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     shapes = [(512, 576, 1536), (1024, 1024, 1024), (2048, 2048, 2048)]
     gemm = [measure_gemm_peak(torch.float32, shapes)]
@@ -145,7 +183,14 @@ def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
                  + [p + config.block_size for p in args.prefill_lens])
     timer = StepTimer(config, max_kv)
     elem = torch.empty(0, dtype=timer.dtype).element_size()
-    peak = next(g["peak_flops"] for g in gemm if g["dtype"] == str(timer.dtype).removeprefix("torch."))
+    weight_elem = linear_weight_bytes_per_element(timer.model)
+    if config.quantization == "int8":
+        gemm.append(measure_int8_peak(shapes[:2]))
+        peak = gemm[-1]["peak_flops"]   # its large steps run int8 GEMMs
+    else:  # none, and q4 (large steps: dequantized tiles through fp32 BLAS)
+        peak = next(g["peak_flops"] for g in gemm if g["dtype"] == str(timer.dtype).removeprefix("torch."))
+    print(f"quantization {config.quantization}: {weight_elem:.3f} bytes per weight, compute roof "
+          f"{peak / 1e9:.1f} GFLOP/s")
     bandwidth = max(bw["read_bytes_per_s"], bw["copy_bytes_per_s"])
     ridge = peak / bandwidth
     cases = [("prefill", f"prefill {p}", [p], [0]) for p in args.prefill_lens]
@@ -155,7 +200,7 @@ def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     for kind, name, q_lens, c_lens in cases:
         t = timer.time_step(q_lens, c_lens, args.min_time)
         cost = step_cost_breakdown(timer.arch, sum(q_lens), c_lens, q_lens,
-                                   weight_bytes=elem, act_bytes=elem, kv_bytes=elem)
+                                   weight_bytes=weight_elem, act_bytes=elem, kv_bytes=elem)
         achieved = cost["flops"] / t
         roof = min(peak, cost["intensity"] * bandwidth)
         steps.append({
@@ -172,7 +217,8 @@ def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
         "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__, "gemm": gemm, "bandwidth": bw, "peak_flops": peak,
                     "bandwidth_bytes_per_s": bandwidth, "ridge_flops_per_byte": ridge},
-        "model": {"path": timer.loaded.path, "dtype": str(timer.dtype), "params": timer.arch.num_params},
+        "model": {"path": timer.loaded.path, "dtype": str(timer.dtype), "params": timer.arch.num_params,
+                  "quantization": config.quantization, "weight_bytes_per_element": weight_elem},
         "steps": steps,
     }
     print(format_table(report))

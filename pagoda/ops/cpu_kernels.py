@@ -74,3 +74,15 @@ def kernels() -> ModuleType | None:
 
 def error() -> str | None:
     return _error
+
+
+def use_decode_kernel(device, kv_dtype, model_dtype) -> bool:
+    """Whether decode attention runs the in-place kernel: CPU, float32 K/V and queries."""
+    import torch
+
+    return (
+        torch.device(device).type == "cpu"
+        and kv_dtype == torch.float32
+        and model_dtype == torch.float32
+        and kernels() is not None
+    )

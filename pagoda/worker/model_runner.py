@@ -73,11 +73,8 @@ class ModelRunner:
         ]
         # Decode attention in place through the block tables (pagoda/csrc), where
         # the kernels build: CPU, float32 KV.
-        self.decode_kernel = (
-            device.type == "cpu"
-            and kv_dtype == torch.float32
-            and model.model.embed_tokens.weight.dtype == torch.float32
-            and cpu_kernels.kernels() is not None
+        self.decode_kernel = cpu_kernels.use_decode_kernel(
+            device, kv_dtype, model.model.embed_tokens.weight.dtype
         )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
