@@ -2,7 +2,7 @@
 // (pagoda/ops/cpu_kernels.py). Two kernels where plain torch leaves most of the
 // machine unused:
 //
-// q4_linear: y = x W^T with W in 4-bit groups of 32 (asymmetric: w = d*q + m,
+// q4_linear: y = x W^T with W in 4-bit groups of 32 (asymmetric: w = d*q + m, d and m fp16,
 //   q in 0..15; the GGUF Q4_1 scheme, with the nibble order of ggml: byte j of a
 //   group holds weights j (low nibble) and j + 16 (high nibble)). Single-stream
 //   decode reads every weight once per token, so its speed is set by bytes per
@@ -50,15 +50,17 @@ inline void unpack_group(const uint8_t* p, __m256 w[4]) {
 }
 
 // Rows [r0, r0 + MR) of x against output channels [n0, n1).
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
 template <int MR>
 void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* qw,
-             const float* scales, const float* mins, const float* bias, float* y,
+             const uint16_t* scales, const uint16_t* mins, const float* bias, float* y,
              int64_t N, int64_t r0, int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wrow = qw + n * (K / 2);
-    const float* d = scales + n * groups;
-    const float* m = mins + n * groups;
+    const uint16_t* d = scales + n * groups;
+    const uint16_t* m = mins + n * groups;
     __m256 acc[MR];
     float macc[MR];
     for (int r = 0; r < MR; ++r) {
@@ -68,7 +70,8 @@ void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* qw,
     for (int64_t g = 0; g < groups; ++g) {
       __m256 w[4];
       unpack_group(wrow + g * 16, w);
-      const __m256 dg = _mm256_set1_ps(d[g]);
+      const __m256 dg = _mm256_set1_ps(h2f(d[g]));
+      const float mg = h2f(m[g]);
       for (int r = 0; r < MR; ++r) {
         const float* xr = x + (r0 + r) * K + g * kGroup;
         __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
@@ -76,7 +79,7 @@ void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* qw,
         t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), t);
         t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), t);
         acc[r] = _mm256_fmadd_ps(dg, t, acc[r]);
-        macc[r] += m[g] * xsum[(r0 + r) * groups + g];
+        macc[r] += mg * xsum[(r0 + r) * groups + g];
       }
     }
     for (int r = 0; r < MR; ++r) {
@@ -99,14 +102,16 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
   TORCH_CHECK(qweight.size(1) == K / 2, "qweight has ", qweight.size(1), " bytes per row, expected ", K / 2);
   TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / kGroup && mins.sizes() == scales.sizes(),
               "scales/mins must be [out_features, in_features / 32]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16 &&
+              scales.is_contiguous() && mins.is_contiguous(), "scales/mins must be contiguous float16");
   const int64_t groups = K / kGroup;
   auto xsum = x.view({M, groups, kGroup}).sum(-1).contiguous();
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* sp = xsum.data_ptr<float>();
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const float* dp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // Split the output channels across threads; each thread streams its own rows of
@@ -137,8 +142,10 @@ torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Ten
   auto yt = torch::empty({N, M}, x.options());  // y transposed: each tile writes whole rows
   auto xt = x.t();
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const float* dp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16,
+              "scales/mins must be float16");
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const int64_t num_tiles = (N + kTile - 1) / kTile;
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -152,8 +159,8 @@ torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Ten
         for (int64_t g = 0; g < groups; ++g) {
           __m256 q[4];
           unpack_group(qp + n * (K / 2) + g * 16, q);
-          const __m256 d = _mm256_set1_ps(dp[n * groups + g]);
-          const __m256 m = _mm256_set1_ps(mp[n * groups + g]);
+          const __m256 d = _mm256_set1_ps(h2f(dp[n * groups + g]));
+          const __m256 m = _mm256_set1_ps(h2f(mp[n * groups + g]));
           float* out = buf.data() + r * K + g * kGroup;
           for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(q[i], d, m));
         }
@@ -171,18 +178,20 @@ torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Ten
 // W as float32 [N, K] (tests, and callers without the kernels' speed needs).
 torch::Tensor q4_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins) {
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2, groups = K / kGroup;
-  auto w = torch::empty({N, K}, scales.options());
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16,
+              "scales/mins must be float16");
+  auto w = torch::empty({N, K}, scales.options().dtype(torch::kFloat32));
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const float* dp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t g = 0; g < groups; ++g) {
         __m256 q[4];
         unpack_group(qp + n * (K / 2) + g * 16, q);
-        const __m256 d = _mm256_set1_ps(dp[n * groups + g]);
-        const __m256 m = _mm256_set1_ps(mp[n * groups + g]);
+        const __m256 d = _mm256_set1_ps(h2f(dp[n * groups + g]));
+        const __m256 m = _mm256_set1_ps(h2f(mp[n * groups + g]));
         float* out = wp + n * K + g * kGroup;
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(q[i], d, m));
       }

@@ -19,13 +19,15 @@ def test_q4_quantize_round_trip_is_within_half_a_step():
     w = torch.randn(64, 96)
     packed, scales, mins = q4_quantize(w)
     assert packed.shape == (64, 48) and packed.dtype == torch.uint8
-    assert scales.shape == mins.shape == (64, 3)
-    err = (q4_dequantize(packed, scales, mins) - w).abs().view(64, 3, 32)
-    assert bool((err <= scales[..., None] / 2 + 1e-6).all())
-    # A group's min and max are on the grid exactly.
+    assert scales.shape == mins.shape == (64, 3) and scales.dtype == mins.dtype == torch.float16
     back = q4_dequantize(packed, scales, mins).view(64, 3, 32)
-    torch.testing.assert_close(back.amin(-1), w.view(64, 3, 32).amin(-1))
-    torch.testing.assert_close(back.amax(-1), w.view(64, 3, 32).amax(-1))
+    groups = w.view(64, 3, 32)
+    # Half a step, plus the fp16 rounding of the minimum and of the scale (x15).
+    slack = scales.float() / 2 + (mins.float().abs() + 15 * scales.float()) * 2.0 ** -10 + 1e-6
+    assert bool(((back - groups).abs() <= slack[..., None]).all())
+    # A group's min and max are on the grid, to fp16 rounding.
+    torch.testing.assert_close(back.amin(-1), groups.amin(-1), rtol=2e-3, atol=1e-4)
+    torch.testing.assert_close(back.amax(-1), groups.amax(-1), rtol=2e-3, atol=1e-4)
 
 
 def test_q4_quantize_of_a_constant_group_is_exact():

@@ -39,19 +39,19 @@ Q4_FUSED_MAX_ROWS = 16
 
 
 def q4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (packed [N, K/2] uint8, scales [N, K/32], mins [N, K/32]).
+    """[N, K] float -> (packed [N, K/2] uint8, scales [N, K/32] fp16, mins [N, K/32] fp16).
 
     Byte j of a group holds weight j in its low nibble and weight j + 16 in its
-    high nibble (ggml's order)."""
+    high nibble (ggml's order). Scales and minimums are fp16, as in Q4_1; the
+    4-bit values are chosen against the rounded fp16 scale and minimum."""
     n, k = weight.shape
     if k % Q4_GROUP:
         raise ValueError(f"q4 needs in_features divisible by {Q4_GROUP}, got {k}")
     groups = weight.float().reshape(n, k // Q4_GROUP, Q4_GROUP)
-    lo = groups.amin(-1)
-    hi = groups.amax(-1)
-    scale = (hi - lo) / 15.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((groups - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+    lo = groups.amin(-1).half()
+    scale = ((groups.amax(-1) - lo.float()) / 15.0).half()
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    q = torch.round((groups - lo.float()[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
     return packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous()
 
@@ -61,7 +61,7 @@ def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     n, half = packed.shape
     g = packed.reshape(n, half // 16, 16)
     q = torch.cat((g & 0x0F, g >> 4), dim=-1).float()
-    return (q * scales[..., None] + mins[..., None]).reshape(n, half * 2)
+    return (q * scales.float()[..., None] + mins.float()[..., None]).reshape(n, half * 2)
 
 
 class Q4Linear(nn.Module):
