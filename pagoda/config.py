@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from pagoda.spec_decode.config import SpeculativeConfig
 
 
 def _positive(name: str, value: object, allow_none: bool = False) -> None:
@@ -30,6 +33,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None      # a template string or a path to one
     show_progress: bool = True
+    # Speculative decoding: a SpeculativeConfig, or a dict / JSON string of one (vLLM's shape).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -44,6 +49,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
 def available_memory_bytes() -> int:

@@ -46,7 +46,19 @@ class EngineCore:
             max_model_len = arch.sliding_window
         self.max_model_len = max_model_len
 
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_model(spec.model, dtype, device, show_progress=config.show_progress,
+                               quantization=config.quantization)
+        if spec is not None:
+            from pagoda.spec_decode import check_draft_model
+
+            check_draft_model(spec, loaded, draft)
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype)
+        if draft is not None:
+            # The draft model's own cache has as many blocks, over the same block ids.
+            per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory
@@ -76,10 +88,17 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
+                num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             ),
             self.kv_manager,
         )
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
+        if spec is not None:
+            from pagoda.spec_decode import build_proposer, draft_kv_caches
+
+            caches = None if draft is None else draft_kv_caches(draft, num_blocks, config.block_size, dtype, device)
+            self.runner.proposer = build_proposer(spec, loaded.model, self.runner.kv_caches, config.block_size,
+                                                  device, draft, caches)
         self.vocab_size = arch.vocab_size
         self._structured = None
         self.step_stats: StepStatsCollector | None = None

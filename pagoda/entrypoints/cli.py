@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template string or file")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        '(methods: ngram [prompt_lookup_min/max], layer_skip [num_layers], draft_model [model])')
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -73,6 +76,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         chat_template=args.chat_template,
+        speculative_config=args.speculative_config,
         **extra,
     )
 
