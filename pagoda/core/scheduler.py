@@ -176,7 +176,8 @@ class Scheduler:
                 # All scheduled already; its sampled token has not arrived yet.
                 i += 1
                 continue
-            spec = self._num_spec_tokens(request, budget) if num_new == 1 else 0
+            # Drafts never take the budget of a running request behind this one.
+            spec = self._num_spec_tokens(request, budget - (len(self.running) - i - 1)) if num_new == 1 else 0
             new_blocks = self.kv.allocate_slots(request, num_new + spec)
             if new_blocks is None and spec:
                 spec = 0  # no room to speculate: decode plainly before preempting anyone
