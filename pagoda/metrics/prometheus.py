@@ -76,6 +76,18 @@ class EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Speculative verification rounds with at least one draft.",
+                      stats.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      stats.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                      stats.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position in the draft (0 = first).",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
         if metrics is None:
             return
         yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.", metrics.prompt_tokens)

@@ -10,6 +10,8 @@ near-tie of the baseline's top-2 logits.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagoda.config import EngineConfig
@@ -238,3 +240,22 @@ def test_default_model_preemption_prefix_caching(smol, smol_prompts, smol_baseli
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
     assert stats.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_bench_spec_runs_on_tiny_numbers(tmp_path, capsys):
+    from pagoda.entrypoints.cli import main
+
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--num-prompts", "1", "--output-len", "6", "--num-warmup", "0",
+            "--workloads", "repetitive", "--num-kv-blocks", "64", "--save-result", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    labels = [r["label"] for r in report["results"]]
+    assert labels[0] == "none" and labels[1].startswith("ngram") and labels[2].startswith("layer_skip")
+    for r in report["results"][1:]:
+        assert r["repetitive"]["num_draft_tokens"] > 0
+    assert "tok/s" in capsys.readouterr().out
+    # Both ways of naming configurations at once is an error, not a silent choice.
+    assert main(argv + ["--spec", '{"method": "ngram", "num_speculative_tokens": 2}',
+                        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 2
