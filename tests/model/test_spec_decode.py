@@ -259,3 +259,22 @@ def test_bench_spec_runs_on_tiny_numbers(tmp_path, capsys):
     # Both ways of naming configurations at once is an error, not a silent choice.
     assert main(argv + ["--spec", '{"method": "ngram", "num_speculative_tokens": 2}',
                         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 2
+
+
+def test_offline_llm_accepts_speculative_config(tiny_llama_dir):
+    from pagoda import LLM
+
+    prompt = {"prompt_token_ids": [5, 17, 42, 99] * 4}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = LLM(tiny_llama_dir, show_progress=False, skip_tokenizer_init=True, num_kv_blocks=64)
+    spec = LLM(tiny_llama_dir, show_progress=False, skip_tokenizer_init=True, num_kv_blocks=64,
+               speculative_config={"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 1})
+    want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert spec.engine.scheduler.make_stats().spec_num_draft_tokens > 0
+    spec.engine.check_integrity()
+
+
+def test_layer_skip_must_be_shallower_than_the_target(tiny):
+    with pytest.raises(ValueError, match="num_layers=2 must be smaller than the target's 2 layers"):
+        engine(tiny, {"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 2})
