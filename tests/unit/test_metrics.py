@@ -208,6 +208,20 @@ def test_stat_logger_logs_while_busy_and_once_when_idle(caplog: pytest.LogCaptur
         StatLogger(m, interval=0)
 
 
+def test_stat_logger_reports_spec_decode_acceptance() -> None:
+    m = EngineMetrics(64, 8, 32)
+    log = StatLogger(m, interval=10.0)
+    log.maybe_log(0.0)
+    m.generation_tokens = 50
+    m.stats = SchedulerStats(num_running_reqs=1, spec_num_drafts=10, spec_num_draft_tokens=40,
+                             spec_num_accepted_tokens=30)
+    line = log.maybe_log(10.0)
+    assert line is not None and "Spec decode acceptance: 75.0% (4.00 tokens per verification)" in line
+    m.generation_tokens = 60
+    line = log.maybe_log(20.0)    # no drafts in this interval: no spec part
+    assert line is not None and "Spec decode" not in line
+
+
 def test_request_log_line(caplog: pytest.LogCaptureFixture) -> None:
     import time
 
