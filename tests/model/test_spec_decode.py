@@ -18,7 +18,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.protocol import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
-from tests.model.helpers import NEAR_TIE, compare_greedy
+from tests.model.helpers import compare_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -126,8 +126,8 @@ def test_tiny_draft_model_same_model_accepts_everything(tiny, tiny_llama_dir):
 @pytest.mark.parametrize("spec", [NGRAM, {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 1}],
                          ids=["ngram", "layer_skip"])
 def test_tiny_preemption_and_prefix_caching(tiny, spec):
-    """A pool too small for the batch forces preemption (and plain-decode fallback);
-    a shared prefix makes prefix-cache hits. Tokens stay the same as a roomy run."""
+    """A pool too small for the batch forces preemption; a shared prefix makes
+    prefix-cache hits. Tokens stay the same as a roomy run without caching."""
     shared = [5, 17, 42, 99, 7, 300, 12, 64] * 3
     prompts = [shared + [i, i + 1, i + 2] for i in range(1, 6)]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
@@ -219,7 +219,6 @@ def test_default_model_same_greedy_tokens(smol, smol_prompts, smol_baseline, spe
     drafts, draft_tokens, accepted = spec_stats(core)
     assert draft_tokens > 0
     assert accepted > 0, "the repetitive prompts should let drafts through"
-    assert NEAR_TIE > 0
 
 
 @pytest.mark.slow
