@@ -123,6 +123,20 @@ def test_tiny_draft_model_same_model_accepts_everything(tiny, tiny_llama_dir):
     assert core.scheduler.make_stats().spec_accepted_per_pos == [drafts] * 4
 
 
+def test_tiny_separate_draft_model(tiny, tiny_qwen2_dir):
+    """Another model (same vocabulary) as the draft, with its own KV cache: mostly wrong
+    drafts, the same tokens."""
+    prompts, params = _tiny_prompts(), _tiny_params()
+    want, _ = run(engine(tiny), prompts, params)
+    core = engine(tiny, {"method": "draft_model", "num_speculative_tokens": 2, "model": tiny_qwen2_dir},
+                  num_kv_blocks=24, block_size=4)
+    got, _ = run(core, prompts, params)
+    assert got == want
+    assert spec_stats(core)[1] > 0
+    # The draft's cache is sized like the target's, over the same block ids.
+    assert core.runner.proposer.kv_caches[0].shape[1] == core.num_blocks
+
+
 @pytest.mark.parametrize("spec", [NGRAM, {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 1}],
                          ids=["ngram", "layer_skip"])
 def test_tiny_preemption_and_prefix_caching(tiny, spec):
