@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
+
+from pagoda.spec_decode.config import SpeculativeConfig
 
 
 def _positive(name: str, value: object, allow_none: bool = False) -> None:
@@ -40,6 +43,8 @@ class EngineConfig:
     node_rank: int = 0                    # 0 = the node running the engine core (rank 0)
     distributed_timeout: float = 120.0    # seconds a collective may wait for a peer
     threads_per_rank: int | None = None   # torch threads per rank; None = 1 when parallel on CPU
+    # Speculative decoding: a SpeculativeConfig, or a dict / JSON string of one (vLLM's shape).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -77,6 +82,9 @@ class EngineConfig:
                              "combined with a multi-node or explicit tensor-parallel rendezvous")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
 
 
 def cpu_threads_policy(requested: int | None) -> int | None:

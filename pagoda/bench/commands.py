@@ -90,3 +90,16 @@ def add_bench_commands(
         return run_parallel(args, config_from_args(args, data_parallel_size=1))
 
     par.set_defaults(func=run_par)
+
+    sp = sub.add_parser("spec", help="single-stream decode tok/s with speculative decoding vs without")
+    add_engine_args(sp)
+    from pagoda.bench.spec import add_spec_args
+
+    add_spec_args(sp)
+
+    def run_sp(args: argparse.Namespace) -> int:
+        from pagoda.bench.spec import run_spec_bench
+
+        return run_spec_bench(args, config_from_args(args))
+
+    sp.set_defaults(func=run_sp)

@@ -14,6 +14,7 @@ server or detokenization: what a request costs the engine, not what a client wai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -111,7 +112,7 @@ def run_latency(args: argparse.Namespace, config: EngineConfig) -> int:
             "workload": {"batch_size": args.batch_size, "input_len": args.input_len,
                          "output_len": args.output_len, "num_iters": args.num_iters,
                          "num_iters_warmup": args.num_iters_warmup},
-            "engine": {k: v for k, v in vars(config).items() if k != "show_progress"},
+            "engine": {k: v for k, v in dataclasses.asdict(config).items() if k != "show_progress"},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()},
             "summary": summary,

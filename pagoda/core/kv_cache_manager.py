@@ -110,9 +110,29 @@ class KVCacheManager:
         if self.enable_caching:
             # Blocks become valid during this step's forward, which writes each
             # layer's new K/V before any attention reads, so another request
-            # scheduled in the same step may already share them.
-            self._cache_full_blocks(request, num_total)
+            # scheduled in the same step may already share them. Only known
+            # tokens count: slots for speculative drafts beyond num_tokens are
+            # unverified and never registered.
+            self._cache_full_blocks(request, min(num_total, request.num_tokens))
         return new_blocks
+
+    def trim(self, request: Request) -> int:
+        """Free the blocks past the request's computed tokens (slots of rejected
+        speculative drafts). They hold no registered hash: only blocks full of
+        known tokens are registered. Returns how many were freed.
+
+        E.g. block_size 4, 4 blocks held, 9 tokens computed -> 3 kept, 1 freed.
+        """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        tail = blocks[keep:]
+        if not tail:
+            return 0
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+        return len(tail)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id

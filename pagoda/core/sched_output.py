@@ -41,6 +41,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests under a grammar that sample this step (their logits get masked).
     structured_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: req_id -> draft slots reserved this step (included in
+    # num_scheduled_tokens). The runner proposes at most this many drafts.
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -55,3 +58,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request: None, or one (logprob, top ids, top logprobs) per sampled token.
     logprobs: list[list[tuple[float, list[int], list[float]]] | None] | None = None
+    # Speculative decoding: req_id -> drafts verified this step (requests with at
+    # least one). Its sampled_token_ids hold the kept drafts plus one target token.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)

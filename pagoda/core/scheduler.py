@@ -11,6 +11,12 @@ When the KV pool runs out, the most recently admitted running request is
 preempted by recompute: its blocks are freed, it goes back to the front of
 the waiting queue with its generated tokens kept, and later its prompt plus
 those tokens are computed again (often mostly from the prefix cache).
+
+Speculative decoding is one more case of the same loop: a decoding request that
+may speculate gets 1 + k tokens (its last sampled token and k draft slots, which
+the runner's proposer fills) within the same budget, with KV slots for all of
+them. After verification ``num_computed_tokens`` is reset to what the target
+accepted and blocks holding only rejected drafts go back to the pool.
 """
 
 from __future__ import annotations
@@ -36,12 +42,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     max_model_len: int = 8192
+    num_speculative_tokens: int = 0       # draft slots per decoding request; 0 = off
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
 
 
 class Scheduler:
@@ -58,6 +68,11 @@ class Scheduler:
         self.num_steps = 0
         self._last_batch_size = 0
         self._last_num_tokens = 0
+        # Speculative decoding counters (cumulative), vLLM's spec_decode_* metrics.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * config.num_speculative_tokens
 
     # ---- requests in and out -------------------------------------------------
 
@@ -127,6 +142,21 @@ class Scheduler:
             return False
         return True
 
+    def _num_spec_tokens(self, request: Request, budget: int) -> int:
+        """Draft slots for a decoding request: none under a grammar (the matcher
+        cannot roll back) or with logprobs asked; never more than the tokens it may
+        still emit after this step's own, nor than the budget left."""
+        k = self.config.num_speculative_tokens
+        params = request.sampling_params
+        if (
+            k == 0
+            or request.matcher is not None
+            or params.structured_outputs is not None
+            or params.logprobs is not None
+        ):
+            return 0
+        return max(0, min(k, request.max_output_tokens - request.num_output_tokens - 1, budget - 1))
+
     # ---- one step --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -135,6 +165,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        num_spec: dict[str, int] = {}
 
         # 1. Running requests, oldest first: decodes and unfinished prompt chunks.
         i = 0
@@ -145,7 +176,12 @@ class Scheduler:
                 # All scheduled already; its sampled token has not arrived yet.
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            # Drafts never take the budget of a running request behind this one.
+            spec = self._num_spec_tokens(request, budget - (len(self.running) - i - 1)) if num_new == 1 else 0
+            new_blocks = self.kv.allocate_slots(request, num_new + spec)
+            if new_blocks is None and spec:
+                spec = 0  # no room to speculate: decode plainly before preempting anyone
+                new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 # Out of blocks: evict the most recently admitted request.
                 victim = self.running.pop()
@@ -156,6 +192,9 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
+            if spec:
+                num_spec[request.request_id] = spec
+                num_new += spec
             num_scheduled[request.request_id] = num_new
             cached_reqs.append(
                 CachedRequestData(
@@ -235,6 +274,7 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
             structured_req_ids=structured,
+            num_spec_tokens=num_spec,
         )
 
     def update_from_output(
@@ -253,6 +293,9 @@ class Scheduler:
                 continue  # aborted meanwhile, or a prompt chunk that samples nothing
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted after it was scheduled
+            num_drafts = runner_out.num_draft_tokens.get(rid, 0)
+            if num_drafts:
+                self._count_spec(num_drafts, len(token_ids) - 1)
             new_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -277,6 +320,11 @@ class Scheduler:
                 finish_reason = request.status.finish_reason
                 self.running.remove(request)
                 self._free(request)
+            elif rid in sched_out.num_spec_tokens:
+                # Roll back to what was verified: every emitted token but the last
+                # is computed now; slots of rejected (or never proposed) drafts are not.
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv.trim(request)
             # Metrics: the admission time rides on the first output, preemptions on the last.
             first = request.num_output_tokens == len(new_ids)
             outputs.append(
@@ -293,6 +341,13 @@ class Scheduler:
             )
         return outputs
 
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
@@ -306,6 +361,10 @@ class Scheduler:
             step_batch_size=self._last_batch_size,
             step_num_tokens=self._last_num_tokens,
             num_steps=self.num_steps,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
 
     def check_integrity(self) -> None:
@@ -323,3 +382,7 @@ class Scheduler:
             raise AssertionError("request map out of sync with the queues")
         if set(self.kv.req_to_blocks) - {r.request_id for r in self.running}:
             raise AssertionError("a request that is not running holds blocks")
+        for request in self.running:
+            held = len(self.kv.req_to_blocks.get(request.request_id, []))
+            if held * self.kv.block_size < request.num_computed_tokens:
+                raise AssertionError(f"{request} holds {held} blocks, too few for its computed tokens")

@@ -76,8 +76,22 @@ class EngineCore:
 
         if self.tp_driver is not None:
             self.tp_driver.gather_weight_bytes(loaded.model)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            if self.tp_driver is not None:
+                raise ValueError("a draft_model speculative config is not supported with --tensor-parallel-size > 1")
+            draft = load_model(spec.model, dtype, device, show_progress=config.show_progress,
+                               quantization=config.quantization)
+        if spec is not None:
+            from pagoda.spec_decode import check_draft_model
+
+            check_draft_model(spec, loaded, draft)
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype)
-        num_blocks = kv_blocks_for(config, loaded.model, device, dtype)
+        if draft is not None:
+            # The draft model's own cache has as many blocks, over the same block ids.
+            per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
+        num_blocks = kv_blocks_for(config, loaded.model, device, dtype, per_block)
         if self.tp_driver is not None:
             # Every rank sizes its own pool (its own heads, its own memory); the smallest wins.
             num_blocks = self.tp_driver.group.all_reduce_min(num_blocks)
@@ -100,6 +114,7 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
+                num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             ),
             self.kv_manager,
         )
@@ -109,6 +124,12 @@ class EngineCore:
         if self.tp_driver is not None:
             self.tp_driver.runner = self.runner
             self.executor = self.tp_driver
+        if spec is not None:
+            from pagoda.spec_decode import build_proposer, draft_kv_caches
+
+            caches = None if draft is None else draft_kv_caches(draft, num_blocks, config.block_size, dtype, device)
+            self.runner.proposer = build_proposer(spec, loaded.model, self.runner.kv_caches, config.block_size,
+                                                  device, draft, caches)
         self.vocab_size = arch.vocab_size
         self._structured = None
         self.step_stats: StepStatsCollector | None = None
@@ -231,12 +252,15 @@ class EngineCore:
             self.tp_driver.shutdown()
 
 
-def kv_blocks_for(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
+def kv_blocks_for(config: EngineConfig, model, device: torch.device, dtype: torch.dtype,
+                  per_block: int | None = None) -> int:
     """KV blocks this process can hold: --num-kv-blocks, else the memory budget over
-    the bytes of one block (of the heads this process holds)."""
+    the bytes of one block (of the heads this process holds; ``per_block`` overrides,
+    e.g. to add a draft model's cache)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(model, config.block_size, dtype)
+    if per_block is None:
+        per_block = kv_cache_bytes_per_block(model, config.block_size, dtype)
     budget = config.kv_cache_memory
     if budget is None:
         if device.type == "cuda":

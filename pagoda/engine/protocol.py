@@ -59,6 +59,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     step_batch_size: int = 0          # requests scheduled in the last step
     step_num_tokens: int = 0          # tokens computed in the last step
     num_steps: int = 0                # cumulative
+    # Speculative decoding, cumulative: verification rounds with >= 1 draft, drafts
+    # proposed, drafts accepted, and accepted counts per draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class StepRecord(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template string or file")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        '(methods: ngram [prompt_lookup_min/max], layer_skip [num_layers], draft_model [model])')
     par = p.add_argument_group("parallelism (docs/parallel.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
@@ -120,6 +123,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         seed=args.seed,
         chat_template=args.chat_template,
         num_threads=args.num_threads,
+        speculative_config=args.speculative_config,
         **extra,
     )
 

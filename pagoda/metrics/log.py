@@ -42,12 +42,13 @@ class StatLogger:
         self.metrics = metrics
         self.interval = interval
         self._last_time: float | None = None
-        self._last = (0, 0, 0, 0)
+        self._last = (0, 0, 0, 0, 0, 0, 0)
         self._was_busy = False
 
-    def _counters(self) -> tuple[int, int, int, int]:
-        m = self.metrics
-        return m.prompt_tokens, m.generation_tokens, m.stats.prefix_cache_queries, m.stats.prefix_cache_hits
+    def _counters(self) -> tuple[int, ...]:
+        m, s = self.metrics, self.metrics.stats
+        return (m.prompt_tokens, m.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
+                s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
 
     def maybe_log(self, now: float) -> str | None:
         """Returns the line logged, if any."""
@@ -58,7 +59,9 @@ class StatLogger:
         if elapsed < self.interval:
             return None
         counters = self._counters()
-        d_prompt, d_gen, d_queries, d_hits = (a - b for a, b in zip(counters, self._last))
+        d_prompt, d_gen, d_queries, d_hits, d_drafts, d_draft_tokens, d_accepted = (
+            a - b for a, b in zip(counters, self._last)
+        )
         self._last_time, self._last = now, counters
         stats = self.metrics.stats
         busy = bool(d_prompt or d_gen or stats.num_running_reqs or stats.num_waiting_reqs)
@@ -72,5 +75,10 @@ class StatLogger:
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {(d_hits / d_queries * 100) if d_queries else 0.0:.1f}%"
         )
+        if d_draft_tokens:
+            line += (
+                f", Spec decode acceptance: {d_accepted / d_draft_tokens * 100:.1f}% "
+                f"({1 + d_accepted / d_drafts:.2f} tokens per verification)"
+            )
         logger.info("%s", line)
         return line

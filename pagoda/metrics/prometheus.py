@@ -87,6 +87,19 @@ def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | No
     yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                   lambda s: s.prefix_cache_queries)
     yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits)
+    yield counter("spec_decode_num_drafts", "Speculative verification rounds with at least one draft.",
+                  lambda s: s.spec_num_drafts)
+    yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                  lambda s: s.spec_num_draft_tokens)
+    yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                  lambda s: s.spec_num_accepted_tokens)
+    per_pos = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted draft tokens by position in the draft (0 = first).",
+                                  labels=labels + ["position"])
+    for value, _, stats in parts:
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric(value + [str(pos)], n)
+    yield per_pos
     if any(metrics is None for _, metrics, _ in parts):
         return
     yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.",

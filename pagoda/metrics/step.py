@@ -68,11 +68,13 @@ class StepStatsCollector:
         for rid, n in scheduled.items():
             req = requests[rid]
             after = req.num_computed_tokens
-            samples = after == len(req.all_token_ids)
-            num_sampling += samples
-            # Decode: exactly the token sampled last step. Anything else computes prompt
-            # tokens: a chunk, a whole prompt, or a recompute after preemption.
-            batch.append((rid, n, not (samples and n == 1 and req.output_token_ids)))
+            # Speculative draft slots sit past the known tokens.
+            spec = sched_out.num_spec_tokens.get(rid, 0)
+            samples = after - spec == len(req.all_token_ids)
+            num_sampling += samples + spec
+            # Decode: exactly the token sampled last step (plus any drafts). Anything else
+            # computes prompt tokens: a chunk, a whole prompt, or a recompute after preemption.
+            batch.append((rid, n, not (samples and n - spec == 1 and req.output_token_ids)))
             contexts.append(after - n)
             total += n
         flops = nbytes = 0.0

@@ -89,12 +89,13 @@ class AttentionMetadata:
         elif num_decodes:
             seq = ctx[:num_decodes] + 1
             p = torch.arange(int(seq.max()))
-            # Padded positions re-read the request's last position and are masked out.
-            # They must read a written slot: the cache is allocated uninitialised, and
-            # NaN garbage would survive the mask (0 * NaN) and poison the whole row.
-            pc = torch.minimum(p[None, :], seq[:, None] - 1)
+            # Padded positions re-read the request's own last position and are masked
+            # out. They must read a written slot: the tail of a block (or the cache's
+            # uninitialised memory) may hold NaN, and a masked NaN still poisons SDPA
+            # (its weight is 0, but 0 * NaN = NaN).
+            padded = torch.minimum(p[None, :], seq[:, None] - 1)
             rows = torch.arange(num_decodes)[:, None]
-            decode_gather = table[rows, pc // block_size] * block_size + pc % block_size
+            decode_gather = table[rows, padded // block_size] * block_size + padded % block_size
             decode_mask = (p[None, :] < seq[:, None])[:, None, None, :].to(device)
             decode_gather = decode_gather.to(device)
         prefills: list[PrefillChunk] = []

@@ -238,6 +238,22 @@ class Sampler(torch.nn.Module):
         )
 
 
+    def target_distribution(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``forward`` would sample from, without sampling: (argmax after bias,
+        bans and penalties [B]; the final distribution of random rows after temperature
+        and truncation [B, V], None when every row is greedy). Speculative decoding
+        verifies drafts against these."""
+        logits = _apply_penalties(_apply_bias_and_bans(logits.float(), metadata), metadata)
+        greedy_ids = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy_ids, None
+        if metadata.temperature is not None:
+            logits = logits / metadata.temperature.unsqueeze(1)
+        return greedy_ids, torch.softmax(_truncate(logits, metadata), dim=-1)
+
+
 def _apply_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.bias_rows is None and md.ban_rows is None:
         return logits

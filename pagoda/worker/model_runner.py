@@ -16,8 +16,10 @@ from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.models.llama import LlamaForCausalLM
 from pagoda.ops import cpu_kernels
+from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
 from pagoda.sample.sampler import Sampler, SamplingMetadata, SamplingRow
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.proposer import DraftRequest, Proposer
 
 
 @dataclass
@@ -62,6 +64,8 @@ class ModelRunner:
         tokens from it (``apply_sampled``) before the next step."""
         self.samples = samples
         self.model = model
+        # Speculative decoding: set by the engine (pagoda/spec_decode/) when enabled.
+        self.proposer: Proposer | None = None
         self.block_size = block_size
         self.device = device
         c = model.config
@@ -127,8 +131,14 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
+        drafts = self._propose(so)
+        # Tokens computed per request: the scheduler's count, less draft slots left unfilled.
+        num_tokens = {
+            rid: n - so.num_spec_tokens.get(rid, 0) + len(drafts.get(rid, ()))
+            for rid, n in so.num_scheduled_tokens.items()
+        }
         # Decodes first: the attention path batches them together.
-        order = sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
+        order = sorted(num_tokens, key=lambda rid: num_tokens[rid] != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -136,34 +146,43 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []       # index into `order` of requests that sample
         logits_indices: list[int] = []
+        spec_rows: list[int] = []         # ... of requests verifying drafts
+        spec_indices: list[int] = []      # their logits: last known token and every draft
         offset = 0
         for i, rid in enumerate(order):
             state = self.requests[rid]
-            n = so.num_scheduled_tokens[rid]
+            n = num_tokens[rid]
+            draft = drafts.get(rid, [])
             start = state.num_computed_tokens
-            end = start + n
+            end = start + n - len(draft)
             input_ids.extend(state.all_token_ids[start:end])
-            positions.extend(range(start, end))
+            input_ids.extend(draft)
+            positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start)
             tables.append(state.block_ids)
             offset += n
             # Only a request whose last known token is in this step samples.
-            if end == len(state.all_token_ids):
+            if draft:
+                spec_rows.append(i)
+                spec_indices.extend(range(offset - len(draft) - 1, offset))
+            elif end == len(state.all_token_ids):
                 sample_rows.append(i)
                 logits_indices.append(offset - 1)
 
         meta = AttentionMetadata.build(
             query_lens, context_lens, tables, self.block_size, self.device, self.decode_kernel
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        if self.proposer is not None and self.proposer.needs_sync:
+            self.proposer.sync(ids_t, pos_t, meta)
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list = [None for _ in order]
+        if spec_rows:
+            spec_logits = self.model.compute_logits(hidden[torch.tensor(spec_indices, device=self.device)])
+            self._verify([order[i] for i in spec_rows], drafts, spec_logits, sampled, spec_rows)
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
         if sample_rows and self.samples:
@@ -205,8 +224,67 @@ class ModelRunner:
             return ModelRunnerOutput(order, sampled, logprobs)
         for i, rid in enumerate(order):
             state = self.requests[rid]
-            state.num_computed_tokens += so.num_scheduled_tokens[rid]
+            state.num_computed_tokens += num_tokens[rid]
             if sampled[i]:
                 state.output_token_ids.extend(sampled[i])
                 state.all_token_ids.extend(sampled[i])
-        return ModelRunnerOutput(order, sampled, logprobs)
+            if rid in so.num_spec_tokens:
+                # Roll back as the scheduler does: the last emitted token is not
+                # computed yet, and blocks past the computed tokens are freed.
+                state.num_computed_tokens = len(state.all_token_ids) - 1
+                num_kept = (state.num_computed_tokens + self.block_size - 1) // self.block_size
+                del state.block_ids[num_kept:]
+        return ModelRunnerOutput(
+            order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d}
+        )
+
+    # ---- speculative decoding ---------------------------------------------------------
+
+    def _propose(self, so: SchedulerOutput) -> dict[str, list[int]]:
+        if self.proposer is None or not so.num_spec_tokens:
+            return {}
+        rids = list(so.num_spec_tokens)
+        asks = [
+            DraftRequest(self.requests[rid].all_token_ids, so.num_spec_tokens[rid], self.requests[rid].block_ids)
+            for rid in rids
+        ]
+        return {rid: d[: so.num_spec_tokens[rid]] for rid, d in zip(rids, self.proposer.propose(asks))}
+
+    def _verify(
+        self,
+        rids: list[str],
+        drafts: dict[str, list[int]],
+        logits: torch.Tensor,
+        sampled: list[list[int]],
+        rows_in_order: list[int],
+    ) -> None:
+        """Accept or reject each request's drafts against the target's logits (one row
+        per draft plus one). Row j of a request sees its output so far plus drafts d[:j],
+        so penalties, logit bias and min_tokens apply exactly as plain decoding would."""
+        rows: list[SamplingRow] = []
+        for rid in rids:
+            state = self.requests[rid]
+            gen = self._generator_for(rid, state.sampling_params)
+            draft = drafts[rid]
+            for j in range(len(draft) + 1):
+                rows.append(SamplingRow(
+                    params=state.sampling_params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=state.output_token_ids + draft[:j],
+                    generator=gen,
+                    eos_token_ids=state.eos_token_ids,
+                ))
+        md = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
+        greedy_ids, probs = self.sampler.target_distribution(logits, md)
+        greedy = greedy_ids.tolist()
+        first = 0
+        for rid, i in zip(rids, rows_in_order):
+            draft = drafts[rid]
+            last = first + len(draft) + 1
+            params = self.requests[rid].sampling_params
+            if params.is_greedy:
+                sampled[i] = verify_greedy(greedy[first:last], draft)
+            else:
+                assert probs is not None
+                sampled[i] = rejection_sample(probs[first:last], draft, None, self._generator_for(rid, params))
+            first = last

@@ -152,6 +152,18 @@ def test_prometheus_exposition_parses_and_mirrors_vllm_names() -> None:
     assert f["pagoda:estimated_flops_total"][()] == 30 and f["pagoda:engine_step_seconds_total"][()] == 1.5
 
 
+def test_spec_decode_counters_are_exported() -> None:
+    stats = SchedulerStats(spec_num_drafts=5, spec_num_draft_tokens=15, spec_num_accepted_tokens=9,
+                           spec_accepted_per_pos=[5, 3, 1])
+    f = _families(render(make_registry(_FakeEngine(None, stats), "m")).decode())
+    assert f["pagoda:spec_decode_num_drafts_total"][()] == 5
+    assert f["pagoda:spec_decode_num_draft_tokens_total"][()] == 15
+    assert f["pagoda:spec_decode_num_accepted_tokens_total"][()] == 9
+    assert f["pagoda:spec_decode_num_accepted_tokens_per_pos_total"] == {
+        (("position", "0"),): 5, (("position", "1"),): 3, (("position", "2"),): 1,
+    }
+
+
 def test_registries_are_per_app_and_work_without_a_recorder() -> None:
     stats = SchedulerStats(num_running_reqs=1)
     a = render(make_registry(_FakeEngine(None, stats), "a")).decode()
@@ -194,6 +206,20 @@ def test_stat_logger_logs_while_busy_and_once_when_idle(caplog: pytest.LogCaptur
     assert len([r for r in caplog.records if r.name == "pagoda.metrics"]) == 2
     with pytest.raises(ValueError):
         StatLogger(m, interval=0)
+
+
+def test_stat_logger_reports_spec_decode_acceptance() -> None:
+    m = EngineMetrics(64, 8, 32)
+    log = StatLogger(m, interval=10.0)
+    log.maybe_log(0.0)
+    m.generation_tokens = 50
+    m.stats = SchedulerStats(num_running_reqs=1, spec_num_drafts=10, spec_num_draft_tokens=40,
+                             spec_num_accepted_tokens=30)
+    line = log.maybe_log(10.0)
+    assert line is not None and "Spec decode acceptance: 75.0% (4.00 tokens per verification)" in line
+    m.generation_tokens = 60
+    line = log.maybe_log(20.0)    # no drafts in this interval: no spec part
+    assert line is not None and "Spec decode" not in line
 
 
 def test_request_log_line(caplog: pytest.LogCaptureFixture) -> None:

@@ -172,12 +172,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,        # [T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        num_layers: int | None = None,  # run only the first num_layers (a layer-skip draft)
     ) -> torch.Tensor:                  # hidden states [T, hidden]
         x = self.model.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        for layer, kv_cache in zip(layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
 

@@ -1,0 +1,102 @@
+"""The proposer interface, and the draft that is a language model.
+
+A proposer turns each speculating request's known tokens into at most ``num_drafts``
+draft tokens, at the start of a step, inside the model runner. The scheduler has
+already reserved budget and KV slots for 1 + num_drafts tokens: the last known token
+(not computed yet) followed by the drafts. Fewer drafts than asked (an ngram miss) is
+fine; the runner computes only what it got.
+
+Drafts are proposed greedily (argmax), so the proposal distribution q is one-hot at
+the draft token; the verifier's rejection sampling is exact for that q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagoda.model.attention import AttentionMetadata
+
+
+@dataclass
+class DraftRequest:
+    token_ids: list[int]    # prompt + output; the last one is not computed yet
+    num_drafts: int         # propose at most this many
+    block_ids: list[int]    # the request's block table (slots for all 1 + num_drafts positions)
+
+
+class Proposer(Protocol):
+    # True: the proposer keeps a KV cache of its own that must see every token the
+    # target computes (``sync`` runs on each step's batch).
+    needs_sync: bool
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]: ...
+
+    def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+
+class ModelDraftProposer:
+    """A draft model decodes greedily, one batched forward per draft position.
+
+    layer_skip: ``model`` is the target itself, run through its first ``num_layers``
+    layers (then the final norm and the LM head), and ``kv_caches`` are the target's
+    caches of those layers. Those layers' K/V at a position depend only on the tokens up
+    to it, so for every computed position the target already wrote exactly the K/V the
+    draft needs: nothing to keep in sync. The draft writes K/V only at the request's
+    uncomputed positions (its last known token and its drafts), into slots the scheduler
+    allocated for this step; the target's verification forward then rewrites every one
+    of them (all layers write a step's new K/V before attention reads), and slots of
+    rejected drafts are rewritten when real tokens reach those positions.
+
+    draft_model: a separate model with caches of its own over the same block ids;
+    ``sync`` runs it on every step's batch so its cache holds every computed position,
+    prefix-cache hits included (a cached block was computed, and synced, by some step).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        num_layers: int | None = None,
+        needs_sync: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.num_layers = num_layers
+        self.needs_sync = needs_sync
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta, num_layers=self.num_layers)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        last = [r.token_ids[-1] for r in requests]
+        for j in range(max((r.num_drafts for r in requests), default=0)):
+            active = [i for i, r in enumerate(requests) if r.num_drafts > j]
+            # Request i's input at step j sits at position len(tokens) - 1 + j.
+            ctx = [len(requests[i].token_ids) - 1 + j for i in active]
+            meta = AttentionMetadata.build(
+                [1] * len(active), ctx, [requests[i].block_ids for i in active], self.block_size, self.device
+            )
+            hidden = self._forward(
+                torch.tensor([last[i] for i in active], dtype=torch.long, device=self.device),
+                torch.tensor(ctx, dtype=torch.long, device=self.device),
+                meta,
+            )
+            next_ids = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            for i, token in zip(active, next_ids):
+                drafts[i].append(token)
+                last[i] = token
+        return drafts
+
+    @torch.inference_mode()
+    def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self.needs_sync:
+            self._forward(input_ids, positions, meta)
