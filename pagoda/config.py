@@ -30,6 +30,12 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None      # a template string or a path to one
     show_progress: bool = True
+    # Scheduling (docs/scheduling.md).
+    scheduling_policy: str = "fcfs"       # fcfs | priority | fair
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None
+    shared_prefix_file: str | None = None  # texts whose prefix blocks stay shared across cache salts
+    api_keys_file: str | None = None       # API key -> tenant, weight, limits (JSON or TOML)
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -42,8 +48,31 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
+        _positive("max_long_partial_prefills", self.max_long_partial_prefills, allow_none=True)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        if self.api_keys_file is not None:
+            from pagoda.tenants import load_api_keys_file
+
+            load_api_keys_file(self.api_keys_file)  # raises on a malformed file
+        if self.shared_prefix_file is not None:
+            from pagoda.shared_prefix import read_shared_prefix_file
+
+            read_shared_prefix_file(self.shared_prefix_file)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+def check_priority(config: EngineConfig, priority: object) -> None:
+    """A request's priority: an integer, and non-zero only under a policy that uses it."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and config.scheduling_policy == "fcfs":
+        raise ValueError(
+            f"priority={priority} is not allowed with the fcfs scheduling policy; "
+            "start the engine with --scheduling-policy priority (or fair)"
+        )
 
 
 def available_memory_bytes() -> int:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pagoda.config import EngineConfig, available_memory_bytes
+from pagoda.config import EngineConfig, available_memory_bytes, check_priority
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -26,6 +26,14 @@ logger = logging.getLogger(__name__)
 # Default KV budget on CPU: this share of available memory, at most this much.
 _CPU_KV_FRACTION = 0.25
 _CPU_KV_MAX_BYTES = 4 << 30
+
+
+def _tenant_specs(config: EngineConfig) -> tuple:
+    if config.api_keys_file is None:
+        return ()
+    from pagoda.tenants import load_api_keys_file, tenants_of
+
+    return tuple(tenants_of(load_api_keys_file(config.api_keys_file)).values())
 
 
 class EngineCore:
@@ -76,11 +84,24 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
+                policy=config.scheduling_policy,
+                max_long_partial_prefills=config.max_long_partial_prefills,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                tenants=_tenant_specs(config),
             ),
             self.kv_manager,
         )
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
         self.vocab_size = arch.vocab_size
+        self.shared_prefixes = None
+        if config.shared_prefix_file is not None:
+            from pagoda.engine.llm import build_tokenizer
+            from pagoda.shared_prefix import SharedPrefixes, read_shared_prefix_file
+
+            self.shared_prefixes = SharedPrefixes.from_texts(
+                read_shared_prefix_file(config.shared_prefix_file),
+                build_tokenizer(loaded, config.chat_template), config.block_size,
+            )  # fmt: skip
         self._structured = None
         self.step_stats: StepStatsCollector | None = None
         if collect_stats:
@@ -109,6 +130,7 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         params = req.sampling_params
         params.validate_for_vocab(self.vocab_size)
+        check_priority(self.config, req.priority)
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
@@ -131,7 +153,10 @@ class EngineCore:
             arrival_time=req.arrival_time or None,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            tenant=req.tenant,
         )
+        if req.cache_salt and self.shared_prefixes is not None:
+            request.num_shared_prefix_tokens = self.shared_prefixes.shared_len(req.prompt_token_ids)
         if params.structured_outputs is not None:
             # Compiled off the step loop; the scheduler waits for it.
             request.grammar = self.structured.submit(params.structured_outputs)

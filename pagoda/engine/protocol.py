@@ -19,6 +19,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    tenant: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

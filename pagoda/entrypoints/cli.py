@@ -55,6 +55,20 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template string or file")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority", "fair"),
+                   help="fcfs: arrival order; priority: lower request priority first, may preempt lower "
+                        "priorities; fair: share each step's tokens across tenants by weight "
+                        "(docs/scheduling.md)")
+    p.add_argument("--max-long-partial-prefills", type=int, default=None,
+                   help="at most this many prompts longer than --long-prefill-token-threshold are "
+                        "chunk-prefilled at once (short prompts pass the others)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="a prompt with more tokens than this to compute is a long prefill; its chunk per "
+                        "step is capped at this while others want the budget (default with "
+                        "--max-long-partial-prefills: 4%% of the context length)")
+    p.add_argument("--shared-prefix-file", default=None,
+                   help="system prompts / texts whose prefix cache blocks stay shared across cache_salt "
+                        "values (JSON array of strings, or text with '---' lines between entries)")
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -73,6 +87,11 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         chat_template=args.chat_template,
+        scheduling_policy=args.scheduling_policy,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        shared_prefix_file=args.shared_prefix_file,
+        api_keys_file=getattr(args, "api_keys_file", None),
         **extra,
     )
 
@@ -151,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or PAGODA_API_KEY)")
+    serve.add_argument("--api-keys-file", default=None,
+                       help="JSON or TOML: API key -> {tenant, weight, max_running, max_queued}; any key "
+                            "is accepted and names the request's tenant (without it, an X-Tenant header "
+                            "does)")
     serve.add_argument("--max-num-queued-requests", type=int, default=None,
                        help="bound on requests waiting for their first token; excess gets 429")
     serve.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests are aborted")

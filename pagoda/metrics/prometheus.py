@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from pagoda.engine.protocol import SchedulerStats
 from pagoda.metrics.histogram import Histogram
-from pagoda.metrics.stats import FINISH_REASONS, EngineMetrics
+from pagoda.metrics.stats import FINISH_REASONS, EngineMetrics, LabelledStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -94,11 +94,39 @@ class EngineCollector(Collector):
                       metrics.step_flops)
         yield counter("estimated_bytes", "Estimated bytes moved by engine steps: weights + KV read/written.",
                       metrics.step_bytes)
+        yield from _class_families(metrics.by_tenant, "tenant", self.model_name)
+        yield from _class_families(metrics.by_priority, "priority", self.model_name)
         for attr, name, doc in _HISTOGRAMS:
             hist: Histogram = getattr(metrics, attr)
             h = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
             h.add_metric(value, hist.cumulative(), hist.sum)
             yield h
+
+
+def _class_families(stats: LabelledStats, label: str, model_name: str) -> Iterator[Metric]:
+    """pagoda:<label>_requests, _prompt_tokens, _generation_tokens, _time_to_first_token_seconds
+    and _request_queue_time_seconds, one series per tenant / priority value."""
+    labels = ["model_name", label]
+    families = {
+        "requests": CounterMetricFamily(f"pagoda:{label}_requests", f"Requests received, by {label}.", labels=labels),
+        "prompt_tokens": CounterMetricFamily(f"pagoda:{label}_prompt_tokens",
+                                             f"Prompt tokens of requests that produced a token, by {label}.",
+                                             labels=labels),
+        "generation_tokens": CounterMetricFamily(f"pagoda:{label}_generation_tokens",
+                                                 f"Generated tokens, by {label}.", labels=labels),
+    }  # fmt: skip
+    ttft = HistogramMetricFamily(f"pagoda:{label}_time_to_first_token_seconds",
+                                 f"Time from arrival to the first generated token, by {label}.", labels=labels)
+    queue = HistogramMetricFamily(f"pagoda:{label}_request_queue_time_seconds",
+                                  f"Time from arrival until first scheduled, by {label}.", labels=labels)
+    for value, cls in sorted(stats.by_label.items()):
+        for attr, family in families.items():
+            family.add_metric([model_name, value], getattr(cls, attr))
+        ttft.add_metric([model_name, value], cls.ttft.cumulative(), cls.ttft.sum)
+        queue.add_metric([model_name, value], cls.queue_time.cumulative(), cls.queue_time.sum)
+    yield from families.values()
+    yield ttft
+    yield queue
 
 
 def make_registry(engine: Any, model_name: str) -> CollectorRegistry:

@@ -97,6 +97,7 @@ class FakeEngine:
         sampling_params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params)
         if self.dead:
