@@ -395,16 +395,18 @@ class Scheduler:
             queues.setdefault(tenant_of(request), deque()).append(request)
         admitted: set[str] = set()
         stalled: set[str] = set()  # tenants that cannot admit more this step
-        assert step.quota is not None
         while step.budget > 0:
             open_ = [t for t, q in queues.items() if q and t not in stalled]
             if not open_:
                 break
-            with_share = [t for t in open_ if step.quota.get(t, 0) > 0]
-            tenant = self.fair.order(with_share or open_)[0]
-            if not with_share:
-                # Everyone with work used their share: the rest of the budget is free for all.
-                step.quota = None
+            if step.quota is not None:
+                with_share = [t for t in open_ if step.quota.get(t, 0) > 0]
+                if with_share:
+                    open_ = with_share
+                else:
+                    # Everyone with work used their share: the rest of the budget is free for all.
+                    step.quota = None
+            tenant = self.fair.order(open_)[0]
             queue = queues[tenant]
             request = queue[0]
             if self._must_wait(request, step):
