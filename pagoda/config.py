@@ -36,6 +36,8 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     shared_prefix_file: str | None = None  # texts whose prefix blocks stay shared across cache salts
     api_keys_file: str | None = None       # API key -> tenant, weight, limits (JSON or TOML)
+    preemption_mode: str = "recompute"     # recompute | swap | auto
+    swap_space: int = 0                    # bytes of host memory for swapped-out KV blocks
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -52,6 +54,12 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
         _positive("max_long_partial_prefills", self.max_long_partial_prefills, allow_none=True)
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
+        if self.preemption_mode != "recompute" and self.swap_space == 0:
+            raise ValueError(f"preemption_mode={self.preemption_mode} needs --swap-space (host memory for KV)")
         if self.api_keys_file is not None:
             from pagoda.tenants import load_api_keys_file
 

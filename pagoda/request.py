@@ -74,6 +74,8 @@ class Request:
         # Long-prefill fairness: the token count at which this request's prefill ends
         # while it counts as a long prefill in progress (0: not a long prefill).
         self.long_prefill_end = 0
+        # Swap preemption: the host blocks holding this request's KV while it waits.
+        self.host_block_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -41,6 +41,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests under a grammar that sample this step (their logits get masked).
     structured_req_ids: list[str] = field(default_factory=list)
+    # Swap preemption: copy these KV blocks before the forward, out first, then in.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
 
     @property
     def is_empty(self) -> bool:

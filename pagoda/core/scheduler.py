@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
+from pagoda.core.host_pool import HostBlockPool
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.sched_policy import POLICIES, FairShare, enqueue, queue_key, tenant_of
 from pagoda.core.sched_output import (
@@ -47,6 +48,12 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None   # None: 4 % of max_model_len if the bound is set
     # Tenants' weights and running limits (fair policy); unknown tenants: weight 1.
     tenants: tuple[TenantSpec, ...] = ()
+    # recompute | swap | auto: how a victim gives its blocks back. swap copies its KV to
+    # a host pool of num_host_blocks (recompute when that is full); auto swaps victims
+    # with at least auto_swap_min_tokens computed and recomputes shorter ones.
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
+    auto_swap_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -55,6 +62,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if self.preemption_mode != "recompute" and self.num_host_blocks < 1:
+            raise ValueError(f"preemption_mode={self.preemption_mode} needs a host pool (swap space)")
         for name in ("max_long_partial_prefills", "long_prefill_token_threshold"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -86,6 +97,10 @@ class Scheduler:
         self._last_num_tokens = 0
         self.policy = config.policy
         self.fair = FairShare(config.tenants)
+        self.host = HostBlockPool(config.num_host_blocks)
+        self.num_swap_preemptions = 0
+        # Host blocks of requests swapped in by the last step, released at the next one.
+        self._host_release: list[int] = []
 
     # ---- requests in and out -------------------------------------------------
 
@@ -134,6 +149,9 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        if request.host_block_ids:
+            self.host.free(request.host_block_ids)
+            request.host_block_ids = []
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.fair.on_finish(tenant_of(request))
@@ -142,16 +160,35 @@ class Scheduler:
         self.running.remove(request)
         self.fair.on_stop_running(tenant_of(request))
 
-    def _preempt(self, request: Request) -> None:
-        """``request`` has already left ``running``."""
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """``request`` has already left ``running``. Swap its KV out to the host pool
+        (keeping its progress) or drop it to be recomputed, per the preemption mode."""
         self.fair.on_stop_running(tenant_of(request))
+        host = self._swap_space_for(request)
+        if host is not None:
+            device = self.kv.get_block_ids(request.request_id)[: len(host)]
+            step.swap_out.extend(zip(device, host))
+            request.host_block_ids = host
+            self.host.num_swapped_out += len(host)
+            self.num_swap_preemptions += 1
+        else:
+            request.num_computed_tokens = 0
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.long_prefill_end = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         enqueue(self.waiting, request, self.policy, front=True)
+
+    def _swap_space_for(self, request: Request) -> list[int] | None:
+        """Host blocks for the victim's computed KV, or None to recompute it."""
+        mode = self.config.preemption_mode
+        computed = request.num_computed_tokens
+        if mode == "recompute" or computed == 0:
+            return None
+        if mode == "auto" and computed < self.config.auto_swap_min_tokens:
+            return None
+        return self.host.allocate(-(-computed // self.kv.block_size))
 
     def _pick_victim(self) -> Request:
         """The running request to preempt: the most recently admitted one, or under
@@ -180,6 +217,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens)
+        if self._host_release:
+            # Swapped in by the last step, whose copies are done.
+            self.host.free(self._host_release)
+            self._host_release = []
         if self.policy == "fair":
             work = {tenant_of(r) for r in self.running if r.num_tokens > r.num_computed_tokens}
             work.update(tenant_of(r) for r in self.waiting)
@@ -257,6 +298,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=step.preempted,
             structured_req_ids=structured,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
         )
 
     # ---- pieces of a step --------------------------------------------------------
@@ -282,7 +325,7 @@ class Scheduler:
         step.cached.pop(victim.request_id, None)
         step.new.pop(victim.request_id, None)
         step.capped.pop(victim.request_id, None)
-        self._preempt(victim)
+        self._preempt(victim, step)
         step.preempted.add(victim.request_id)
 
     def _num_long_prefills(self, step: _Step) -> int:
@@ -318,8 +361,13 @@ class Scheduler:
         while len(self.running) >= self.config.max_num_seqs:
             if not (priority and self._preempt_lower(request, step)):
                 return False
+        swapped = bool(request.host_block_ids)
         while True:
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if swapped:
+                # Its KV comes back from the host pool; no prefix lookup.
+                hit_blocks, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             want = request.num_tokens - num_hit_tokens
             num_new = min(want, step.budget)
             threshold = self.config.long_prefill_threshold
@@ -330,13 +378,23 @@ class Scheduler:
             if num_new == 0:
                 request.long_prefill_end = 0
                 return False
-            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
+            if swapped:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            else:
+                new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
             if new_blocks is not None:
                 break
             request.long_prefill_end = 0
             if not (priority and self._preempt_lower(request, step)):
                 return False
-        self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        if swapped:
+            device = self.kv.get_block_ids(request.request_id)
+            step.swap_in.extend(zip(request.host_block_ids, device))
+            self.host.num_swapped_in += len(request.host_block_ids)
+            self._host_release.extend(request.host_block_ids)
+            request.host_block_ids = []
+        else:
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -512,6 +570,11 @@ class Scheduler:
             step_batch_size=self._last_batch_size,
             step_num_tokens=self._last_num_tokens,
             num_steps=self.num_steps,
+            num_swap_preemptions=self.num_swap_preemptions,
+            num_swapped_out_blocks=self.host.num_swapped_out,
+            num_swapped_in_blocks=self.host.num_swapped_in,
+            num_host_blocks=self.host.num_blocks,
+            num_free_host_blocks=self.host.num_free_blocks,
         )
 
     def check_integrity(self) -> None:
@@ -529,6 +592,10 @@ class Scheduler:
             raise AssertionError("request map out of sync with the queues")
         if set(self.kv.req_to_blocks) - {r.request_id for r in self.running}:
             raise AssertionError("a request that is not running holds blocks")
+        for request in self.running:
+            if request.host_block_ids:
+                raise AssertionError(f"running {request} holds host blocks")
+        self.host.check_integrity([r.host_block_ids for r in self.waiting] + [self._host_release])
 
 
 class _Step:
@@ -545,6 +612,8 @@ class _Step:
         # Tenant -> tokens left of its share this step (fair policy only).
         self.quota: dict[str, int] | None = None
         self.num_long = 0   # long prefills in progress (admission phase)
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
 
     def charge(self, request: Request, num_new: int, capped: bool) -> None:
         self.budget -= num_new

@@ -78,6 +78,10 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
                     num_blocks * per_block / 2**20)
 
+        num_host_blocks = config.swap_space // per_block if config.preemption_mode != "recompute" else 0
+        if config.preemption_mode != "recompute" and num_host_blocks < 1:
+            raise ValueError(f"--swap-space {config.swap_space} bytes holds no KV block ({per_block} bytes each)")
+        self.num_host_blocks = num_host_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -88,10 +92,13 @@ class EngineCore:
                 max_long_partial_prefills=config.max_long_partial_prefills,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 tenants=_tenant_specs(config),
+                preemption_mode=config.preemption_mode,
+                num_host_blocks=num_host_blocks,
             ),
             self.kv_manager,
         )
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed,
+                                  num_host_blocks=num_host_blocks)
         self.vocab_size = arch.vocab_size
         self.shared_prefixes = None
         if config.shared_prefix_file is not None:

@@ -60,6 +60,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     step_batch_size: int = 0          # requests scheduled in the last step
     step_num_tokens: int = 0          # tokens computed in the last step
     num_steps: int = 0                # cumulative
+    num_swap_preemptions: int = 0     # cumulative: preemptions that swapped rather than recomputed
+    num_swapped_out_blocks: int = 0   # cumulative
+    num_swapped_in_blocks: int = 0    # cumulative
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
 
 
 class StepRecord(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -66,6 +66,11 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                    help="a prompt with more tokens than this to compute is a long prefill; its chunk per "
                         "step is capped at this while others want the budget (default with "
                         "--max-long-partial-prefills: 4%% of the context length)")
+    p.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"),
+                   help="how a preempted request gives its KV blocks back: recompute them later, swap them "
+                        "to host memory (--swap-space) and back, or auto: swap long ones, recompute short ones")
+    p.add_argument("--swap-space", type=parse_size, default=0,
+                   help="host memory for swapped-out KV blocks, e.g. 4GiB (needed by --preemption-mode swap|auto)")
     p.add_argument("--shared-prefix-file", default=None,
                    help="system prompts / texts whose prefix cache blocks stay shared across cache_salt "
                         "values (JSON array of strings, or text with '---' lines between entries)")
@@ -91,6 +96,8 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         shared_prefix_file=args.shared_prefix_file,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
         api_keys_file=getattr(args, "api_keys_file", None),
         **extra,
     )

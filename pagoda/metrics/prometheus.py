@@ -73,6 +73,10 @@ class EngineCollector(Collector):
         yield gauge("kv_cache_num_blocks", "KV blocks in the pool.", stats.num_blocks)
         # Cumulative in the engine core since start; exported as they are.
         yield counter("num_preemptions", "Requests preempted (recompute).", stats.num_preemptions)
+        yield counter("num_swap_preemptions", "Preemptions that swapped the KV to host memory.",
+                      stats.num_swap_preemptions)
+        yield counter("swapped_out_blocks", "KV blocks copied to the host pool.", stats.num_swapped_out_blocks)
+        yield counter("swapped_in_blocks", "KV blocks copied back from the host pool.", stats.num_swapped_in_blocks)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)

@@ -49,6 +49,7 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         seed: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -60,6 +61,12 @@ class ModelRunner:
             torch.empty(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=device)
             for _ in range(c.num_hidden_layers)
         ]
+        # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
+        self.host_kv_caches = [
+            torch.empty(2, num_host_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype,
+                        pin_memory=device.type == "cuda")
+            for _ in range(c.num_hidden_layers)
+        ] if num_host_blocks else []  # fmt: skip
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption, so a seeded request draws the same
@@ -94,6 +101,20 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy preempted requests' blocks to the host pool, then resumed ones' back (out
+        first: a device block freed by a swap-out may be the target of a swap-in)."""
+        if swap_out:
+            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host = torch.tensor([h for _, h in swap_out])
+            for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+                host_kv.index_copy_(1, host, kv.index_select(1, dev).to("cpu"))
+        if swap_in:
+            host = torch.tensor([h for h, _ in swap_in])
+            dev = torch.tensor([d for _, d in swap_in], device=self.device)
+            for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+                kv.index_copy_(1, dev, host_kv.index_select(1, host).to(self.device, non_blocking=True))
+
     @torch.inference_mode()
     def execute_model(
         self, so: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None
@@ -101,6 +122,8 @@ class ModelRunner:
         """One forward + sampling. ``grammar_masks``: req id -> [vocab] bool
         (True = allowed) for requests under a grammar."""
         self._update_states(so)
+        if so.swap_out or so.swap_in:
+            self._swap(so.swap_out, so.swap_in)
         if so.is_empty:
             return ModelRunnerOutput([], [])
         # Decodes first: the attention path batches them together.

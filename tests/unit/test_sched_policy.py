@@ -313,11 +313,12 @@ def test_fair_keeps_light_tenant_ttft_under_a_heavy_flood() -> None:
 
 # ---------------------------------------------------------------- everything at once
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
-@pytest.mark.parametrize("knobs", [{}, {"max_long_partial_prefills": 1, "long_prefill_token_threshold": 12}])
+@pytest.mark.parametrize("knobs", [{}, {"max_long_partial_prefills": 1, "long_prefill_token_threshold": 12},
+                                   {"preemption_mode": "swap", "num_host_blocks": 6}])
 def test_random_load_keeps_invariants_and_frees_every_block(policy: str, knobs: dict) -> None:
     import random
 
-    rng = random.Random(hash((policy, tuple(knobs))) & 0xFFFF)
+    rng = random.Random(zlib.crc32(repr((policy, sorted(knobs.items()))).encode()))
     tenants = (TenantSpec("t0", weight=3, max_running=3), TenantSpec("t1"))
     sched = make_sched(policy, num_blocks=24, block_size=4, budget=24, max_seqs=5, tenants=tenants, **knobs)
     reqs: list[Request] = []
@@ -335,6 +336,73 @@ def test_random_load_keeps_invariants_and_frees_every_block(policy: str, knobs: 
     assert all(r.is_finished for r in reqs)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert not sched.fair.num_running and not sched.fair.num_unfinished
+    sched.schedule()  # releases host blocks of the last swap-in
+    assert sched.host.num_free_blocks == sched.host.num_blocks
+    if knobs.get("preemption_mode") == "swap":
+        assert sched.num_swap_preemptions > 0
     for r in reqs:
         if r.status == RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.max_output_tokens
+
+
+# ---------------------------------------------------------------- swap preemption
+def test_swap_preemption_keeps_progress_and_moves_blocks_both_ways() -> None:
+    # 6 device blocks of 4; a (8 prompt) and b (8 prompt) each need 3 blocks to decode 4 tokens.
+    sched = make_sched("fcfs", num_blocks=5, budget=32, preemption_mode="swap", num_host_blocks=8)
+    a = add(sched, "a", 8, max_tokens=6)
+    b = add(sched, "b", 8, max_tokens=6)
+    swaps_out: list[tuple[int, int]] = []
+    swaps_in: list[tuple[int, int]] = []
+    swapped_progress = None
+    while sched.has_unfinished_requests():
+        so, _ = step(sched)
+        swaps_out += so.swap_out
+        swaps_in += so.swap_in
+        if so.swap_out and swapped_progress is None:
+            assert so.preempted_req_ids == {"b"}
+            # b keeps what it computed, holds host blocks and no device blocks.
+            assert b.num_computed_tokens > 0 and len(b.host_block_ids) == -(-b.num_computed_tokens // 4)
+            assert sched.kv.get_block_ids("b") == []
+            swapped_progress = b.num_computed_tokens
+        if so.swap_in:
+            new = {n.req_id: n for n in so.scheduled_new_reqs}
+            # Resumed where it stopped, not recomputed from scratch.
+            assert new["b"].num_computed_tokens == swapped_progress
+            assert [d for _, d in so.swap_in] == new["b"].block_ids[: len(so.swap_in)]
+    assert swaps_out and len(swaps_in) == len(swaps_out)
+    assert sorted(h for h, _ in swaps_in) == sorted(h for _, h in swaps_out)
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6 and b.num_preemptions >= 1
+    assert sched.num_swap_preemptions >= 1
+    step(sched) if sched.has_unfinished_requests() else sched.schedule()  # releases the last host blocks
+    assert sched.host.num_free_blocks == sched.host.num_blocks
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    stats = sched.make_stats()
+    assert stats.num_swapped_out_blocks == stats.num_swapped_in_blocks == len(swaps_out)
+
+
+def test_swap_falls_back_to_recompute_when_host_pool_is_full_and_auto_swaps_long_ones() -> None:
+    sched = make_sched("fcfs", num_blocks=5, budget=32, preemption_mode="swap", num_host_blocks=1)
+    add(sched, "a", 8, max_tokens=6)
+    b = add(sched, "b", 8, max_tokens=6)
+    drain(sched)
+    assert b.num_preemptions >= 1 and sched.num_swap_preemptions == 0  # 2+ blocks do not fit in 1
+    auto = make_sched("fcfs", num_blocks=5, budget=32, preemption_mode="auto", num_host_blocks=8,
+                      auto_swap_min_tokens=100)  # fmt: skip
+    add(auto, "a", 8, max_tokens=6)
+    add(auto, "b", 8, max_tokens=6)
+    drain(auto)
+    assert auto.num_preemptions >= 1 and auto.num_swap_preemptions == 0  # short: recomputed
+    with pytest.raises(ValueError, match="host pool"):
+        SchedulerConfig(preemption_mode="swap")
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks() -> None:
+    sched = make_sched("fcfs", num_blocks=5, budget=32, preemption_mode="swap", num_host_blocks=8)
+    add(sched, "a", 8, max_tokens=6)
+    b = add(sched, "b", 8, max_tokens=6)
+    while not b.host_block_ids:
+        step(sched)
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    sched.check_integrity()
+    assert sched.host.num_free_blocks == sched.host.num_blocks
+    drain(sched)
