@@ -36,6 +36,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     shared_prefix_file: str | None = None  # texts whose prefix blocks stay shared across cache salts
     api_keys_file: str | None = None       # API key -> tenant, weight, limits (JSON or TOML)
+    kv_cache_dtype: str = "auto"           # auto (= dtype) | int8 | fp8: 8-bit KV with per-token scales
     preemption_mode: str = "recompute"     # recompute | swap | auto
     swap_space: int = 0                    # bytes of host memory for swapped-out KV blocks
 
@@ -54,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
         _positive("max_long_partial_prefills", self.max_long_partial_prefills, allow_none=True)
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int) or self.swap_space < 0:

@@ -54,7 +54,7 @@ class EngineCore:
             max_model_len = arch.sliding_window
         self.max_model_len = max_model_len
 
-        per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype)
+        per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory
@@ -98,7 +98,7 @@ class EngineCore:
             self.kv_manager,
         )
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed,
-                                  num_host_blocks=num_host_blocks)
+                                  num_host_blocks=num_host_blocks, kv_cache_dtype=config.kv_cache_dtype)
         self.vocab_size = arch.vocab_size
         self.shared_prefixes = None
         if config.shared_prefix_file is not None:

@@ -14,6 +14,7 @@ import torch
 
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.model.attention import AttentionMetadata
+from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.models.llama import LlamaForCausalLM
 from pagoda.sample.sampler import Sampler, SamplingMetadata, SamplingRow
 from pagoda.sampling_params import SamplingParams
@@ -34,10 +35,21 @@ class CachedRequestState:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
 
-def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype,
+                             kv_cache_dtype: str = "auto") -> int:  # fmt: skip
     c = model.config
+    if storage_dtype(kv_cache_dtype) is not None:
+        return c.num_hidden_layers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim)
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+
+
+def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """Blocks src_idx of one layer's cache -> blocks dst_idx of another (device <-> host)."""
+    if isinstance(src, QuantizedKVCache):
+        src.copy_blocks_to(dst, src_idx, dst_idx)
+    else:
+        dst.index_copy_(1, dst_idx, src.index_select(1, src_idx).to(dst.device))
 
 
 class ModelRunner:
@@ -50,23 +62,26 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         seed: int = 0,
         num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         c = model.config
-        self.kv_caches = [
+        quantized = storage_dtype(kv_cache_dtype)
+
+        def cache(n: int, on: torch.device | str, pin: bool = False) -> torch.Tensor | QuantizedKVCache:
+            if quantized is not None:
+                return QuantizedKVCache(n, block_size, c.num_key_value_heads, c.head_dim, quantized, on, pin)
             # empty, not zeros: a fresh large allocation is zero pages from the OS
             # already, and untouched pages cost no RSS until blocks are used.
-            torch.empty(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=device)
-            for _ in range(c.num_hidden_layers)
-        ]
+            return torch.empty(2, n, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=on,
+                               pin_memory=pin)  # fmt: skip
+
+        self.kv_caches = [cache(num_blocks, device) for _ in range(c.num_hidden_layers)]
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
-        self.host_kv_caches = [
-            torch.empty(2, num_host_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype,
-                        pin_memory=device.type == "cuda")
-            for _ in range(c.num_hidden_layers)
-        ] if num_host_blocks else []  # fmt: skip
+        self.host_kv_caches = [cache(num_host_blocks, "cpu", device.type == "cuda")
+                               for _ in range(c.num_hidden_layers)] if num_host_blocks else []  # fmt: skip
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption, so a seeded request draws the same
@@ -108,12 +123,12 @@ class ModelRunner:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])
             for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
-                host_kv.index_copy_(1, host, kv.index_select(1, dev).to("cpu"))
+                _copy_blocks(kv, host_kv, dev, host)
         if swap_in:
             host = torch.tensor([h for h, _ in swap_in])
             dev = torch.tensor([d for _, d in swap_in], device=self.device)
             for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
-                kv.index_copy_(1, dev, host_kv.index_select(1, host).to(self.device, non_blocking=True))
+                _copy_blocks(host_kv, kv, host, dev)
 
     @torch.inference_mode()
     def execute_model(
