@@ -43,21 +43,32 @@ def enqueue(waiting: deque[Request], request: Request, policy: str, front: bool 
     bisect.insort_right(waiting, request, key=queue_key)
 
 
-def weighted_shares(budget: int, weights: dict[str, float]) -> dict[str, int]:
+def weighted_shares(budget: int, weights: dict[str, float], demands: dict[str, int] | None = None) -> dict[str, int]:
     """Split ``budget`` tokens in proportion to ``weights``, in whole tokens that sum
-    to at most ``budget``; the remainder goes by largest fraction.
+    to at most ``budget``; the remainder goes by largest fraction. With ``demands``, a
+    tenant never gets more than it asks for and what it leaves goes to the others in
+    proportion to their weights (weighted max-min fairness, by water-filling).
 
     E.g. budget=10, weights {a: 1, b: 2} -> {a: 3, b: 7} (3.33 and 6.67, b's larger
-    fraction gets the spare token).
+    fraction gets the spare token); with demands {a: 1, b: 20} -> {a: 1, b: 9}.
     """
-    total = sum(weights.values())
-    if not weights or total <= 0:
-        return {}
-    exact = {t: budget * w / total for t, w in weights.items()}
-    shares = {t: int(x) for t, x in exact.items()}
-    spare = budget - sum(shares.values())
-    for t in sorted(exact, key=lambda t: shares[t] - exact[t])[:spare]:
-        shares[t] += 1
+    shares: dict[str, int] = {}
+    left = {t: w for t, w in weights.items() if w > 0}
+    while left:
+        total = sum(left.values())
+        exact = {t: budget * w / total for t, w in left.items()}
+        satisfied = [t for t in left if demands is not None and demands.get(t, 0) <= exact[t]]
+        if not satisfied:
+            part = {t: int(x) for t, x in exact.items()}
+            spare = budget - sum(part.values())
+            for t in sorted(exact, key=lambda t: part[t] - exact[t])[:spare]:
+                part[t] += 1
+            shares.update(part)
+            break
+        for t in satisfied:
+            shares[t] = demands[t]  # type: ignore[index]
+            budget -= demands[t]  # type: ignore[index]
+            del left[t]
     return shares
 
 
@@ -120,13 +131,16 @@ class FairShare:
         self.tokens_served[tenant] = self.tokens_served.get(tenant, 0) + num_tokens
 
     # ---- one step ----------------------------------------------------------------
-    def quotas(self, budget: int, tenants_with_work: Iterable[str]) -> dict[str, int]:
-        """This step's token share of each tenant that has tokens to compute."""
-        return weighted_shares(budget, {t: self.weight(t) for t in set(tenants_with_work)})
+    def quotas(self, budget: int, demands: dict[str, int]) -> dict[str, int]:
+        """This step's token share of each tenant that has tokens to compute (``demands``:
+        tenant -> tokens it could use this step)."""
+        return weighted_shares(budget, {t: self.weight(t) for t in demands}, demands)
 
-    def order(self, tenants: Iterable[str]) -> list[str]:
-        """Tenants by virtual time, least served first (name breaks ties)."""
-        return sorted(tenants, key=lambda t: (self.vtime.get(t, 0.0), t))
+    def order(self, tenants: Iterable[str], pending: dict[str, int] | None = None) -> list[str]:
+        """Tenants by virtual time, least served first (name breaks ties); ``pending``:
+        tokens already given to each tenant in the step being scheduled."""
+        pending = pending or {}
+        return sorted(tenants, key=lambda t: (self.vtime.get(t, 0.0) + pending.get(t, 0) / self.weight(t), t))
 
 
 def tenant_of(request: Request) -> str:

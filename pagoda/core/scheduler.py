@@ -15,6 +15,7 @@ those tokens are computed again (often mostly from the prefix cache).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -222,9 +223,14 @@ class Scheduler:
             self.host.free(self._host_release)
             self._host_release = []
         if self.policy == "fair":
-            work = {tenant_of(r) for r in self.running if r.num_tokens > r.num_computed_tokens}
-            work.update(tenant_of(r) for r in self.waiting)
-            step.quota = self.fair.quotas(step.budget, work)
+            # What each tenant could use this step: its running requests' remaining tokens
+            # and its waiting requests' prompts (an upper bound; the top-up evens it out).
+            demand: dict[str, int] = {}
+            for r in itertools.chain(self.running, self.waiting):
+                if r.num_tokens > r.num_computed_tokens:
+                    t = tenant_of(r)
+                    demand[t] = demand.get(t, 0) + r.num_tokens - r.num_computed_tokens
+            step.quota = self.fair.quotas(step.budget, demand)
 
         # 1. Running requests, oldest first: decodes and unfinished prompt chunks.
         i = 0
@@ -320,6 +326,7 @@ class Scheduler:
         n = step.num_scheduled.pop(victim.request_id, 0)
         if n:
             step.budget += n
+            step.served[tenant_of(victim)] -= n
             if step.quota is not None:
                 step.quota[tenant_of(victim)] = step.quota.get(tenant_of(victim), 0) + n
         step.cached.pop(victim.request_id, None)
@@ -464,7 +471,7 @@ class Scheduler:
                 else:
                     # Everyone with work used their share: the rest of the budget is free for all.
                     step.quota = None
-            tenant = self.fair.order(open_)[0]
+            tenant = self.fair.order(open_, step.served)[0]
             queue = queues[tenant]
             request = queue[0]
             if self._must_wait(request, step):
@@ -483,7 +490,8 @@ class Scheduler:
     def _top_up(self, step: _Step) -> None:
         """Give budget nobody else used to the requests that were held back (long
         prefill chunks, tenants at their share), least served tenants first."""
-        order = {t: k for k, t in enumerate(self.fair.order({tenant_of(self.requests[r]) for r in step.capped}))}
+        tenants = {tenant_of(self.requests[r]) for r in step.capped}
+        order = {t: k for k, t in enumerate(self.fair.order(tenants, step.served))}
         for rid in sorted(step.capped, key=lambda r: order[tenant_of(self.requests[r])]):
             if step.budget <= 0:
                 break
@@ -614,9 +622,12 @@ class _Step:
         self.num_long = 0   # long prefills in progress (admission phase)
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.served: dict[str, int] = {}   # tenant -> tokens scheduled so far in this step
 
     def charge(self, request: Request, num_new: int, capped: bool) -> None:
         self.budget -= num_new
+        t = tenant_of(request)
+        self.served[t] = self.served.get(t, 0) + num_new
         if self.quota is not None:
             t = tenant_of(request)
             self.quota[t] = self.quota.get(t, 0) - num_new

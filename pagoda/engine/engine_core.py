@@ -114,7 +114,8 @@ class EngineCore:
         if collect_stats:
             weight_elem = next(loaded.model.parameters()).element_size()
             elem = torch.empty(0, dtype=dtype).element_size()
-            self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=elem)
+            kv_elem = elem if config.kv_cache_dtype == "auto" else 1
+            self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=kv_elem)
 
     @property
     def structured(self):

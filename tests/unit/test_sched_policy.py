@@ -74,6 +74,10 @@ def test_weighted_shares_sum_to_budget_in_proportion() -> None:
     shares = weighted_shares(7, {"a": 1, "b": 1, "c": 1})
     assert sum(shares.values()) == 7 and sorted(shares.values()) == [2, 2, 3]
     assert weighted_shares(10, {}) == {}
+    # With demands: nobody gets more than it asks for; the rest goes by weight.
+    assert weighted_shares(10, {"a": 1, "b": 2}, {"a": 1, "b": 20}) == {"a": 1, "b": 9}
+    assert weighted_shares(32, {"a": 1, "b": 1, "c": 2}, {"a": 2, "b": 100, "c": 100}) == {"a": 2, "b": 10, "c": 20}
+    assert weighted_shares(32, {"a": 1, "b": 1}, {"a": 3, "b": 4}) == {"a": 3, "b": 4}
 
 
 def test_priority_queue_orders_by_priority_then_arrival() -> None:
@@ -257,6 +261,14 @@ def test_fair_shares_budget_by_weight_and_is_work_conserving() -> None:
     add(sched2, "a1", 100, tenant="a")
     so, _ = step(sched2)
     assert so.num_scheduled_tokens == {"a1": 32}
+    # A tenant that needs little (one decode) leaves the rest of its share to the other.
+    sched3 = make_sched("fair", budget=32, max_seqs=64, tenants=tenants)
+    for i in range(40):
+        add(sched3, f"a{i}", 1, max_tokens=3, tenant="a")
+    add(sched3, "b1", 1, max_tokens=3, tenant="b")
+    for _ in range(2):
+        so, _ = step(sched3)
+        assert so.num_scheduled_tokens.get("b1") == 1 and so.total_num_scheduled_tokens == 32
 
 
 def test_fair_max_running_per_tenant() -> None:
