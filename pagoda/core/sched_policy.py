@@ -87,8 +87,6 @@ class FairShare:
         self.vtime: dict[str, float] = {}
         self.num_unfinished: dict[str, int] = {}
         self.num_running: dict[str, int] = {}
-        # Tokens computed per tenant since start (for stats and tests).
-        self.tokens_served: dict[str, int] = {}
 
     def weight(self, tenant: str) -> float:
         spec = self.specs.get(tenant)
@@ -128,7 +126,6 @@ class FairShare:
 
     def charge(self, tenant: str, num_tokens: int) -> None:
         self.vtime[tenant] = self.vtime.get(tenant, 0.0) + num_tokens / self.weight(tenant)
-        self.tokens_served[tenant] = self.tokens_served.get(tenant, 0) + num_tokens
 
     # ---- one step ----------------------------------------------------------------
     def quotas(self, budget: int, demands: dict[str, int]) -> dict[str, int]:
