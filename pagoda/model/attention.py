@@ -79,7 +79,8 @@ class AttentionMetadata:
         if num_decodes:
             seq = ctx[:num_decodes] + 1
             p = torch.arange(int(seq.max()))
-            # Padded positions read slot 0 of block 0 and are masked out.
+            # Padded positions read whatever slot their (or block 0's) table entry gives,
+            # possibly never written; they are masked out and zeroed in paged_attention.
             decode_gather = table[:num_decodes, p // block_size] * block_size + p % block_size
             decode_mask = (p[None, :] < seq[:, None])[:, None, None, :].to(device)
             decode_gather = decode_gather.to(device)
@@ -134,6 +135,11 @@ def paged_attention(
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
         ks = read(0, meta.decode_gather_slots).transpose(1, 2)
         vs = read(1, meta.decode_gather_slots).transpose(1, 2)
+        # Padded positions may read slots never written (uninitialized memory, possibly
+        # NaN or Inf), and a masked NaN still poisons SDPA's output: zero them.
+        valid = meta.decode_mask.view(nd, 1, -1, 1)
+        ks = ks.masked_fill(~valid, 0.0)
+        vs = vs.masked_fill(~valid, 0.0)
         qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)

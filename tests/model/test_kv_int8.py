@@ -12,6 +12,7 @@ from pagoda.engine.protocol import EngineCoreRequest
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_quant import QuantizedKVCache
 from tests.model.helpers import compare_greedy
+from tests.model.test_swap import poison
 from tests.model.test_reference import CHATS
 
 
@@ -98,10 +99,11 @@ def test_int8_kv_engine_capacity_and_swap(tiny_llama_dir):
         assert core.kv_manager.num_free_blocks == core.num_blocks
         return tokens, gaps
 
-    want, want_gaps = run(int8)
+    want, want_gaps = run(poison(int8))
     # Forced swap preemptions move int8 blocks and their scales to the host pool and back.
     tight = EngineCore(EngineConfig(**base, num_kv_blocks=7, kv_cache_dtype="int8", preemption_mode="swap",
                                     swap_space=1 << 20), loaded=fp32.loaded, collect_stats=False)  # fmt: skip
+    poison(tight)
     got, got_gaps = run(tight)
     assert tight.scheduler.num_swap_preemptions > 0
     assert tight.scheduler.host.num_free_blocks == tight.scheduler.host.num_blocks

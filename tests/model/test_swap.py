@@ -11,6 +11,17 @@ from pagoda.sampling_params import SamplingParams
 from tests.model.helpers import compare_greedy
 
 
+def poison(core: EngineCore) -> EngineCore:
+    """Fill the KV pools with NaN, as uninitialized memory may be: only slots that were
+    written may ever influence an output (padded decode positions read unwritten ones)."""
+    for kv in core.runner.kv_caches + core.runner.host_kv_caches:
+        if isinstance(kv, torch.Tensor):
+            kv.fill_(float("nan"))
+        else:
+            kv.scales.fill_(float("nan"))
+    return core
+
+
 def _run(core: EngineCore, prompts: list[list[int]], max_tokens: int):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     for i, p in enumerate(prompts):
@@ -35,12 +46,12 @@ def test_forced_swap_preemption_keeps_greedy_outputs(tiny_llama_dir):
     prompts = [torch.randint(3, 500, (20,), generator=gen).tolist() for _ in range(4)]
     base = dict(model=tiny_llama_dir, show_progress=False, max_model_len=64, max_num_batched_tokens=64,
                 enable_prefix_caching=False)  # fmt: skip
-    roomy = EngineCore(EngineConfig(**base, num_kv_blocks=64), collect_stats=False)
+    roomy = poison(EngineCore(EngineConfig(**base, num_kv_blocks=64), collect_stats=False))
     want, want_gaps = _run(roomy, prompts, 24)
     assert roomy.scheduler.num_preemptions == 0
     # 7 blocks of 16 for four requests that grow to 44 tokens (3 blocks each): preemptions.
-    tight = EngineCore(EngineConfig(**base, num_kv_blocks=7, preemption_mode="swap", swap_space=1 << 20),
-                       loaded=roomy.loaded, collect_stats=False)  # fmt: skip
+    tight = poison(EngineCore(EngineConfig(**base, num_kv_blocks=7, preemption_mode="swap", swap_space=1 << 20),
+                              loaded=roomy.loaded, collect_stats=False))  # fmt: skip
     got, got_gaps = _run(tight, prompts, 24)
     stats = tight.scheduler.make_stats()
     assert stats.num_preemptions > 0 and stats.num_swap_preemptions == stats.num_preemptions
