@@ -45,6 +45,15 @@ class EngineConfig:
     threads_per_rank: int | None = None   # torch threads per rank; None = 1 when parallel on CPU
     # Speculative decoding: a SpeculativeConfig, or a dict / JSON string of one (vLLM's shape).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Scheduling (docs/scheduling.md).
+    scheduling_policy: str = "fcfs"       # fcfs | priority | fair
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None
+    shared_prefix_file: str | None = None  # texts whose prefix blocks stay shared across cache salts
+    api_keys_file: str | None = None       # API key -> tenant, weight, limits (JSON or TOML)
+    kv_cache_dtype: str = "auto"           # auto (= dtype) | int8 | fp8: 8-bit KV with per-token scales
+    preemption_mode: str = "recompute"     # recompute | swap | auto
+    swap_space: int = 0                    # bytes of host memory for swapped-out KV blocks
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -80,11 +89,37 @@ class EngineConfig:
         if self.data_parallel_size > 1 and (self.nnodes > 1 or self.distributed_init_method is not None):
             raise ValueError("--data-parallel-size > 1 runs its replicas on this node; it cannot be "
                              "combined with a multi-node or explicit tensor-parallel rendezvous")
+        if self.scheduling_policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
+        _positive("max_long_partial_prefills", self.max_long_partial_prefills, allow_none=True)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
+        if self.preemption_mode != "recompute" and self.swap_space == 0:
+            raise ValueError(f"preemption_mode={self.preemption_mode} needs --swap-space (host memory for KV)")
+        if self.api_keys_file is not None:
+            from pagoda.tenants import load_api_keys_file
+
+            load_api_keys_file(self.api_keys_file)  # raises on a malformed file
+        if self.shared_prefix_file is not None:
+            from pagoda.shared_prefix import read_shared_prefix_file
+
+            read_shared_prefix_file(self.shared_prefix_file)
+        if self.tensor_parallel_size > 1 and (self.kv_cache_dtype != "auto" or self.preemption_mode != "recompute"):
+            raise ValueError("--kv-cache-dtype int8|fp8 and --preemption-mode swap|auto are not supported with "
+                             "--tensor-parallel-size > 1 yet")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
+        if self.speculative_config is not None and (self.kv_cache_dtype != "auto" or self.preemption_mode != "recompute"):
+            raise ValueError("--speculative-config is not supported with --kv-cache-dtype int8|fp8 or "
+                             "--preemption-mode swap|auto yet")
 
 
 def cpu_threads_policy(requested: int | None) -> int | None:
@@ -107,6 +142,17 @@ def cpu_threads_policy(requested: int | None) -> int | None:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return 1 if cores <= 2 else cores - 1
+
+
+def check_priority(config: EngineConfig, priority: object) -> None:
+    """A request's priority: an integer, and non-zero only under a policy that uses it."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and config.scheduling_policy == "fcfs":
+        raise ValueError(
+            f"priority={priority} is not allowed with the fcfs scheduling policy; "
+            "start the engine with --scheduling-policy priority (or fair)"
+        )
 
 
 def available_memory_bytes() -> int:

@@ -56,6 +56,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -66,6 +67,15 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.tenant = tenant
+        # Leading prompt tokens of an operator-declared shared prefix: their blocks are
+        # hashed without the cache salt (see KVCacheManager.block_hashes).
+        self.num_shared_prefix_tokens = 0
+        # Long-prefill fairness: the token count at which this request's prefill ends
+        # while it counts as a long prefill in progress (0: not a long prefill).
+        self.long_prefill_end = 0
+        # Swap preemption: the host blocks holding this request's KV while it waits.
+        self.host_block_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

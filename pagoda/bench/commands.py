@@ -103,3 +103,27 @@ def add_bench_commands(
         return run_spec_bench(args, config_from_args(args))
 
     sp.set_defaults(func=run_sp)
+
+    fa = sub.add_parser("fairness", help="light vs heavy tenant TTFT under fcfs and fair scheduling (engine core)")
+    add_engine_args(fa)
+    from pagoda.bench.fairness import add_fairness_args, add_long_prefill_args
+
+    add_fairness_args(fa)
+
+    def run_fa(args: argparse.Namespace) -> int:
+        from pagoda.bench.fairness import run_fairness
+
+        return run_fairness(args, config_from_args(args))
+
+    fa.set_defaults(func=run_fa)
+
+    lp = sub.add_parser("long-prefill", help="short prompts' TTFT behind a flood of long ones, knob off and on")
+    add_engine_args(lp)
+    add_long_prefill_args(lp)
+
+    def run_lp(args: argparse.Namespace) -> int:
+        from pagoda.bench.fairness import run_long_prefill
+
+        return run_long_prefill(args, config_from_args(args))
+
+    lp.set_defaults(func=run_lp)

@@ -4,7 +4,8 @@ A full block's key is hash(parent key, the block's token ids, extra keys).
 Chaining makes a block's key identify the whole prefix up to and including
 it, so two requests share block i only if all tokens before it match too.
 Extra keys isolate caches that must not be shared: a LoRA adapter id, a
-tenant's cache salt (mixed into the first block only; the chain carries it on).
+tenant's cache salt (mixed into one block, the first unless an operator-declared
+shared prefix comes before it; the chain carries it on).
 
 Keys are SHA-256 based, so they are the same in every process (a router can
 compute them) and cannot be forged to collide by a tenant.
@@ -47,9 +48,12 @@ def hash_request_blocks(
     block_size: int,
     existing: list[BlockHash],
     extra_keys: tuple[object, ...] = (),
+    extra_keys_at: int = 0,
 ) -> list[BlockHash]:
     """Extend ``existing`` with the hashes of the full blocks of ``token_ids``
-    not hashed yet, and return it.
+    not hashed yet, and return it. ``extra_keys`` go into block ``extra_keys_at``
+    (0: the first; later for a salt after a shared prefix), and the chain carries
+    them on to every block after it.
 
     E.g. block_size=4, 10 tokens, 1 existing hash -> appends the hash of
     tokens[4:8]; tokens[8:10] is not full and gets no hash.
@@ -57,7 +61,7 @@ def hash_request_blocks(
     num_full = len(token_ids) // block_size
     for i in range(len(existing), num_full):
         parent = existing[i - 1] if i > 0 else None
-        extra = extra_keys if i == 0 else ()
+        extra = extra_keys if i == extra_keys_at else ()
         existing.append(
             hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         )

@@ -49,8 +49,10 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         extra = (request.cache_salt,) if request.cache_salt else ()
+        # The blocks of a declared shared prefix stay unsalted (pagoda/shared_prefix.py).
+        salt_at = request.num_shared_prefix_tokens // self.block_size
         return hash_request_blocks(
-            request.all_token_ids, self.block_size, request.block_hashes, extra
+            request.all_token_ids, self.block_size, request.block_hashes, extra, salt_at
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -44,6 +44,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> draft slots reserved this step (included in
     # num_scheduled_tokens). The runner proposes at most this many drafts.
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
+    # Swap preemption: copy these KV blocks before the forward, out first, then in.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
 
     @property
     def is_empty(self) -> bool:

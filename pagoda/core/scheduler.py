@@ -21,12 +21,15 @@ accepted and blocks holding only rejected drafts go back to the pool.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
+from pagoda.core.host_pool import HostBlockPool
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.sched_policy import POLICIES, FairShare, enqueue, queue_key, tenant_of
 from pagoda.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -35,6 +38,7 @@ from pagoda.core.sched_output import (
 )
 from pagoda.engine.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from pagoda.request import Request, RequestStatus
+from pagoda.tenants import TenantSpec
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,21 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 8192
     num_speculative_tokens: int = 0       # draft slots per decoding request; 0 = off
+    # fcfs | priority | fair (see sched_policy.py).
+    policy: str = "fcfs"
+    # Long-prefill fairness: at most this many prompts with more than the threshold of
+    # tokens to compute are chunk-prefilled at once (None: no bound), and a long
+    # prefill's chunk is capped at the threshold while other work wants the budget.
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None   # None: 4 % of max_model_len if the bound is set
+    # Tenants' weights and running limits (fair policy); unknown tenants: weight 1.
+    tenants: tuple[TenantSpec, ...] = ()
+    # recompute | swap | auto: how a victim gives its blocks back. swap copies its KV to
+    # a host pool of num_host_blocks (recompute when that is full); auto swaps victims
+    # with at least auto_swap_min_tokens computed and recomputes shorter ones.
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
+    auto_swap_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -52,6 +71,25 @@ class SchedulerConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if self.preemption_mode != "recompute" and self.num_host_blocks < 1:
+            raise ValueError(f"preemption_mode={self.preemption_mode} needs a host pool (swap space)")
+        for name in ("max_long_partial_prefills", "long_prefill_token_threshold"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def long_prefill_threshold(self) -> int | None:
+        """Prompts with more tokens than this to compute are long prefills (None: no such notion)."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        if self.max_long_partial_prefills is not None:
+            return max(1, int(self.max_model_len * 0.04))
+        return None
 
 
 class Scheduler:
@@ -73,6 +111,12 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * config.num_speculative_tokens
+        self.policy = config.policy
+        self.fair = FairShare(config.tenants)
+        self.host = HostBlockPool(config.num_host_blocks)
+        self.num_swap_preemptions = 0
+        # Host blocks of requests swapped in by the last step, released at the next one.
+        self._host_release: list[int] = []
 
     # ---- requests in and out -------------------------------------------------
 
@@ -84,9 +128,15 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the context length "
                 f"(max_model_len) is {self.config.max_model_len}"
             )
+        if self.policy == "fcfs" and request.priority != 0:
+            raise ValueError(
+                f"priority={request.priority} needs --scheduling-policy priority (or fair); "
+                "the fcfs policy serves requests in arrival order"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.fair.on_add(tenant_of(request))
+        enqueue(self.waiting, request, self.policy)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step loop (abort, stop string)."""
@@ -98,7 +148,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self._remove_running(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -115,16 +165,53 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        if request.host_block_ids:
+            self.host.free(request.host_block_ids)
+            request.host_block_ids = []
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self.fair.on_finish(tenant_of(request))
 
-    def _preempt(self, request: Request) -> None:
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self.fair.on_stop_running(tenant_of(request))
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """``request`` has already left ``running``. Swap its KV out to the host pool
+        (keeping its progress) or drop it to be recomputed, per the preemption mode."""
+        self.fair.on_stop_running(tenant_of(request))
+        host = self._swap_space_for(request)
+        if host is not None:
+            device = self.kv.get_block_ids(request.request_id)[: len(host)]
+            step.swap_out.extend(zip(device, host))
+            request.host_block_ids = host
+            self.host.num_swapped_out += len(host)
+            self.num_swap_preemptions += 1
+        else:
+            request.num_computed_tokens = 0
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.long_prefill_end = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        enqueue(self.waiting, request, self.policy, front=True)
+
+    def _swap_space_for(self, request: Request) -> list[int] | None:
+        """Host blocks for the victim's computed KV, or None to recompute it."""
+        mode = self.config.preemption_mode
+        computed = request.num_computed_tokens
+        if mode == "recompute" or computed == 0:
+            return None
+        if mode == "auto" and computed < self.config.auto_swap_min_tokens:
+            return None
+        return self.host.allocate(-(-computed // self.kv.block_size))
+
+    def _pick_victim(self) -> Request:
+        """The running request to preempt: the most recently admitted one, or under
+        the priority policy the lowest-priority one (latest arrival among equals)."""
+        if self.policy == "priority":
+            return max(self.running, key=queue_key)
+        return self.running[-1]
 
     def _grammar_ready(self, request: Request) -> bool:
         """True once the request's grammar (if any) is compiled. A failed
@@ -160,122 +247,309 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted: set[str] = set()
-        num_spec: dict[str, int] = {}
+        step = _Step(self.config.max_num_batched_tokens)
+        if self._host_release:
+            # Swapped in by the last step, whose copies are done.
+            self.host.free(self._host_release)
+            self._host_release = []
+        if self.policy == "fair":
+            # What each tenant could use this step: its running requests' remaining tokens
+            # and its waiting requests' prompts (an upper bound; the top-up evens it out).
+            demand: dict[str, int] = {}
+            for r in itertools.chain(self.running, self.waiting):
+                if r.num_tokens > r.num_computed_tokens:
+                    t = tenant_of(r)
+                    demand[t] = demand.get(t, 0) + r.num_tokens - r.num_computed_tokens
+            step.quota = self.fair.quotas(step.budget, demand)
 
         # 1. Running requests, oldest first: decodes and unfinished prompt chunks.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            want = request.num_tokens - request.num_computed_tokens
+            num_new = self._cap(request, min(want, step.budget), step)
             if num_new == 0:
-                # All scheduled already; its sampled token has not arrived yet.
+                # All scheduled already (its sampled token has not arrived yet), or
+                # its tenant's share of this step is used up.
                 i += 1
                 continue
             # Drafts never take the budget of a running request behind this one.
-            spec = self._num_spec_tokens(request, budget - (len(self.running) - i - 1)) if num_new == 1 else 0
+            spec = (self._num_spec_tokens(request, step.budget - (len(self.running) - i - 1))
+                    if num_new == 1 and want == 1 else 0)
             new_blocks = self.kv.allocate_slots(request, num_new + spec)
             if new_blocks is None and spec:
                 spec = 0  # no room to speculate: decode plainly before preempting anyone
                 new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
-                # Out of blocks: evict the most recently admitted request.
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
+                # Out of blocks: evict a victim (possibly this request itself).
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1  # it was scheduled earlier in this step
+                self._evict(victim, step)
                 if victim is request:
                     break
                 new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
+            capped = num_new < want
             if spec:
-                num_spec[request.request_id] = spec
+                step.num_spec[request.request_id] = spec
                 num_new += spec
-            num_scheduled[request.request_id] = num_new
-            cached_reqs.append(
-                CachedRequestData(
-                    request.request_id,
-                    [b.block_id for b in new_blocks],
-                    request.num_computed_tokens,
-                )
+            step.num_scheduled[request.request_id] = num_new
+            step.cached[request.request_id] = CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
             )
-            budget -= num_new
+            step.charge(request, num_new, capped=capped)
             i += 1
 
-        # 2. Waiting requests, in order, while budget, seats and blocks last.
-        # Nothing new is admitted in a step that had to preempt. A request
-        # whose grammar is still compiling lets the ones behind it go first.
-        compiling: list[Request] = []
-        while (
-            self.waiting
-            and budget > 0
-            and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            if not self._grammar_ready(request):
-                compiling.append(self.waiting.popleft())
-                continue
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
-            if new_blocks is None:
-                break
-            self.waiting.popleft()
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit_tokens,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
-            budget -= num_new
+        # 2. Waiting requests while budget, seats and blocks last. Nothing new is
+        # admitted in a step that had to preempt a running request to continue.
+        if not step.preempted:
+            if self.policy == "fair":
+                self._admit_fair(step)
+            else:
+                self._admit_in_order(step)
 
-        self.waiting.extendleft(reversed(compiling))
+        # 3. Budget left over: extend the chunks that a share or the long-prefill cap held back.
+        if step.capped and step.budget > 0:
+            self._top_up(step)
 
         # The step will compute these tokens; account for them now so the next
         # schedule() (possibly before this step's output arrives) sees them.
         structured: list[str] = []
-        for rid, n in num_scheduled.items():
+        for rid, n in step.num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.long_prefill_end:
+                request.long_prefill_end = 0
+            self.fair.charge(tenant_of(request), n)
             if request.matcher is not None and request.num_computed_tokens == request.num_tokens:
                 structured.append(rid)
 
         finished = self._finished_ids
         self._finished_ids = set()
-        total = sum(num_scheduled.values())
-        self._last_batch_size = len(num_scheduled)
+        total = sum(step.num_scheduled.values())
+        self._last_batch_size = len(step.num_scheduled)
         self._last_num_tokens = total
         if total:
             self.num_steps += 1
+        new_reqs = [step.new[rid] for rid in step.num_scheduled if rid in step.new]
+        for data in new_reqs:
+            data.block_ids = self.kv.get_block_ids(data.req_id)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
+            scheduled_cached_reqs=[step.cached[rid] for rid in step.num_scheduled if rid in step.cached],
+            num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
-            preempted_req_ids=preempted,
+            preempted_req_ids=step.preempted,
             structured_req_ids=structured,
-            num_spec_tokens=num_spec,
+            num_spec_tokens=step.num_spec,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
         )
+
+    # ---- pieces of a step --------------------------------------------------------
+
+    def _cap(self, request: Request, num_new: int, step: _Step) -> int:
+        """Hold back a long prefill's chunk at the threshold and a tenant at its share
+        (the top-up pass gives back what nobody else used)."""
+        threshold = self.config.long_prefill_threshold
+        if threshold is not None and request.long_prefill_end and num_new > threshold:
+            num_new = threshold
+        if step.quota is not None:
+            num_new = min(num_new, step.quota.get(tenant_of(request), 0))
+        return num_new
+
+    def _evict(self, victim: Request, step: _Step) -> None:
+        """Preempt a running request, undoing whatever this step scheduled for it."""
+        self.running.remove(victim)
+        n = step.num_scheduled.pop(victim.request_id, 0)
+        if n:
+            step.budget += n
+            step.served[tenant_of(victim)] -= n
+            if step.quota is not None:
+                step.quota[tenant_of(victim)] = step.quota.get(tenant_of(victim), 0) + n
+        step.cached.pop(victim.request_id, None)
+        step.new.pop(victim.request_id, None)
+        step.capped.pop(victim.request_id, None)
+        step.num_spec.pop(victim.request_id, None)
+        self._preempt(victim, step)
+        step.preempted.add(victim.request_id)
+
+    def _num_long_prefills(self, step: _Step) -> int:
+        return sum(
+            1 for r in self.running
+            if r.long_prefill_end > r.num_computed_tokens + step.num_scheduled.get(r.request_id, 0)
+        )
+
+    def _must_wait(self, request: Request, step: _Step) -> bool:
+        """A request that others behind it may pass this step: its grammar is still
+        compiling, it is a long prefill while enough of them run, or its tenant is at
+        its running limit."""
+        if request.request_id in step.preempted:
+            return True  # preempted in this very step (by a higher priority): not back yet
+        if not self._grammar_ready(request):
+            return True
+        if not self.fair.can_run_more(tenant_of(request)):
+            return True
+        cap = self.config.max_long_partial_prefills
+        threshold = self.config.long_prefill_threshold
+        if cap is not None and threshold is not None:
+            uncached = request.num_tokens - request.num_computed_tokens
+            if uncached > threshold and step.num_long >= cap:
+                # (Judged before the prefix lookup; a mostly cached prompt may wait needlessly.)
+                return True
+        return False
+
+    def _try_admit(self, request: Request, step: _Step) -> bool:
+        """Admit ``request`` (just taken off the waiting queue) if a seat, budget and
+        blocks allow; under the priority policy, preempting lower-priority running
+        requests for them. False, changing nothing for it, if it cannot run now."""
+        priority = self.policy == "priority"
+        while len(self.running) >= self.config.max_num_seqs:
+            if not (priority and self._preempt_lower(request, step)):
+                return False
+        swapped = bool(request.host_block_ids)
+        while True:
+            if swapped:
+                # Its KV comes back from the host pool; no prefix lookup.
+                hit_blocks, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            want = request.num_tokens - num_hit_tokens
+            num_new = min(want, step.budget)
+            threshold = self.config.long_prefill_threshold
+            is_long = threshold is not None and want > threshold
+            if is_long:
+                request.long_prefill_end = request.num_tokens
+            num_new = self._cap(request, num_new, step)
+            if num_new == 0:
+                request.long_prefill_end = 0
+                return False
+            if swapped:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            else:
+                new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
+            if new_blocks is not None:
+                break
+            request.long_prefill_end = 0
+            if not (priority and self._preempt_lower(request, step)):
+                return False
+        if swapped:
+            device = self.kv.get_block_ids(request.request_id)
+            step.swap_in.extend(zip(request.host_block_ids, device))
+            self.host.num_swapped_in += len(request.host_block_ids)
+            self._host_release.extend(request.host_block_ids)
+            request.host_block_ids = []
+        else:
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        self.fair.on_start_running(tenant_of(request))
+        if is_long:
+            step.num_long += 1
+        step.num_scheduled[request.request_id] = num_new
+        step.new[request.request_id] = NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=[],  # filled in at the end of the step
+            num_computed_tokens=num_hit_tokens,
+            eos_token_ids=request.eos_token_ids,
+        )
+        step.charge(request, num_new, capped=num_new < want)
+        return True
+
+    def _preempt_lower(self, request: Request, step: _Step) -> bool:
+        """Preempt the lowest-priority running request if its priority is strictly
+        lower than ``request``'s (requests admitted in this step are never victims)."""
+        candidates = [r for r in self.running if r.request_id not in step.new]
+        if not candidates:
+            return False
+        victim = max(candidates, key=queue_key)
+        if victim.priority <= request.priority:
+            return False
+        self._evict(victim, step)
+        return True
+
+    def _admit_in_order(self, step: _Step) -> None:
+        """fcfs and priority: the queue's order; requests that must wait are passed."""
+        step.num_long = self._num_long_prefills(step)
+        passed: list[Request] = []
+        while self.waiting and step.budget > 0:
+            request = self.waiting.popleft()
+            if self._must_wait(request, step):
+                passed.append(request)
+                continue
+            if not self._try_admit(request, step):
+                self.waiting.appendleft(request)
+                break
+        self.waiting.extendleft(reversed(passed))
+
+    def _admit_fair(self, step: _Step) -> None:
+        """fair: each tenant's queue in order; the least served tenant (virtual
+        time) with share left goes next, then, if budget remains, anyone."""
+        step.num_long = self._num_long_prefills(step)
+        queues: dict[str, deque[Request]] = {}
+        for request in self.waiting:
+            queues.setdefault(tenant_of(request), deque()).append(request)
+        admitted: set[str] = set()
+        stalled: set[str] = set()  # tenants that cannot admit more this step
+        while step.budget > 0:
+            open_ = [t for t, q in queues.items() if q and t not in stalled]
+            if not open_:
+                break
+            if step.quota is not None:
+                with_share = [t for t in open_ if step.quota.get(t, 0) > 0]
+                if with_share:
+                    open_ = with_share
+                else:
+                    # Everyone with work used their share: the rest of the budget is free for all.
+                    step.quota = None
+            tenant = self.fair.order(open_, step.served)[0]
+            queue = queues[tenant]
+            request = queue[0]
+            if self._must_wait(request, step):
+                queue.popleft()
+                continue
+            if not self._try_admit(request, step):
+                if step.quota is not None and step.quota.get(tenant, 0) == 0:
+                    stalled.add(tenant)
+                    continue
+                break  # out of seats or blocks: nobody else fits either
+            queue.popleft()
+            admitted.add(request.request_id)
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in admitted)
+
+    def _top_up(self, step: _Step) -> None:
+        """Give budget nobody else used to the requests that were held back (long
+        prefill chunks, tenants at their share), least served tenants first."""
+        tenants = {tenant_of(self.requests[r]) for r in step.capped}
+        order = {t: k for k, t in enumerate(self.fair.order(tenants, step.served))}
+        for rid in sorted(step.capped, key=lambda r: order[tenant_of(self.requests[r])]):
+            if step.budget <= 0:
+                break
+            request = self.requests[rid]
+            done = step.num_scheduled[rid]
+            extra = min(step.capped[rid] - done, step.budget)
+            if extra <= 0:
+                continue
+            # Blocks for num_computed + done + extra tokens (num_computed is not advanced yet).
+            new_blocks = self.kv.allocate_slots(request, done + extra)
+            if new_blocks is None:
+                continue
+            step.num_scheduled[rid] = done + extra
+            step.budget -= extra
+            if rid in step.cached:
+                step.cached[rid].new_block_ids.extend(b.block_id for b in new_blocks)
 
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
@@ -318,7 +592,7 @@ class Scheduler:
             finish_reason = None
             if request.is_finished:
                 finish_reason = request.status.finish_reason
-                self.running.remove(request)
+                self._remove_running(request)
                 self._free(request)
             elif rid in sched_out.num_spec_tokens:
                 # Roll back to what was verified: every emitted token but the last
@@ -365,6 +639,11 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            num_swap_preemptions=self.num_swap_preemptions,
+            num_swapped_out_blocks=self.host.num_swapped_out,
+            num_swapped_in_blocks=self.host.num_swapped_in,
+            num_host_blocks=self.host.num_blocks,
+            num_free_host_blocks=self.host.num_free_blocks,
         )
 
     def check_integrity(self) -> None:
@@ -386,3 +665,36 @@ class Scheduler:
             held = len(self.kv.req_to_blocks.get(request.request_id, []))
             if held * self.kv.block_size < request.num_computed_tokens:
                 raise AssertionError(f"{request} holds {held} blocks, too few for its computed tokens")
+            if request.host_block_ids:
+                raise AssertionError(f"running {request} holds host blocks")
+        self.host.check_integrity([r.host_block_ids for r in self.waiting] + [self._host_release])
+
+
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}   # insertion order = batch order
+        self.cached: dict[str, CachedRequestData] = {}
+        self.new: dict[str, NewRequestData] = {}
+        self.preempted: set[str] = set()
+        # Requests given fewer tokens than they want: rid -> tokens they want.
+        self.capped: dict[str, int] = {}
+        # Tenant -> tokens left of its share this step (fair policy only).
+        self.quota: dict[str, int] | None = None
+        self.num_long = 0   # long prefills in progress (admission phase)
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.num_spec: dict[str, int] = {}  # rid -> draft slots (in num_scheduled)
+        self.served: dict[str, int] = {}   # tenant -> tokens scheduled so far in this step
+
+    def charge(self, request: Request, num_new: int, capped: bool) -> None:
+        self.budget -= num_new
+        t = tenant_of(request)
+        self.served[t] = self.served.get(t, 0) + num_new
+        if self.quota is not None:
+            t = tenant_of(request)
+            self.quota[t] = self.quota.get(t, 0) - num_new
+        if capped:
+            self.capped[request.request_id] = request.num_tokens - request.num_computed_tokens

@@ -25,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, check_priority
 from pagoda.engine.core_proc import EngineInfo, engine_core_process_main, run_engine_core
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.engine.protocol import EngineCoreOutputs, SchedulerStats
@@ -295,8 +295,10 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params)
+        check_priority(self.config, priority)
         self._check_alive()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -311,9 +313,10 @@ class AsyncLLM:
             arrival = time.monotonic()
             for req in make_core_requests(
                 request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
-                arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
             ):
-                self.metrics.add_request(req.request_id, arrival, len(prompt_token_ids))
+                self.metrics.add_request(req.request_id, arrival, len(prompt_token_ids),
+                                         tenant=tenant, priority=priority)
                 await self._send(b"add", req)
             while True:
                 item = await queue.get()

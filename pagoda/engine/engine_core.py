@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pagoda.config import EngineConfig, available_memory_bytes, cpu_threads_policy
+from pagoda.config import EngineConfig, available_memory_bytes, check_priority, cpu_threads_policy
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -26,6 +26,14 @@ logger = logging.getLogger(__name__)
 # Default KV budget on CPU: this share of available memory, at most this much.
 _CPU_KV_FRACTION = 0.25
 _CPU_KV_MAX_BYTES = 4 << 30
+
+
+def _tenant_specs(config: EngineConfig) -> tuple:
+    if config.api_keys_file is None:
+        return ()
+    from pagoda.tenants import load_api_keys_file, tenants_of
+
+    return tuple(tenants_of(load_api_keys_file(config.api_keys_file)).values())
 
 
 class EngineCore:
@@ -87,7 +95,7 @@ class EngineCore:
             from pagoda.spec_decode import check_draft_model
 
             check_draft_model(spec, loaded, draft)
-        per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype)
+        per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype, config.kv_cache_dtype)
         if draft is not None:
             # The draft model's own cache has as many blocks, over the same block ids.
             per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
@@ -108,6 +116,10 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
                     num_blocks * per_block / 2**20)
 
+        num_host_blocks = config.swap_space // per_block if config.preemption_mode != "recompute" else 0
+        if config.preemption_mode != "recompute" and num_host_blocks < 1:
+            raise ValueError(f"--swap-space {config.swap_space} bytes holds no KV block ({per_block} bytes each)")
+        self.num_host_blocks = num_host_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -115,10 +127,17 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                policy=config.scheduling_policy,
+                max_long_partial_prefills=config.max_long_partial_prefills,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                tenants=_tenant_specs(config),
+                preemption_mode=config.preemption_mode,
+                num_host_blocks=num_host_blocks,
             ),
             self.kv_manager,
         )
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed,
+                                  num_host_blocks=num_host_blocks, kv_cache_dtype=config.kv_cache_dtype)
         # What a step calls: the runner itself, or rank 0 driving a tensor-parallel group.
         self.executor = self.runner
         if self.tp_driver is not None:
@@ -131,12 +150,22 @@ class EngineCore:
             self.runner.proposer = build_proposer(spec, loaded.model, self.runner.kv_caches, config.block_size,
                                                   device, draft, caches)
         self.vocab_size = arch.vocab_size
+        self.shared_prefixes = None
+        if config.shared_prefix_file is not None:
+            from pagoda.engine.llm import build_tokenizer
+            from pagoda.shared_prefix import SharedPrefixes, read_shared_prefix_file
+
+            self.shared_prefixes = SharedPrefixes.from_texts(
+                read_shared_prefix_file(config.shared_prefix_file),
+                build_tokenizer(loaded, config.chat_template), config.block_size,
+            )  # fmt: skip
         self._structured = None
         self.step_stats: StepStatsCollector | None = None
         if collect_stats:
             weight_elem = next(loaded.model.parameters()).element_size()
             elem = torch.empty(0, dtype=dtype).element_size()
-            self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=elem)
+            kv_elem = elem if config.kv_cache_dtype == "auto" else 1
+            self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=kv_elem)
 
     @property
     def structured(self):
@@ -159,6 +188,7 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         params = req.sampling_params
         params.validate_for_vocab(self.vocab_size)
+        check_priority(self.config, req.priority)
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
@@ -181,7 +211,10 @@ class EngineCore:
             arrival_time=req.arrival_time or None,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            tenant=req.tenant,
         )
+        if req.cache_salt and self.shared_prefixes is not None:
+            request.num_shared_prefix_tokens = self.shared_prefixes.shared_len(req.prompt_token_ids)
         if params.structured_outputs is not None:
             # Compiled off the step loop; the scheduler waits for it.
             request.grammar = self.structured.submit(params.structured_outputs)

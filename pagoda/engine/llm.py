@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, check_priority
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.model.loader import LoadedModel, resolve_model_path
@@ -80,11 +80,26 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """``priority``: one per prompt, lower runs first (needs scheduling_policy
+        "priority" or "fair"). A dict prompt may carry a ``cache_salt`` (prefix-cache
+        isolation, docs/scheduling.md)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         items = []
+        salts: list[str | None] = []
         for p in prompts:
+            if isinstance(p, dict):
+                unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+                if unknown:
+                    raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
+                salt = p.get("cache_salt")
+                if salt is not None and (not isinstance(salt, str) or not salt):
+                    raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+                salts.append(salt)
+            else:
+                salts.append(None)
             if isinstance(p, str):
                 items.append((p, self.get_tokenizer().encode(p)))
             elif isinstance(p, dict) and "prompt_token_ids" in p:
@@ -93,7 +108,11 @@ class LLM:
                 items.append((p["prompt"], self.get_tokenizer().encode(p["prompt"])))
             else:
                 raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
-        return self._run(items, sampling_params, use_tqdm)
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(items):
+                raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
+        return self._run(items, sampling_params, use_tqdm, priority, salts)
 
     def chat(
         self,
@@ -123,6 +142,8 @@ class LLM:
         items: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priorities: list[int] | None = None,
+        salts: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -136,13 +157,16 @@ class LLM:
                 )
         ids: list[str] = []
         try:
-            for (prompt, token_ids), params in zip(items, params_list):
+            for k, ((prompt, token_ids), params) in enumerate(zip(items, params_list)):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
                 if params.structured_outputs is not None:
                     self.engine.structured.validate(params.structured_outputs)
+                priority = priorities[k] if priorities is not None else 0
+                check_priority(self.config, priority)
                 self.processor.add_request(rid, prompt, token_ids, params)
                 ids.append(rid)
-                for req in make_core_requests(rid, token_ids, params, self.eos_token_ids):
+                for req in make_core_requests(rid, token_ids, params, self.eos_token_ids, priority=priority,
+                                              cache_salt=salts[k] if salts is not None else None):
                     self.engine.add_request(req)
         except Exception:
             self._abort(ids)

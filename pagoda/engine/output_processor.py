@@ -31,6 +31,7 @@ def make_core_requests(
     arrival_time: float = 0.0,
     priority: int = 0,
     cache_salt: str | None = None,
+    tenant: str | None = None,
 ) -> list[EngineCoreRequest]:
     """One core request per sample. With a seed, sample i uses seed + i, so
     the n samples differ yet the whole request is reproducible."""
@@ -47,6 +48,7 @@ def make_core_requests(
                 arrival_time=arrival_time,
                 priority=priority,
                 cache_salt=cache_salt,
+                tenant=tenant,
             )
         )
     return reqs

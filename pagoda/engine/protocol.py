@@ -19,6 +19,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    tenant: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -65,6 +66,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    num_swap_preemptions: int = 0     # cumulative: preemptions that swapped rather than recomputed
+    num_swapped_out_blocks: int = 0   # cumulative
+    num_swapped_in_blocks: int = 0    # cumulative
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
 
 
 class StepRecord(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -62,6 +62,29 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram [prompt_lookup_min/max], layer_skip [num_layers], draft_model [model])')
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority", "fair"),
+                   help="fcfs: arrival order; priority: lower request priority first, may preempt lower "
+                        "priorities; fair: share each step's tokens across tenants by weight "
+                        "(docs/scheduling.md)")
+    p.add_argument("--max-long-partial-prefills", type=int, default=None,
+                   help="at most this many prompts longer than --long-prefill-token-threshold are "
+                        "chunk-prefilled at once (short prompts pass the others)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="a prompt with more tokens than this to compute is a long prefill; its chunk per "
+                        "step is capped at this while others want the budget (default with "
+                        "--max-long-partial-prefills: 4%% of the context length)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                   help="auto: the model's dtype; int8 / fp8 (e4m3): 8-bit K/V with a float32 scale per token "
+                        "and head, about 4x the blocks of float32 KV in the same memory (2x of bf16)")
+    p.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"),
+                   help="how a preempted request gives its KV blocks back: recompute them later, swap them "
+                        "to host memory (--swap-space) and back, or auto: swap long ones, recompute short ones")
+    p.add_argument("--swap-space", type=parse_size, default=0,
+                   help="host memory for swapped-out KV blocks, e.g. 4GiB (needed by --preemption-mode swap|auto)")
+    p.add_argument("--shared-prefix-file", default=None,
+                   help="system prompts / texts whose prefix cache blocks stay shared across cache_salt "
+                        "values (JSON array of strings, or text with '---' lines between entries)")
+
     par = p.add_argument_group("parallelism (docs/parallel.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
@@ -124,6 +147,14 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         chat_template=args.chat_template,
         num_threads=args.num_threads,
         speculative_config=args.speculative_config,
+        scheduling_policy=args.scheduling_policy,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        shared_prefix_file=args.shared_prefix_file,
+        kv_cache_dtype=args.kv_cache_dtype,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        api_keys_file=getattr(args, "api_keys_file", None),
         **extra,
     )
 
@@ -205,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or PAGODA_API_KEY)")
+    serve.add_argument("--api-keys-file", default=None,
+                       help="JSON or TOML: API key -> {tenant, weight, max_running, max_queued}; any key "
+                            "is accepted and names the request's tenant (without it, an X-Tenant header "
+                            "does)")
     serve.add_argument("--max-num-queued-requests", type=int, default=None,
                        help="bound on requests waiting for their first token; excess gets 429")
     serve.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests are aborted")

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from pagoda.engine.protocol import SchedulerStats
 from pagoda.metrics.histogram import Histogram
-from pagoda.metrics.stats import FINISH_REASONS, EngineMetrics
+from pagoda.metrics.stats import FINISH_REASONS, EngineMetrics, LabelledStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -84,6 +84,10 @@ def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | No
     yield gauge("kv_cache_num_blocks", "KV blocks in the pool.", lambda s: s.num_blocks)
     # Cumulative in the engine core since start; exported as they are.
     yield counter("num_preemptions", "Requests preempted (recompute).", lambda s: s.num_preemptions)
+    yield counter("num_swap_preemptions", "Preemptions that swapped the KV to host memory.",
+                  lambda s: s.num_swap_preemptions)
+    yield counter("swapped_out_blocks", "KV blocks copied to the host pool.", lambda s: s.num_swapped_out_blocks)
+    yield counter("swapped_in_blocks", "KV blocks copied back from the host pool.", lambda s: s.num_swapped_in_blocks)
     yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                   lambda s: s.prefix_cache_queries)
     yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits)
@@ -120,12 +124,43 @@ def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | No
                   lambda m: m.step_flops, "metrics")
     yield counter("estimated_bytes", "Estimated bytes moved by engine steps: weights + KV read/written.",
                   lambda m: m.step_bytes, "metrics")
+    yield from _class_families(labels, parts, "by_tenant", "tenant")
+    yield from _class_families(labels, parts, "by_priority", "priority")
     for attr, name, doc in _HISTOGRAMS:
         h = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
         for value, metrics, _ in parts:
             hist: Histogram = getattr(metrics, attr)
             h.add_metric(value, hist.cumulative(), hist.sum)
         yield h
+
+
+def _class_families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | None, SchedulerStats]],
+                    attr_name: str, label: str) -> Iterator[Metric]:
+    """pagoda:<label>_requests, _prompt_tokens, _generation_tokens, _time_to_first_token_seconds
+    and _request_queue_time_seconds, one series per tenant / priority value (and replica)."""
+    labels = labels + [label]
+    families = {
+        "requests": CounterMetricFamily(f"pagoda:{label}_requests", f"Requests received, by {label}.", labels=labels),
+        "prompt_tokens": CounterMetricFamily(f"pagoda:{label}_prompt_tokens",
+                                             f"Prompt tokens of requests that produced a token, by {label}.",
+                                             labels=labels),
+        "generation_tokens": CounterMetricFamily(f"pagoda:{label}_generation_tokens",
+                                                 f"Generated tokens, by {label}.", labels=labels),
+    }  # fmt: skip
+    ttft = HistogramMetricFamily(f"pagoda:{label}_time_to_first_token_seconds",
+                                 f"Time from arrival to the first generated token, by {label}.", labels=labels)
+    queue = HistogramMetricFamily(f"pagoda:{label}_request_queue_time_seconds",
+                                  f"Time from arrival until first scheduled, by {label}.", labels=labels)
+    for prefix, metrics, _ in parts:
+        stats: LabelledStats = getattr(metrics, attr_name)
+        for value, cls in sorted(stats.by_label.items()):
+            for attr, family in families.items():
+                family.add_metric(prefix + [value], getattr(cls, attr))
+            ttft.add_metric(prefix + [value], cls.ttft.cumulative(), cls.ttft.sum)
+            queue.add_metric(prefix + [value], cls.queue_time.cumulative(), cls.queue_time.sum)
+    yield from families.values()
+    yield ttft
+    yield queue
 
 
 def make_registry(engine: Any, model_name: str) -> CollectorRegistry:

@@ -54,10 +54,45 @@ class RequestTrace:
     num_preemptions: int
 
 
+class ClassStats:
+    """Per-class figures (a tenant, or a priority value): requests, tokens, TTFT, queue time."""
+
+    __slots__ = ("requests", "prompt_tokens", "generation_tokens", "ttft", "queue_time")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.queue_time = Histogram(LATENCY_BUCKETS)
+
+
+class LabelledStats:
+    """ClassStats by label value, for at most ``max_labels`` values: the label comes from
+    clients (an X-Tenant header, a priority), so later values share one ``other`` series
+    rather than grow the scrape without bound."""
+
+    OTHER = "other"
+
+    def __init__(self, max_labels: int = 32) -> None:
+        self.max_labels = max_labels
+        self.by_label: dict[str, ClassStats] = {}
+
+    def get(self, label: str) -> ClassStats:
+        stats = self.by_label.get(label)
+        if stats is None:
+            if len(self.by_label) >= self.max_labels:
+                label = self.OTHER
+            stats = self.by_label.setdefault(label, ClassStats())
+        return stats
+
+
 @dataclass(slots=True)
 class _RequestState:
     arrival: float
     num_prompt_tokens: int
+    tenant: ClassStats | None = None
+    priority: ClassStats | None = None
     scheduled: float = 0.0        # engine clock
     first_engine: float = 0.0     # engine clock, step that produced the first token
     last_engine: float = 0.0
@@ -110,6 +145,9 @@ class EngineMetrics:
         self.recent_ttft = WindowedSamples()
         self.recent_itl = WindowedSamples()
         self.recent_e2e = WindowedSamples()
+        # By tenant (from the API key or X-Tenant) and by priority value.
+        self.by_tenant = LabelledStats()
+        self.by_priority = LabelledStats()
 
     @property
     def num_tracked_requests(self) -> int:
@@ -117,8 +155,15 @@ class EngineMetrics:
 
     # ---- inputs ---------------------------------------------------------------------
 
-    def add_request(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
-        self._requests[request_id] = _RequestState(arrival, num_prompt_tokens)
+    def add_request(self, request_id: str, arrival: float, num_prompt_tokens: int,
+                    tenant: str | None = None, priority: int = 0) -> None:  # fmt: skip
+        from pagoda.tenants import DEFAULT_TENANT
+
+        by_tenant = self.by_tenant.get(tenant or DEFAULT_TENANT)
+        by_priority = self.by_priority.get(str(priority))
+        by_tenant.requests += 1
+        by_priority.requests += 1
+        self._requests[request_id] = _RequestState(arrival, num_prompt_tokens, by_tenant, by_priority)
 
     def on_engine_outputs(self, msg: EngineCoreOutputs, now: float) -> None:
         """One message from the engine core: a step's outputs, a heartbeat, or aborts."""
@@ -155,6 +200,10 @@ class EngineMetrics:
                     ttft = now - state.arrival
                     self.ttft.observe(ttft)
                     self.recent_ttft.add(now, ttft)
+                    for cls in (state.tenant, state.priority):
+                        if cls is not None:
+                            cls.ttft.observe(ttft)
+                            cls.prompt_tokens += state.num_prompt_tokens
                 else:
                     itl = now - state.last_token
                     self.inter_token.observe(itl)
@@ -163,6 +212,9 @@ class EngineMetrics:
                 state.last_engine = engine_ts
                 state.num_generation_tokens += n
                 self.generation_tokens += n
+                for cls in (state.tenant, state.priority):
+                    if cls is not None:
+                        cls.generation_tokens += n
             if out.num_preemptions:
                 state.num_preemptions = out.num_preemptions
 
@@ -197,7 +249,11 @@ class EngineMetrics:
             self.request_prompt_tokens.observe(state.num_prompt_tokens)
             self.request_generation_tokens.observe(state.num_generation_tokens)
             scheduled = state.scheduled or state.first_engine
-            self.queue_time.observe(max(0.0, scheduled - state.arrival))
+            queued = max(0.0, scheduled - state.arrival)
+            self.queue_time.observe(queued)
+            for cls in (state.tenant, state.priority):
+                if cls is not None:
+                    cls.queue_time.observe(queued)
             self.prefill_time.observe(max(0.0, state.first_engine - scheduled))
             decode = max(0.0, state.last_engine - state.first_engine)
             self.decode_time.observe(decode)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.ops import cpu_kernels
+from pagoda.model.kv_quant import QuantizedKVCache
 
 
 @dataclass
@@ -124,17 +125,26 @@ def paged_attention(
     q: torch.Tensor,          # [T, H, D]
     k: torch.Tensor,          # [T, KVH, D]
     v: torch.Tensor,          # [T, KVH, D]
-    kv_cache: torch.Tensor,   # [2, num_blocks, block_size, KVH, D]
+    kv_cache: torch.Tensor | QuantizedKVCache,   # [2, num_blocks, block_size, KVH, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:            # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+    if isinstance(kv_cache, QuantizedKVCache):
+        kv_cache.write(meta.slot_mapping, k, v)
+
+        def read(i: int, slots: torch.Tensor) -> torch.Tensor:
+            return kv_cache.read(i, slots, q.dtype)
+    else:
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+
+        def read(i: int, slots: torch.Tensor) -> torch.Tensor:
+            return (k_flat if i == 0 else v_flat)[slots].to(q.dtype)
 
     out = torch.empty_like(q)
     nd = meta.num_decodes
@@ -144,15 +154,15 @@ def paged_attention(
         )
     elif nd:
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
-        ks = k_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
-        vs = v_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
+        ks = read(0, meta.decode_gather_slots).transpose(1, 2)
+        vs = read(1, meta.decode_gather_slots).transpose(1, 2)
         qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
     for chunk in meta.prefills:
         start, end = chunk.token_start, chunk.token_start + chunk.query_len
-        ks = k_flat[chunk.gather_slots].transpose(0, 1).to(q.dtype)[None]   # [1, KVH, S, hd]
-        vs = v_flat[chunk.gather_slots].transpose(0, 1).to(q.dtype)[None]
+        ks = read(0, chunk.gather_slots).transpose(0, 1)[None]   # [1, KVH, S, hd]
+        vs = read(1, chunk.gather_slots).transpose(0, 1)[None]
         qs = q[start:end].transpose(0, 1)[None]                              # [1, H, Q, hd]
         o = F.scaled_dot_product_attention(
             qs, ks, vs,

@@ -14,6 +14,7 @@ import torch
 
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.model.attention import AttentionMetadata
+from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.models.llama import LlamaForCausalLM
 from pagoda.ops import cpu_kernels
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
@@ -42,10 +43,21 @@ def local_kv_heads(model: LlamaForCausalLM) -> int:
     return model.model.layers[0].self_attn.num_kv_heads
 
 
-def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype,
+                             kv_cache_dtype: str = "auto") -> int:  # fmt: skip
     c = model.config
+    if storage_dtype(kv_cache_dtype) is not None:
+        return c.num_hidden_layers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim)
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * c.num_hidden_layers * block_size * local_kv_heads(model) * c.head_dim * elem
+
+
+def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """Blocks src_idx of one layer's cache -> blocks dst_idx of another (device <-> host)."""
+    if isinstance(src, QuantizedKVCache):
+        src.copy_blocks_to(dst, src_idx, dst_idx)
+    else:
+        dst.index_copy_(1, dst_idx, src.index_select(1, src_idx).to(dst.device))
 
 
 class ModelRunner:
@@ -58,6 +70,8 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         seed: int = 0,
         samples: bool = True,
+        num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples, and they learn the sampled
@@ -69,15 +83,23 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         c = model.config
-        self.kv_caches = [
+        quantized = storage_dtype(kv_cache_dtype)
+
+        def cache(n: int, on: torch.device | str, pin: bool = False) -> torch.Tensor | QuantizedKVCache:
+            if quantized is not None:
+                return QuantizedKVCache(n, block_size, c.num_key_value_heads, c.head_dim, quantized, on, pin)
             # empty, not zeros: a fresh large allocation is zero pages from the OS
             # already, and untouched pages cost no RSS until blocks are used.
-            torch.empty(2, num_blocks, block_size, local_kv_heads(model), c.head_dim, dtype=kv_dtype, device=device)
-            for _ in range(c.num_hidden_layers)
-        ]
+            return torch.empty(2, n, block_size, local_kv_heads(model), c.head_dim, dtype=kv_dtype, device=on,
+                               pin_memory=pin)  # fmt: skip
+
+        self.kv_caches = [cache(num_blocks, device) for _ in range(c.num_hidden_layers)]
+        # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
+        self.host_kv_caches = [cache(num_host_blocks, "cpu", device.type == "cuda")
+                               for _ in range(c.num_hidden_layers)] if num_host_blocks else []  # fmt: skip
         # Decode attention in place through the block tables (pagoda/csrc), where
-        # the kernels build: CPU, float32 KV.
-        self.decode_kernel = cpu_kernels.use_decode_kernel(
+        # the kernels build: CPU, float32 KV and queries.
+        self.decode_kernel = quantized is None and cpu_kernels.use_decode_kernel(
             device, kv_dtype, model.model.embed_tokens.weight.dtype
         )
         self.sampler = Sampler()
@@ -122,6 +144,20 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy preempted requests' blocks to the host pool, then resumed ones' back (out
+        first: a device block freed by a swap-out may be the target of a swap-in)."""
+        if swap_out:
+            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host = torch.tensor([h for _, h in swap_out])
+            for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+                _copy_blocks(kv, host_kv, dev, host)
+        if swap_in:
+            host = torch.tensor([h for h, _ in swap_in])
+            dev = torch.tensor([d for _, d in swap_in], device=self.device)
+            for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+                _copy_blocks(host_kv, kv, host, dev)
+
     @torch.inference_mode()
     def execute_model(
         self, so: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None
@@ -129,6 +165,8 @@ class ModelRunner:
         """One forward + sampling. ``grammar_masks``: req id -> [vocab] bool
         (True = allowed) for requests under a grammar."""
         self._update_states(so)
+        if so.swap_out or so.swap_in:
+            self._swap(so.swap_out, so.swap_in)
         if so.is_empty:
             return ModelRunnerOutput([], [])
         drafts = self._propose(so)

@@ -39,6 +39,9 @@ class FakeCall:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    tenant: str | None = None
 
 
 @dataclass
@@ -97,13 +100,15 @@ class FakeEngine:
         sampling_params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params)
         if self.dead:
             raise EngineDeadError("engine core process exited with code -9")
         if self.overloaded:
             raise EngineOverloadedError("the waiting queue is full", retry_after=2.5)
-        self.calls.append(FakeCall(request_id, prompt, list(prompt_token_ids), sampling_params))
+        self.calls.append(FakeCall(request_id, prompt, list(prompt_token_ids), sampling_params,
+                                   priority, cache_salt, tenant))
         key = tuple(prompt_token_ids)
         cached = (len(key) // 16) * 16 if key in self._seen_prompts else 0
         self._seen_prompts.add(key)

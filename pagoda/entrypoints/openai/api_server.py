@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 import logging
 import time
 from importlib import resources
@@ -40,6 +41,8 @@ from pagoda.entrypoints.openai.responses import (
 )
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
+from pagoda.tenants import TenantSpec, tenants_of
 from pagoda.metrics.dashboard import dashboard_data
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import make_registry
@@ -68,8 +71,10 @@ class ServerMiddleware:
     """
 
     def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body_bytes: int,
-                 protect_internal: bool = False) -> None:
+                 protect_internal: bool = False, api_keys: dict[str, TenantSpec] | None = None) -> None:
         self.app = app
+        # Tenants' keys (--api-keys-file); with them, a key is required and names the tenant.
+        self.api_keys = api_keys or None
         self.state = state
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -86,13 +91,20 @@ class ServerMiddleware:
             await draining.to_response()(scope, receive, send)
             return
         path: str = scope["path"]
-        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/") or (
+        auth = self.api_key is not None or self.api_keys is not None
+        if auth and (path == "/v1" or path.startswith("/v1/") or (
             self.protect_internal and path.startswith(_INTERNAL_PREFIXES)
         )):
-            denied = self._check_auth(scope, self.api_key)
+            denied = self._check_auth(scope, self.api_key, self.api_keys)
             if denied is not None:
                 await denied.to_response()(scope, receive, send)
                 return
+        tenant_or_error = self._tenant(scope)
+        if isinstance(tenant_or_error, APIError):
+            await tenant_or_error.to_response()(scope, receive, send)
+            return
+        if tenant_or_error is not None:
+            scope[TENANT_SCOPE_KEY] = tenant_or_error
         body_or_error = await self._read_body(scope, receive)
         if isinstance(body_or_error, APIError):
             await body_or_error.to_response()(scope, receive, send)
@@ -128,16 +140,38 @@ class ServerMiddleware:
         finally:
             self.state.num_active_http -= 1
 
+    def _tenant(self, scope: Scope) -> str | APIError | None:
+        """With --api-keys-file, the key's tenant; else the X-Tenant header, if any (the
+        header is trusted: without per-tenant keys, whoever may call the API may name one)."""
+        headers = dict(scope["headers"])
+        if self.api_keys is not None:
+            spec = self.api_keys.get(_bearer_token(headers))
+            return spec.name if spec is not None else None
+        raw = headers.get(b"x-tenant")
+        if raw is None:
+            return None
+        name = raw.decode("latin-1").strip()
+        if not _TENANT_NAME.fullmatch(name):
+            return bad_request("Invalid X-Tenant header: 1-64 characters of letters, digits and . _ - @ :",
+                               param="X-Tenant")  # fmt: skip
+        return name
+
     @staticmethod
-    def _check_auth(scope: Scope, api_key: str) -> APIError | None:
+    def _check_auth(scope: Scope, api_key: str | None,
+                    api_keys: dict[str, TenantSpec] | None = None) -> APIError | None:  # fmt: skip
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
+        token = token.strip()
         if not header:
             message = "No API key provided; send it as 'Authorization: Bearer <key>'."
-        elif scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        elif scheme.lower() != "bearer":
             message = "Incorrect API key provided."
-        else:
+        elif api_key is not None and hmac.compare_digest(token.encode(), api_key.encode()):
             return None
+        elif api_keys is not None and any(hmac.compare_digest(token.encode(), k.encode()) for k in api_keys):
+            return None
+        else:
+            message = "Incorrect API key provided."
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | APIError | None:
@@ -169,6 +203,12 @@ class ServerMiddleware:
 
 
 _INTERNAL_PREFIXES = ("/metrics", "/dashboard", "/debug")
+_TENANT_NAME = re.compile(r"[A-Za-z0-9._@:-]{1,64}")
+
+
+def _bearer_token(headers: dict[bytes, bytes]) -> str:
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 # ---------------------------------------------------------------------- the app
@@ -182,6 +222,7 @@ def build_app(
     tool_call_parser: str = "hermes",  # the format tool calls are read in (tool_parsers.TOOL_PARSERS)
     enable_debug_endpoints: bool = False,
     api_key_on_internal_endpoints: bool = False,
+    api_keys: dict[str, TenantSpec] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``served_model_name``.
 
@@ -190,6 +231,8 @@ def build_app(
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
     ``enable_debug_endpoints``: add POST /debug/check_integrity (internal; off by default).
     ``api_key_on_internal_endpoints``: require the API key on /metrics, /dashboard and /debug too.
+    ``api_keys``: API key -> tenant (--api-keys-file); any of them is accepted, and names the
+    request's tenant (fair scheduling, per-tenant max_queued and metrics).
     """
     if max_num_queued_requests is not None and max_num_queued_requests < 1:
         raise ValueError(f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
@@ -198,7 +241,7 @@ def build_app(
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
 
-    state = ServerState(max_num_queued_requests)
+    state = ServerState(max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
     completions = CompletionServing(engine, state, served_model_name, request_timeout)
     chat = ChatServing(engine, state, served_model_name, request_timeout, tool_call_parser)
     created = int(time.time())
@@ -207,7 +250,7 @@ def build_app(
     app.state.pagoda = state
     install_error_handlers(app)
     app.add_middleware(ServerMiddleware, state=state, api_key=api_key, max_body_bytes=max_body_bytes,
-                       protect_internal=api_key_on_internal_endpoints)
+                       protect_internal=api_key_on_internal_endpoints, api_keys=api_keys)
 
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, created=created, max_model_len=engine.max_model_len)

@@ -30,6 +30,7 @@ def default_served_model_name(config: EngineConfig) -> str:
 async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.openai.server import serve
+    from pagoda.tenants import load_api_keys_file
 
     engine_cls = AsyncLLM
     if config.data_parallel_size > 1:
@@ -48,6 +49,7 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
         enable_debug_endpoints=getattr(args, "enable_debug_endpoints", False),
         api_key_on_internal_endpoints=getattr(args, "api_key_on_internal_endpoints", False),
+        api_keys=load_api_keys_file(config.api_keys_file) if config.api_keys_file else None,
     )  # fmt: skip
 
 

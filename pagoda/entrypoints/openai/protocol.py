@@ -124,6 +124,9 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # vLLM's scheduling and cache isolation extras (docs/scheduling.md).
+    priority: int = 0  # lower runs first; non-zero needs --scheduling-policy priority or fair
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None

@@ -22,6 +22,7 @@ from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedE
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.tenants import TenantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +32,19 @@ StopReason = Literal["disconnect", "shutdown", "timeout"]
 class ServerState:
     """What all requests share: the draining flag and the bound on requests not yet started."""
 
-    def __init__(self, max_num_queued_requests: int | None = None) -> None:
+    def __init__(self, max_num_queued_requests: int | None = None,
+                 tenants: dict[str, TenantSpec] | None = None) -> None:  # fmt: skip
         self.max_num_queued_requests = max_num_queued_requests
+        # Per-tenant bounds (max_queued) from the API keys file.
+        self.tenants = tenants or {}
+        self.num_waiting_by_tenant: dict[str, int] = {}
         self.draining = False
         self.num_active_http = 0  # kept by the middleware; shutdown waits for it to reach 0
         # Requests admitted whose first output has not arrived: queued or prefilling in the engine.
         self.num_waiting = 0
         self.groups: set[RequestGroup] = set()
 
-    def admit(self, count: int) -> None:
+    def admit(self, count: int, tenant: str | None = None) -> None:
         # No draining check here: the middleware turns away requests that arrive during a
         # drain; one that got past it before is in flight, and the drain waits for it.
         limit = self.max_num_queued_requests
@@ -52,7 +57,30 @@ class ServerState:
                 f"Too many requests are waiting to start ({self.num_waiting}, limit {limit}); retry later.",
                 retry_after=1.0,
             )
+        spec = self.tenants.get(tenant) if tenant is not None else None
+        if spec is not None and spec.max_queued is not None:
+            queued = self.num_waiting_by_tenant.get(spec.name, 0)
+            if count > spec.max_queued:
+                raise bad_request(f"The request has {count} prompts; at most {spec.max_queued} can be queued "
+                                  f"for tenant {spec.name!r}.", param="prompt")  # fmt: skip
+            if queued + count > spec.max_queued:
+                raise too_many_requests(
+                    f"Too many requests of tenant {spec.name!r} are waiting to start ({queued}, limit "
+                    f"{spec.max_queued}); retry later.", retry_after=1.0,
+                )  # fmt: skip
         self.num_waiting += count
+        if tenant is not None:
+            self.num_waiting_by_tenant[tenant] = self.num_waiting_by_tenant.get(tenant, 0) + count
+
+    def release(self, tenant: str | None = None) -> None:
+        """One admitted request got its first output (or ended)."""
+        self.num_waiting -= 1
+        if tenant is not None:
+            left = self.num_waiting_by_tenant.get(tenant, 0) - 1
+            if left > 0:
+                self.num_waiting_by_tenant[tenant] = left
+            else:
+                self.num_waiting_by_tenant.pop(tenant, None)
 
     def stop_all(self, reason: StopReason) -> None:
         for group in list(self.groups):
@@ -106,7 +134,14 @@ class RequestGroup:
         subrequests: list[SubRequest],
         raw_request: Request | None = None,
         timeout: float | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> None:
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.tenant = tenant
         self.engine = engine
         self.state = state
         self.subrequests = subrequests
@@ -130,14 +165,21 @@ class RequestGroup:
     # ---- lifetime ------------------------------------------------------------------
     def start(self) -> None:
         """Admit and submit every subrequest (raises APIError 429/503 when it cannot be admitted)."""
-        self.state.admit(len(self.subrequests))
+        self.state.admit(len(self.subrequests), self.tenant)
         self._started = True
         self._waiting = set(range(len(self.subrequests)))
         self._live = len(self.subrequests)
         loop = asyncio.get_running_loop()
         self.state.groups.add(self)
         for i, sub in enumerate(self.subrequests):
-            gen = self.engine.generate(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params)
+            extra: dict[str, Any] = {}
+            if self.priority:
+                extra["priority"] = self.priority
+            if self.cache_salt is not None:
+                extra["cache_salt"] = self.cache_salt
+            if self.tenant is not None:
+                extra["tenant"] = self.tenant
+            gen = self.engine.generate(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, **extra)
             self._pumps.append(loop.create_task(self._pump(i, gen)))
         if self.raw_request is not None:
             self._watcher = loop.create_task(self._watch_disconnect(self.raw_request))
@@ -205,7 +247,7 @@ class RequestGroup:
     def _release(self, index: int) -> None:
         if index in self._waiting:
             self._waiting.discard(index)
-            self.state.num_waiting -= 1
+            self.state.release(self.tenant)
 
     # ---- outputs -------------------------------------------------------------------
     async def next(self) -> tuple[int, RequestOutput] | None:

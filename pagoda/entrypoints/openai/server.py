@@ -92,12 +92,13 @@ def create_server(
     tool_call_parser: str = "hermes",
     enable_debug_endpoints: bool = False,
     api_key_on_internal_endpoints: bool = False,
+    api_keys: dict | None = None,
 ) -> PagodaServer:
     app = build_app(
         engine, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
         request_timeout=request_timeout, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
         enable_debug_endpoints=enable_debug_endpoints,
-        api_key_on_internal_endpoints=api_key_on_internal_endpoints,
+        api_key_on_internal_endpoints=api_key_on_internal_endpoints, api_keys=api_keys,
     )  # fmt: skip
     config = uvicorn.Config(
         app, host=host, port=port, log_level=uvicorn_log_level, lifespan="off",
@@ -124,6 +125,7 @@ async def serve(
     tool_call_parser: str = "hermes",
     enable_debug_endpoints: bool = False,
     api_key_on_internal_endpoints: bool = False,
+    api_keys: dict | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, drain (see the module docstring), then return.
 
@@ -136,7 +138,7 @@ async def serve(
         request_timeout=request_timeout, max_body_bytes=max_body_bytes, shutdown_timeout=shutdown_timeout,
         uvicorn_log_level=uvicorn_log_level, tool_call_parser=tool_call_parser,
         enable_debug_endpoints=enable_debug_endpoints,
-        api_key_on_internal_endpoints=api_key_on_internal_endpoints,
+        api_key_on_internal_endpoints=api_key_on_internal_endpoints, api_keys=api_keys,
     )  # fmt: skip
     try:
         await server.serve(sockets=[sock] if sock is not None else None)

@@ -94,7 +94,7 @@ class ChatServing(OpenAIServing):
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         sub = self.prepare(request_id, text, ids, body.requested_max_tokens, to_params,
                            "messages", max_param, structured_param)  # fmt: skip
-        group = self.group(raw_request, [sub])
+        group = self.group(raw_request, [sub], body.priority, body.cache_salt)
         if body.stream:
             try:
                 first = await self.start_stream(group)

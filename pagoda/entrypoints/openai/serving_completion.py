@@ -39,7 +39,7 @@ class CompletionServing(OpenAIServing):
             subrequests.append(
                 self.prepare(sub_id, text, ids, body.max_tokens, to_params, "prompt", "max_tokens", structured_param)
             )
-        group = self.group(raw_request, subrequests)
+        group = self.group(raw_request, subrequests, body.priority, body.cache_salt)
         if body.stream:
             return await self._stream(body, request_id, group)
         try:

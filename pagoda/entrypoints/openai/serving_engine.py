@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagoda.config import check_priority
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_error, model_not_found
 from pagoda.entrypoints.openai.logprobs import LogprobFormatter
@@ -20,6 +21,9 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
+
+# Set by the server middleware: the tenant a request belongs to.
+TENANT_SCOPE_KEY = "pagoda.tenant"
 
 # Sent for a request whose client disconnected: nobody reads it (nginx's "client closed request").
 CLIENT_GONE = 499
@@ -113,8 +117,19 @@ class OpenAIServing:
             raise bad_request(str(e)) from None
         return SubRequest(request_id, prompt, prompt_token_ids, params)
 
-    def group(self, raw_request: Request, subrequests: list[SubRequest]) -> RequestGroup:
-        return RequestGroup(self.engine, self.state, subrequests, raw_request, self.request_timeout)
+    def group(self, raw_request: Request, subrequests: list[SubRequest], priority: int = 0,
+              cache_salt: str | None = None) -> RequestGroup:  # fmt: skip
+        """The engine requests of one HTTP request; the tenant comes from the middleware
+        (the API key's tenant, or the X-Tenant header when there are no keys)."""
+        config = getattr(self.engine, "config", None)
+        if config is not None:
+            try:
+                check_priority(config, priority)
+            except ValueError as e:
+                raise bad_request(str(e), param="priority", code="invalid_value") from None
+        return RequestGroup(self.engine, self.state, subrequests, raw_request, self.request_timeout,
+                            priority=priority, cache_salt=cache_salt,
+                            tenant=raw_request.scope.get(TENANT_SCOPE_KEY))  # fmt: skip
 
     # ---- running ---------------------------------------------------------------------
     @staticmethod
