@@ -30,6 +30,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None      # a template string or a path to one
     show_progress: bool = True
+    enable_lora: bool = False             # serve LoRA adapters (pagoda/lora)
+    max_loras: int = 1                    # adapters resident at once (one batch mixes up to this many)
+    max_lora_rank: int = 16               # largest adapter rank accepted
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -42,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pagoda.core.block_hash import BlockHash, hash_request_blocks
+from pagoda.core.block_hash import BlockHash, hash_request_blocks, request_extra_keys
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
 from pagoda.request import Request
 
@@ -48,7 +48,7 @@ class KVCacheManager:
         return self.pool.usage
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        extra = (request.cache_salt,) if request.cache_salt else ()
+        extra = request_extra_keys(request.cache_salt, request.lora_int_id)
         return hash_request_blocks(
             request.all_token_ids, self.block_size, request.block_hashes, extra
         )

@@ -36,6 +36,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     max_model_len: int = 8192
+    # LoRA: requests of at most this many different adapters run at once (0 = LoRA off).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -69,6 +71,8 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the context length "
                 f"(max_model_len) is {self.config.max_model_len}"
             )
+        if request.lora_int_id and not self.config.max_loras:
+            raise ValueError("this scheduler runs without LoRA (max_loras=0); the request names an adapter")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -169,8 +173,10 @@ class Scheduler:
 
         # 2. Waiting requests, in order, while budget, seats and blocks last.
         # Nothing new is admitted in a step that had to preempt. A request
-        # whose grammar is still compiling lets the ones behind it go first.
+        # whose grammar is still compiling, or whose LoRA adapter would be one
+        # more than max_loras running at once, lets the ones behind it go first.
         compiling: list[Request] = []
+        active_loras = {r.lora_int_id for r in self.running if r.lora_int_id}
         while (
             self.waiting
             and budget > 0
@@ -181,12 +187,18 @@ class Scheduler:
             if not self._grammar_ready(request):
                 compiling.append(self.waiting.popleft())
                 continue
+            lora_id = request.lora_int_id
+            if lora_id and lora_id not in active_loras and len(active_loras) >= self.config.max_loras:
+                compiling.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            if lora_id:
+                active_loras.add(lora_id)
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -205,6 +217,7 @@ class Scheduler:
                     block_ids=self.kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                     eos_token_ids=request.eos_token_ids,
+                    lora_int_id=lora_id,
                 )
             )
             budget -= num_new
@@ -293,8 +306,21 @@ class Scheduler:
             )
         return outputs
 
+    def lora_request_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter name: (running, waiting)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for queue, counts in ((self.running, running), (self.waiting, waiting)):
+            for r in queue:
+                if r.lora_request is not None:
+                    counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        return running, waiting
+
     def make_stats(self) -> SchedulerStats:
+        running_loras, waiting_loras = self.lora_request_counts() if self.config.max_loras else ({}, {})
         return SchedulerStats(
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv.usage,

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
+from pagoda.lora.request import LoRARequest
 from pagoda.model.loader import LoadedModel, resolve_model_path
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -76,7 +77,9 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None = base model) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         items = []
@@ -89,7 +92,7 @@ class LLM:
                 items.append((p["prompt"], self.get_tokenizer().encode(p["prompt"])))
             else:
                 raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -119,6 +122,7 @@ class LLM:
         items: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -130,15 +134,23 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(items)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(items)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(items):
+                raise ValueError(f"got {len(lora_list)} LoRA requests for {len(items)} prompts")
+        for lora in {r for r in lora_list if r is not None}:
+            self.engine.add_lora(lora)  # a bad adapter fails here, before any request runs
         ids: list[str] = []
         try:
-            for (prompt, token_ids), params in zip(items, params_list):
+            for (prompt, token_ids), params, lora in zip(items, params_list, lora_list):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
                 if params.structured_outputs is not None:
                     self.engine.structured.validate(params.structured_outputs)
                 self.processor.add_request(rid, prompt, token_ids, params)
                 ids.append(rid)
-                for req in make_core_requests(rid, token_ids, params, self.eos_token_ids):
+                for req in make_core_requests(rid, token_ids, params, self.eos_token_ids, lora_request=lora):
                     self.engine.add_request(req)
         except Exception:
             self._abort(ids)

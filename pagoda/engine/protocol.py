@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -59,6 +61,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     step_batch_size: int = 0          # requests scheduled in the last step
     step_num_tokens: int = 0          # tokens computed in the last step
     num_steps: int = 0                # cumulative
+    # LoRA: adapter name -> requests running / waiting with it.
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class StepRecord(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.models.llama import LlamaForCausalLM
 from pagoda.sample.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -28,6 +29,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
+    lora_int_id: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -49,8 +51,11 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         seed: int = 0,
+        lora: LoRAManager | None = None,
     ) -> None:
+        """``lora``: the adapters, when LoRA is enabled (it has wrapped the model's projections)."""
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.device = device
         c = model.config
@@ -88,6 +93,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids,
+                new.lora_int_id,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -130,6 +136,11 @@ class ModelRunner:
                 logits_indices.append(offset - 1)
 
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
+        if self.lora is not None:
+            token_loras: list[int] = []
+            for rid, n in zip(order, query_lens):
+                token_loras.extend([self.requests[rid].lora_int_id] * n)
+            self.lora.prepare(token_loras, pinned={s.lora_int_id for s in self.requests.values()})
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
