@@ -33,6 +33,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
     if positional_model:
         p.add_argument("model", nargs="?", default=None,
@@ -55,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template string or file")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) on top of the model")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="LoRA adapters resident at once; one batch mixes requests of up to this many")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -73,6 +84,9 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         chat_template=args.chat_template,
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
         **extra,
     )
 
@@ -138,6 +152,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.api_key is None:
         args.api_key = os.environ.get("PAGODA_API_KEY") or None
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     return run_server(args, config_from_args(args))
 
 
@@ -147,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve, positional_model=True)
+    serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                       help="LoRA adapters to load at start (needs --enable-lora), each served as model NAME")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)

@@ -11,6 +11,7 @@ process (the tests do) without clashing on a global registry.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,6 +77,7 @@ class EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield from self._lora_metrics(stats)
         if metrics is None:
             return
         yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.", metrics.prompt_tokens)
@@ -99,6 +101,31 @@ class EngineCollector(Collector):
             h = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
             h.add_metric(value, hist.cumulative(), hist.sum)
             yield h
+
+    def _lora_metrics(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Like vLLM: one series whose labels list the adapters with running and waiting
+        requests (comma-separated names) and max_lora; its value is the scrape time.
+        And prompt / generated tokens per adapter."""
+        config = getattr(self.engine, "config", None)
+        if config is None or not getattr(config, "enable_lora", False):
+            return
+        info = GaugeMetricFamily(
+            "pagoda:lora_requests_info", "Running and waiting LoRA adapters (labels); value: scrape time.",
+            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric([self.model_name, ",".join(sorted(stats.running_lora_adapters)),
+                         ",".join(sorted(stats.waiting_lora_adapters)), str(config.max_loras)], time.time())
+        yield info
+        counts: dict[str, list[int]] = getattr(self.engine, "lora_token_counts", {})
+        labels = ["model_name", "lora_name"]
+        prompt = CounterMetricFamily("pagoda:lora_prompt_tokens", "Prompt tokens per LoRA adapter.", labels=labels)
+        generated = CounterMetricFamily("pagoda:lora_generation_tokens", "Generated tokens per LoRA adapter.",
+                                        labels=labels)
+        for name in sorted(counts):
+            prompt.add_metric([self.model_name, name], counts[name][0])
+            generated.add_metric([self.model_name, name], counts[name][1])
+        yield prompt
+        yield generated
 
 
 def make_registry(engine: Any, model_name: str) -> CollectorRegistry:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class SubRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 class RequestStopped(Exception):
@@ -137,7 +139,8 @@ class RequestGroup:
         loop = asyncio.get_running_loop()
         self.state.groups.add(self)
         for i, sub in enumerate(self.subrequests):
-            gen = self.engine.generate(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params)
+            extra = {"lora_request": sub.lora_request} if sub.lora_request is not None else {}
+            gen = self.engine.generate(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, **extra)
             self._pumps.append(loop.create_task(self._pump(i, gen)))
         if self.raw_request is not None:
             self._watcher = loop.create_task(self._watch_disconnect(self.raw_request))
