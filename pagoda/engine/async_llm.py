@@ -266,6 +266,9 @@ class AsyncLLM:
         self._dead = reason
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(reason))
+        for fut in self._lora_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
 
     async def _send(self, kind: bytes, obj: object) -> None:
         await self._input.send_multipart([kind, msgspec.msgpack.encode(obj)])
