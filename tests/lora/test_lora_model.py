@@ -165,6 +165,7 @@ def test_default_model_adapter_greedy_matches_peft(default_llm, hf_default_model
     assert [o.outputs[0].token_ids for o in base] != [o.outputs[0].token_ids for o in got], "adapter changed nothing"
 
 
+@pytest.mark.slow  # the tiny-model version runs in the default suite
 def test_default_model_mixed_batch_equals_alone(default_llm, default_adapters, chat_prompts):
     loras = _default_requests(default_adapters)
     choice = [None, loras["all"], loras["attn"], loras["mlp"]]

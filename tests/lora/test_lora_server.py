@@ -34,9 +34,18 @@ def client(lora_server):
 
 
 def _complete(client, model: str, max_tokens: int = 12) -> str:
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0)
+    return _complete_lp(client, model, max_tokens)[0]
+
+
+def _complete_lp(client, model: str, max_tokens: int = 12) -> tuple[str, list[float]]:
+    """The text and its tokens' logprobs (an adapter always moves them, even where the text agrees)."""
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, logprobs=0)
     assert out.model == model
-    return out.choices[0].text
+    return out.choices[0].text, out.choices[0].logprobs.token_logprobs
+
+
+def _differ(a: tuple[str, list[float]], b: tuple[str, list[float]]) -> bool:
+    return a[0] != b[0] or max(abs(x - y) for x, y in zip(a[1], b[1])) > 1e-3
 
 
 def _wait_idle(running, timeout: float = 30.0) -> dict:
@@ -59,14 +68,14 @@ def test_models_list_adapters_with_their_parent(lora_server, client, default_ada
 
 def test_load_use_unload_adapters(lora_server, client, default_adapters):
     _, running = lora_server
-    base = _complete(client, MODEL)
-    with_all = _complete(client, "all")
-    assert with_all != base
+    base = _complete_lp(client, MODEL)
+    with_all = _complete_lp(client, "all")
+    assert _differ(with_all, base)
     r = client.post("/load_lora_adapter", cast_to=httpx.Response,
                     body={"lora_name": "mlp", "lora_path": default_adapters["mlp"]})
     assert r.status_code == 200 and "mlp" in r.text
-    with_mlp = _complete(client, "mlp")
-    assert with_mlp not in (base, with_all)
+    with_mlp = _complete_lp(client, "mlp")
+    assert _differ(with_mlp, base) and _differ(with_mlp, with_all)
     chat = client.chat.completions.create(model="mlp", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0)
     assert chat.model == "mlp"
@@ -74,8 +83,10 @@ def test_load_use_unload_adapters(lora_server, client, default_adapters):
     r = client.post("/load_lora_adapter", cast_to=httpx.Response,
                     body={"lora_name": "attn", "lora_path": default_adapters["attn"]})
     assert r.status_code == 200
-    assert _complete(client, "attn") not in (base, with_all, with_mlp)
-    assert _complete(client, "all") == with_all       # reloaded into a slot, same tokens
+    with_attn = _complete_lp(client, "attn")
+    assert all(_differ(with_attn, other) for other in (base, with_all, with_mlp))
+    again = _complete_lp(client, "all")               # reloaded into a slot: the same numbers
+    assert again[0] == with_all[0] and not _differ(again, with_all)
     assert {m.id for m in client.models.list().data} == {MODEL, "all", "mlp", "attn"}
 
     for name in ("mlp", "attn"):

@@ -301,7 +301,9 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> 
         if config is None or not config.enable_lora:
             raise bad_request("LoRA is not enabled; start the server with --enable-lora.", code="lora_not_enabled")
 
-    @app.post("/v1/load_lora_adapter", responses=_ERRORS)
+    ok = {200: {"description": "Success: a line of text.", "content": {"text/plain": {}}}}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**ok, **_ERRORS})
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
         check_enabled()
         if body.lora_name == served_model_name:
@@ -314,7 +316,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> 
             raise bad_request(str(e), param="lora_path", code="invalid_lora_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses={**ok, **_ERRORS})
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         check_enabled()
         known = engine.lora_requests.get(body.lora_name)
