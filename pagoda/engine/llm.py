@@ -102,6 +102,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -113,7 +114,7 @@ class LLM:
             )
             # The template already writes any BOS token it wants.
             items.append((text, tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
     # ---- the loop ------------------------------------------------------------------
 
