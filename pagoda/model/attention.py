@@ -123,6 +123,11 @@ def paged_attention(
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
         ks = k_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
         vs = v_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
+        # Padded positions read slots never written (the pool is torch.empty): a NaN or
+        # inf there would survive the mask (NaN + -inf, 0 * inf), so zero them.
+        padded = ~meta.decode_mask.transpose(-1, -2)          # [D, 1, L, 1]
+        ks = ks.masked_fill(padded, 0.0)
+        vs = vs.masked_fill(padded, 0.0)
         qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
