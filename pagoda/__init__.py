@@ -2,9 +2,10 @@
 
 from pagoda.sampling_params import SamplingParams
 from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.lora.request import LoRARequest
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -54,6 +54,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"           # auto (= dtype) | int8 | fp8: 8-bit KV with per-token scales
     preemption_mode: str = "recompute"     # recompute | swap | auto
     swap_space: int = 0                    # bytes of host memory for swapped-out KV blocks
+    enable_lora: bool = False             # serve LoRA adapters (pagoda/lora)
+    max_loras: int = 1                    # adapters resident at once (one batch mixes up to this many)
+    max_lora_rank: int = 16               # largest adapter rank accepted
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -112,11 +115,17 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and (self.kv_cache_dtype != "auto" or self.preemption_mode != "recompute"):
             raise ValueError("--kv-cache-dtype int8|fp8 and --preemption-mode swap|auto are not supported with "
                              "--tensor-parallel-size > 1 yet")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("--enable-lora is not supported with tensor or data parallelism yet")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
+        if self.speculative_config is not None and self.enable_lora:
+            raise ValueError("--speculative-config is not supported with --enable-lora yet")
         if self.speculative_config is not None and (self.kv_cache_dtype != "auto" or self.preemption_mode != "recompute"):
             raise ValueError("--speculative-config is not supported with --kv-cache-dtype int8|fp8 or "
                              "--preemption-mode swap|auto yet")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagoda.core.block_hash import BlockHash
+    from pagoda.lora.request import LoRARequest
     from pagoda.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -76,6 +78,7 @@ class Request:
         self.long_prefill_end = 0
         # Swap preemption: the host blocks holding this request's KV while it waits.
         self.host_block_ids: list[int] = []
+        self.lora_request = lora_request
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -98,6 +101,11 @@ class Request:
         if limit is None:
             raise ValueError("max_tokens must be set when the context length is unknown")
         self.max_output_tokens = limit
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

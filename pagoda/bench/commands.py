@@ -127,3 +127,16 @@ def add_bench_commands(
         return run_long_prefill(args, config_from_args(args))
 
     lp.set_defaults(func=run_lp)
+
+    lr = sub.add_parser("lora", help="throughput of a batch over several LoRA adapters vs all on the base model")
+    add_engine_args(lr)
+    from pagoda.bench.lora import add_lora_bench_args
+
+    add_lora_bench_args(lr)
+
+    def run_lr(args: argparse.Namespace) -> int:
+        from pagoda.bench.lora import run_lora_bench
+
+        return run_lora_bench(args, config_from_args(args))
+
+    lr.set_defaults(func=run_lr)

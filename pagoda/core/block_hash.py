@@ -31,6 +31,16 @@ class BlockHash(NamedTuple):
         return f"BlockHash({self.value[:6].hex()}, {len(self.token_ids)} tokens)"
 
 
+def request_extra_keys(cache_salt: str | None = None, lora_int_id: int = 0) -> tuple[object, ...]:
+    """The extra keys of a request's first block: its cache salt and its LoRA
+    adapter, so that KV computed under one adapter (or tenant) is never
+    reused for another. E.g. (None, 0) -> (); ("t1", 3) -> ("t1", ("lora", 3))."""
+    keys: tuple[object, ...] = (cache_salt,) if cache_salt else ()
+    if lora_int_id:
+        keys += (("lora", lora_int_id),)
+    return keys
+
+
 def hash_block(
     parent: BlockHash | None,
     token_ids: Sequence[int],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pagoda.core.block_hash import BlockHash, hash_request_blocks
+from pagoda.core.block_hash import BlockHash, hash_request_blocks, request_extra_keys
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
 from pagoda.request import Request
 
@@ -48,9 +48,10 @@ class KVCacheManager:
         return self.pool.usage
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        extra = (request.cache_salt,) if request.cache_salt else ()
-        # The blocks of a declared shared prefix stay unsalted (pagoda/shared_prefix.py).
-        salt_at = request.num_shared_prefix_tokens // self.block_size
+        extra = request_extra_keys(request.cache_salt, request.lora_int_id)
+        # The blocks of a declared shared prefix stay unsalted (pagoda/shared_prefix.py),
+        # but never across LoRA adapters: an adapter changes K/V from the first token.
+        salt_at = 0 if request.lora_int_id else request.num_shared_prefix_tokens // self.block_size
         return hash_request_blocks(
             request.all_token_ids, self.block_size, request.block_hashes, extra, salt_at
         )

@@ -20,6 +20,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
+    lora_int_id: int = 0            # 0 = the base model
 
 
 @dataclass

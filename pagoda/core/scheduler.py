@@ -62,6 +62,8 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
     auto_swap_min_tokens: int = 256
+    # LoRA: requests of at most this many different adapters run at once (0 = LoRA off).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -133,6 +135,8 @@ class Scheduler:
                 f"priority={request.priority} needs --scheduling-policy priority (or fair); "
                 "the fcfs policy serves requests in arrival order"
             )
+        if request.lora_int_id and not self.config.max_loras:
+            raise ValueError("this scheduler runs without LoRA (max_loras=0); the request names an adapter")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.fair.on_add(tenant_of(request))
@@ -393,6 +397,12 @@ class Scheduler:
             return True
         if not self.fair.can_run_more(tenant_of(request)):
             return True
+        lora_id = request.lora_int_id
+        if lora_id:
+            # Its adapter would be one more than max_loras running at once.
+            active = {r.lora_int_id for r in self.running if r.lora_int_id}
+            if lora_id not in active and len(active) >= self.config.max_loras:
+                return True
         cap = self.config.max_long_partial_prefills
         threshold = self.config.long_prefill_threshold
         if cap is not None and threshold is not None:
@@ -463,6 +473,7 @@ class Scheduler:
             block_ids=[],  # filled in at the end of the step
             num_computed_tokens=num_hit_tokens,
             eos_token_ids=request.eos_token_ids,
+            lora_int_id=request.lora_int_id,
         )
         step.charge(request, num_new, capped=num_new < want)
         return True
@@ -622,8 +633,21 @@ class Scheduler:
         for pos in range(num_accepted):
             self.spec_accepted_per_pos[pos] += 1
 
+    def lora_request_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter name: (running, waiting)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for queue, counts in ((self.running, running), (self.waiting, waiting)):
+            for r in queue:
+                if r.lora_request is not None:
+                    counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        return running, waiting
+
     def make_stats(self) -> SchedulerStats:
+        running_loras, waiting_loras = self.lora_request_counts() if self.config.max_loras else ({}, {})
         return SchedulerStats(
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv.usage,

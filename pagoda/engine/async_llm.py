@@ -29,6 +29,9 @@ from pagoda.config import EngineConfig, check_priority
 from pagoda.engine.core_proc import EngineInfo, engine_core_process_main, run_engine_core
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.engine.protocol import EngineCoreOutputs, SchedulerStats
+from pagoda.lora.adapter import LoRAAdapterError
+from pagoda.lora.manager import LoRAInUseError
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics.log import StatLogger, log_request
 from pagoda.metrics.stats import EngineMetrics
 from pagoda.outputs import RequestOutput
@@ -54,6 +57,14 @@ class EngineOverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class LoRANotFoundError(ValueError):
+    """No adapter of that name is loaded."""
+
+
+class LoRAExistsError(ValueError):
+    """An adapter of that name is loaded already."""
 
 
 def _tokenizer_for(config: EngineConfig) -> Tokenizer:
@@ -144,6 +155,14 @@ class AsyncLLM:
         if log_stats:
             self._stat_logger = StatLogger(self.metrics, log_stats_interval)
         self._integrity_checks: dict[str, asyncio.Future] = {}
+        # LoRA adapters by name. Ids are never reused, so prefix-cache keys of an
+        # unloaded adapter can never match a later one loaded under the same name.
+        self.lora_requests: dict[str, LoRARequest] = {}
+        self._lora_busy: set[str] = set()     # names being loaded or unloaded
+        self._next_lora_id = 1
+        self._lora_calls: dict[str, asyncio.Future] = {}
+        # Adapter name -> [prompt tokens, generated tokens], for /metrics.
+        self.lora_token_counts: dict[str, list[int]] = {}
         self._output_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
 
@@ -219,6 +238,11 @@ class AsyncLLM:
                 fut = self._integrity_checks.pop(token, None)
                 if fut is not None and not fut.done():
                     fut.set_result({"ok": error is None, "error": error, "engine_pid": pid})
+            elif kind == b"lora_result":
+                token, error_type, message = msgspec.msgpack.decode(payload)
+                fut = self._lora_calls.pop(token, None)
+                if fut is not None and not fut.done():
+                    fut.set_result((error_type, message))
             elif kind == b"dead":
                 self._die(f"engine core failed: {msgspec.msgpack.decode(payload)}")
                 return
@@ -242,6 +266,9 @@ class AsyncLLM:
         self._dead = reason
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(reason))
+        for fut in self._lora_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
 
     async def _send(self, kind: bytes, obj: object) -> None:
         await self._input.send_multipart([kind, msgspec.msgpack.encode(obj)])
@@ -296,9 +323,12 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params)
         check_priority(self.config, priority)
+        if lora_request is not None and not self.config.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled (--enable-lora)")
         self._check_alive()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -314,15 +344,25 @@ class AsyncLLM:
             for req in make_core_requests(
                 request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
+                lora_request=lora_request,
             ):
                 self.metrics.add_request(req.request_id, arrival, len(prompt_token_ids),
                                          tenant=tenant, priority=priority)
                 await self._send(b"add", req)
+            lora_counts = None
+            if lora_request is not None:
+                lora_counts = self.lora_token_counts.setdefault(lora_request.lora_name, [0, 0])
+                lora_counts[0] += len(prompt_token_ids)
+            num_generated = 0
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
+                if lora_counts is not None:
+                    n = sum(len(c.token_ids) for c in item.outputs)
+                    lora_counts[1] += n - num_generated
+                    num_generated = n
                 finished = item.finished
                 yield item
                 if finished:
@@ -338,6 +378,58 @@ class AsyncLLM:
         self.metrics.on_abort(children, time.monotonic())
         if children and self._dead is None:
             await self._send(b"abort", children)
+
+    # ---- LoRA adapters -------------------------------------------------------------
+
+    async def add_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Load an adapter in the engine under ``lora_name`` (LoRAAdapterError if it is bad)."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA is not enabled; start the server with --enable-lora")
+        if lora_name in self.lora_requests or lora_name in self._lora_busy:
+            raise LoRAExistsError(f"The LoRA adapter {lora_name!r} has already been loaded.")
+        request = LoRARequest(lora_name, self._next_lora_id, lora_path)
+        self._next_lora_id += 1
+        self._lora_busy.add(lora_name)
+        try:
+            error_type, message = await self._lora_call(["add", lora_name, request.lora_int_id, lora_path])
+        finally:
+            self._lora_busy.discard(lora_name)
+        if error_type is not None:
+            raise LoRAAdapterError(message)
+        self.lora_requests[lora_name] = request
+        return request
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter; LoRAInUseError while a request uses it (it stays loaded)."""
+        request = self.lora_requests.pop(lora_name, None)
+        if request is None:
+            raise LoRANotFoundError(f"The LoRA adapter {lora_name!r} is not loaded.")
+        # Out of the name map while the engine decides, so that no new request picks it.
+        self._lora_busy.add(lora_name)
+        try:
+            error_type, message = await self._lora_call(["remove", request.lora_int_id])
+        except BaseException:
+            self.lora_requests[lora_name] = request
+            raise
+        finally:
+            self._lora_busy.discard(lora_name)
+        if error_type is not None:
+            self.lora_requests[lora_name] = request
+            raise (LoRAInUseError if error_type == "LoRAInUseError" else ValueError)(message)
+
+    async def _lora_call(self, call: list, timeout: float = 60.0) -> tuple[str | None, str | None]:
+        self._check_alive()
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self._ensure_tasks()
+        token = uuid.uuid4().hex
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._lora_calls[token] = fut
+        try:
+            await self._send(b"lora", [token, *call])
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._lora_calls.pop(token, None)
 
     async def check_integrity(self, timeout: float = 10.0) -> dict[str, Any]:
         """Debug: have the engine core run check_integrity() (block pool, KV cache

@@ -1,9 +1,10 @@
 """The engine-core busy loop, run in its own process (or thread) behind ZMQ.
 
 Frames are [kind, msgspec-msgpack payload]. In: add / abort / stop /
-shutdown, and check (debug: run check_integrity()). Out: ready (engine facts),
-outputs (one per step, with scheduler stats), heartbeat (idle; stats only),
-error (a request the core rejected), integrity (the answer to a check),
+shutdown, check (debug: run check_integrity()) and lora (load / unload an
+adapter). Out: ready (engine facts), outputs (one per step, with scheduler
+stats), heartbeat (idle; stats only), error (a request the core rejected),
+integrity (the answer to a check), lora_result (the answer to a lora call),
 dead (a fatal error; the loop exits).
 """
 
@@ -85,6 +86,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     core.finish_stopped(_dec_ids.decode(payload))
                 elif kind == b"check":
                     out.send_multipart([b"integrity", _encoder.encode(_check_integrity(core, payload))])
+                elif kind == b"lora":
+                    out.send_multipart([b"lora_result", _encoder.encode(_lora_call(core, payload))])
                 elif kind == b"shutdown":
                     shutdown = True
                     break
@@ -117,6 +120,24 @@ def _check_integrity(core, payload: bytes) -> list:
     except Exception as e:  # an AssertionError from the block pool, most likely
         error = f"{type(e).__name__}: {e}"
     return [token, error, os.getpid()]
+
+
+def _lora_call(core, payload: bytes) -> list:
+    """[token, error type or None, message or None] for a ``lora`` frame:
+    [token, "add", name, id, path] or [token, "remove", id]."""
+    from pagoda.lora.request import LoRARequest
+
+    token, op, *args = msgspec.msgpack.decode(payload)
+    try:
+        if op == "add":
+            core.add_lora(LoRARequest(*args))
+        elif op == "remove":
+            core.remove_lora(args[0])
+        else:
+            raise ValueError(f"unknown lora operation {op!r}")
+    except ValueError as e:
+        return [token, type(e).__name__, str(e)]
+    return [token, None, None]
 
 
 def _close(inp, out, ctx, own_context: bool) -> None:

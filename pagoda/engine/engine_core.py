@@ -16,6 +16,8 @@ from pagoda.config import EngineConfig, available_memory_bytes, check_priority, 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagoda.lora.manager import LoRAInUseError, LoRAManager
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parse_dtype
 from pagoda.request import Request, RequestStatus
@@ -133,11 +135,17 @@ class EngineCore:
                 tenants=_tenant_specs(config),
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=num_host_blocks,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_manager,
         )
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            # Wraps the projections in LoRA layers (the model code has no LoRA branch).
+            self.lora = LoRAManager(loaded.model, arch, config.max_loras, config.max_lora_rank)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed,
-                                  num_host_blocks=num_host_blocks, kv_cache_dtype=config.kv_cache_dtype)
+                                  num_host_blocks=num_host_blocks, kv_cache_dtype=config.kv_cache_dtype,
+                                  lora=self.lora)
         # What a step calls: the runner itself, or rank 0 driving a tensor-parallel group.
         self.executor = self.runner
         if self.tp_driver is not None:
@@ -202,6 +210,8 @@ class EngineCore:
                 f"max_tokens={params.max_tokens} plus the prompt's {len(req.prompt_token_ids)} tokens "
                 f"exceeds the context length (max_model_len={self.max_model_len})"
             )
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         request = Request(
             req.request_id,
             req.prompt_token_ids,
@@ -212,6 +222,7 @@ class EngineCore:
             priority=req.priority,
             cache_salt=req.cache_salt,
             tenant=req.tenant,
+            lora_request=req.lora_request,
         )
         if req.cache_salt and self.shared_prefixes is not None:
             request.num_shared_prefix_tokens = self.shared_prefixes.shared_len(req.prompt_token_ids)
@@ -219,6 +230,33 @@ class EngineCore:
             # Compiled off the step loop; the scheduler waits for it.
             request.grammar = self.structured.submit(params.structured_outputs)
         self.scheduler.add_request(request)
+
+    # ---- LoRA adapters -------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter (a no-op if its id is loaded); LoRAAdapterError names what is wrong."""
+        if self.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                f"(start the engine with enable_lora=True / --enable-lora)"
+            )
+        self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; refused (LoRAInUseError) while a request uses it. False if unknown."""
+        if self.lora is None:
+            return False
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id]
+        if users:
+            name = self.lora.adapters[lora_int_id].request.lora_name if lora_int_id in self.lora.adapters else lora_int_id
+            raise LoRAInUseError(
+                f"LoRA adapter {name!r} is in use by {len(users)} running or waiting request(s); "
+                f"unload it after they finish"
+            )
+        return self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora.list() if self.lora is not None else []
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

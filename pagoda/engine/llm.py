@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagoda.config import EngineConfig, check_priority
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
+from pagoda.lora.request import LoRARequest
 from pagoda.model.loader import LoadedModel, resolve_model_path
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -81,10 +82,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``priority``: one per prompt, lower runs first (needs scheduling_policy
         "priority" or "fair"). A dict prompt may carry a ``cache_salt`` (prefix-cache
-        isolation, docs/scheduling.md)."""
+        isolation, docs/scheduling.md). ``lora_request``: one adapter for every prompt,
+        or one (or None = base model) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         items = []
@@ -112,7 +115,7 @@ class LLM:
             priority = list(priority)
             if len(priority) != len(items):
                 raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
-        return self._run(items, sampling_params, use_tqdm, priority, salts)
+        return self._run(items, sampling_params, use_tqdm, priority, salts, lora_request)
 
     def chat(
         self,
@@ -122,6 +125,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -133,7 +137,7 @@ class LLM:
             )
             # The template already writes any BOS token it wants.
             items.append((text, tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
     # ---- the loop ------------------------------------------------------------------
 
@@ -144,6 +148,7 @@ class LLM:
         use_tqdm: bool,
         priorities: list[int] | None = None,
         salts: list[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -155,9 +160,17 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(items)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(items)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(items):
+                raise ValueError(f"got {len(lora_list)} LoRA requests for {len(items)} prompts")
+        for lora in {r for r in lora_list if r is not None}:
+            self.engine.add_lora(lora)  # a bad adapter fails here, before any request runs
         ids: list[str] = []
         try:
-            for k, ((prompt, token_ids), params) in enumerate(zip(items, params_list)):
+            for k, ((prompt, token_ids), params, lora) in enumerate(zip(items, params_list, lora_list)):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
                 if params.structured_outputs is not None:
                     self.engine.structured.validate(params.structured_outputs)
@@ -166,7 +179,8 @@ class LLM:
                 self.processor.add_request(rid, prompt, token_ids, params)
                 ids.append(rid)
                 for req in make_core_requests(rid, token_ids, params, self.eos_token_ids, priority=priority,
-                                              cache_salt=salts[k] if salts is not None else None):
+                                              cache_salt=salts[k] if salts is not None else None,
+                                              lora_request=lora):
                     self.engine.add_request(req)
         except Exception:
             self._abort(ids)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ def make_core_requests(
     priority: int = 0,
     cache_salt: str | None = None,
     tenant: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[EngineCoreRequest]:
     """One core request per sample. With a seed, sample i uses seed + i, so
     the n samples differ yet the whole request is reproducible."""
@@ -49,6 +51,7 @@ def make_core_requests(
                 priority=priority,
                 cache_salt=cache_salt,
                 tenant=tenant,
+                lora_request=lora_request,
             )
         )
     return reqs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     tenant: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -71,6 +73,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_swapped_in_blocks: int = 0    # cumulative
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    # LoRA: adapter name -> requests running / waiting with it.
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class StepRecord(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -33,6 +33,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
     if positional_model:
         p.add_argument("model", nargs="?", default=None,
@@ -85,6 +92,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                    help="system prompts / texts whose prefix cache blocks stay shared across cache_salt "
                         "values (JSON array of strings, or text with '---' lines between entries)")
 
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) on top of the model")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="LoRA adapters resident at once; one batch mixes requests of up to this many")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
     par = p.add_argument_group("parallelism (docs/parallel.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
@@ -155,6 +166,9 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         api_keys_file=getattr(args, "api_keys_file", None),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
         **extra,
     )
 
@@ -223,6 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.api_key is None:
         args.api_key = os.environ.get("PAGODA_API_KEY") or None
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     return run_server(args, config_from_args(args))
 
 
@@ -232,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve, positional_model=True)
+    serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                       help="LoRA adapters to load at start (needs --enable-lora), each served as model NAME")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.models.llama import LlamaForCausalLM
@@ -32,6 +33,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
+    lora_int_id: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -72,12 +74,15 @@ class ModelRunner:
         samples: bool = True,
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        lora: LoRAManager | None = None,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples, and they learn the sampled
-        tokens from it (``apply_sampled``) before the next step."""
+        tokens from it (``apply_sampled``) before the next step. ``lora``: the
+        adapters, when LoRA is enabled (it has wrapped the model's projections)."""
         self.samples = samples
         self.model = model
+        self.lora = lora
         # Speculative decoding: set by the engine (pagoda/spec_decode/) when enabled.
         self.proposer: Proposer | None = None
         self.block_size = block_size
@@ -138,6 +143,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids,
+                new.lora_int_id,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -211,6 +217,11 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, context_lens, tables, self.block_size, self.device, self.decode_kernel
         )
+        if self.lora is not None:
+            token_loras: list[int] = []
+            for rid, n in zip(order, query_lens):
+                token_loras.extend([self.requests[rid].lora_int_id] * n)
+            self.lora.prepare(token_loras, pinned={s.lora_int_id for s in self.requests.values()})
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)

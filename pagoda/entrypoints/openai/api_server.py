@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
@@ -27,7 +27,9 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagoda.entrypoints.openai.request_group import ServerState
 from pagoda.entrypoints.openai.responses import (
@@ -53,7 +55,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 429, 500, 503)
 }
 
 
@@ -252,7 +254,11 @@ def build_app(
     app.add_middleware(ServerMiddleware, state=state, api_key=api_key, max_body_bytes=max_body_bytes,
                        protect_internal=api_key_on_internal_endpoints, api_keys=api_keys)
 
-    def model_card() -> ModelCard:
+    def model_card(model: str | None = None) -> ModelCard:
+        lora = completions.check_model(model)
+        if lora is not None:
+            return ModelCard(id=lora.lora_name, created=created, root=lora.lora_path, parent=served_model_name,
+                             max_model_len=engine.max_model_len)
         return ModelCard(id=served_model_name, created=created, max_model_len=engine.max_model_len)
 
     def check_model(model: str | None) -> None:
@@ -260,12 +266,14 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        adapters = list(getattr(engine, "lora_requests", {}))
+        return ModelList(data=[model_card()] + [model_card(name) for name in adapters])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def retrieve_model(model_id: str) -> ModelCard:
-        check_model(model_id)
-        return model_card()
+        return model_card(model_id)
+
+    _add_lora_routes(app, engine, served_model_name)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
@@ -324,6 +332,53 @@ def build_app(
     if enable_debug_endpoints:
         _add_debug_routes(app, engine)
     return app
+
+
+def _add_lora_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and answers).
+
+    Once loaded, an adapter is a model of its own: listed in /v1/models with the base
+    model as ``parent``, and chosen by a request's ``model``.
+    """
+    from pagoda.engine.async_llm import LoRAExistsError, LoRANotFoundError
+    from pagoda.lora.manager import LoRAInUseError
+
+    def check_enabled() -> None:
+        config = getattr(engine, "config", None)
+        if config is None or not config.enable_lora:
+            raise bad_request("LoRA is not enabled; start the server with --enable-lora.", code="lora_not_enabled")
+
+    ok = {200: {"description": "Success: a line of text.", "content": {"text/plain": {}}}}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**ok, **_ERRORS})
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        check_enabled()
+        if body.lora_name == served_model_name:
+            raise bad_request(f"The name {body.lora_name!r} is the base model's.", param="lora_name")
+        try:
+            await engine.add_lora(body.lora_name, body.lora_path)
+        except LoRAExistsError as e:
+            raise bad_request(str(e), param="lora_name", code="lora_adapter_exists") from None
+        except ValueError as e:  # a bad adapter: its message names the file, setting or module
+            raise bad_request(str(e), param="lora_path", code="invalid_lora_adapter") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses={**ok, **_ERRORS})
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        check_enabled()
+        known = engine.lora_requests.get(body.lora_name)
+        if known is not None and body.lora_int_id is not None and body.lora_int_id != known.lora_int_id:
+            raise bad_request(
+                f"The LoRA adapter {body.lora_name!r} has id {known.lora_int_id}, not {body.lora_int_id}.",
+                param="lora_int_id",
+            )
+        try:
+            await engine.remove_lora(body.lora_name)
+        except LoRANotFoundError as e:
+            raise APIError(404, str(e), param="lora_name", code="lora_adapter_not_found") from None
+        except LoRAInUseError as e:
+            raise APIError(409, str(e), param="lora_name", code="lora_adapter_in_use") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def _add_debug_routes(app: FastAPI, engine: AsyncLLM) -> None:

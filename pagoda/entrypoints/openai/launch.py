@@ -41,6 +41,13 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
         log_stats_interval=getattr(args, "log_stats_interval", 10.0),
         log_requests=not getattr(args, "disable_log_requests", False),
     )
+    try:
+        for name, path in getattr(args, "lora_modules", None) or []:
+            await engine.add_lora(name, path)
+            logger.info("loaded LoRA adapter %r from %s", name, path)
+    except BaseException:
+        await engine.shutdown()
+        raise
     await serve(
         engine, args.host, args.port, args.served_model_name or default_served_model_name(config),
         api_key=args.api_key, max_num_queued_requests=args.max_num_queued_requests,

@@ -353,3 +353,18 @@ __all__ = [
     "APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
     "StreamOptions", "TokenizeRequest", "make_sampling_params",
 ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------- LoRA adapters at run time
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body); ``lora_int_id``, if given, must match."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tenants import TenantSpec
@@ -93,6 +94,7 @@ class SubRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 class RequestStopped(Exception):
@@ -179,6 +181,8 @@ class RequestGroup:
                 extra["cache_salt"] = self.cache_salt
             if self.tenant is not None:
                 extra["tenant"] = self.tenant
+            if sub.lora_request is not None:
+                extra["lora_request"] = sub.lora_request
             gen = self.engine.generate(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, **extra)
             self._pumps.append(loop.create_task(self._pump(i, gen)))
         if self.raw_request is not None:

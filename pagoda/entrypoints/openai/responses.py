@@ -147,6 +147,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagoda"
+    root: str | None = None           # the weights' path (a LoRA adapter's folder)
+    parent: str | None = None         # a LoRA adapter's base model
     max_model_len: int
 
 

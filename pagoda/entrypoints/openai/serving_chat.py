@@ -79,7 +79,7 @@ class ChatServing(OpenAIServing):
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         body.check_supported()
         plan = body.tool_plan()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -93,7 +93,7 @@ class ChatServing(OpenAIServing):
 
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         sub = self.prepare(request_id, text, ids, body.requested_max_tokens, to_params,
-                           "messages", max_param, structured_param)  # fmt: skip
+                           "messages", max_param, structured_param, lora_request=lora)  # fmt: skip
         group = self.group(raw_request, [sub], body.priority, body.cache_salt)
         if body.stream:
             try:
@@ -119,7 +119,7 @@ class ChatServing(OpenAIServing):
                 )
             )
         response = ChatCompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices, usage=self.usage([sub], outputs)
+            id=request_id, model=self.response_model(body.model), choices=choices, usage=self.usage([sub], outputs)
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -157,7 +157,7 @@ class ChatServing(OpenAIServing):
                   finish_reason: str | None = None) -> str:  # fmt: skip
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             return sse(
-                ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[choice]),
+                ChatCompletionChunk(id=request_id, created=created, model=self.response_model(body.model), choices=[choice]),
                 exclude,
             )
 
@@ -209,5 +209,5 @@ class ChatServing(OpenAIServing):
                 yield chunk(i, {}, finish_reason="abort")
         if body.include_usage:
             usage = self.usage(group.subrequests, group.last)
-            yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[],
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.response_model(body.model), choices=[],
                                           usage=usage))  # fmt: skip

@@ -19,7 +19,7 @@ from pagoda.sampling_params import SamplingParams
 
 class CompletionServing(OpenAIServing):
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         body.check_supported()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = body.prompts()
@@ -37,7 +37,8 @@ class CompletionServing(OpenAIServing):
                 text, ids = None, list(prompt)
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             subrequests.append(
-                self.prepare(sub_id, text, ids, body.max_tokens, to_params, "prompt", "max_tokens", structured_param)
+                self.prepare(sub_id, text, ids, body.max_tokens, to_params, "prompt", "max_tokens", structured_param,
+                             lora_request=lora)
             )
         group = self.group(raw_request, subrequests, body.priority, body.cache_salt)
         if body.stream:
@@ -77,7 +78,7 @@ class CompletionServing(OpenAIServing):
                     )
                 )
         return CompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices, usage=self.usage(subrequests, outputs)
+            id=request_id, model=self.response_model(body.model), choices=choices, usage=self.usage(subrequests, outputs)
         )
 
     # ---- streaming ---------------------------------------------------------------------
@@ -110,7 +111,7 @@ class CompletionServing(OpenAIServing):
                     text=c.delta_text, index=index, logprobs=logprobs,
                     finish_reason=c.finish_reason if c.just_finished else None,
                 )  # fmt: skip
-                chunk = CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                chunk = CompletionResponse(id=request_id, created=created, model=self.response_model(body.model),
                                            choices=[choice])  # fmt: skip
                 events.append(sse(chunk, exclude))
             return events
@@ -127,12 +128,12 @@ class CompletionServing(OpenAIServing):
                 c = last.outputs[i] if last is not None and i < len(last.outputs) else None
                 if c is None or not c.finished:
                     choice = CompletionChoice(text="", index=p * body.n + i, finish_reason="abort")
-                    chunk = CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                    chunk = CompletionResponse(id=request_id, created=created, model=self.response_model(body.model),
                                                choices=[choice])  # fmt: skip
                     yield sse(chunk, exclude)
         if body.include_usage:
             usage = self.usage(group.subrequests, group.last)
             chunk = CompletionResponse(
-                id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage
+                id=request_id, created=created, model=self.response_model(body.model), choices=[], usage=usage
             )
             yield sse(chunk)

@@ -16,6 +16,7 @@ from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_err
 from pagoda.entrypoints.openai.logprobs import LogprobFormatter
 from pagoda.entrypoints.openai.request_group import RequestGroup, RequestStopped, ServerState, SubRequest
 from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import GrammarError
@@ -73,9 +74,20 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.logprobs = LogprobFormatter(engine.tokenizer)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, None for the base model; 404 for neither."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = getattr(self.engine, "lora_requests", {}).get(model)
+        if lora is None:
             raise model_not_found(model)
+        return lora
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter's name when one was asked for."""
+        if model is not None and model in getattr(self.engine, "lora_requests", {}):
+            return model
+        return self.served_model_name
 
     def prepare(
         self,
@@ -87,6 +99,7 @@ class OpenAIServing:
         prompt_param: str,
         max_tokens_param: str,
         structured_param: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> SubRequest:
         """Check one prompt against the context length and build its SamplingParams; 400 on any problem.
         ``structured_param``: the request field the structured output constraint came from, named
@@ -115,7 +128,7 @@ class OpenAIServing:
         except ValueError as e:
             # Its message names the problem (prompt, logit_bias or stop_token_ids out of range...).
             raise bad_request(str(e)) from None
-        return SubRequest(request_id, prompt, prompt_token_ids, params)
+        return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request)
 
     def group(self, raw_request: Request, subrequests: list[SubRequest], priority: int = 0,
               cache_salt: str | None = None) -> RequestGroup:  # fmt: skip
