@@ -65,6 +65,31 @@ class EngineCollector(Collector):
         if len(parts) == 1:  # LoRA runs without data parallelism (EngineConfig checks)
             yield from self._lora_metrics(parts[0][2])
 
+    def _lora_metrics(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Like vLLM: one series whose labels list the adapters with running and waiting
+        requests (comma-separated names) and max_lora; its value is the scrape time.
+        And prompt / generated tokens per adapter."""
+        config = getattr(self.engine, "config", None)
+        if config is None or not getattr(config, "enable_lora", False):
+            return
+        info = GaugeMetricFamily(
+            "pagoda:lora_requests_info", "Running and waiting LoRA adapters (labels); value: scrape time.",
+            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric([self.model_name, ",".join(sorted(stats.running_lora_adapters)),
+                         ",".join(sorted(stats.waiting_lora_adapters)), str(config.max_loras)], time.time())
+        yield info
+        counts: dict[str, list[int]] = getattr(self.engine, "lora_token_counts", {})
+        labels = ["model_name", "lora_name"]
+        prompt = CounterMetricFamily("pagoda:lora_prompt_tokens", "Prompt tokens per LoRA adapter.", labels=labels)
+        generated = CounterMetricFamily("pagoda:lora_generation_tokens", "Generated tokens per LoRA adapter.",
+                                        labels=labels)
+        for name in sorted(counts):
+            prompt.add_metric([self.model_name, name], counts[name][0])
+            generated.add_metric([self.model_name, name], counts[name][1])
+        yield prompt
+        yield generated
+
 
 def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | None, SchedulerStats]]
               ) -> Iterator[Metric]:
@@ -164,31 +189,6 @@ def _class_families(labels: list[str], parts: list[tuple[list[str], EngineMetric
     yield from families.values()
     yield ttft
     yield queue
-
-    def _lora_metrics(self, stats: SchedulerStats) -> Iterator[Metric]:
-        """Like vLLM: one series whose labels list the adapters with running and waiting
-        requests (comma-separated names) and max_lora; its value is the scrape time.
-        And prompt / generated tokens per adapter."""
-        config = getattr(self.engine, "config", None)
-        if config is None or not getattr(config, "enable_lora", False):
-            return
-        info = GaugeMetricFamily(
-            "pagoda:lora_requests_info", "Running and waiting LoRA adapters (labels); value: scrape time.",
-            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        info.add_metric([self.model_name, ",".join(sorted(stats.running_lora_adapters)),
-                         ",".join(sorted(stats.waiting_lora_adapters)), str(config.max_loras)], time.time())
-        yield info
-        counts: dict[str, list[int]] = getattr(self.engine, "lora_token_counts", {})
-        labels = ["model_name", "lora_name"]
-        prompt = CounterMetricFamily("pagoda:lora_prompt_tokens", "Prompt tokens per LoRA adapter.", labels=labels)
-        generated = CounterMetricFamily("pagoda:lora_generation_tokens", "Generated tokens per LoRA adapter.",
-                                        labels=labels)
-        for name in sorted(counts):
-            prompt.add_metric([self.model_name, name], counts[name][0])
-            generated.add_metric([self.model_name, name], counts[name][1])
-        yield prompt
-        yield generated
 
 
 def make_registry(engine: Any, model_name: str) -> CollectorRegistry:
