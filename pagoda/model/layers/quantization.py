@@ -1,7 +1,7 @@
 """Quantized linear layers, chosen by the loader (the model code knows nothing of them).
 
 ``int8``: weights quantized once, symmetric per output channel. Steps of up
-to ``Q4_FUSED_MAX_ROWS`` tokens (decode batches: bound by weight bytes) keep
+to ``INT8_WEIGHT_ONLY_MAX_ROWS`` tokens (small decode batches: bound by weight bytes) keep
 activations in fp32 and run pagoda's weight-only int8 kernel. Larger steps
 (prefill, big decode batches: compute-bound) quantize activations on the fly,
 symmetric per token (per row), run the GEMM on int8 with int32 accumulation
@@ -36,6 +36,11 @@ from pagoda.ops import cpu_kernels
 QUANTIZATION_MODES = ("none", "int8", "q4")
 Q4_GROUP = 32
 Q4_FUSED_MAX_ROWS = 16
+# int8 mode: up to this many tokens per step run weight-only (fp32 activations, bound by
+# weight bytes); more run W8A8 on torch._int_mm, whose cost is flat up to ~17 rows.
+# Measured (20 layers of 3072x576, one thread): M=4 5.1 vs 8.3 ms, M=6 8.8 vs 8.3 ms,
+# M=16 19.7 vs 8.2 ms.
+INT8_WEIGHT_ONLY_MAX_ROWS = 4
 
 
 def q4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,7 +99,7 @@ class Q4Linear(nn.Module):
 
 class Int8Linear(nn.Module):
     """``int8`` mode: int8 weights per output channel. Steps of up to
-    ``Q4_FUSED_MAX_ROWS`` tokens (decode batches) keep activations in fp32 and
+    ``INT8_WEIGHT_ONLY_MAX_ROWS`` tokens (small decode batches) keep activations in fp32 and
     run the weight-only kernel, which is bound by weight bytes; larger steps
     quantize activations per token and run an int8 GEMM (compute-bound)."""
 
@@ -114,7 +119,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        if self._ops is not None and x2.shape[0] <= Q4_FUSED_MAX_ROWS:
+        if self._ops is not None and x2.shape[0] <= INT8_WEIGHT_ONLY_MAX_ROWS:
             y = self._ops.q8_linear(x2, self.qweight, self.weight_scale)
         else:
             x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
