@@ -74,6 +74,16 @@ def _result(name: str, elapsed: float, n_req: int, n_in: int, n_out: int) -> dic
     }
 
 
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers generate() with a static batch, same prompts")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="static batch size for HF (default: all)")
+    p.add_argument("--save-result", default=None, help="write the results as JSON here")
+
+
 def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     from pagoda.engine.llm import load_tokenizer
     from pagoda.model.loader import resolve_model_path
