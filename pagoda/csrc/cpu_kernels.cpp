@@ -357,11 +357,69 @@ torch::Tensor q8_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Ten
   return yt.t().contiguous();
 }
 
+// ---- int8 x int8 -> int32, for small steps of int8 mode ------------------------
+// Exact integer dot products, so a token's result is bit-identical to what
+// torch._int_mm gives it in a large step: int8 mode's numbers do not depend on the
+// step size (batch, prefix-cache hits, chunking).
+
+namespace {
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int MR>
+void i8_rows(const int8_t* x, int64_t K, const int8_t* qw, int32_t* y, int64_t N, int64_t r0,
+             int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wrow = qw + n * K;
+    __m256i acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += 16) {
+      __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + k)));
+      for (int r = 0; r < MR; ++r) {
+        __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + (r0 + r) * K + k)));
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(w, xv));
+      }
+    }
+    for (int r = 0; r < MR; ++r) y[(r0 + r) * N + n] = hsum_epi32(acc[r]);
+  }
+}
+
+}  // namespace
+
+torch::Tensor i8_mm(torch::Tensor xq, torch::Tensor qweight) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == torch::kInt8, "xq must be a 2-D int8 tensor");
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(), "qweight must be contiguous int8");
+  xq = xq.contiguous();
+  const int64_t M = xq.size(0), K = xq.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == K && K % 16 == 0, "qweight must be [out, in] with in % 16 == 0");
+  auto y = torch::empty({M, N}, xq.options().dtype(torch::kInt32));
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const int8_t* qp = qweight.data_ptr<int8_t>();
+  int32_t* yp = y.data_ptr<int32_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) i8_rows<4>(xp, K, qp, yp, N, r, n0, n1);
+    switch (M - r) {
+      case 3: i8_rows<3>(xp, K, qp, yp, N, r, n0, n1); break;
+      case 2: i8_rows<2>(xp, K, qp, yp, N, r, n0, n1); break;
+      case 1: i8_rows<1>(xp, K, qp, yp, N, r, n0, n1); break;
+      default: break;
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
   m.def("q4_linear_tiled", &q4_linear_tiled, "x @ W^T for large batches: tiles of W dequantized, then BLAS");
   m.def("q8_linear", &q8_linear, "x @ W^T with W int8 per output channel, float activations");
   m.def("q8_linear_tiled", &q8_linear_tiled, "the same for large batches: tiles dequantized, then BLAS");
+  m.def("i8_mm", &i8_mm, "int8 x int8^T -> int32, exact (small steps of int8 mode)");
   m.def("q4_dequantize", &q4_dequantize, "4-bit groups of 32 -> float32 weight");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -15,7 +16,9 @@ from pagoda.model.loader import ModelLoadError
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(show_progress=False, num_kv_blocks=512, max_model_len=2048)
+    # PAGODA_TEST_QUANTIZATION=int8|q4 runs this module in a quantized mode (none by default).
+    quantization = os.environ.get("PAGODA_TEST_QUANTIZATION", "none")
+    return LLM(show_progress=False, num_kv_blocks=512, max_model_len=2048, quantization=quantization)
 
 
 def _all_free(llm):

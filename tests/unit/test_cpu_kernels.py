@@ -145,3 +145,22 @@ def test_int8_weight_linear_matches_dequantized_reference(rows):
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ops.q8_linear(x, layer.qweight, layer.weight_scale), ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ops.q8_linear_tiled(x, layer.qweight, layer.weight_scale), ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_i8_mm_is_exact_and_int8_linear_is_batch_invariant():
+    """The small-step int8 GEMV gives the same integers as torch._int_mm, so an
+    int8-mode row computes the same numbers alone (GEMV path) and in a batch of 40
+    (torch._int_mm path)."""
+    from pagoda.model.layers.quantization import INT8_SMALL_STEP_ROWS, Int8Linear
+
+    torch.manual_seed(5)
+    xq = torch.randint(-127, 128, (3, 64), dtype=torch.int8)
+    w = torch.randint(-127, 128, (50, 64), dtype=torch.int8)
+    assert torch.equal(ops.i8_mm(xq, w), xq.long().matmul(w.long().t()).int())
+    layer = Int8Linear(torch.nn.Linear(64, 50))
+    x = torch.randn(40, 64)
+    batched = layer(x)
+    assert x.shape[0] > INT8_SMALL_STEP_ROWS
+    for i in (0, 17, 39):
+        assert torch.equal(layer(x[i:i + 1])[0], batched[i])

@@ -1,17 +1,16 @@
 """Quantized linear layers, chosen by the loader (the model code knows nothing of them).
 
-``int8``: weights quantized once, symmetric per output channel. Steps of up
-to ``INT8_WEIGHT_ONLY_MAX_ROWS`` tokens (small decode batches: bound by weight bytes) keep
-activations in fp32 and run pagoda's weight-only int8 kernel. Larger steps
-(prefill, big decode batches: compute-bound) quantize activations on the fly,
-symmetric per token (per row), run the GEMM on int8 with int32 accumulation
-(``torch._int_mm``) and rescale by (token scale x channel scale).
+``int8``: weights quantized once, symmetric per output channel; each step's
+activations quantized on the fly, symmetric per token (per row); int8 x int8
+products with int32 accumulation, rescaled by (token scale x channel scale).
+Steps of up to ``INT8_SMALL_STEP_ROWS`` tokens (small decode batches, bound by
+weight bytes) run pagoda's int8 GEMV, larger ones ``torch._int_mm``; integer
+sums are exact, so both give a token the same numbers.
 
 Per-token scales matter for a serving engine: with one scale per batch (what
 FBGEMM's dynamic linear does) a request's numbers would depend on which other
-requests share its step. A request's arithmetic still depends on whether its
-step is small or large (the two paths), so int8 output is not bit-identical
-across batch shapes.
+requests share its step. Per token, a request gets the same tokens whatever the
+batch, whatever its prefix-cache hits, as in the exact mode.
 
 ``q4``: weights in 4-bit groups of 32 along the input dimension, each group
 with its own scale and minimum (w = d*q + m, q in 0..15: GGUF's Q4_1 scheme).
@@ -36,11 +35,11 @@ from pagoda.ops import cpu_kernels
 QUANTIZATION_MODES = ("none", "int8", "q4")
 Q4_GROUP = 32
 Q4_FUSED_MAX_ROWS = 16
-# int8 mode: up to this many tokens per step run weight-only (fp32 activations, bound by
-# weight bytes); more run W8A8 on torch._int_mm, whose cost is flat up to ~17 rows.
-# Measured (20 layers of 3072x576, one thread): M=4 5.1 vs 8.3 ms, M=6 8.8 vs 8.3 ms,
-# M=16 19.7 vs 8.2 ms.
-INT8_WEIGHT_ONLY_MAX_ROWS = 4
+# int8 mode: up to this many tokens per step run pagoda's int8 GEMV (bound by weight
+# bytes); more run torch._int_mm. Both are exact integer products. Measured (20 layers
+# of 3072x576, one thread, GEMV vs _int_mm): M=1 1.6 vs ~5 ms, M=6 4.9 vs 5.5 ms,
+# M=8 6.2 vs 5.9 ms, M=16 11.7 vs 7.5 ms.
+INT8_SMALL_STEP_ROWS = 6
 
 
 def q4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,10 +97,10 @@ class Q4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """``int8`` mode: int8 weights per output channel. Steps of up to
-    ``INT8_WEIGHT_ONLY_MAX_ROWS`` tokens (small decode batches) keep activations in fp32 and
-    run the weight-only kernel, which is bound by weight bytes; larger steps
-    quantize activations per token and run an int8 GEMM (compute-bound)."""
+    """``int8`` mode: int8 weights per output channel, activations quantized per
+    token; the int8 x int8 products run on pagoda's GEMV for steps of up to
+    ``INT8_SMALL_STEP_ROWS`` tokens and on torch._int_mm above. Integer sums are
+    exact, so a token's result does not depend on its step's size."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -119,12 +118,14 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        if self._ops is not None and x2.shape[0] <= INT8_WEIGHT_ONLY_MAX_ROWS:
-            y = self._ops.q8_linear(x2, self.qweight, self.weight_scale)
+        x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+        xq = torch.round(x2 / x_scale).to(torch.int8)
+        if self._ops is not None and x2.shape[0] <= INT8_SMALL_STEP_ROWS:
+            acc = self._ops.i8_mm(xq, self.qweight)      # bandwidth-bound small steps
         else:
-            x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-            xq = torch.round(x2 / x_scale).to(torch.int8)
-            y = torch._int_mm(xq, self.qweight.t()).float() * (x_scale * self.weight_scale)
+            acc = torch._int_mm(xq, self.qweight.t())    # compute-bound large steps
+        # Integer sums are exact, so both paths give a token the same numbers.
+        y = acc.float() * (x_scale * self.weight_scale)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
