@@ -133,7 +133,9 @@ class DataParallelLLM:
         sampling_params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
+        """Same signature as AsyncLLM.generate; ``kwargs`` (tenant, lora_request) pass through."""
         tried: set[int] = set()
         while True:
             alive = self._alive()
@@ -147,7 +149,7 @@ class DataParallelLLM:
             produced = False
             try:
                 async for out in replica.generate(request_id, prompt, prompt_token_ids, sampling_params,
-                                                  priority=priority, cache_salt=cache_salt):
+                                                  priority=priority, cache_salt=cache_salt, **kwargs):
                     produced = True
                     yield out
                 return

@@ -87,6 +87,20 @@ def test_dp_both_replicas_serve_under_load(dp_server):
     assert min(served) >= 2, served    # least-loaded routing spreads concurrent distinct prompts
 
 
+def test_dp_passes_the_tenant_to_the_replica(dp_server):
+    """An X-Tenant request goes through the router to a replica (a merge once dropped
+    the tenant argument there) and is counted under its tenant."""
+    engine, url = dp_server
+    r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"X-Tenant": "acme"},
+                   json={"model": MODEL, "prompt": "Tenant test:", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    text = _wait_metrics(url, lambda t: 'tenant="acme"' in t)
+    counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pagoda:tenant_requests_total") and 'tenant="acme"' in line]
+    assert sum(counted) == 1
+
+
 def test_dp_fails_over_when_a_replica_dies(dp_server):
     engine, url = dp_server
     victim = engine.replicas[1]
