@@ -132,20 +132,16 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
 // Large batches are compute-bound: dequantize W a tile of output channels at a time
 // into a cache-resident float32 buffer and multiply it with BLAS, so the weights
 // stay 4-bit in memory and are read once per step.
-torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                              torch::Tensor mins, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), groups = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) == K / 2, "qweight does not match x");
+namespace {
+
+// y = x W^T for large batches: W dequantized a tile of output channels at a time
+// (dequant_row(n, dst) writes row n as K floats) into a cache-resident buffer, then BLAS.
+template <typename DequantRow>
+torch::Tensor tiled_linear(torch::Tensor x, int64_t N, DequantRow dequant_row) {
+  const int64_t M = x.size(0), K = x.size(1);
   constexpr int64_t kTile = 128;
   auto yt = torch::empty({N, M}, x.options());  // y transposed: each tile writes whole rows
   auto xt = x.t();
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16,
-              "scales/mins must be float16");
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const int64_t num_tiles = (N + kTile - 1) / kTile;
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -154,23 +150,37 @@ torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Ten
     std::vector<float> buf(kTile * K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTile, rows = std::min(kTile, N - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = n0 + r;
-        for (int64_t g = 0; g < groups; ++g) {
-          __m256 q[4];
-          unpack_group(qp + n * (K / 2) + g * 16, q);
-          const __m256 d = _mm256_set1_ps(h2f(dp[n * groups + g]));
-          const __m256 m = _mm256_set1_ps(h2f(mp[n * groups + g]));
-          float* out = buf.data() + r * K + g * kGroup;
-          for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(q[i], d, m));
-        }
-      }
+      for (int64_t r = 0; r < rows; ++r) dequant_row(n0 + r, buf.data() + r * K);
       auto w = torch::from_blob(buf.data(), {rows, K}, x.options());
       auto out = yt.narrow(0, n0, rows);
       at::mm_out(out, w, xt);
     }
   });
-  auto y = yt.t().contiguous();
+  return yt.t().contiguous();
+}
+
+}  // namespace
+
+torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                              torch::Tensor mins, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t K = x.size(1), N = qweight.size(0), groups = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) == K / 2, "qweight does not match x");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16,
+              "scales/mins must be float16");
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  auto y = tiled_linear(x, N, [&](int64_t n, float* dst) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 q[4];
+      unpack_group(qp + n * (K / 2) + g * 16, q);
+      const __m256 d = _mm256_set1_ps(h2f(dp[n * groups + g]));
+      const __m256 m = _mm256_set1_ps(h2f(mp[n * groups + g]));
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + g * kGroup + 8 * i, _mm256_fmadd_ps(q[i], d, m));
+    }
+  });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -329,32 +339,15 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
 torch::Tensor q8_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == K, "qweight does not match x");
-  constexpr int64_t kTile = 128;
-  auto yt = torch::empty({N, M}, x.options());
-  auto xt = x.t();
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  const int64_t num_tiles = (N + kTile - 1) / kTile;
-  const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
-    c10::InferenceMode guard(inference);
-    std::vector<float> buf(kTile * K);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTile, rows = std::min(kTile, N - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float s = sp[n0 + r];
-        const int8_t* src = qp + (n0 + r) * K;
-        float* dst = buf.data() + r * K;
-        for (int64_t k = 0; k < K; ++k) dst[k] = s * static_cast<float>(src[k]);
-      }
-      auto w = torch::from_blob(buf.data(), {rows, K}, x.options());
-      auto out = yt.narrow(0, n0, rows);
-      at::mm_out(out, w, xt);
-    }
+  return tiled_linear(x, N, [&](int64_t n, float* dst) {
+    const float s = sp[n];
+    const int8_t* src = qp + n * K;
+    for (int64_t k = 0; k < K; ++k) dst[k] = s * static_cast<float>(src[k]);
   });
-  return yt.t().contiguous();
 }
 
 // ---- int8 x int8 -> int32, for small steps of int8 mode ------------------------

@@ -417,35 +417,30 @@ class AsyncLLM:
             self.lora_requests[lora_name] = request
             raise (LoRAInUseError if error_type == "LoRAInUseError" else ValueError)(message)
 
-    async def _lora_call(self, call: list, timeout: float = 60.0) -> tuple[str | None, str | None]:
+    async def _call_engine(self, kind: bytes, pending: dict[str, asyncio.Future], payload: list,
+                           timeout: float) -> Any:
+        """Send one request/reply message to the engine core and await its answer, which
+        the output reader resolves through ``pending`` (keyed by a fresh token)."""
         self._check_alive()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         self._ensure_tasks()
         token = uuid.uuid4().hex
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._lora_calls[token] = fut
+        pending[token] = fut
         try:
-            await self._send(b"lora", [token, *call])
+            await self._send(kind, token if not payload else [token, *payload])
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._lora_calls.pop(token, None)
+            pending.pop(token, None)
+
+    async def _lora_call(self, call: list, timeout: float = 60.0) -> tuple[str | None, str | None]:
+        return await self._call_engine(b"lora", self._lora_calls, call, timeout)
 
     async def check_integrity(self, timeout: float = 10.0) -> dict[str, Any]:
         """Debug: have the engine core run check_integrity() (block pool, KV cache
         manager, scheduler) between steps. Returns {"ok", "error", "engine_pid"}."""
-        self._check_alive()
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        self._ensure_tasks()
-        token = uuid.uuid4().hex
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._integrity_checks[token] = fut
-        try:
-            await self._send(b"check", token)
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self._integrity_checks.pop(token, None)
+        return await self._call_engine(b"check", self._integrity_checks, [], timeout)
 
     @property
     def is_healthy(self) -> bool:
