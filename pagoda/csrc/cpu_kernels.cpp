@@ -1,24 +1,30 @@
 // pagoda's CPU kernels, built on first use with torch.utils.cpp_extension
-// (pagoda/ops/cpu_kernels.py). Two kernels where plain torch leaves most of the
-// machine unused:
+// (pagoda/ops/cpu_kernels.py), where plain torch leaves most of the machine unused or
+// spends a decode step on per-op overhead:
 //
 // q4_linear: y = x W^T with W in 4-bit groups of 32 (asymmetric: w = d*q + m, d and m fp16,
 //   q in 0..15; the GGUF Q4_1 scheme, with the nibble order of ggml: byte j of a
-//   group holds weights j (low nibble) and j + 16 (high nibble)). Single-stream
-//   decode reads every weight once per token, so its speed is set by bytes per
-//   weight: 4.5 bits here against 32 for fp32. Rows of x are processed four at a
-//   time against each unpacked group, so small batches reuse the unpacked weights.
-//
+//   group holds weights j (low nibble) and j + 16 (high nibble)), x quantized to int8
+//   per row and group of 32 (llama.cpp's Q4_1 x Q8_1): integer dot products on
+//   maddubs. Single-stream decode reads every weight once per token, so its speed is
+//   set by bytes per weight: 5 bits here against 32 for fp32.
+// q8_linear: the same with int8 weights per output channel (q4 mode's LM head).
+// i8_mm / int8_linear: int8 mode's per-token int8 x int8 products.
 // paged_decode_attention: one query token per sequence against its K/V read in
 //   place from the paged cache through the block table (no gathered, padded
 //   copy). Each (sequence, kv head) is independent work with a fixed summation
 //   order, so a sequence's result does not depend on its batch.
+// rms_norm, rope_qkv: a layer's elementwise work in one call each.
+//
+// Every kernel computes a row of x the same way whatever the number of rows, so a
+// request's numbers do not depend on its batch, its chunking or its prefix-cache hits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -49,14 +55,59 @@ inline void unpack_group(const uint8_t* p, __m256 w[4]) {
   w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-// Rows [r0, r0 + MR) of x against output channels [n0, n1).
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
-template <int MR>
-void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* qw,
-             const uint16_t* scales, const uint16_t* mins, const float* bias, float* y,
-             int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+// Activations in int8 groups of 32 (what llama.cpp calls Q8_1): per row r and group g,
+// x ~ xd[r, g] * xq[r, g, :], with xd = max|x| / 127 and xq rounded to nearest (ties to
+// even). s[r, g] = xd * sum(xq), for the weights' minimum term: with it the kernel
+// computes exactly W x' for the quantized x' (the float sum of x instead would weigh
+// the quantization error by w - min rather than by w: measured 2.5x the error).
+// Each row is quantized on its own, so a row's numbers do not depend on its batch.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+inline QuantizedRows quantize_rows_q8(const float* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup;
+  QuantizedRows out;
+  out.q.resize(M * K);
+  out.d.resize(M * groups);
+  out.s.resize(M * groups);
+  for (int64_t i = 0; i < M * groups; ++i) {
+    const float* xg = x + i * kGroup;
+    float amax = 0.f;
+    for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    int8_t* qg = out.q.data() + i * kGroup;
+    int32_t sum = 0;
+    for (int j = 0; j < kGroup; ++j) {
+      qg[j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      sum += qg[j];
+    }
+    out.d[i] = d;
+    out.s[i] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+// Sum of 32 products of unsigned bytes (0..127) and signed bytes as 8 float lanes.
+inline __m256 dot_u8s8(__m256i u, __m256i s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+}
+
+// Rows [r0, r0 + MR) of the quantized x against output channels [n0, n1) of the 4-bit
+// W. Per group: sum_j (dw q_j + mw) (dx xq_j) = dw dx (q . xq) + mw dx sum(xq); the
+// integer dot runs on maddubs (the 4-bit values are the unsigned operand). The
+// unpacked group is reused for the MR rows.
+template <int MR>
+void q4_rows(const QuantizedRows& xr, int64_t K, const uint8_t* qw, const uint16_t* scales,
+             const uint16_t* mins, const float* bias, float* y, int64_t N, int64_t r0, int64_t n0,
+             int64_t n1) {
+  const int64_t groups = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wrow = qw + n * (K / 2);
     const uint16_t* d = scales + n * groups;
@@ -68,18 +119,15 @@ void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* qw,
       macc[r] = 0.f;
     }
     for (int64_t g = 0; g < groups; ++g) {
-      __m256 w[4];
-      unpack_group(wrow + g * 16, w);
-      const __m256 dg = _mm256_set1_ps(h2f(d[g]));
-      const float mg = h2f(m[g]);
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + g * 16));
+      // Low lane: weights 0-15 (low nibbles); high lane: weights 16-31 (high nibbles).
+      const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);
+      const float dw = h2f(d[g]), mw = h2f(m[g]);
       for (int r = 0; r < MR; ++r) {
-        const float* xr = x + (r0 + r) * K + g * kGroup;
-        __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-        t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), t);
-        t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), t);
-        t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), t);
-        acc[r] = _mm256_fmadd_ps(dg, t, acc[r]);
-        macc[r] += mg * xsum[(r0 + r) * groups + g];
+        const int64_t i = (r0 + r) * groups + g;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + i * kGroup));
+        acc[r] = _mm256_fmadd_ps(dot_u8s8(w, xv), _mm256_set1_ps(dw * xr.d[i]), acc[r]);
+        macc[r] += mw * xr.s[i];
       }
     }
     for (int r = 0; r < MR; ++r) {
@@ -88,6 +136,29 @@ void q4_rows(const float* x, const float* xsum, int64_t K, const uint8_t* qw,
       y[(r0 + r) * N + n] = v;
     }
   }
+}
+
+// Calls rows<MR>(r, n0, n1) over all M rows in blocks of four (then the remainder),
+// for tiles of output channels [n0, n1) holding about 32 KiB of weights
+// (row_bytes each): a tile stays in cache while every block of rows passes over it, and
+// threads take whole tiles. A row's result never depends on M.
+template <typename Rows4, typename Rows3, typename Rows2, typename Rows1>
+void for_row_blocks(int64_t M, int64_t N, int64_t row_bytes, Rows4 r4, Rows3 r3, Rows2 r2, Rows1 r1) {
+  const int64_t tile = std::max<int64_t>(4, (32768 / row_bytes) & ~int64_t(3));
+  const int64_t num_tiles = (N + tile - 1) / tile;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) r4(r, n0, n1);
+      switch (M - r) {
+        case 3: r3(r, n0, n1); break;
+        case 2: r2(r, n0, n1); break;
+        case 1: r1(r, n0, n1); break;
+        default: break;
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -104,84 +175,20 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
               "scales/mins must be [out_features, in_features / 32]");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16 &&
               scales.is_contiguous() && mins.is_contiguous(), "scales/mins must be contiguous float16");
-  const int64_t groups = K / kGroup;
-  auto xsum = x.view({M, groups, kGroup}).sum(-1).contiguous();
+  const QuantizedRows xr = quantize_rows_q8(x.data_ptr<float>(), M, K);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* sp = xsum.data_ptr<float>();
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Split the output channels across threads; each thread streams its own rows of
-  // W once per four rows of x.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) q4_rows<4>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1);
-    switch (M - r) {
-      case 3: q4_rows<3>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1); break;
-      case 2: q4_rows<2>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1); break;
-      case 1: q4_rows<1>(xp, sp, K, qp, dp, mp, bp, yp, N, r, n0, n1); break;
-      default: break;
-    }
-  });
-  return y;
-}
-
-// Large batches are compute-bound: dequantize W a tile of output channels at a time
-// into a cache-resident float32 buffer and multiply it with BLAS, so the weights
-// stay 4-bit in memory and are read once per step.
-namespace {
-
-// y = x W^T for large batches: W dequantized a tile of output channels at a time
-// (dequant_row(n, dst) writes row n as K floats) into a cache-resident buffer, then BLAS.
-template <typename DequantRow>
-torch::Tensor tiled_linear(torch::Tensor x, int64_t N, DequantRow dequant_row) {
-  const int64_t M = x.size(0), K = x.size(1);
-  constexpr int64_t kTile = 128;
-  auto yt = torch::empty({N, M}, x.options());  // y transposed: each tile writes whole rows
-  auto xt = x.t();
-  const int64_t num_tiles = (N + kTile - 1) / kTile;
-  const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
-    // Worker threads do not inherit the caller's inference mode.
-    c10::InferenceMode guard(inference);
-    std::vector<float> buf(kTile * K);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTile, rows = std::min(kTile, N - n0);
-      for (int64_t r = 0; r < rows; ++r) dequant_row(n0 + r, buf.data() + r * K);
-      auto w = torch::from_blob(buf.data(), {rows, K}, x.options());
-      auto out = yt.narrow(0, n0, rows);
-      at::mm_out(out, w, xt);
-    }
-  });
-  return yt.t().contiguous();
-}
-
-}  // namespace
-
-torch::Tensor q4_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                              torch::Tensor mins, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  x = x.contiguous();
-  const int64_t K = x.size(1), N = qweight.size(0), groups = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) == K / 2, "qweight does not match x");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16,
-              "scales/mins must be float16");
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  auto y = tiled_linear(x, N, [&](int64_t n, float* dst) {
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 q[4];
-      unpack_group(qp + n * (K / 2) + g * 16, q);
-      const __m256 d = _mm256_set1_ps(h2f(dp[n * groups + g]));
-      const __m256 m = _mm256_set1_ps(h2f(mp[n * groups + g]));
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + g * kGroup + 8 * i, _mm256_fmadd_ps(q[i], d, m));
-    }
-  });
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  auto rows = [&](auto mr) {
+    return [&, mr](int64_t r, int64_t n0, int64_t n1) {
+      q4_rows<decltype(mr)::value>(xr, K, qp, dp, mp, bp, yp, N, r, n0, n1);
+    };
+  };
+  for_row_blocks(M, N, K / 2 + K / 8, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 3>{}),
+                 rows(std::integral_constant<int, 2>{}), rows(std::integral_constant<int, 1>{}));
   return y;
 }
 
@@ -210,6 +217,119 @@ torch::Tensor q4_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::
   return w;
 }
 
+namespace {
+
+// e^x for x <= 0 (softmax after subtracting the maximum), 8 lanes: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error < 2e-8 there, below
+// float rounding), 2^n put into the exponent bits. Below -87 the result is 0.
+inline __m256 exp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, ln2 split in a high part exact in float and a low correction.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// Eight 8-lane vectors -> one vector of their eight horizontal sums.
+inline __m256 hsum8x8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One (sequence, KV head) of decode attention, D % 8 == 0 and G query heads, G <= 8:
+// scores eight positions at a time, a vector softmax, then the weighted sum of V with
+// the G outputs' lanes held in registers for each 8-wide slice of the head.
+// rows[p]: offset of position p's K (and V) row for this KV head in the cache.
+template <int G>
+void decode_head(const float* qh, const float* kp, const float* vp, const int64_t* rows, int64_t len,
+                 int64_t D, float sc, float* scores, float* out) {
+  const int64_t padded = (len + 7) / 8 * 8;
+  auto row = [&](const float* base, int64_t p) { return base + rows[p]; };
+  for (int g = 0; g < G; ++g) {
+    const float* qg = qh + g * D;
+    float* sg = scores + g * padded;
+    for (int64_t p0 = 0; p0 < len; p0 += 8) {
+      const float* keys[8];
+      for (int j = 0; j < 8; ++j) keys[j] = row(kp, std::min(p0 + j, len - 1));
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + i);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + i), acc[j]);
+      }
+      _mm256_storeu_ps(sg + p0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(sc)));
+    }
+    // Softmax over the len real positions (the padding lanes repeat the last key and
+    // are set to 0 so they add nothing).
+    float mx = *std::max_element(sg, sg + len);
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 tot = _mm256_setzero_ps();
+    for (int64_t p0 = 0; p0 < padded; p0 += 8) {
+      __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + p0), mv));
+      if (p0 + 8 > len) {
+        alignas(32) int32_t keep[8];
+        for (int j = 0; j < 8; ++j) keep[j] = p0 + j < len ? -1 : 0;
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(keep))));
+      }
+      _mm256_storeu_ps(sg + p0, e);
+      tot = _mm256_add_ps(tot, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum256(tot));
+    for (int64_t p0 = 0; p0 < padded; p0 += 8) _mm256_storeu_ps(sg + p0, _mm256_mul_ps(_mm256_loadu_ps(sg + p0), inv));
+  }
+  for (int64_t i = 0; i < D; i += 8) {
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < len; ++p) {
+      const __m256 vv = _mm256_loadu_ps(row(vp, p) + i);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + g * padded + p), vv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + g * D + i, acc[g]);
+  }
+}
+
+// The same for any shape (D not a multiple of 8, or more than 8 query heads per KV head).
+void decode_head_generic(const float* qh, const float* kp, const float* vp, const int64_t* rows, int64_t len,
+                         int64_t D, int64_t G, float sc, float* scores, float* out) {
+  auto row = [&](const float* base, int64_t p) { return base + rows[p]; };
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    for (int64_t p = 0; p < len; ++p) {
+      const float* kk = row(kp, p);
+      float s = 0.f;
+      for (int64_t i = 0; i < D; ++i) s += qh[g * D + i] * kk[i];
+      sg[p] = s * sc;
+    }
+    const float mx = *std::max_element(sg, sg + len);
+    float total = 0.f;
+    for (int64_t p = 0; p < len; ++p) total += (sg[p] = std::exp(sg[p] - mx));
+    for (int64_t p = 0; p < len; ++p) sg[p] /= total;
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t p = 0; p < len; ++p) {
+      const float* vv = row(vp, p);
+      for (int64_t i = 0; i < D; ++i) o[i] += sg[p] * vv[i];
+    }
+  }
+}
+
+}  // namespace
+
 torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                                      torch::Tensor kv_cache,      // [2, blocks, bs, KVH, D]
                                      torch::Tensor block_tables,  // [B, max_blocks] int32
@@ -226,128 +346,115 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), KVH = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "head shapes of q and kv_cache disagree");
   const int64_t G = H / KVH, max_blocks = block_tables.size(1);
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * bs, "sequence length out of range");
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = kv_cache.data_ptr<float>();
   const float* vp = kp + num_blocks * bs * KVH * D;
   const int32_t* tp = block_tables.data_ptr<int32_t>();
-  const int32_t* lp = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // Each (sequence, KV head) is independent work with a fixed summation order, so a
+  // sequence's result does not depend on its batch.
   at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores;
-    std::vector<float> acc;
+    std::vector<int64_t> rows;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / KVH, kvh = w % KVH;
-      const int64_t len = lp[b];
-      TORCH_CHECK(len >= 1 && len <= max_blocks * bs, "sequence length out of range");
-      scores.assign(G * len, 0.f);
+      const int64_t b = w / KVH, kvh = w % KVH, len = lp[b];
+      scores.resize(G * ((len + 7) / 8 * 8));
+      rows.resize(len);
+      const int32_t* table = tp + b * max_blocks;
+      for (int64_t p = 0; p < len; ++p) rows[p] = ((table[p / bs] * bs + p % bs) * KVH + kvh) * D;
       const float* qh = qp + (b * H + kvh * G) * D;
-      // Scores: every key of the context against the G query heads sharing it.
-      for (int64_t p = 0; p < len; ++p) {
-        const int64_t blk = tp[b * max_blocks + p / bs];
-        const float* kk = kp + ((blk * bs + p % bs) * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qq = qh + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < D; ++i) s += qq[i] * kk[i];
-          scores[g * len + p] = s * sc;
-        }
+      float* o = op + (b * H + kvh * G) * D;
+#define PAGODA_HEAD(NG) decode_head<NG>(qh, kp, vp, rows.data(), len, D, sc, scores.data(), o); break;
+      switch (D % 8 == 0 ? G : 0) {
+        case 1: PAGODA_HEAD(1)
+        case 2: PAGODA_HEAD(2)
+        case 3: PAGODA_HEAD(3)
+        case 4: PAGODA_HEAD(4)
+        case 5: PAGODA_HEAD(5)
+        case 6: PAGODA_HEAD(6)
+        case 7: PAGODA_HEAD(7)
+        case 8: PAGODA_HEAD(8)
+        default: decode_head_generic(qh, kp, vp, rows.data(), len, D, G, sc, scores.data(), o);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = *std::max_element(sg, sg + len);
-        float total = 0.f;
-        for (int64_t p = 0; p < len; ++p) {
-          sg[p] = std::exp(sg[p] - mx);
-          total += sg[p];
-        }
-        const float inv = 1.f / total;
-        for (int64_t p = 0; p < len; ++p) sg[p] *= inv;
-      }
-      acc.assign(G * D, 0.f);
-      for (int64_t p = 0; p < len; ++p) {
-        const int64_t blk = tp[b * max_blocks + p / bs];
-        const float* vv = vp + ((blk * bs + p % bs) * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float s = scores[g * len + p];
-          float* a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += s * vv[i];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), op + (b * H + kvh * G) * D);
+#undef PAGODA_HEAD
     }
   });
   return out;
 }
 
-// ---- int8 weights per output channel (w = s * q), float activations ----------
-// For the 8-bit LM head of q4 mode: reading 1 byte per weight instead of 4.
+// ---- int8 weights per output channel (w = s * q) --------------------------------
+// q4 mode's 8-bit LM head: one byte per weight instead of four. Small steps quantize
+// the activations in groups of 32 as q4_linear does and run integer dots; large ones
+// dequantize tiles and use BLAS.
 
 namespace {
 
-template <int MR>
-void q8_rows(const float* x, int64_t K, const int8_t* qw, const float* scales, float* y,
-             int64_t N, int64_t r0, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wrow = qw + n * K;
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + k));
-      __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-      for (int r = 0; r < MR; ++r) {
-        const float* xr = x + (r0 + r) * K + k;
-        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
-      }
+// Rows [r0, r0 + MR) of the quantized x against output channels n .. n + NC - 1:
+// per group, |w| * (x with w's sign) = w * x keeps maddubs' unsigned operand first.
+template <int MR, int NC>
+inline void q8_block(const QuantizedRows& xr, int64_t K, const int8_t* qw, const float* scales, float* y,
+                     int64_t N, int64_t r0, int64_t n) {
+  const int64_t groups = K / kGroup;
+  __m256 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i w[NC], aw[NC];
+    for (int c = 0; c < NC; ++c) {
+      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + (n + c) * K + g * kGroup));
+      aw[c] = _mm256_sign_epi8(w[c], w[c]);  // |w| (weights are in -127..127)
     }
-    for (int r = 0; r < MR; ++r) y[(r0 + r) * N + n] = hsum256(acc[r]) * scales[n];
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (r0 + r) * groups + g;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + i * kGroup));
+      const __m256 dx = _mm256_set1_ps(xr.d[i]);
+      for (int c = 0; c < NC; ++c)
+        acc[r][c] = _mm256_fmadd_ps(dot_u8s8(aw[c], _mm256_sign_epi8(xv, w[c])), dx, acc[r][c]);
+    }
   }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) y[(r0 + r) * N + n + c] = hsum256(acc[r][c]) * scales[n + c];
+}
+
+template <int MR>
+void q8_rows(const QuantizedRows& xr, int64_t K, const int8_t* qw, const float* scales, float* y,
+             int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) q8_block<MR, 4>(xr, K, qw, scales, y, N, r0, n);
+  for (; n < n1; ++n) q8_block<MR, 1>(xr, K, qw, scales, y, N, r0, n);
 }
 
 }  // namespace
 
+// y = x W^T, W int8 per output channel [N, K], x quantized in int8 groups of 32 per
+// row. Any number of rows: the output channels are cut into tiles small enough to stay
+// in cache while every block of four rows of x passes over them. A row's result does
+// not depend on how many rows share the call.
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(), "qweight must be contiguous int8");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) == K && K % 16 == 0, "qweight must be [out, in] with in % 16 == 0");
-  TORCH_CHECK(scales.numel() == N, "scales must have out_features entries");
+  TORCH_CHECK(qweight.size(1) == K && K % kGroup == 0, "qweight must be [out, in] with in % 32 == 0");
+  TORCH_CHECK(scales.numel() == N && scales.scalar_type() == torch::kFloat32, "scales must be float32 [out_features]");
+  const QuantizedRows xr = quantize_rows_q8(x.data_ptr<float>(), M, K);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) q8_rows<4>(xp, K, qp, sp, yp, N, r, n0, n1);
-    switch (M - r) {
-      case 3: q8_rows<3>(xp, K, qp, sp, yp, N, r, n0, n1); break;
-      case 2: q8_rows<2>(xp, K, qp, sp, yp, N, r, n0, n1); break;
-      case 1: q8_rows<1>(xp, K, qp, sp, yp, N, r, n0, n1); break;
-      default: break;
-    }
-  });
+  auto rows = [&](auto mr) {
+    return [&, mr](int64_t r, int64_t n0, int64_t n1) {
+      q8_rows<decltype(mr)::value>(xr, K, qp, sp, yp, N, r, n0, n1);
+    };
+  };
+  for_row_blocks(M, N, K, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 3>{}),
+                 rows(std::integral_constant<int, 2>{}), rows(std::integral_constant<int, 1>{}));
   return y;
-}
-
-torch::Tensor q8_linear_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  x = x.contiguous();
-  const int64_t K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) == K, "qweight does not match x");
-  const int8_t* qp = qweight.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  return tiled_linear(x, N, [&](int64_t n, float* dst) {
-    const float s = sp[n];
-    const int8_t* src = qp + n * K;
-    for (int64_t k = 0; k < K; ++k) dst[k] = s * static_cast<float>(src[k]);
-  });
 }
 
 // ---- int8 x int8 -> int32, for small steps of int8 mode ------------------------
@@ -394,25 +501,184 @@ torch::Tensor i8_mm(torch::Tensor xq, torch::Tensor qweight) {
   const int8_t* xp = xq.data_ptr<int8_t>();
   const int8_t* qp = qweight.data_ptr<int8_t>();
   int32_t* yp = y.data_ptr<int32_t>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) i8_rows<4>(xp, K, qp, yp, N, r, n0, n1);
-    switch (M - r) {
-      case 3: i8_rows<3>(xp, K, qp, yp, N, r, n0, n1); break;
-      case 2: i8_rows<2>(xp, K, qp, yp, N, r, n0, n1); break;
-      case 1: i8_rows<1>(xp, K, qp, yp, N, r, n0, n1); break;
-      default: break;
-    }
-  });
+  auto rows = [&](auto mr) {
+    return [&, mr](int64_t r, int64_t n0, int64_t n1) { i8_rows<decltype(mr)::value>(xp, K, qp, yp, N, r, n0, n1); };
+  };
+  for_row_blocks(M, N, K, rows(std::integral_constant<int, 4>{}), rows(std::integral_constant<int, 3>{}),
+                 rows(std::integral_constant<int, 2>{}), rows(std::integral_constant<int, 1>{}));
   return y;
+}
+
+// ---- int8 mode's linear layer, whole ----------------------------------------------
+// A few input channels (outlier_idx, chosen at load time where activations are
+// largest) stay in float32 (outlier_w [k, N], their weight columns transposed); the
+// rest go through per-token quantization (scale max|x| / 127 over the other channels,
+// values round(x / scale)), the int8 x int8 product (i8_mm's GEMV up to small_rows
+// rows, torch._int_mm above; both exact) and the rescale by (token scale x channel
+// scale), plus bias, plus the outlier channels' float products. The same float
+// operations, in the same order, as the plain-torch version of Int8Linear, in one call.
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor weight_scale,
+                          c10::optional<torch::Tensor> bias, int64_t small_rows,
+                          torch::Tensor outlier_idx, torch::Tensor outlier_w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), NO = outlier_idx.numel();
+  TORCH_CHECK(qweight.size(1) == K, "qweight does not match x");
+  TORCH_CHECK(outlier_idx.scalar_type() == torch::kInt64 && outlier_w.scalar_type() == torch::kFloat32 &&
+              outlier_w.is_contiguous() && outlier_w.size(0) == NO && (NO == 0 || outlier_w.size(1) == N),
+              "outlier_idx must be int64 [k] and outlier_w contiguous float32 [k, out_features]");
+  const int64_t* oi = outlier_idx.data_ptr<int64_t>();
+  for (int64_t j = 0; j < NO; ++j) TORCH_CHECK(oi[j] >= 0 && oi[j] < K, "outlier index out of range");
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  std::vector<float> xs(M), row(K);
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    std::copy(xp + m * K, xp + (m + 1) * K, row.begin());
+    for (int64_t j = 0; j < NO; ++j) row[oi[j]] = 0.f;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float sc = std::max(amax, 1e-12f) / 127.f;
+    xs[m] = sc;
+    for (int64_t k = 0; k < K; ++k) qp[m * K + k] = static_cast<int8_t>(std::nearbyint(row[k] / sc));
+  }
+  auto acc = M <= small_rows ? i8_mm(xq, qweight) : at::_int_mm(xq, qweight.t());
+  auto y = torch::empty({M, N}, x.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* ws = weight_scale.data_ptr<float>();
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  const float* wo = outlier_w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float* ym = yp + m * N;
+    for (int64_t n = 0; n < N; ++n) {
+      float v = static_cast<float>(ap[m * N + n]) * (xs[m] * ws[n]);
+      ym[n] = bp ? v + bp[n] : v;
+    }
+    for (int64_t j = 0; j < NO; ++j) {
+      const float xv = xp[m * K + oi[j]];
+      const float* wj = wo + j * N;
+      for (int64_t n = 0; n < N; ++n) ym[n] += xv * wj[n];
+    }
+  }
+  return y;
+}
+
+// ---- per-layer elementwise work -------------------------------------------------------
+// A decode step of a small model is dominated by per-op overhead: each torch op costs a
+// few microseconds whatever its size, and a layer had ~40 of them. These fuse the
+// elementwise runs into one call each.
+
+// RMSNorm of each row: w * x / sqrt(mean(x^2) + eps). With a residual: the residual
+// becomes residual + x (in place) and is what gets normalized, the pre-norm
+// transformer's "add, then norm" in one pass.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                       c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous 2-D float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(weight.numel() == K && weight.scalar_type() == torch::kFloat32, "weight must be float32 [hidden]");
+  float* rp = nullptr;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == torch::kFloat32, "residual must match x");
+    rp = residual->data_ptr<float>();
+  }
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.contiguous().data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = xp + m * K;
+    if (rp) {
+      float* r = rp + m * K;
+      for (int64_t k = 0; k < K; ++k) r[k] += src[k];
+      src = r;
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; ++k) ss += src[k] * src[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
+    float* dst = op + m * K;
+    for (int64_t k = 0; k < K; ++k) dst[k] = wp[k] * (src[k] * inv);
+  }
+  return out;
+}
+
+// Rotary embedding (rotate-half layout) of the q and k parts of the fused qkv
+// projection, returned as contiguous q [T, H, D], k and v [T, KVH, D]. With a float32
+// cache, k and v are also written to their slots (slot_mapping), so attention only
+// reads. cos and sin: [T, D] (the two halves repeat).
+std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                    int64_t num_heads, int64_t num_kv_heads,
+                                    c10::optional<torch::Tensor> kv_cache,
+                                    c10::optional<torch::Tensor> slot_mapping) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32, "qkv must be a 2-D float32 tensor");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(qkv.size(1) % (num_heads + 2 * num_kv_heads) == 0, "qkv width does not match the heads");
+  const int64_t D = qkv.size(1) / (num_heads + 2 * num_kv_heads), half = D / 2;
+  TORCH_CHECK(cos.size(0) == T && cos.size(-1) == D && sin.sizes() == cos.sizes(), "cos/sin must be [T, head_dim]");
+  auto q = torch::empty({T, num_heads, D}, qkv.options());
+  auto k = torch::empty({T, num_kv_heads, D}, qkv.options());
+  auto v = torch::empty({T, num_kv_heads, D}, qkv.options());
+  float *kc = nullptr, *vc = nullptr;
+  const int64_t* slots = nullptr;
+  torch::Tensor slot_t;
+  if (kv_cache.has_value() && kv_cache->defined()) {
+    TORCH_CHECK(kv_cache->scalar_type() == torch::kFloat32 && kv_cache->is_contiguous() &&
+                kv_cache->size(3) == num_kv_heads && kv_cache->size(4) == D,
+                "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim]");
+    TORCH_CHECK(slot_mapping.has_value() && slot_mapping->numel() == T &&
+                slot_mapping->scalar_type() == torch::kInt64, "slot_mapping must be int64 [T]");
+    kc = kv_cache->data_ptr<float>();
+    vc = kc + kv_cache->size(1) * kv_cache->size(2) * num_kv_heads * D;
+    slot_t = slot_mapping->contiguous();
+    slots = slot_t.data_ptr<int64_t>();
+  }
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const int64_t width = qkv.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = src + t * width;
+    const float* c = cp + t * D;
+    const float* sn = sp + t * D;
+    auto rotate = [&](const float* in, float* out, int64_t heads) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = in + h * D;
+        float* y = out + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          y[i] = x[i] * c[i] + (-x[i + half]) * sn[i];
+          y[i + half] = x[i + half] * c[i + half] + x[i] * sn[i + half];
+        }
+      }
+    };
+    rotate(row, qp + t * num_heads * D, num_heads);
+    rotate(row + num_heads * D, kp + t * num_kv_heads * D, num_kv_heads);
+    std::copy(row + (num_heads + num_kv_heads) * D, row + width, vp + t * num_kv_heads * D);
+    if (kc) {
+      const int64_t off = slots[t] * num_kv_heads * D;
+      std::copy(kp + t * num_kv_heads * D, kp + (t + 1) * num_kv_heads * D, kc + off);
+      std::copy(vp + t * num_kv_heads * D, vp + (t + 1) * num_kv_heads * D, vc + off);
+    }
+  }
+  return {q, k, v};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
-  m.def("q4_linear_tiled", &q4_linear_tiled, "x @ W^T for large batches: tiles of W dequantized, then BLAS");
   m.def("q8_linear", &q8_linear, "x @ W^T with W int8 per output channel, float activations");
-  m.def("q8_linear_tiled", &q8_linear_tiled, "the same for large batches: tiles dequantized, then BLAS");
   m.def("i8_mm", &i8_mm, "int8 x int8^T -> int32, exact (small steps of int8 mode)");
   m.def("q4_dequantize", &q4_dequantize, "4-bit groups of 32 -> float32 weight");
+  m.def("int8_linear", &int8_linear, "int8 mode's linear layer: float outlier channels, per-token int8 product of the rest");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, optionally of (residual += x)");
+  m.def("rope_qkv", &rope_qkv, "rotary embedding of fused qkv -> q, k, v (k and v also into the cache)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
 }

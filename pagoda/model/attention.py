@@ -128,11 +128,13 @@ def paged_attention(
     kv_cache: torch.Tensor | QuantizedKVCache,   # [2, num_blocks, block_size, KVH, D]
     meta: AttentionMetadata,
     scale: float,
+    kv_written: bool = False,  # the caller already wrote k and v to their slots
 ) -> torch.Tensor:            # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     if isinstance(kv_cache, QuantizedKVCache):
+        assert not kv_written, "the fused rope op writes float32 caches only"
         kv_cache.write(meta.slot_mapping, k, v)
 
         def read(i: int, slots: torch.Tensor) -> torch.Tensor:
@@ -140,14 +142,20 @@ def paged_attention(
     else:
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        if not kv_written:
+            k_flat.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+            v_flat.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
         def read(i: int, slots: torch.Tensor) -> torch.Tensor:
             return (k_flat if i == 0 else v_flat)[slots].to(q.dtype)
 
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if nd == num_tokens and meta.decode_block_tables is not None:
+        # A decode-only step (the common one): the kernel's output is the result.
+        return cpu_kernels.kernels().paged_decode_attention(
+            q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    out = torch.empty_like(q)
     if nd and meta.decode_block_tables is not None:
         out[:nd] = cpu_kernels.kernels().paged_decode_attention(
             q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale

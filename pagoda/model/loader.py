@@ -123,7 +123,15 @@ def load_model(
         loaded = _load_gguf(path, dtype, device, show_progress, tp)
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
-    quantize_model(loaded.model, quantization, device)
+    calibration_ids = None
+    if quantization == "int8":
+        from pagoda.model.layers.quantization import CALIBRATION_TEXT
+        from pagoda.tokenizer import Tokenizer
+
+        tokenizer = (Tokenizer.from_gguf_metadata(loaded.gguf_metadata) if loaded.gguf_metadata is not None
+                     else Tokenizer.from_pretrained_dir(loaded.path))
+        calibration_ids = tokenizer.encode(CALIBRATION_TEXT)
+    quantize_model(loaded.model, quantization, device, calibration_ids)
     return loaded
 
 

@@ -40,20 +40,46 @@ def test_q4_quantize_rejects_ragged_rows():
         q4_quantize(torch.randn(4, 40))
 
 
+def _q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The small-step kernels' activation quantization, emulated: per row and group of
+    32, scale max|x| / 127, values round(x * (1 / scale)) (ties to even)."""
+    g = x.reshape(x.shape[0], -1, 32)
+    d = g.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(g * inv[..., None]), d
+
+
+def _q4_small_step_reference(x, q):
+    """What q4_linear computes: W x' for the quantized x', i.e. per group
+    dw * dx * (q_w . q_x) + mw * dx * sum(q_x)."""
+    xq, xd = _q8_groups(x)                                     # [M, G, 32], [M, G]
+    n, half = q.qweight.shape
+    wg = q.qweight.reshape(n, half // 16, 16)
+    wq = torch.cat((wg & 0x0F, wg >> 4), dim=-1).double()     # [N, G, 32]
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), wq)       # exact integers
+    scaled = dots * q.scales.double()[None] * xd.double()[:, None, :]
+    mins = q.mins.double()[None] * (xq.double().sum(-1) * xd.double())[:, None, :]
+    y = (scaled + mins).sum(-1)
+    return (y + q.bias.double() if q.bias is not None else y).float()
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 70])
 @pytest.mark.parametrize("bias", [False, True])
-def test_q4_linear_matches_dequantized_reference(rows, bias):
+def test_q4_linear_matches_its_reference(rows, bias):
     torch.manual_seed(rows)
     lin = torch.nn.Linear(128, 200, bias=bias)
     q = Q4Linear(lin)
     x = torch.randn(rows, 128)
-    ref = F.linear(x, q4_dequantize(q.qweight, q.scales, q.mins), q.bias)
+    exact = F.linear(x, q4_dequantize(q.qweight, q.scales, q.mins), q.bias)
     fused = ops.q4_linear(x, q.qweight, q.scales, q.mins, q.bias)
-    tiled = ops.q4_linear_tiled(x, q.qweight, q.scales, q.mins, q.bias)
-    torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(tiled, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=1e-4)
+    # The activations in int8 groups of 32, integer dots (llama.cpp's Q4_1 x Q8_1).
+    torch.testing.assert_close(fused, _q4_small_step_reference(x, q), rtol=1e-4, atol=1e-4)
+    assert float((fused - exact).norm() / exact.norm()) < 0.01
+    assert torch.equal(q(x), fused)
+    # A row's result does not depend on how many rows share the call.
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(ops.q4_linear(x[i:i + 1], q.qweight, q.scales, q.mins, q.bias)[0], fused[i])
     torch.testing.assert_close(ops.q4_dequantize(q.qweight, q.scales, q.mins),
                                q4_dequantize(q.qweight, q.scales, q.mins))
 
@@ -92,15 +118,22 @@ def _reference_decode(q, cache, tables, lens, scale):
 
 
 @needs_kernels
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_paged_decode_attention_matches_reference(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 32), (4, 4, 64), (8, 1, 32), (10, 1, 16), (6, 2, 12)])
+def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim):
+    """Query heads per KV head 1-8 with head_dim a multiple of 8 take the vector path,
+    the others (10 per KV head; head_dim 12) the generic one; lengths cover partial
+    8-position tails and block boundaries."""
     torch.manual_seed(heads)
-    cache = torch.randn(2, 40, 16, kv_heads, 32)
-    lens = torch.tensor([1, 16, 17, 100, 5], dtype=torch.int32)
-    tables = torch.stack([torch.randperm(40)[:7] for _ in range(5)]).int()
-    q = torch.randn(5, heads, 32)
+    cache = torch.randn(2, 40, 16, kv_heads, head_dim) * 3  # wide scores: softmax far from uniform
+    lens = torch.tensor([1, 16, 17, 100, 5, 8, 9], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(40)[:7] for _ in range(7)]).int()
+    q = torch.randn(7, heads, head_dim)
     out = ops.paged_decode_attention(q, cache, tables, lens, 0.17)
     torch.testing.assert_close(out, _reference_decode(q, cache, tables, lens, 0.17), rtol=1e-5, atol=1e-5)
+    # A sequence's result does not depend on its batch.
+    for b in (0, 3, 6):
+        alone = ops.paged_decode_attention(q[b:b + 1], cache, tables[b:b + 1], lens[b:b + 1], 0.17)
+        assert torch.equal(alone[0], out[b])
 
 
 @needs_kernels
@@ -134,17 +167,25 @@ def test_metadata_decode_kernel_path_equals_gather_path():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 40])
-def test_int8_weight_linear_matches_dequantized_reference(rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 40, 300])
+def test_int8_weight_linear_matches_its_reference(rows):
+    """q4 mode's LM head: the same integer scheme with int8 weights, any number of rows."""
     from pagoda.model.layers.quantization import Int8WeightLinear
 
     torch.manual_seed(rows)
     layer = Int8WeightLinear(torch.nn.Linear(96, 300, bias=False))
     x = torch.randn(rows, 96)
-    ref = F.linear(x, layer.qweight.float() * layer.weight_scale[:, None])
-    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ops.q8_linear(x, layer.qweight, layer.weight_scale), ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ops.q8_linear_tiled(x, layer.qweight, layer.weight_scale), ref, rtol=1e-4, atol=1e-4)
+    exact = F.linear(x, layer.qweight.float() * layer.weight_scale[:, None])
+    # Activations in int8 groups of 32, integer dots, then the channel scale.
+    xq, xd = _q8_groups(x)
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), layer.qweight.double().reshape(300, 3, 32))
+    small = ((dots * xd.double()[:, None, :]).sum(-1) * layer.weight_scale.double()).float()
+    torch.testing.assert_close(ops.q8_linear(x, layer.qweight, layer.weight_scale), small, rtol=1e-4, atol=1e-4)
+    assert float((small - exact).norm() / exact.norm()) < 0.01
+    out = layer(x)
+    torch.testing.assert_close(out, small, rtol=1e-4, atol=1e-4)
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(layer(x[i:i + 1])[0], out[i])
 
 
 @needs_kernels
@@ -164,3 +205,73 @@ def test_i8_mm_is_exact_and_int8_linear_is_batch_invariant():
     assert x.shape[0] > INT8_SMALL_STEP_ROWS
     for i in (0, 17, 39):
         assert torch.equal(layer(x[i:i + 1])[0], batched[i])
+
+
+@needs_kernels
+def test_int8_linear_keeps_outlier_channels_in_float():
+    """With a huge activation in one channel, per-token int8 rounds every other channel
+    to almost nothing; the outlier channel in float keeps the error small. The C++ op
+    and the plain-torch path compute the same numbers."""
+    from pagoda.model.layers.quantization import Int8Linear
+
+    torch.manual_seed(7)
+    lin = torch.nn.Linear(64, 40)
+    x = torch.randn(5, 64)
+    x[:, 3] = 300.0
+    exact = lin(x).detach()
+    plain = Int8Linear(lin)
+    split = Int8Linear(lin, outliers=torch.tensor([3]))
+    err = lambda y: float((y - exact).norm() / exact.norm())  # noqa: E731
+    assert err(split(x)) < 0.01 < err(plain(x))
+    fallback = Int8Linear(lin, outliers=torch.tensor([3]))
+    fallback._ops = None
+    torch.testing.assert_close(fallback(x), split(x), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.int8_linear(x, split.qweight, split.weight_scale, None, 6, torch.tensor([64]), split.outlier_weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(with_residual):
+    from pagoda.model.models.llama import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x, res = torch.randn(6, 48), torch.randn(6, 48)
+    expected_sum = x + res
+    expected = norm._norm(expected_sum if with_residual else x)
+    if with_residual:
+        residual = res.clone()
+        out = ops.rms_norm(x, norm.weight.detach(), 1e-5, residual)
+        assert torch.equal(residual, expected_sum)    # updated in place
+    else:
+        out = ops.rms_norm(x, norm.weight.detach(), 1e-5, None)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_rope_qkv_matches_torch_and_writes_the_cache():
+    from pagoda.model.models.llama import apply_rope
+
+    torch.manual_seed(4)
+    t, heads, kv_heads, d = 5, 6, 2, 16
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    angles = torch.randn(t, d // 2)
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos(), emb.sin()
+    q_ref = apply_rope(qkv[:, :heads * d].reshape(t, heads, d), cos[:, None], sin[:, None])
+    k_ref = apply_rope(qkv[:, heads * d:(heads + kv_heads) * d].reshape(t, kv_heads, d), cos[:, None], sin[:, None])
+    v_ref = qkv[:, (heads + kv_heads) * d:].reshape(t, kv_heads, d)
+    cache = torch.zeros(2, 4, 4, kv_heads, d)
+    slots = torch.tensor([9, 0, 15, 3, 4])
+    q, k, v = ops.rope_qkv(qkv, cos, sin, heads, kv_heads, cache, slots)
+    torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, v_ref)
+    assert torch.equal(cache[0].reshape(-1, kv_heads, d)[slots], k)
+    assert torch.equal(cache[1].reshape(-1, kv_heads, d)[slots], v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[:, :, :].reshape(2, 16, -1)[:, untouched].any()

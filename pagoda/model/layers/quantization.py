@@ -7,6 +7,11 @@ Steps of up to ``INT8_SMALL_STEP_ROWS`` tokens (small decode batches, bound by
 weight bytes) run pagoda's int8 GEMV, larger ones ``torch._int_mm``; integer
 sums are exact, so both give a token the same numbers.
 
+A few input channels per layer (the 32 with the largest activations on a
+calibration text, chosen at load time) stay in float32: with them inside the
+per-token scale every other channel is rounded coarsely (LLM.int8()'s outlier
+decomposition; ``Int8Linear``).
+
 Per-token scales matter for a serving engine: with one scale per batch (what
 FBGEMM's dynamic linear does) a request's numbers would depend on which other
 requests share its step. Per token, a request gets the same tokens whatever the
@@ -15,14 +20,14 @@ batch, whatever its prefix-cache hits, as in the exact mode.
 ``q4``: weights in 4-bit groups of 32 along the input dimension, each group
 with its own scale and minimum (w = d*q + m, q in 0..15: GGUF's Q4_1 scheme).
 A Q4_1 GGUF's weights come back as the file's own 4-bit values (a group's
-minimum and maximum are recovered from the dequantized tensor). Up to
-``Q4_FUSED_MAX_ROWS`` tokens per step run a fused unpack-and-multiply kernel
-that reads the 4.5-bit weights once (single-stream decode is bound by weight
-bytes); larger steps dequantize cache-sized tiles and use BLAS. Needs pagoda's
-C++ kernels; without them it falls back to dequantizing in torch (correct,
-slow). No activation quantization: a request's numbers do not depend on its
-batch neighbours. The LM head stays 8-bit (int8 weights per channel, float
-activations: ``Int8WeightLinear``), as a GGUF's output weights do.
+minimum and maximum are recovered from the dequantized tensor). Activations are
+quantized to int8 per token and group of 32 (llama.cpp's Q8_1) and the products
+run as integer dot products (pagoda's ``q4_linear``): 5 bits read per weight, so
+single-stream decode runs near memory bandwidth. Every step size runs the same
+kernel, so a request's numbers do not depend on its batch, chunking or prefix-cache
+hits. Needs pagoda's C++ kernels; without them it falls back to dequantizing in
+torch (float activations; correct, slow). The LM head stays 8-bit (int8 weights per
+channel, activations as above: ``Int8WeightLinear``), as a GGUF's output weights do.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ from pagoda.ops import cpu_kernels
 
 QUANTIZATION_MODES = ("none", "int8", "q4")
 Q4_GROUP = 32
-Q4_FUSED_MAX_ROWS = 16
 # int8 mode: up to this many tokens per step run pagoda's int8 GEMV (bound by weight
 # bytes); more run torch._int_mm. Both are exact integer products. Measured (20 layers
 # of 3072x576, one thread, GEMV vs _int_mm): M=1 1.6 vs ~5 ms, M=6 4.9 vs 5.5 ms,
@@ -82,14 +86,15 @@ class Q4Linear(nn.Module):
         self._ops = cpu_kernels.kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._ops is not None and x.dim() == 2 and x.dtype == torch.float32:
+            # The model's own calls (flat batches of float32 rows), with no reshaping.
+            return self._ops.q4_linear(x, self.qweight, self.scales, self.mins, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
         if self._ops is None:
             y = torch.nn.functional.linear(x2, q4_dequantize(self.qweight, self.scales, self.mins), self.bias)
-        elif x2.shape[0] <= Q4_FUSED_MAX_ROWS:
-            y = self._ops.q4_linear(x2, self.qweight, self.scales, self.mins, self.bias)
         else:
-            y = self._ops.q4_linear_tiled(x2, self.qweight, self.scales, self.mins, self.bias)
+            y = self._ops.q4_linear(x2, self.qweight, self.scales, self.mins, self.bias)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -100,13 +105,25 @@ class Int8Linear(nn.Module):
     """``int8`` mode: int8 weights per output channel, activations quantized per
     token; the int8 x int8 products run on pagoda's GEMV for steps of up to
     ``INT8_SMALL_STEP_ROWS`` tokens and on torch._int_mm above. Integer sums are
-    exact, so a token's result does not depend on its step's size."""
+    exact, so a token's result does not depend on its step's size.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    ``outliers``: input channels kept in float32 (LLM.int8()'s decomposition). A
+    few channels carry activations far larger than the rest; with them inside the
+    per-token scale, every other channel of the token is rounded coarsely. Measured
+    on the default model: perplexity +1.5 % to +5.4 % over fp32 without, within
+    about +-1.3 % with the 32 largest channels (per layer, from ``calibrate``) in
+    float (docs/benchmarks.md)."""
+
+    def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
+        weight = linear.weight.detach().float().clone()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        idx = torch.empty(0, dtype=torch.long) if outliers is None else outliers.to(torch.long).sort().values
+        self.register_buffer("outlier_idx", idx)
+        # [k, out]: the outlier columns, transposed so each is a contiguous row.
+        self.register_buffer("outlier_weight", weight[:, idx].t().contiguous())
+        weight[:, idx] = 0.0
         scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         # [out, in]; _int_mm multiplies by its transposed view at the same speed.
         self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
@@ -118,26 +135,30 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-        xq = torch.round(x2 / x_scale).to(torch.int8)
-        if self._ops is not None and x2.shape[0] <= INT8_SMALL_STEP_ROWS:
-            acc = self._ops.i8_mm(xq, self.qweight)      # bandwidth-bound small steps
-        else:
-            acc = torch._int_mm(xq, self.qweight.t())    # compute-bound large steps
-        # Integer sums are exact, so both paths give a token the same numbers.
+        if self._ops is not None:
+            # The same operations as below, in one C++ call (a decode step's linear
+            # layers were mostly per-op overhead).
+            y = self._ops.int8_linear(x2, self.qweight, self.weight_scale, self.bias, INT8_SMALL_STEP_ROWS,
+                                      self.outlier_idx, self.outlier_weight)
+            return y.view(*shape[:-1], self.out_features).to(x.dtype)
+        inliers = x2.index_fill(1, self.outlier_idx, 0.0)
+        x_scale = inliers.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+        xq = torch.round(inliers / x_scale).to(torch.int8)
+        acc = torch._int_mm(xq, self.qweight.t())
         y = acc.float() * (x_scale * self.weight_scale)
         if self.bias is not None:
             y = y + self.bias
+        y = y + x2[:, self.outlier_idx] @ self.outlier_weight
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, "
+                f"{self.outlier_idx.numel()} float input channels")
 
 
 class Int8WeightLinear(nn.Module):
-    """int8 weights per output channel, float activations (weight-only): q4
-    mode's LM head. Small batches run a kernel that reads one byte per weight;
-    larger ones dequantize cache-sized tiles and use BLAS."""
+    """int8 weights per output channel, activations in int8 groups of 32 per token
+    (pagoda's ``q8_linear``): q4 mode's LM head, one byte read per weight."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -149,28 +170,73 @@ class Int8WeightLinear(nn.Module):
         scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("weight_scale", scale)
-        self._ops = cpu_kernels.kernels() if self.in_features % 16 == 0 else None
+        self._ops = cpu_kernels.kernels() if self.in_features % Q4_GROUP == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
         if self._ops is None:
             y = torch.nn.functional.linear(x2, self.qweight.float() * self.weight_scale[:, None])
-        elif x2.shape[0] <= Q4_FUSED_MAX_ROWS:
-            y = self._ops.q8_linear(x2, self.qweight, self.weight_scale)
         else:
-            y = self._ops.q8_linear_tiled(x2, self.qweight, self.weight_scale)
+            y = self._ops.q8_linear(x2, self.qweight, self.weight_scale)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, float activations"
 
 
-def quantize_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+# int8 mode: input channels per linear layer kept in float32 (at most a quarter of them).
+INT8_OUTLIER_CHANNELS = 32
+# The text whose activations choose them (any ordinary text will do; not a test text).
+CALIBRATION_TEXT = (
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide "
+    "to make glucose and oxygen. It takes place mainly in the leaves, inside small structures "
+    "called chloroplasts.\n\nQ: What is 17 times 3?\nA: 17 times 3 is 51.\n\n"
+    "def greet(name):\n    return f\"Hello, {name}!\"\n\n"
+    "The meeting has been moved to Thursday at 10 am; please bring the quarterly report and "
+    "your notes from the last review."
+)
+
+
+def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Largest |activation| seen by each input channel of every linear layer while the
+    (unquantized) model computes ``token_ids`` as one prompt: name -> [in_features]."""
+    from pagoda.model.attention import AttentionMetadata
+
+    c = model.config
+    ranges: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+            ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
+        return hook
+
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        block = 16
+        num_blocks = -(-len(token_ids) // block)
+        dtype = model.model.embed_tokens.weight.dtype
+        caches = [torch.zeros(2, num_blocks, block, c.num_key_value_heads, c.head_dim, dtype=dtype)
+                  for _ in range(c.num_hidden_layers)]
+        meta = AttentionMetadata.build([len(token_ids)], [0], [list(range(num_blocks))], block, torch.device("cpu"))
+        with torch.inference_mode():
+            hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), caches, meta)
+            model.compute_logits(hidden[-1:])
+    finally:
+        for h in hooks:
+            h.remove()
+    return ranges
+
+
+def quantize_model(model: nn.Module, mode: str, device: torch.device,
+                   calibration_ids: list[int] | None = None) -> nn.Module:
     """Replace the model's projections and LM head with quantized layers, in place.
 
     The embedding stays in full precision (it is a lookup, not a GEMM); a tied
-    LM head gets its own quantized copy of the embedding matrix.
+    LM head gets its own quantized copy of the embedding matrix. ``int8`` runs the
+    model once over ``calibration_ids`` first (the tokenized ``CALIBRATION_TEXT``;
+    a fixed pseudo-random sequence when None) to choose each layer's float channels.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
@@ -182,6 +248,12 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device) -> nn.Modu
         (name, module) for name, module in model.named_modules()
         if isinstance(module, nn.Linear)
     ]
+    ranges: dict[str, torch.Tensor] = {}
+    if mode == "int8":
+        if calibration_ids is None:
+            gen = torch.Generator().manual_seed(0)
+            calibration_ids = torch.randint(0, model.config.vocab_size, (128,), generator=gen).tolist()
+        ranges = calibrate(model, calibration_ids)
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -189,7 +261,8 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device) -> nn.Modu
         # weights): 4-bit logits cost more quality than the head's share of the
         # bytes saves (measured: q4 head -> wrong answers on the reference prompts).
         if mode == "int8":
-            layer = Int8Linear(module)
+            k = min(INT8_OUTLIER_CHANNELS, module.in_features // 4)
+            layer = Int8Linear(module, ranges[name].topk(k).indices if name in ranges else None)
         elif name == "lm_head" and module.bias is None:
             layer = Int8WeightLinear(module)
         else:

@@ -18,6 +18,14 @@ from torch import nn
 
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, paged_attention
+from pagoda.ops import cpu_kernels
+
+
+def _fused_ops(x: torch.Tensor):
+    """pagoda's C++ ops for this tensor, or None (not float32 on CPU, or not built)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return cpu_kernels.kernels()
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +34,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with ``residual``: (norm(x + residual), x + residual), the sum
+        written into ``residual`` in place (one fused op on CPU)."""
+        ops = _fused_ops(x)
+        if ops is not None and x.dim() == 2:
+            if residual is None:
+                return ops.rms_norm(x.contiguous(), self.weight, self.eps, None)
+            return ops.rms_norm(x.contiguous(), self.weight, self.eps, residual), residual
+        if residual is None:
+            return self._norm(x)
+        residual.add_(x)
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -80,19 +101,25 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
+        cos: torch.Tensor,      # [T, 1, D]
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        qkv = self.qkv_proj(x)
+        ops = _fused_ops(qkv)
+        if ops is not None:
+            # One op: rotary q and k, and (float32 cache) k and v written to their slots.
+            in_place = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.float32
+            q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
+                                   kv_cache if in_place else None, meta.slot_mapping if in_place else None)
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+            o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -118,9 +145,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block; the residual stream is carried separately so each "add,
+        then norm" is one fused op: returns (this layer's output, the stream before it)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -179,9 +214,10 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        residual = None
         for layer, kv_cache in zip(layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
