@@ -51,7 +51,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     shared_prefix_file: str | None = None  # texts whose prefix blocks stay shared across cache salts
     api_keys_file: str | None = None       # API key -> tenant, weight, limits (JSON or TOML)
-    kv_cache_dtype: str = "auto"           # auto (= dtype) | int8 | fp8: 8-bit KV with per-token scales
+    kv_cache_dtype: str = "auto"           # auto | float16 | int8 | fp8 (8-bit KV with per-token scales)
     preemption_mode: str = "recompute"     # recompute | swap | auto
     swap_space: int = 0                    # bytes of host memory for swapped-out KV blocks
     enable_lora: bool = False             # serve LoRA adapters (pagoda/lora)
@@ -71,6 +71,8 @@ class EngineConfig:
                              "parallelism use --threads-per-rank")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.quantization == "int4":
+            object.__setattr__(self, "quantization", "q4")  # the issue's / vLLM-style name
         if self.quantization not in ("none", "int8", "q4"):
             raise ValueError(f"quantization must be none, int8 or q4, got {self.quantization!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -96,8 +98,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
         _positive("max_long_partial_prefills", self.max_long_partial_prefills, allow_none=True)
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float16", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, float16, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int) or self.swap_space < 0:
@@ -130,6 +132,15 @@ class EngineConfig:
             raise ValueError("--speculative-config is not supported with --kv-cache-dtype int8|fp8 or "
                              "--preemption-mode swap|auto yet")
 
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        """``auto`` made concrete: the model's dtype ("auto") in the exact mode, float16 with
+        --quantization int8|q4 (as llama.cpp's default; decode attention reads half the
+        bytes, and those modes are approximate already)."""
+        if self.kv_cache_dtype == "auto" and self.quantization != "none":
+            return "float16"
+        return self.kv_cache_dtype
 
 def cpu_threads_policy(requested: int | None) -> int | None:
     """Torch threads for the engine process: ``requested`` if given; else

@@ -243,6 +243,12 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+// K/V elements: float32, or float16 (uint16_t bits) converted on load (F16C).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
+
 // Eight 8-lane vectors -> one vector of their eight horizontal sums.
 inline __m256 hsum8x8(const __m256 a[8]) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -255,22 +261,22 @@ inline __m256 hsum8x8(const __m256 a[8]) {
 // scores eight positions at a time, a vector softmax, then the weighted sum of V with
 // the G outputs' lanes held in registers for each 8-wide slice of the head.
 // rows[p]: offset of position p's K (and V) row for this KV head in the cache.
-template <int G>
-void decode_head(const float* qh, const float* kp, const float* vp, const int64_t* rows, int64_t len,
+template <int G, typename KV>
+void decode_head(const float* qh, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                  int64_t D, float sc, float* scores, float* out) {
   const int64_t padded = (len + 7) / 8 * 8;
-  auto row = [&](const float* base, int64_t p) { return base + rows[p]; };
+  auto row = [&](const KV* base, int64_t p) { return base + rows[p]; };
   for (int g = 0; g < G; ++g) {
     const float* qg = qh + g * D;
     float* sg = scores + g * padded;
     for (int64_t p0 = 0; p0 < len; p0 += 8) {
-      const float* keys[8];
+      const KV* keys[8];
       for (int j = 0; j < 8; ++j) keys[j] = row(kp, std::min(p0 + j, len - 1));
       __m256 acc[8];
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
       for (int64_t i = 0; i < D; i += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + i);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + i), acc[j]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + i), acc[j]);
       }
       _mm256_storeu_ps(sg + p0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(sc)));
     }
@@ -296,7 +302,7 @@ void decode_head(const float* qh, const float* kp, const float* vp, const int64_
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t p = 0; p < len; ++p) {
-      const __m256 vv = _mm256_loadu_ps(row(vp, p) + i);
+      const __m256 vv = load8(row(vp, p) + i);
       for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + g * padded + p), vv, acc[g]);
     }
     for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + g * D + i, acc[g]);
@@ -304,15 +310,16 @@ void decode_head(const float* qh, const float* kp, const float* vp, const int64_
 }
 
 // The same for any shape (D not a multiple of 8, or more than 8 query heads per KV head).
-void decode_head_generic(const float* qh, const float* kp, const float* vp, const int64_t* rows, int64_t len,
+template <typename KV>
+void decode_head_generic(const float* qh, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                          int64_t D, int64_t G, float sc, float* scores, float* out) {
-  auto row = [&](const float* base, int64_t p) { return base + rows[p]; };
+  auto row = [&](const KV* base, int64_t p) { return base + rows[p]; };
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
     for (int64_t p = 0; p < len; ++p) {
-      const float* kk = row(kp, p);
+      const KV* kk = row(kp, p);
       float s = 0.f;
-      for (int64_t i = 0; i < D; ++i) s += qh[g * D + i] * kk[i];
+      for (int64_t i = 0; i < D; ++i) s += qh[g * D + i] * to_float(kk[i]);
       sg[p] = s * sc;
     }
     const float mx = *std::max_element(sg, sg + len);
@@ -322,40 +329,21 @@ void decode_head_generic(const float* qh, const float* kp, const float* vp, cons
     float* o = out + g * D;
     std::fill(o, o + D, 0.f);
     for (int64_t p = 0; p < len; ++p) {
-      const float* vv = row(vp, p);
-      for (int64_t i = 0; i < D; ++i) o[i] += sg[p] * vv[i];
+      const KV* vv = row(vp, p);
+      for (int64_t i = 0; i < D; ++i) o[i] += sg[p] * to_float(vv[i]);
     }
   }
 }
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
-                                     torch::Tensor kv_cache,      // [2, blocks, bs, KVH, D]
-                                     torch::Tensor block_tables,  // [B, max_blocks] int32
-                                     torch::Tensor seq_lens,      // [B] int32
-                                     double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32,
-              "paged_decode_attention runs on float32");
-  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
-              "block_tables and seq_lens must be int32");
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), KVH = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "head shapes of q and kv_cache disagree");
-  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
-  const int32_t* lp = seq_lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * bs, "sequence length out of range");
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kv_cache.data_ptr<float>();
-  const float* vp = kp + num_blocks * bs * KVH * D;
-  const int32_t* tp = block_tables.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+namespace {
+
+template <typename KV>
+void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t* tp, const int32_t* lp,
+                      float* op, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
+                      float sc) {
+  const int64_t G = H / KVH;
   // Each (sequence, KV head) is independent work with a fixed summation order, so a
   // sequence's result does not depend on its batch.
   at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
@@ -369,7 +357,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
       for (int64_t p = 0; p < len; ++p) rows[p] = ((table[p / bs] * bs + p % bs) * KVH + kvh) * D;
       const float* qh = qp + (b * H + kvh * G) * D;
       float* o = op + (b * H + kvh * G) * D;
-#define PAGODA_HEAD(NG) decode_head<NG>(qh, kp, vp, rows.data(), len, D, sc, scores.data(), o); break;
+#define PAGODA_HEAD(NG) decode_head<NG, KV>(qh, kp, vp, rows.data(), len, D, sc, scores.data(), o); break;
       switch (D % 8 == 0 ? G : 0) {
         case 1: PAGODA_HEAD(1)
         case 2: PAGODA_HEAD(2)
@@ -379,11 +367,47 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
         case 6: PAGODA_HEAD(6)
         case 7: PAGODA_HEAD(7)
         case 8: PAGODA_HEAD(8)
-        default: decode_head_generic(qh, kp, vp, rows.data(), len, D, G, sc, scores.data(), o);
+        default: decode_head_generic<KV>(qh, kp, vp, rows.data(), len, D, G, sc, scores.data(), o);
       }
 #undef PAGODA_HEAD
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] float32
+                                     torch::Tensor kv_cache,      // [2, blocks, bs, KVH, D] float32 or float16
+                                     torch::Tensor block_tables,  // [B, max_blocks] int32
+                                     torch::Tensor seq_lens,      // [B] int32
+                                     double scale) {
+  const bool half = kv_cache.scalar_type() == torch::kFloat16;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && (half || kv_cache.scalar_type() == torch::kFloat32),
+              "paged_decode_attention takes float32 queries and a float32 or float16 cache");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "block_tables and seq_lens must be int32");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), KVH = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "head shapes of q and kv_cache disagree");
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * bs, "sequence length out of range");
+  auto out = torch::empty_like(q);
+  const int64_t half_cache = num_blocks * bs * KVH * D;  // V starts after K
+  const float sc = static_cast<float>(scale);
+  if (half) {
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::Half>());
+    decode_attention(q.data_ptr<float>(), kp, kp + half_cache, block_tables.data_ptr<int32_t>(), lp,
+                     out.data_ptr<float>(), B, H, KVH, D, bs, max_blocks, sc);
+  } else {
+    const float* kp = kv_cache.data_ptr<float>();
+    decode_attention(q.data_ptr<float>(), kp, kp + half_cache, block_tables.data_ptr<int32_t>(), lp,
+                     out.data_ptr<float>(), B, H, KVH, D, bs, max_blocks, sc);
+  }
   return out;
 }
 
@@ -425,7 +449,7 @@ template <int MR>
 void q8_rows(const QuantizedRows& xr, int64_t K, const int8_t* qw, const float* scales, float* y,
              int64_t N, int64_t r0, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) q8_block<MR, 4>(xr, K, qw, scales, y, N, r0, n);
+  for (; n + 2 <= n1; n += 2) q8_block<MR, 2>(xr, K, qw, scales, y, N, r0, n);
   for (; n < n1; ++n) q8_block<MR, 1>(xr, K, qw, scales, y, N, r0, n);
 }
 
@@ -515,8 +539,8 @@ torch::Tensor i8_mm(torch::Tensor xq, torch::Tensor qweight) {
 // rest go through per-token quantization (scale max|x| / 127 over the other channels,
 // values round(x / scale)), the int8 x int8 product (i8_mm's GEMV up to small_rows
 // rows, torch._int_mm above; both exact) and the rescale by (token scale x channel
-// scale), plus bias, plus the outlier channels' float products. The same float
-// operations, in the same order, as the plain-torch version of Int8Linear, in one call.
+// scale), plus bias, plus the outlier channels' float products (fused multiply-adds),
+// in one call; the plain-torch version of Int8Linear computes the same to rounding.
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor weight_scale,
                           c10::optional<torch::Tensor> bias, int64_t small_rows,
@@ -534,14 +558,29 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   std::vector<float> xs(M), row(K);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m) {
     std::copy(xp + m * K, xp + (m + 1) * K, row.begin());
     for (int64_t j = 0; j < NO; ++j) row[oi[j]] = 0.f;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float* r = row.data();
+    int8_t* q = qp + m * K;
+    int64_t k = 0;
+    __m256 vmax = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(r + k)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    float amax = *std::max_element(lanes, lanes + 8);
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
     const float sc = std::max(amax, 1e-12f) / 127.f;
     xs[m] = sc;
-    for (int64_t k = 0; k < K; ++k) qp[m * K + k] = static_cast<int8_t>(std::nearbyint(row[k] / sc));
+    // round(x / scale), ties to even (the default rounding of cvtps_epi32 and nearbyint).
+    const __m256 scv = _mm256_set1_ps(sc);
+    for (k = 0; k + 8 <= K; k += 8) {
+      const __m256i i32 = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(r + k), scv));
+      const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(i16, i16));
+    }
+    for (; k < K; ++k) q[k] = static_cast<int8_t>(std::nearbyint(r[k] / sc));
   }
   auto acc = M <= small_rows ? i8_mm(xq, qweight) : at::_int_mm(xq, qweight.t());
   auto y = torch::empty({M, N}, x.options());
@@ -550,16 +589,51 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   const float* wo = outlier_w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    float* ym = yp + m * N;
-    for (int64_t n = 0; n < N; ++n) {
-      float v = static_cast<float>(ap[m * N + n]) * (xs[m] * ws[n]);
-      ym[n] = bp ? v + bp[n] : v;
-    }
-    for (int64_t j = 0; j < NO; ++j) {
-      const float xv = xp[m * K + oi[j]];
-      const float* wj = wo + j * N;
-      for (int64_t n = 0; n < N; ++n) ym[n] += xv * wj[n];
+  // Outlier activations gathered per row: [M, NO].
+  std::vector<float> xo(M * NO);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < NO; ++j) xo[m * NO + j] = xp[m * K + oi[j]];
+  // Blocks of 256 channels, so a block's outlier weights (NO x 256 floats) stay in
+  // cache while every row passes; within a block, eight channels at a time: rescale,
+  // bias, then the outlier channels' products. A row's operations do not depend on M.
+  constexpr int64_t kBlock = 256;
+  for (int64_t n0 = 0; n0 < N; n0 += kBlock) {
+    const int64_t n1 = std::min(N, n0 + kBlock);
+    for (int64_t m = 0; m < M; ++m) {
+      float* ym = yp + m * N;
+      const int32_t* am = ap + m * N;
+      const float* xm = xo.data() + m * NO;
+      const __m256 xsv = _mm256_set1_ps(xs[m]);
+      int64_t n = n0;
+      // 64 channels at a time: eight independent chains of multiply-adds.
+      for (; n + 64 <= n1; n += 64) {
+        __m256 v[8];
+        for (int c = 0; c < 8; ++c) {
+          const int64_t nc = n + 8 * c;
+          v[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + nc))),
+                               _mm256_mul_ps(xsv, _mm256_loadu_ps(ws + nc)));
+          if (bp) v[c] = _mm256_add_ps(v[c], _mm256_loadu_ps(bp + nc));
+        }
+        for (int64_t j = 0; j < NO; ++j) {
+          const __m256 xj = _mm256_broadcast_ss(xm + j);
+          const float* wj = wo + j * N + n;
+          for (int c = 0; c < 8; ++c) v[c] = _mm256_fmadd_ps(xj, _mm256_loadu_ps(wj + 8 * c), v[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(ym + n + 8 * c, v[c]);
+      }
+      for (; n + 8 <= n1; n += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + n))),
+                                 _mm256_mul_ps(xsv, _mm256_loadu_ps(ws + n)));
+        if (bp) v = _mm256_add_ps(v, _mm256_loadu_ps(bp + n));
+        for (int64_t j = 0; j < NO; ++j) v = _mm256_fmadd_ps(_mm256_set1_ps(xm[j]), _mm256_loadu_ps(wo + j * N + n), v);
+        _mm256_storeu_ps(ym + n, v);
+      }
+      for (; n < n1; ++n) {
+        float v = static_cast<float>(am[n]) * (xs[m] * ws[n]);
+        if (bp) v += bp[n];
+        for (int64_t j = 0; j < NO; ++j) v = std::fma(xm[j], wo[j * N + n], v);
+        ym[n] = v;
+      }
     }
   }
   return y;
@@ -609,7 +683,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
 // Rotary embedding (rotate-half layout) of the q and k parts of the fused qkv
 // projection, returned as contiguous q [T, H, D], k and v [T, KVH, D]. With a float32
 // cache, k and v are also written to their slots (slot_mapping), so attention only
-// reads. cos and sin: [T, D] (the two halves repeat).
+// reads (a float16 cache gets them rounded to float16). cos and sin: [T, D] (the two
+// halves repeat).
 std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                     int64_t num_heads, int64_t num_kv_heads,
                                     c10::optional<torch::Tensor> kv_cache,
@@ -626,16 +701,24 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
   auto k = torch::empty({T, num_kv_heads, D}, qkv.options());
   auto v = torch::empty({T, num_kv_heads, D}, qkv.options());
   float *kc = nullptr, *vc = nullptr;
+  uint16_t *kh = nullptr, *vh = nullptr;  // a float16 cache
   const int64_t* slots = nullptr;
   torch::Tensor slot_t;
   if (kv_cache.has_value() && kv_cache->defined()) {
-    TORCH_CHECK(kv_cache->scalar_type() == torch::kFloat32 && kv_cache->is_contiguous() &&
+    const bool half = kv_cache->scalar_type() == torch::kFloat16;
+    TORCH_CHECK((half || kv_cache->scalar_type() == torch::kFloat32) && kv_cache->is_contiguous() &&
                 kv_cache->size(3) == num_kv_heads && kv_cache->size(4) == D,
-                "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim]");
+                "kv_cache must be a contiguous float32 or float16 [2, blocks, block_size, kv_heads, head_dim]");
     TORCH_CHECK(slot_mapping.has_value() && slot_mapping->numel() == T &&
                 slot_mapping->scalar_type() == torch::kInt64, "slot_mapping must be int64 [T]");
-    kc = kv_cache->data_ptr<float>();
-    vc = kc + kv_cache->size(1) * kv_cache->size(2) * num_kv_heads * D;
+    const int64_t v_offset = kv_cache->size(1) * kv_cache->size(2) * num_kv_heads * D;
+    if (half) {
+      kh = reinterpret_cast<uint16_t*>(kv_cache->data_ptr<at::Half>());
+      vh = kh + v_offset;
+    } else {
+      kc = kv_cache->data_ptr<float>();
+      vc = kc + v_offset;
+    }
     slot_t = slot_mapping->contiguous();
     slots = slot_t.data_ptr<int64_t>();
   }
@@ -663,10 +746,16 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
     rotate(row, qp + t * num_heads * D, num_heads);
     rotate(row + num_heads * D, kp + t * num_kv_heads * D, num_kv_heads);
     std::copy(row + (num_heads + num_kv_heads) * D, row + width, vp + t * num_kv_heads * D);
+    const int64_t off = slots ? slots[t] * num_kv_heads * D : 0, width_kv = num_kv_heads * D;
     if (kc) {
-      const int64_t off = slots[t] * num_kv_heads * D;
-      std::copy(kp + t * num_kv_heads * D, kp + (t + 1) * num_kv_heads * D, kc + off);
-      std::copy(vp + t * num_kv_heads * D, vp + (t + 1) * num_kv_heads * D, vc + off);
+      std::copy(kp + t * width_kv, kp + (t + 1) * width_kv, kc + off);
+      std::copy(vp + t * width_kv, vp + (t + 1) * width_kv, vc + off);
+    } else if (kh) {
+      // Round to nearest float16, as torch's .to(torch.float16) does.
+      for (int64_t i = 0; i < width_kv; ++i) {
+        kh[off + i] = _cvtss_sh(kp[t * width_kv + i], _MM_FROUND_TO_NEAREST_INT);
+        vh[off + i] = _cvtss_sh(vp[t * width_kv + i], _MM_FROUND_TO_NEAREST_INT);
+      }
     }
   }
   return {q, k, v};

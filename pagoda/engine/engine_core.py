@@ -97,7 +97,10 @@ class EngineCore:
             from pagoda.spec_decode import check_draft_model
 
             check_draft_model(spec, loaded, draft)
-        per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, dtype, config.kv_cache_dtype)
+        kv_choice = config.resolved_kv_cache_dtype
+        kv_dtype = torch.float16 if kv_choice == "float16" else dtype
+        kv_quant = kv_choice if kv_choice in ("int8", "fp8") else "auto"  # 8-bit caches with scales
+        per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
         if draft is not None:
             # The draft model's own cache has as many blocks, over the same block ids.
             per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
@@ -143,8 +146,8 @@ class EngineCore:
         if config.enable_lora:
             # Wraps the projections in LoRA layers (the model code has no LoRA branch).
             self.lora = LoRAManager(loaded.model, arch, config.max_loras, config.max_lora_rank)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed,
-                                  num_host_blocks=num_host_blocks, kv_cache_dtype=config.kv_cache_dtype,
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, kv_dtype, config.seed,
+                                  num_host_blocks=num_host_blocks, kv_cache_dtype=kv_quant,
                                   lora=self.lora)
         # What a step calls: the runner itself, or rank 0 driving a tensor-parallel group.
         self.executor = self.runner
@@ -172,7 +175,7 @@ class EngineCore:
         if collect_stats:
             weight_elem = next(loaded.model.parameters()).element_size()
             elem = torch.empty(0, dtype=dtype).element_size()
-            kv_elem = elem if config.kv_cache_dtype == "auto" else 1
+            kv_elem = torch.empty(0, dtype=kv_dtype).element_size() if kv_quant == "auto" else 1
             self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=kv_elem)
 
     @property

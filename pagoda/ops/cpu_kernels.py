@@ -79,12 +79,13 @@ def error() -> str | None:
 
 
 def use_decode_kernel(device, kv_dtype, model_dtype) -> bool:
-    """Whether decode attention runs the in-place kernel: CPU, float32 K/V and queries."""
+    """Whether decode attention runs the in-place kernel: CPU, float32 queries, float32
+    or float16 K/V."""
     import torch
 
     return (
         torch.device(device).type == "cpu"
-        and kv_dtype == torch.float32
+        and kv_dtype in (torch.float32, torch.float16)
         and model_dtype == torch.float32
         and kernels() is not None
     )

@@ -275,3 +275,32 @@ def test_rope_qkv_matches_torch_and_writes_the_cache():
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[slots] = False
     assert not cache[:, :, :].reshape(2, 16, -1)[:, untouched].any()
+
+
+def test_kernels_build_on_a_cpu_that_has_what_they_need():
+    """A compile error must not pass unnoticed as skipped tests and a slow fallback."""
+    if not {"avx2", "fma", "f16c"} <= cpu_kernels._cpu_flags():
+        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    if cpu_kernels.error() == "disabled by PAGODA_DISABLE_CPU_KERNELS=1":
+        pytest.skip("disabled by PAGODA_DISABLE_CPU_KERNELS=1")
+    assert ops is not None, cpu_kernels.error()
+
+
+@needs_kernels
+def test_float16_cache_decode_and_write():
+    """A float16 cache: rope_qkv stores K/V rounded as torch's .half() does, and decode
+    attention over it equals the float32 reference on the same (rounded) values."""
+    torch.manual_seed(8)
+    heads, kv_heads, d = 9, 3, 64
+    cache = (torch.randn(2, 12, 16, kv_heads, d) * 2).half()
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d)
+    cos, sin = torch.ones(3, d), torch.zeros(3, d)       # no rotation: k, v come back as written
+    slots = torch.tensor([5, 40, 77])
+    q, k, v = ops.rope_qkv(qkv, cos, sin, heads, kv_heads, cache, slots)
+    assert torch.equal(cache[0].reshape(-1, kv_heads, d)[slots], k.half())
+    assert torch.equal(cache[1].reshape(-1, kv_heads, d)[slots], v.half())
+    tables = torch.stack([torch.randperm(12)[:4] for _ in range(3)]).int()
+    lens = torch.tensor([1, 23, 64], dtype=torch.int32)
+    out = ops.paged_decode_attention(q, cache, tables, lens, 0.125)
+    ref = _reference_decode(q, cache.float(), tables, lens, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ Steps of up to ``INT8_SMALL_STEP_ROWS`` tokens (small decode batches, bound by
 weight bytes) run pagoda's int8 GEMV, larger ones ``torch._int_mm``; integer
 sums are exact, so both give a token the same numbers.
 
-A few input channels per layer (the 32 with the largest activations on a
+A few input channels per layer (the 16 with the largest activations on a
 calibration text, chosen at load time) stay in float32: with them inside the
 per-token scale every other channel is rounded coarsely (LLM.int8()'s outlier
 decomposition; ``Int8Linear``).
@@ -111,7 +111,7 @@ class Int8Linear(nn.Module):
     few channels carry activations far larger than the rest; with them inside the
     per-token scale, every other channel of the token is rounded coarsely. Measured
     on the default model: perplexity +1.5 % to +5.4 % over fp32 without, within
-    about +-1.3 % with the 32 largest channels (per layer, from ``calibrate``) in
+    about +-1.5 % with the 16 largest channels (per layer, from ``calibrate``) in
     float (docs/benchmarks.md)."""
 
     def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None) -> None:
@@ -186,7 +186,7 @@ class Int8WeightLinear(nn.Module):
 
 
 # int8 mode: input channels per linear layer kept in float32 (at most a quarter of them).
-INT8_OUTLIER_CHANNELS = 32
+INT8_OUTLIER_CHANNELS = 16
 # The text whose activations choose them (any ordinary text will do; not a test text).
 CALIBRATION_TEXT = (
     "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide "

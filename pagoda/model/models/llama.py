@@ -110,8 +110,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         ops = _fused_ops(qkv)
         if ops is not None:
-            # One op: rotary q and k, and (float32 cache) k and v written to their slots.
-            in_place = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.float32
+            # One op: rotary q and k, and (float32/float16 cache) k and v written to their slots.
+            in_place = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype in (torch.float32, torch.float16)
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                                    kv_cache if in_place else None, meta.slot_mapping if in_place else None)
             o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place)
