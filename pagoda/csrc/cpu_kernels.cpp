@@ -192,31 +192,6 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
   return y;
 }
 
-// W as float32 [N, K] (tests, and callers without the kernels' speed needs).
-torch::Tensor q4_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins) {
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 2, groups = K / kGroup;
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16,
-              "scales/mins must be float16");
-  auto w = torch::empty({N, K}, scales.options().dtype(torch::kFloat32));
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  float* wp = w.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t g = 0; g < groups; ++g) {
-        __m256 q[4];
-        unpack_group(qp + n * (K / 2) + g * 16, q);
-        const __m256 d = _mm256_set1_ps(h2f(dp[n * groups + g]));
-        const __m256 m = _mm256_set1_ps(h2f(mp[n * groups + g]));
-        float* out = wp + n * K + g * kGroup;
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(q[i], d, m));
-      }
-    }
-  });
-  return w;
-}
-
 namespace {
 
 // e^x for x <= 0 (softmax after subtracting the maximum), 8 lanes: x = n ln2 + r with
@@ -765,7 +740,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
   m.def("q8_linear", &q8_linear, "x @ W^T with W int8 per output channel, float activations");
   m.def("i8_mm", &i8_mm, "int8 x int8^T -> int32, exact (small steps of int8 mode)");
-  m.def("q4_dequantize", &q4_dequantize, "4-bit groups of 32 -> float32 weight");
   m.def("int8_linear", &int8_linear, "int8 mode's linear layer: float outlier channels, per-token int8 product of the rest");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, optionally of (residual += x)");
   m.def("rope_qkv", &rope_qkv, "rotary embedding of fused qkv -> q, k, v (k and v also into the cache)");
