@@ -68,12 +68,14 @@ def measure_int8_peak(shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
 
 def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
     """Bytes per weight of the projections and LM head as loaded (4 for fp32, ~1 for
-    int8, ~0.6 for q4 with its scales), for the ideal-bytes side of the roofline."""
-    from pagoda.model.layers.quantization import Int8Linear, Int8WeightLinear, Q4Linear
+    int8, ~0.6 for q4 with its scales; exact mode's ``BlocksLinear`` counts its blocks,
+    what its steps of up to BLOCKS_MAX_ROWS rows read), for the ideal-bytes side of the
+    roofline."""
+    from pagoda.model.layers.quantization import BlocksLinear, Int8Linear, Int8WeightLinear, Q4Linear
 
     elems = nbytes = 0
     for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, Int8Linear, Int8WeightLinear, Q4Linear)):
+        if isinstance(m, (torch.nn.Linear, Int8Linear, Int8WeightLinear, Q4Linear, BlocksLinear)):
             elems += m.in_features * m.out_features
             if isinstance(m, torch.nn.Linear):
                 nbytes += m.weight.numel() * m.weight.element_size()

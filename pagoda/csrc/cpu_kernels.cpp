@@ -10,6 +10,8 @@
 //   set by bytes per weight: 5 bits here against 32 for fp32.
 // q8_linear: the same with int8 weights per output channel (q4 mode's LM head).
 // i8_mm / int8_linear: int8 mode's per-token int8 x int8 products.
+// blocks_linear: exact mode's float32 products, the weights read from GGUF Q4_1 / Q8_0
+//   blocks and dequantized in cache to the float32 values the loader gives.
 // paged_decode_attention: one query token per sequence against its K/V read in
 //   place from the paged cache through the block table (no gathered, padded
 //   copy). Each (sequence, kv head) is independent work with a fixed summation
@@ -736,6 +738,129 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
   return {q, k, v};
 }
 
+// ---- exact mode: float32 products, weights read from their GGUF blocks ----------
+// A GGUF's Q4_1 weights are w = d*q + m (d, m fp16, q 0..15) and its Q8_0 weights
+// w = d*q (q -128..127); the product d*q is exact in float32, so a fused multiply-add
+// gives the very float32 value the loader's dequantization (multiply, then add) gives.
+// blocks_linear dequantizes a tile of output channels into a small float32 buffer
+// (in cache) and multiplies it with the float32 x: the exact mode's numbers at 5 or 8.5
+// bits read per weight instead of 32 (a decode step reads the weights once).
+
+namespace {
+
+constexpr int kFmtQ4_1 = 0;
+constexpr int kFmtQ8_0 = 1;
+
+// Rows [n0, n1) of W into buf (row-major, K floats each).
+void dequantize_rows(int fmt, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int64_t K,
+                     int64_t n0, int64_t n1, float* buf) {
+  const int64_t groups = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* out = buf + (n - n0) * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 d = _mm256_set1_ps(h2f(scales[n * groups + g]));
+      float* o = out + g * kGroup;
+      if (fmt == kFmtQ4_1) {
+        const __m256 m = _mm256_set1_ps(h2f(mins[n * groups + g]));
+        __m256 q[4];
+        unpack_group(qw + n * (K / 2) + g * 16, q);
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(q[c], d, m));
+      } else {
+        const int8_t* p = reinterpret_cast<const int8_t*>(qw) + n * K + g * kGroup;
+        for (int c = 0; c < 4; ++c) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c));
+          _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d));
+        }
+      }
+    }
+  }
+}
+
+// y[r, n + c] for rows [r0, r0 + MR) of x and NC buffered weight rows: eight lanes of
+// partial sums over k, then their horizontal sum (the same order for every M).
+template <int MR, int NC>
+inline void f32_block(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+                      int64_t r0, int64_t n) {
+  __m256 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) {
+      float v = hsum256(acc[r][c]);
+      if (bias) v += bias[n + c];
+      y[(r0 + r) * N + n + c] = v;
+    }
+}
+
+template <int MR>
+inline void f32_rows(const float* x, int64_t K, const float* buf, const float* bias, float* y, int64_t N,
+                     int64_t r0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 3 <= n1; n += 3) f32_block<MR, 3>(x, K, buf + (n - n0) * K, bias, y, N, r0, n);
+  for (; n < n1; ++n) f32_block<MR, 1>(x, K, buf + (n - n0) * K, bias, y, N, r0, n);
+}
+
+}  // namespace
+
+torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                            c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kGroup == 0, "in_features must be a multiple of 32, got ", K);
+  const bool q4 = mins.has_value() && mins->defined();
+  const int fmt = q4 ? kFmtQ4_1 : kFmtQ8_0;
+  TORCH_CHECK(qweight.is_contiguous() && qweight.dim() == 2 &&
+                  qweight.scalar_type() == (q4 ? torch::kUInt8 : torch::kInt8),
+              q4 ? "Q4_1 qweight must be contiguous uint8 [out, in / 2]" : "Q8_0 qweight must be contiguous int8 [out, in]");
+  TORCH_CHECK(qweight.size(1) == (q4 ? K / 2 : K), "qweight has ", qweight.size(1), " bytes per row for in_features ", K);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / kGroup &&
+                  scales.scalar_type() == torch::kFloat16 && scales.is_contiguous(),
+              "scales must be contiguous float16 [out_features, in_features / 32]");
+  if (q4)
+    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == torch::kFloat16 && mins->is_contiguous(),
+                "mins must be contiguous float16 like scales");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "bias must be contiguous float32 [out_features]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* qp = q4 ? qweight.data_ptr<uint8_t>() : reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>());
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Tiles of output channels whose float32 rows fill about 24 KiB (a multiple of 3).
+  const int64_t tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
+  const int64_t num_tiles = (N + tile - 1) / tile;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(tile * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      dequantize_rows(fmt, qp, dp, mp, K, n0, n1, buf.data());
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) f32_rows<4>(xp, K, buf.data(), bp, yp, N, r, n0, n1);
+      switch (M - r) {
+        case 3: f32_rows<3>(xp, K, buf.data(), bp, yp, N, r, n0, n1); break;
+        case 2: f32_rows<2>(xp, K, buf.data(), bp, yp, N, r, n0, n1); break;
+        case 1: f32_rows<1>(xp, K, buf.data(), bp, yp, N, r, n0, n1); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
   m.def("q8_linear", &q8_linear, "x @ W^T with W int8 per output channel, float activations");
@@ -743,5 +868,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "int8 mode's linear layer: float outlier channels, per-token int8 product of the rest");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, optionally of (residual += x)");
   m.def("rope_qkv", &rope_qkv, "rotary embedding of fused qkv -> q, k, v (k and v also into the cache)");
+  m.def("blocks_linear", &blocks_linear, "x @ W^T in float32, W read from GGUF Q4_1 (with mins) or Q8_0 blocks");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
 }

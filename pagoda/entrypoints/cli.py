@@ -49,7 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (auto = float32 on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--quantization", default="none", choices=("none", "int8", "q4", "int4"),
-                   help="none: exact (weights dequantized to --dtype, reference-equal output); "
+                   help="none: exact (weights dequantized to --dtype, reference-equal output; on CPU in float32, "
+                        "GGUF Q4_1/Q8_0 weights are read as blocks and dequantized on the fly, same values); "
                         "int8: int8 weights per channel, activations int8 per token (16 outlier channels "
                         "per layer kept in float), perplexity within ~1.5 %% of fp32; the fastest mode on CPU, "
                         "for single streams and batches; q4 (alias int4): 4-bit groups of 32 (GGUF Q4_1 "

@@ -106,7 +106,8 @@ def load_model(
     tp_rank: int = 0,
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
-    code itself never branches on quantization). With ``tp_group`` (a
+    code itself never branches on quantization); in the exact mode on the CPU,
+    layers whose weights are GGUF blocks read them as blocks (``BlocksLinear``). With ``tp_group`` (a
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
     part of each tensor kept as it is read."""
@@ -132,6 +133,10 @@ def load_model(
                      else Tokenizer.from_pretrained_dir(loaded.path))
         calibration_ids = tokenizer.encode(CALIBRATION_TEXT)
     quantize_model(loaded.model, quantization, device, calibration_ids)
+    if quantization == "none" and device.type == "cpu" and dtype == torch.float32 and tp is None:
+        from pagoda.model.layers.quantization import pack_exact_blocks
+
+        pack_exact_blocks(loaded.model)
     return loaded
 
 
