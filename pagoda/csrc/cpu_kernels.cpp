@@ -750,6 +750,9 @@ namespace {
 
 constexpr int kFmtQ4_1 = 0;
 constexpr int kFmtQ8_0 = 1;
+// Steps of up to this many rows dequantize in registers (direct_rows), larger ones a
+// tile at a time into a buffer that every block of rows reuses.
+constexpr int64_t kBlocksDirectRows = 4;
 
 // Rows [n0, n1) of W into buf (row-major, K floats each).
 void dequantize_rows(int fmt, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int64_t K,
@@ -808,6 +811,63 @@ inline void f32_rows(const float* x, int64_t K, const float* buf, const float* b
   for (; n < n1; ++n) f32_block<MR, 1>(x, K, buf + (n - n0) * K, bias, y, N, r0, n);
 }
 
+// Small steps, bound by weight bytes: the same products with the weights dequantized in
+// registers (no buffer): w = d*q + m (Q4_1) or d*q (Q8_0) per 8 weights, then the same
+// fused multiply-adds in the same k order as f32_block, so a row's result is bit for bit
+// that of the buffered path. NC output channels at a time give independent FMA chains.
+template <int FMT>
+inline __m256 dequant8(const uint8_t* qw, int64_t K, int64_t n, int64_t g, int c, __m256 d, __m256 m) {
+  if constexpr (FMT == kFmtQ4_1) {
+    // Chunk c: weights 8c .. 8c + 7 = low nibbles of bytes 0-7 / 8-15, then high nibbles.
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qw + n * (K / 2) + g * 16 + (c & 1) * 8));
+    const __m256i v = _mm256_cvtepu8_epi32(b);
+    const __m256i q = c < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qw + n * K + g * kGroup + c * 8));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+  }
+}
+
+template <int FMT, int MR, int NC>
+inline void direct_block(const float* x, int64_t K, const uint8_t* qw, const uint16_t* scales,
+                         const uint16_t* mins, const float* bias, float* y, int64_t N, int64_t r0, int64_t n) {
+  const int64_t groups = K / kGroup;
+  __m256 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 d[NC], m[NC];
+    for (int o = 0; o < NC; ++o) {
+      d[o] = _mm256_set1_ps(h2f(scales[(n + o) * groups + g]));
+      m[o] = FMT == kFmtQ4_1 ? _mm256_set1_ps(h2f(mins[(n + o) * groups + g])) : _mm256_setzero_ps();
+    }
+    for (int c = 0; c < 4; ++c) {
+      __m256 w[NC];
+      for (int o = 0; o < NC; ++o) w[o] = dequant8<FMT>(qw, K, n + o, g, c, d[o], m[o]);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + g * kGroup + 8 * c);
+        for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_fmadd_ps(xv, w[o], acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      float v = hsum256(acc[r][o]);
+      if (bias) v += bias[n + o];
+      y[(r0 + r) * N + n + o] = v;
+    }
+}
+
+template <int FMT, int MR>
+void direct_rows(const float* x, int64_t K, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
+                 const float* bias, float* y, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  constexpr int NC = 2;
+  int64_t n = n0;
+  for (; n + NC <= n1; n += NC) direct_block<FMT, MR, NC>(x, K, qw, scales, mins, bias, y, N, r0, n);
+  for (; n < n1; ++n) direct_block<FMT, MR, 1>(x, K, qw, scales, mins, bias, y, N, r0, n);
+}
+
 }  // namespace
 
 torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
@@ -843,6 +903,25 @@ torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor qweight, torch::Tenso
   // Tiles of output channels whose float32 rows fill about 24 KiB (a multiple of 3).
   const int64_t tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
   const int64_t num_tiles = (N + tile - 1) / tile;
+  if (M <= kBlocksDirectRows) {
+    at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t n0 = t0 * tile, n1 = std::min(N, t1 * tile);
+      auto run = [&](auto fmt, auto mr) {
+        direct_rows<decltype(fmt)::value, decltype(mr)::value>(xp, K, qp, dp, mp, bp, yp, N, 0, n0, n1);
+      };
+      auto with_rows = [&](auto fmt) {
+        switch (M) {
+          case 1: run(fmt, std::integral_constant<int, 1>{}); break;
+          case 2: run(fmt, std::integral_constant<int, 2>{}); break;
+          case 3: run(fmt, std::integral_constant<int, 3>{}); break;
+          default: run(fmt, std::integral_constant<int, 4>{}); break;
+        }
+      };
+      if (q4) with_rows(std::integral_constant<int, kFmtQ4_1>{});
+      else with_rows(std::integral_constant<int, kFmtQ8_0>{});
+    });
+    return y;
+  }
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(tile * K);
     for (int64_t t = t0; t < t1; ++t) {
