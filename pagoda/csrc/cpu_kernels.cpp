@@ -927,6 +927,12 @@ torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor qweight, torch::Tenso
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       dequantize_rows(fmt, qp, dp, mp, K, n0, n1, buf.data());
+      if (t + 1 < t1) {  // the next tile's blocks on their way from memory meanwhile
+        const int64_t row_bytes = q4 ? K / 2 : K;
+        const char* next = reinterpret_cast<const char*>(qp + n1 * row_bytes);
+        const int64_t bytes = (std::min(N, n1 + tile) - n1) * row_bytes;
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      }
       int64_t r = 0;
       for (; r + 4 <= M; r += 4) f32_rows<4>(xp, K, buf.data(), bp, yp, N, r, n0, n1);
       switch (M - r) {
