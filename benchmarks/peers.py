@@ -112,10 +112,21 @@ def gguf_to_hf_folder(gguf: str, cache: str) -> str:
     import transformers
 
     d, f = os.path.dirname(gguf), os.path.basename(gguf)
+    from safetensors.torch import save_file
+
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model.save_pretrained(out)
+    # transformers >= 5 refuses save_pretrained on a GGUF-loaded model ("quantized with
+    # gguf"); its weights are plain float32 tensors by now, so write them directly.
+    os.makedirs(out, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tied = getattr(config, "tie_word_embeddings", False)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(out)
+    config.save_pretrained(out)  # last: its config.json marks the folder complete
     return out
 
 
@@ -140,8 +151,15 @@ def llama_server(binary: str, gguf: str, port: int, concurrency: int, ctx_per_sl
                                        "-c", str(ctx_per_slot * concurrency), "--no-webui"])
 
 
+VLLM_CPU_MEMORY_FRACTION = 0.3
+
+
 def vllm_server(py: str, hf_folder: str, port: int, max_model_len: int) -> ServerSpec:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     return ServerSpec("vllm-cpu", [py, "-c", VLLM_LAUNCHER, "serve", hf_folder, "--host", "127.0.0.1",
                                    "--port", str(port), "--dtype", "float32",
-                                   "--max-model-len", str(max_model_len)], env=env, startup_timeout_s=600.0)
+                                   "--max-model-len", str(max_model_len),
+                                   # On CPU this is the share of RAM vLLM reserves (default 0.92,
+                                   # which it refuses to start with when other processes hold memory).
+                                   "--gpu-memory-utilization", str(VLLM_CPU_MEMORY_FRACTION)],
+                      env=env, startup_timeout_s=600.0)
