@@ -14,8 +14,8 @@
 //   blocks and dequantized in cache to the float32 values the loader gives.
 // paged_decode_attention: one query token per sequence against its K/V read in
 //   place from the paged cache through the block table (no gathered, padded
-//   copy). Each (sequence, kv head) is independent work with a fixed summation
-//   order, so a sequence's result does not depend on its batch.
+//   copy). Each (sequence, query head) has a fixed summation order, so a
+//   sequence's result does not depend on its batch.
 // rms_norm, rope_qkv: a layer's elementwise work in one call each.
 //
 // Every kernel computes a row of x the same way whatever the number of rows, so a
@@ -234,31 +234,42 @@ inline __m256 hsum8x8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One (sequence, KV head) of decode attention, D % 8 == 0 and G query heads, G <= 8:
-// scores eight positions at a time, a vector softmax, then the weighted sum of V with
-// the G outputs' lanes held in registers for each 8-wide slice of the head.
-// rows[p]: offset of position p's K (and V) row for this KV head in the cache.
+// KV heads [kv0, kv1) of one sequence's decode attention, D % 8 == 0 and G query heads
+// per KV head, G <= 8. Three passes, each head's arithmetic in a fixed order (so a
+// head's result does not depend on the batch or on which heads share the call):
+// 1. scores, eight positions at a time: for each block of eight, every KV head's K rows
+//    (adjacent in the cache, so read in address order) against its G queries, one
+//    horizontal reduction per eight;
+// 2. a vector softmax per query head;
+// 3. the weighted sum of V, NCH 8-wide slices of a head at a time with G x NCH
+//    independent accumulators (one chain per head and slice would wait on the FMA
+//    latency at every position).
+// rows[p]: offset of position p's K (and V) row, all KV heads, in the cache.
 template <int G, typename KV>
-void decode_head(const float* qh, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
-                 int64_t D, float sc, float* scores, float* out) {
+void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len, int64_t D,
+                  int64_t kv0, int64_t kv1, float sc, float* scores, float* ob) {
   const int64_t padded = (len + 7) / 8 * 8;
-  auto row = [&](const KV* base, int64_t p) { return base + rows[p]; };
-  for (int g = 0; g < G; ++g) {
-    const float* qg = qh + g * D;
-    float* sg = scores + g * padded;
-    for (int64_t p0 = 0; p0 < len; p0 += 8) {
-      const KV* keys[8];
-      for (int j = 0; j < 8; ++j) keys[j] = row(kp, std::min(p0 + j, len - 1));
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < D; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + i);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + i), acc[j]);
+  for (int64_t p0 = 0; p0 < len; p0 += 8) {
+    const KV* keys[8];
+    for (int j = 0; j < 8; ++j) keys[j] = kp + rows[std::min(p0 + j, len - 1)];
+    for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+      for (int g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        const float* qg = qb + h * D;
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + i);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + kvh * D + i), acc[j]);
+        }
+        _mm256_storeu_ps(scores + h * padded + p0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(sc)));
       }
-      _mm256_storeu_ps(sg + p0, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(sc)));
     }
-    // Softmax over the len real positions (the padding lanes repeat the last key and
-    // are set to 0 so they add nothing).
+  }
+  // Softmax over the len real positions (the padding lanes repeat the last key and are
+  // set to 0 so they add nothing).
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
+    float* sg = scores + h * padded;
     float mx = *std::max_element(sg, sg + len);
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 tot = _mm256_setzero_ps();
@@ -275,14 +286,32 @@ void decode_head(const float* qh, const KV* kp, const KV* vp, const int64_t* row
     const __m256 inv = _mm256_set1_ps(1.f / hsum256(tot));
     for (int64_t p0 = 0; p0 < padded; p0 += 8) _mm256_storeu_ps(sg + p0, _mm256_mul_ps(_mm256_loadu_ps(sg + p0), inv));
   }
-  for (int64_t i = 0; i < D; i += 8) {
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < len; ++p) {
-      const __m256 vv = load8(row(vp, p) + i);
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + g * padded + p), vv, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + g * D + i, acc[g]);
+  // NCH slices per pass: G x NCH accumulators, at most 12 (of 16 registers).
+  constexpr int NCH = G <= 3 ? 4 : (G <= 6 ? 2 : 1);
+  for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+    const float* sk = scores + kvh * G * padded;
+    float* ok = ob + kvh * G * D;
+    int64_t i = 0;
+    auto pass = [&](auto nch) {
+      constexpr int C = decltype(nch)::value;
+      __m256 acc[G][C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+      for (int64_t p = 0; p < len; ++p) {
+        const KV* vrow = vp + rows[p] + kvh * D + i;
+        __m256 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load8(vrow + 8 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m256 s = _mm256_broadcast_ss(sk + g * padded + p);
+          for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(s, vv[c], acc[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(ok + g * D + i + 8 * c, acc[g][c]);
+      i += 8 * C;
+    };
+    for (; i + 8 * NCH <= D;) pass(std::integral_constant<int, NCH>{});
+    for (; i < D;) pass(std::integral_constant<int, 1>{});
   }
 }
 
@@ -321,32 +350,45 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
                       float* op, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
                       float sc) {
   const int64_t G = H / KVH;
-  // Each (sequence, KV head) is independent work with a fixed summation order, so a
-  // sequence's result does not depend on its batch.
-  at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
+  const bool vec = D % 8 == 0 && G >= 1 && G <= 8;
+  // Work units: whole sequences (their K/V rows, all KV heads, are adjacent in the
+  // cache: streamed in order), or (sequence, KV head) when there are fewer sequences
+  // than threads. Each head's arithmetic is the same either way, so a sequence's result
+  // does not depend on its batch.
+  const int64_t split = vec && B >= at::get_num_threads() ? 1 : KVH;
+  at::parallel_for(0, B * split, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores;
     std::vector<int64_t> rows;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / KVH, kvh = w % KVH, len = lp[b];
-      scores.resize(G * ((len + 7) / 8 * 8));
+      const int64_t b = w / split, len = lp[b];
+      const int64_t kv0 = split == 1 ? 0 : w % split, kv1 = split == 1 ? KVH : kv0 + 1;
+      const int64_t padded = (len + 7) / 8 * 8;
+      scores.resize(H * padded);
       rows.resize(len);
       const int32_t* table = tp + b * max_blocks;
-      for (int64_t p = 0; p < len; ++p) rows[p] = ((table[p / bs] * bs + p % bs) * KVH + kvh) * D;
-      const float* qh = qp + (b * H + kvh * G) * D;
-      float* o = op + (b * H + kvh * G) * D;
-#define PAGODA_HEAD(NG) decode_head<NG, KV>(qh, kp, vp, rows.data(), len, D, sc, scores.data(), o); break;
-      switch (D % 8 == 0 ? G : 0) {
-        case 1: PAGODA_HEAD(1)
-        case 2: PAGODA_HEAD(2)
-        case 3: PAGODA_HEAD(3)
-        case 4: PAGODA_HEAD(4)
-        case 5: PAGODA_HEAD(5)
-        case 6: PAGODA_HEAD(6)
-        case 7: PAGODA_HEAD(7)
-        case 8: PAGODA_HEAD(8)
-        default: decode_head_generic<KV>(qh, kp, vp, rows.data(), len, D, G, sc, scores.data(), o);
+      for (int64_t p = 0; p < len; ++p) rows[p] = (table[p / bs] * bs + p % bs) * KVH * D;
+      const float* qb = qp + b * H * D;
+      float* ob = op + b * H * D;
+      if (!vec) {
+        for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+          for (int64_t p = 0; p < len; ++p) rows[p] = ((table[p / bs] * bs + p % bs) * KVH + kvh) * D;
+          decode_head_generic<KV>(qb + kvh * G * D, kp, vp, rows.data(), len, D, G, sc, scores.data(),
+                                  ob + kvh * G * D);
+        }
+        continue;
       }
-#undef PAGODA_HEAD
+#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob); break;
+      switch (G) {
+        case 1: PAGODA_HEADS(1)
+        case 2: PAGODA_HEADS(2)
+        case 3: PAGODA_HEADS(3)
+        case 4: PAGODA_HEADS(4)
+        case 5: PAGODA_HEADS(5)
+        case 6: PAGODA_HEADS(6)
+        case 7: PAGODA_HEADS(7)
+        default: PAGODA_HEADS(8)
+      }
+#undef PAGODA_HEADS
     }
   });
 }
