@@ -99,7 +99,11 @@ class StepTimer:
     attention hit the caches and flatter decode)."""
 
     def __init__(self, config: EngineConfig, max_tokens_in_kv: int) -> None:
+        from pagoda.config import keep_freed_memory
         from pagoda.model.loader import load_model, parse_dtype
+
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory()   # as the engine does
 
         self.dtype = parse_dtype(config.dtype)
         self.device = torch.device(config.device)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pagoda.config import EngineConfig, available_memory_bytes, check_priority, cpu_threads_policy
+from pagoda.config import EngineConfig, available_memory_bytes, check_priority, cpu_threads_policy, keep_freed_memory
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -50,6 +50,8 @@ class EngineCore:
             if threads is not None:
                 torch.set_num_threads(threads)
             logger.info("CPU threads: %d", torch.get_num_threads())
+        if device.type == "cpu":
+            keep_freed_memory()
         dtype = parse_dtype(config.dtype)
         self.tp_driver = None
         if config.tensor_parallel_size > 1:
