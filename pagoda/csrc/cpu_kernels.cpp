@@ -613,47 +613,60 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < NO; ++j) xo[m * NO + j] = xp[m * K + oi[j]];
   // Blocks of 256 channels, so a block's outlier weights (NO x 256 floats) stay in
-  // cache while every row passes; within a block, eight channels at a time: rescale,
-  // bias, then the outlier channels' products. A row's operations do not depend on M.
+  // cache while every row passes; within a block, MR rows and 32 channels at a time
+  // (MR x 4 accumulators: each outlier weight load serves MR rows), then eight channels,
+  // then one. Every output element gets the same operations in the same order whatever
+  // the blocking (rescale, bias, then the outlier channels' products in index order),
+  // so a row's result does not depend on M.
+  auto init = [&](int64_t m, int64_t n) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap + m * N + n))),
+                             _mm256_mul_ps(_mm256_set1_ps(xs[m]), _mm256_loadu_ps(ws + n)));
+    return bp ? _mm256_add_ps(v, _mm256_loadu_ps(bp + n)) : v;
+  };
+  auto rows_block = [&](auto mr, int64_t m0, int64_t n0, int64_t n1) {
+    constexpr int MR = decltype(mr)::value;
+    int64_t n = n0;
+    for (; n + 32 <= n1; n += 32) {
+      __m256 v[MR][4];
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < 4; ++c) v[r][c] = init(m0 + r, n + 8 * c);
+      for (int64_t j = 0; j < NO; ++j) {
+        const float* wj = wo + j * N + n;
+        __m256 w[4];
+        for (int c = 0; c < 4; ++c) w[c] = _mm256_loadu_ps(wj + 8 * c);
+        for (int r = 0; r < MR; ++r) {
+          const __m256 xj = _mm256_broadcast_ss(xo.data() + (m0 + r) * NO + j);
+          for (int c = 0; c < 4; ++c) v[r][c] = _mm256_fmadd_ps(xj, w[c], v[r][c]);
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(yp + (m0 + r) * N + n + 8 * c, v[r][c]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      const float* xm = xo.data() + m * NO;
+      float* ym = yp + m * N;
+      int64_t k = n;
+      for (; k + 8 <= n1; k += 8) {
+        __m256 v = init(m, k);
+        for (int64_t j = 0; j < NO; ++j) v = _mm256_fmadd_ps(_mm256_set1_ps(xm[j]), _mm256_loadu_ps(wo + j * N + k), v);
+        _mm256_storeu_ps(ym + k, v);
+      }
+      for (; k < n1; ++k) {
+        float v = static_cast<float>(ap[m * N + k]) * (xs[m] * ws[k]);
+        if (bp) v += bp[k];
+        for (int64_t j = 0; j < NO; ++j) v = std::fma(xm[j], wo[j * N + k], v);
+        ym[k] = v;
+      }
+    }
+  };
   constexpr int64_t kBlock = 256;
   for (int64_t n0 = 0; n0 < N; n0 += kBlock) {
     const int64_t n1 = std::min(N, n0 + kBlock);
-    for (int64_t m = 0; m < M; ++m) {
-      float* ym = yp + m * N;
-      const int32_t* am = ap + m * N;
-      const float* xm = xo.data() + m * NO;
-      const __m256 xsv = _mm256_set1_ps(xs[m]);
-      int64_t n = n0;
-      // 64 channels at a time: eight independent chains of multiply-adds.
-      for (; n + 64 <= n1; n += 64) {
-        __m256 v[8];
-        for (int c = 0; c < 8; ++c) {
-          const int64_t nc = n + 8 * c;
-          v[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + nc))),
-                               _mm256_mul_ps(xsv, _mm256_loadu_ps(ws + nc)));
-          if (bp) v[c] = _mm256_add_ps(v[c], _mm256_loadu_ps(bp + nc));
-        }
-        for (int64_t j = 0; j < NO; ++j) {
-          const __m256 xj = _mm256_broadcast_ss(xm + j);
-          const float* wj = wo + j * N + n;
-          for (int c = 0; c < 8; ++c) v[c] = _mm256_fmadd_ps(xj, _mm256_loadu_ps(wj + 8 * c), v[c]);
-        }
-        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(ym + n + 8 * c, v[c]);
-      }
-      for (; n + 8 <= n1; n += 8) {
-        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(am + n))),
-                                 _mm256_mul_ps(xsv, _mm256_loadu_ps(ws + n)));
-        if (bp) v = _mm256_add_ps(v, _mm256_loadu_ps(bp + n));
-        for (int64_t j = 0; j < NO; ++j) v = _mm256_fmadd_ps(_mm256_set1_ps(xm[j]), _mm256_loadu_ps(wo + j * N + n), v);
-        _mm256_storeu_ps(ym + n, v);
-      }
-      for (; n < n1; ++n) {
-        float v = static_cast<float>(am[n]) * (xs[m] * ws[n]);
-        if (bp) v += bp[n];
-        for (int64_t j = 0; j < NO; ++j) v = std::fma(xm[j], wo[j * N + n], v);
-        ym[n] = v;
-      }
-    }
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) rows_block(std::integral_constant<int, 3>{}, m, n0, n1);
+    for (; m + 2 <= M; m += 2) rows_block(std::integral_constant<int, 2>{}, m, n0, n1);
+    for (; m < M; ++m) rows_block(std::integral_constant<int, 1>{}, m, n0, n1);
   }
   return y;
 }

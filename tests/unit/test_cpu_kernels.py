@@ -197,12 +197,16 @@ def test_i8_mm_is_exact_and_int8_linear_is_batch_invariant():
     xq = torch.randint(-127, 128, (3, 64), dtype=torch.int8)
     w = torch.randint(-127, 128, (50, 64), dtype=torch.int8)
     assert torch.equal(ops.i8_mm(xq, w), xq.long().matmul(w.long().t()).int())
-    layer = Int8Linear(torch.nn.Linear(64, 50))
-    x = torch.randn(40, 64)
-    batched = layer(x)
-    assert x.shape[0] > INT8_SMALL_STEP_ROWS
-    for i in (0, 17, 39):
-        assert torch.equal(layer(x[i:i + 1])[0], batched[i])
+    # 75 channels: the epilogue's 32-channel blocks, 8-channel and single-channel
+    # tails; rows go three, two or one at a time; two outlier channels and a bias.
+    for outliers in (None, torch.tensor([3, 10])):
+        layer = Int8Linear(torch.nn.Linear(64, 75), outliers=outliers)
+        x = torch.randn(40, 64)
+        batched = layer(x)
+        assert x.shape[0] > INT8_SMALL_STEP_ROWS
+        for i in (0, 17, 38, 39):
+            assert torch.equal(layer(x[i:i + 1])[0], batched[i])
+        assert torch.equal(layer(x[37:39]), batched[37:39])
 
 
 @needs_kernels
