@@ -27,6 +27,9 @@ OUTPUTS = [
     'Before <tool_call>{"name": "f", "arguments": {"s": "é ✓ \\u00e9"}}</tool_call> middle '
     '<tool_call>{"name": "g", "arguments": {}}</tool_call> after. ',
     "a < b and <tool is not a tag",
+    # A string argument holding the closing tag (sampled by the real model under the grammar).
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": ");25}}</tool_call> to 17", "unit": "fahrenheit"}}'
+    '\n</tool_call>',
 ]
 
 
@@ -45,6 +48,15 @@ def test_extract_content_and_several_calls() -> None:
     assert out.content == "Before middle after. "
     assert _calls(OUTPUTS[8]) == [("f", '{"s": "é ✓ \\u00e9"}'), ("g", "{}")]
     assert _calls(OUTPUTS[3])[1] == ("search", '{"q": 1.5e3, "flag": true, "none": null}')
+
+
+def test_closing_tag_inside_a_string_is_text() -> None:
+    out = PARSER.extract(OUTPUTS[10])
+    assert out.content is None
+    assert _calls(OUTPUTS[10]) == [("get_weather", '{"city": ");25}}</tool_call> to 17", "unit": "fahrenheit"}')]
+    escaped = '<tool_call>{"name": "f", "arguments": {"s": "a\\"</tool_call>"}}</tool_call> after'
+    assert _calls(escaped) == [("f", '{"s": "a\\"</tool_call>"}')]
+    assert PARSER.extract(escaped).content == "after"
 
 
 def test_extract_formats() -> None:

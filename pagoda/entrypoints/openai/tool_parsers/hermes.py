@@ -37,6 +37,26 @@ def _partial_tag_len(text: str, tag: str) -> int:
     return 0
 
 
+def _find_close(text: str, start: int) -> int:
+    """Where ``</tool_call>`` begins at or after ``start`` outside JSON strings, or -1:
+    a call's string argument may hold the tag itself (a sampled city name did)."""
+    in_string = escaped = False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == "<" and text.startswith(CLOSE, i):
+            return i
+    return -1
+
+
 def split_blocks(text: str) -> tuple[list[str], list[tuple[str, bool]]]:
     """Text -> (the segments outside blocks, the blocks as (inner text, closed)).
     There is always one segment more than blocks: before, between and after them."""
@@ -50,7 +70,7 @@ def split_blocks(text: str) -> tuple[list[str], list[tuple[str, bool]]]:
             return segments, blocks
         segments.append(text[pos:start])
         inner = start + len(OPEN)
-        end = text.find(CLOSE, inner)
+        end = _find_close(text, inner)
         if end < 0:
             blocks.append((text[inner:], False))
             segments.append("")
