@@ -834,6 +834,17 @@ void dequantize_rows(int fmt, const uint8_t* qw, const uint16_t* scales, const u
   }
 }
 
+// y[r0 + r, n + c] = the lanes of acc[r][c] summed (+ bias[n + c]).
+template <int MR, int NC>
+inline void store_sums(const __m256 (&acc)[MR][NC], const float* bias, float* y, int64_t N, int64_t r0, int64_t n) {
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) {
+      float v = hsum256(acc[r][c]);
+      if (bias) v += bias[n + c];
+      y[(r0 + r) * N + n + c] = v;
+    }
+}
+
 // y[r, n + c] for rows [r0, r0 + MR) of x and NC buffered weight rows: eight lanes of
 // partial sums over k, then their horizontal sum (the same order for every M).
 template <int MR, int NC>
@@ -850,12 +861,7 @@ inline void f32_block(const float* x, int64_t K, const float* w, const float* bi
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) {
-      float v = hsum256(acc[r][c]);
-      if (bias) v += bias[n + c];
-      y[(r0 + r) * N + n + c] = v;
-    }
+  store_sums<MR, NC>(acc, bias, y, N, r0, n);
 }
 
 template <int MR>
@@ -906,12 +912,7 @@ inline void direct_block(const float* x, int64_t K, const uint8_t* qw, const uin
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      float v = hsum256(acc[r][o]);
-      if (bias) v += bias[n + o];
-      y[(r0 + r) * N + n + o] = v;
-    }
+  store_sums<MR, NC>(acc, bias, y, N, r0, n);
 }
 
 template <int FMT, int MR>
