@@ -134,12 +134,14 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     if isinstance(kv_cache, QuantizedKVCache):
-        assert not kv_written, "the fused rope op writes float32 caches only"
-        kv_cache.write(meta.slot_mapping, k, v)
+        if not kv_written:
+            kv_cache.write(meta.slot_mapping, k, v)
+        kernel_cache, kernel_scales = kv_cache.data, kv_cache.scales
 
         def read(i: int, slots: torch.Tensor) -> torch.Tensor:
             return kv_cache.read(i, slots, q.dtype)
     else:
+        kernel_cache, kernel_scales = kv_cache, None
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         if not kv_written:
@@ -153,12 +155,12 @@ def paged_attention(
     if nd == num_tokens and meta.decode_block_tables is not None:
         # A decode-only step (the common one): the kernel's output is the result.
         return cpu_kernels.kernels().paged_decode_attention(
-            q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            q, kernel_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_scales
         )
     out = torch.empty_like(q)
     if nd and meta.decode_block_tables is not None:
         out[:nd] = cpu_kernels.kernels().paged_decode_attention(
-            q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            q[:nd], kernel_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_scales
         )
     elif nd:
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].

@@ -79,13 +79,13 @@ def error() -> str | None:
 
 
 def use_decode_kernel(device, kv_dtype, model_dtype) -> bool:
-    """Whether decode attention runs the in-place kernel: CPU, float32 queries, float32
-    or float16 K/V."""
+    """Whether decode attention runs the in-place kernel: CPU, float32 queries, float32,
+    float16 or int8 K/V (``kv_dtype``: the cache's storage type)."""
     import torch
 
     return (
         torch.device(device).type == "cpu"
-        and kv_dtype in (torch.float32, torch.float16)
+        and kv_dtype in (torch.float32, torch.float16, torch.int8)
         and model_dtype == torch.float32
         and kernels() is not None
     )

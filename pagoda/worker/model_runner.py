@@ -103,9 +103,9 @@ class ModelRunner:
         self.host_kv_caches = [cache(num_host_blocks, "cpu", device.type == "cuda")
                                for _ in range(c.num_hidden_layers)] if num_host_blocks else []  # fmt: skip
         # Decode attention in place through the block tables (pagoda/csrc), where
-        # the kernels build: CPU, float32 KV and queries.
-        self.decode_kernel = quantized is None and cpu_kernels.use_decode_kernel(
-            device, kv_dtype, model.model.embed_tokens.weight.dtype
+        # the kernels build: CPU, float32 queries, float32/float16/int8 KV.
+        self.decode_kernel = cpu_kernels.use_decode_kernel(
+            device, quantized if quantized is not None else kv_dtype, model.model.embed_tokens.weight.dtype
         )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}

@@ -143,6 +143,16 @@ def test_paged_decode_attention_rejects_bad_lengths():
 
 
 @needs_kernels
+def test_paged_decode_attention_rejects_bad_block_ids():
+    cache = torch.randn(2, 4, 16, 1, 8)
+    tables = torch.tensor([[1, 4]], dtype=torch.int32)   # block 4 of 4
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_decode_attention(torch.randn(1, 1, 8), cache, tables, torch.tensor([17], dtype=torch.int32), 1.0)
+    # Only the blocks a sequence uses are read: a padded table's tail may hold anything.
+    ops.paged_decode_attention(torch.randn(1, 1, 8), cache, tables, torch.tensor([16], dtype=torch.int32), 1.0)
+
+
+@needs_kernels
 def test_metadata_decode_kernel_path_equals_gather_path():
     """paged_attention with the in-place kernel and with the padded gather give
     the same outputs for a mixed batch (two decodes, one prompt chunk)."""
@@ -306,3 +316,72 @@ def test_float16_cache_decode_and_write():
     out = ops.paged_decode_attention(q, cache, tables, lens, 0.125)
     ref = _reference_decode(q, cache.float(), tables, lens, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 2, 12)])
+def test_int8_cache_decode_and_write(heads, kv_heads, head_dim):
+    """An int8 cache (--kv-cache-dtype int8): rope_qkv quantizes K/V into their slots
+    exactly as QuantizedKVCache.write does (values and per-token scales), and decode
+    attention over it equals the float32 reference on the dequantized values, whatever
+    the batch. (6, 2, 12) takes the generic path."""
+    from pagoda.model.kv_quant import QuantizedKVCache
+
+    torch.manual_seed(heads)
+    d = head_dim
+    ours = QuantizedKVCache(12, 16, kv_heads, d, torch.int8, "cpu")
+    theirs = QuantizedKVCache(12, 16, kv_heads, d, torch.int8, "cpu")
+    for c in (ours, theirs):
+        c.data.zero_()
+        c.scales.fill_(1.0)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * d) * torch.linspace(0.01, 20, 5)[:, None]
+    cos, sin = torch.randn(5, d), torch.randn(5, d)
+    slots = torch.tensor([5, 40, 77, 0, 191])
+    q, k, v = ops.rope_qkv(qkv, cos, sin, heads, kv_heads, ours.data, slots, ours.scales)
+    theirs.write(slots, k, v)
+    assert torch.equal(ours.data, theirs.data) and torch.equal(ours.scales, theirs.scales)
+    with pytest.raises(RuntimeError, match="needs contiguous float32 scales"):
+        ops.rope_qkv(qkv, cos, sin, heads, kv_heads, ours.data, slots)
+
+    # Decode over a cache filled with K/V of very different sizes per token.
+    kv = torch.randn(12 * 16, kv_heads, d) * torch.rand(12 * 16, 1, 1) * 10
+    ours.write(torch.arange(12 * 16), kv, -kv.flip(0))
+    tables = torch.stack([torch.randperm(12)[:4] for _ in range(4)]).int()
+    lens = torch.tensor([1, 23, 64, 9], dtype=torch.int32)
+    q = torch.randn(4, heads, d)
+    out = ops.paged_decode_attention(q, ours.data, tables, lens, 0.125, ours.scales)
+    dequantized = torch.stack([ours.read(i, torch.arange(12 * 16), torch.float32) for i in (0, 1)])
+    ref = _reference_decode(q, dequantized.view(2, 12, 16, kv_heads, d), tables, lens, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for b in range(4):
+        alone = ops.paged_decode_attention(q[b:b + 1], ours.data, tables[b:b + 1], lens[b:b + 1], 0.125, ours.scales)
+        assert torch.equal(alone[0], out[b])
+    with pytest.raises(RuntimeError, match="needs its scales"):
+        ops.paged_decode_attention(q, ours.data, tables, lens, 0.125)
+
+
+@needs_kernels
+def test_int8_cache_kernel_path_equals_gather_path():
+    """paged_attention over an int8 cache: the in-place kernel (K/V written by the
+    caller, as the model's fused op does) and the gather path give the same outputs
+    for a mixed batch, and the same cache."""
+    from pagoda.model.kv_quant import QuantizedKVCache
+
+    heads, kv_heads, d, bs = 6, 2, 16, 4
+    query_lens, context_lens = [1, 1, 3], [6, 2, 5]
+    tables = [[3, 1], [0], [2, 5]]
+    results = []
+    for use_kernel in (False, True):
+        torch.manual_seed(4)
+        cache = QuantizedKVCache(8, bs, kv_heads, d, torch.int8, "cpu")
+        cache.write(torch.arange(8 * bs), torch.randn(8 * bs, kv_heads, d), torch.randn(8 * bs, kv_heads, d))
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, torch.device("cpu"), use_kernel)
+        t = sum(query_lens)
+        q, k, v = torch.randn(t, heads, d), torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
+        if use_kernel:
+            cache.write(meta.slot_mapping, k, v)
+        out = paged_attention(q, k, v, cache, meta, d ** -0.5, kv_written=use_kernel)
+        results.append((out, cache))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[0][1].data, results[1][1].data)
+    assert torch.equal(results[0][1].scales, results[1][1].scales)

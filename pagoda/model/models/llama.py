@@ -18,6 +18,7 @@ from torch import nn
 
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, paged_attention
+from pagoda.model.kv_quant import QuantizedKVCache
 from pagoda.ops import cpu_kernels
 
 
@@ -110,10 +111,15 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         ops = _fused_ops(qkv)
         if ops is not None:
-            # One op: rotary q and k, and (float32/float16 cache) k and v written to their slots.
-            in_place = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype in (torch.float32, torch.float16)
+            # One op: rotary q and k, and (float32/float16/int8 cache) k and v written to their slots.
+            if isinstance(kv_cache, QuantizedKVCache):
+                cache, scales = (kv_cache.data, kv_cache.scales) if kv_cache.dtype == torch.int8 else (None, None)
+            else:
+                cache = kv_cache if kv_cache.dtype in (torch.float32, torch.float16) else None
+                scales = None
+            in_place = cache is not None
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
-                                   kv_cache if in_place else None, meta.slot_mapping if in_place else None)
+                                   cache, meta.slot_mapping if in_place else None, scales)
             o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
