@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.ops import cpu_kernels
 from pagoda.sampling_params import SamplingParams
 
 
@@ -209,7 +210,7 @@ class Sampler(torch.nn.Module):
         logits = _apply_bias_and_bans(logits, metadata)
         logits = _apply_penalties(logits, metadata)
 
-        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if metadata.all_random else _argmax_rows(logits)
         if metadata.temperature is not None:
             logits = logits / metadata.temperature.unsqueeze(1)
 
@@ -246,12 +247,22 @@ class Sampler(torch.nn.Module):
         and truncation [B, V], None when every row is greedy). Speculative decoding
         verifies drafts against these."""
         logits = _apply_penalties(_apply_bias_and_bans(logits.float(), metadata), metadata)
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = _argmax_rows(logits)
         if metadata.all_greedy:
             return greedy_ids, None
         if metadata.temperature is not None:
             logits = logits / metadata.temperature.unsqueeze(1)
         return greedy_ids, torch.softmax(_truncate(logits, metadata), dim=-1)
+
+
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of [B, V] scores; on CPU float32, pagoda's kernel (the same
+    indices, ties and NaN included, in about a tenth of the time)."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] > 0:
+        ops = cpu_kernels.kernels()
+        if ops is not None:
+            return ops.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def _apply_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -321,4 +332,4 @@ def _exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     # With q > 0 a cut token (prob exactly 0) scores 0 and can never beat the
     # row's most likely token, whose score is positive.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    return _argmax_rows(probs / q)

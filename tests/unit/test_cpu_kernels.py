@@ -289,6 +289,47 @@ def test_rope_qkv_matches_torch_and_writes_the_cache():
     assert not cache[:, :, :].reshape(2, 16, -1)[:, untouched].any()
 
 
+@needs_kernels
+@pytest.mark.parametrize("cols", [1, 7, 8, 37, 49152])
+def test_argmax_rows_matches_torch(cols):
+    """The first of equal maxima, the first NaN, all -inf rows, +-0: as torch.argmax."""
+    torch.manual_seed(cols)
+    x = torch.randn(12, cols)
+    x[1] = torch.randint(0, 3, (cols,)).float()          # many ties
+    x[2] = float("-inf")
+    if cols > 3:
+        x[3, cols // 2] = float("nan")
+        x[3, cols - 1] = float("nan")
+        x[4, -2:] = float("inf")
+        x[5] = 0.0
+        x[5, cols - 1] = -0.0
+        x[6, cols - 1] = 100.0                                # the maximum in the tail
+    got = ops.argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(x[:, : max(1, cols // 2)]), x[:, : max(1, cols // 2)].argmax(dim=-1))
+
+
+@needs_kernels
+def test_silu_and_mul_matches_torch():
+    """silu(gate) * up within two ulps of torch's, over the whole float range (tails of
+    the 8-wide loop included; below gate = -87 the kernel's sigmoid is 0 where torch's is
+    subnormal, so results under 1e-30 may differ), NaN and infinities as torch gives them."""
+    torch.manual_seed(5)
+    gate = torch.cat([torch.randn(7, 37) * 10 ** torch.randint(-6, 3, (7, 1)).float(),
+                      torch.tensor([[0.0, -0.0, 88.0, -88.0, -200.0, 1e-30, float("inf"), float("-inf")] + [1.0] * 29,
+                                    [float("nan")] + [-3.0] * 36])])
+    up = torch.randn_like(gate)
+    out = ops.silu_and_mul(torch.cat([gate, up], dim=1))
+    ref = F.silu(gate) * up
+    assert out.shape == ref.shape
+    assert torch.equal(out.isnan(), ref.isnan())
+    finite = ref.isfinite()
+    torch.testing.assert_close(out[finite], ref[finite], rtol=2.5e-7, atol=1e-30)
+    assert torch.equal(out[~finite & ~ref.isnan()], ref[~finite & ~ref.isnan()])
+    with pytest.raises(RuntimeError, match="2 \\* intermediate"):
+        ops.silu_and_mul(torch.randn(2, 5))
+
+
 def test_kernels_build_on_a_cpu_that_has_what_they_need():
     """A compile error must not pass unnoticed as skipped tests and a slow fallback."""
     if not {"avx2", "fma", "f16c"} <= cpu_kernels._cpu_flags():
