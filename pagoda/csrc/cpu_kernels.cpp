@@ -795,39 +795,6 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// SwiGLU's activation: x = [gate | up] per row (2I columns) -> silu(gate) * up ([M, I]),
-// one pass instead of torch's split, silu and mul (three ops, two temporaries).
-// silu(g) = g * sigmoid(g), sigmoid from t = e^-|g| (exp_neg, below float rounding):
-// 1 / (1 + t) for g >= 0, t / (1 + t) below; within an ulp or two of torch's silu.
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % 2 == 0,
-              "x must be a 2-D float32 tensor [rows, 2 * intermediate]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({M, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const __m256 sign_bit = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* g = xp + m * 2 * I;
-    const float* u = g + I;
-    float* o = op + m * I;
-    int64_t i = 0;
-    for (; i + 8 <= I; i += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 t = exp_neg(_mm256_or_ps(gv, sign_bit));  // e^-|g|
-      const __m256 num = _mm256_blendv_ps(one, t, gv);        // sign bit of g set: t
-      const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, t));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
-    }
-    for (; i < I; ++i) {
-      const float t = std::exp(-std::fabs(g[i]));
-      o[i] = g[i] * ((g[i] < 0.f ? t : 1.f) / (1.f + t)) * u[i];
-    }
-  }
-  return out;
-}
-
 // RMSNorm of each row: w * x / sqrt(mean(x^2) + eps). With a residual: the residual
 // becomes residual + x (in place) and is what gets normalized, the pre-norm
 // transformer's "add, then norm" in one pass.
@@ -1191,7 +1158,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8_mm", &i8_mm, "int8 x int8^T -> int32, exact (small steps of int8 mode)");
   m.def("int8_linear", &int8_linear, "int8 mode's linear layer: float outlier channels, per-token int8 product of the rest");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a 2-D float32 tensor");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows [gate | up]");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, optionally of (residual += x)");
   m.def("rope_qkv", &rope_qkv, "rotary embedding of fused qkv -> q, k, v (k and v also into the cache)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -139,11 +139,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        ops = _fused_ops(gate_up)
-        if ops is not None and gate_up.dim() == 2:
-            return self.down_proj(ops.silu_and_mul(gate_up))  # one op for split, silu and mul
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
