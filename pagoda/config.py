@@ -26,7 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None      # None = the model's own context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
-    block_size: int = 16
+    block_size: int | None = None         # tokens per KV block; None = 64 on CPU, 16 on GPU
     kv_cache_memory: int | None = None    # bytes for the KV pool; None = a share of free memory
     num_kv_blocks: int | None = None      # explicit pool size, overrides kv_cache_memory
     enable_prefix_caching: bool = True
@@ -62,6 +62,12 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.block_size is None:
+            # CPU: a sequence's K/V for a layer is read block by block, and this machine reads
+            # scattered 6 KiB runs (16 tokens of the default model, float16) at a third of its
+            # streaming bandwidth, 24 KiB runs (64 tokens) at half (docs/benchmarks.md). vLLM's
+            # CPU backend picks 128 for the same reason; 64 keeps prefix hits finer.
+            object.__setattr__(self, "block_size", 64 if self.device.split(":")[0] == "cpu" else 16)
         _positive("block_size", self.block_size)
         _positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)

@@ -62,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 64 on CPU, 16 on GPU; prefix caching reuses whole blocks)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache budget, e.g. 2GiB (default: a quarter of free RAM, at most 4 GiB)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV pool size in blocks")

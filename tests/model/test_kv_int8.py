@@ -73,7 +73,7 @@ def test_int8_kv_keeps_greedy_tokens_of_fp32_kv(llm):
 
 
 def test_int8_kv_engine_capacity_and_swap(tiny_llama_dir):
-    base = dict(model=tiny_llama_dir, show_progress=False, max_model_len=64, max_num_batched_tokens=64,
+    base = dict(model=tiny_llama_dir, show_progress=False, block_size=16, max_model_len=64, max_num_batched_tokens=64,
                 enable_prefix_caching=False)  # fmt: skip
     fp32 = EngineCore(EngineConfig(**base, kv_cache_memory=1 << 20), collect_stats=False)
     int8 = EngineCore(EngineConfig(**base, kv_cache_memory=1 << 20, kv_cache_dtype="int8"), loaded=fp32.loaded,

@@ -53,7 +53,7 @@ SYSTEM = ("You are a careful assistant for the ACME support desk. Answer briefly
 def llm(tmp_path_factory):
     shared = tmp_path_factory.mktemp("shared") / "shared.json"
     shared.write_text(json.dumps([SYSTEM]))
-    return LLM(show_progress=False, num_kv_blocks=256, max_model_len=512, max_num_seqs=2,
+    return LLM(show_progress=False, block_size=16, num_kv_blocks=256, max_model_len=512, max_num_seqs=2,
                scheduling_policy="priority", shared_prefix_file=str(shared))  # fmt: skip
 
 

@@ -44,7 +44,7 @@ def _run(core: EngineCore, prompts: list[list[int]], max_tokens: int):
 def test_forced_swap_preemption_keeps_greedy_outputs(tiny_llama_dir):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (20,), generator=gen).tolist() for _ in range(4)]
-    base = dict(model=tiny_llama_dir, show_progress=False, max_model_len=64, max_num_batched_tokens=64,
+    base = dict(model=tiny_llama_dir, show_progress=False, block_size=16, max_model_len=64, max_num_batched_tokens=64,
                 enable_prefix_caching=False)  # fmt: skip
     roomy = poison(EngineCore(EngineConfig(**base, num_kv_blocks=64), collect_stats=False))
     want, want_gaps = _run(roomy, prompts, 24)
