@@ -100,6 +100,7 @@ class StepTimer:
 
     def __init__(self, config: EngineConfig, max_tokens_in_kv: int) -> None:
         from pagoda.config import keep_freed_memory
+        from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
         from pagoda.model.loader import load_model, parse_dtype
 
         if torch.device(config.device).type == "cpu":
@@ -110,13 +111,29 @@ class StepTimer:
         self.loaded = load_model(config.model, self.dtype, self.device, show_progress=False,
                                  quantization=config.quantization)
         self.model = self.loaded.model
-        self.decode_kernel = cpu_kernels.use_decode_kernel(self.device, self.dtype, self.dtype)
         self.arch = self.loaded.arch
         self.block_size = config.block_size
         num_blocks = max_tokens_in_kv // self.block_size + 1
         a = self.arch
-        self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
-                                      dtype=self.dtype, device=self.device) for _ in range(a.num_hidden_layers)]
+        # The KV cache the engine would use: the model's dtype, float16 in the quantized
+        # modes (EngineConfig.resolved_kv_cache_dtype), or 8 bits with per-token scales.
+        kv_choice = config.resolved_kv_cache_dtype
+        quantized = storage_dtype(kv_choice) if kv_choice in ("int8", "fp8") else None
+        if quantized is not None:
+            self.kv_dtype = quantized
+            self.kv_bytes_per_element = 1.0 + 4.0 / a.head_dim   # a float32 scale per head_dim values
+            self.kv_caches = [QuantizedKVCache(num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
+                                               quantized, self.device) for _ in range(a.num_hidden_layers)]
+            for c in self.kv_caches:
+                c.data.zero_()
+                c.scales.fill_(1.0)
+        else:
+            self.kv_dtype = torch.float16 if kv_choice == "float16" else self.dtype
+            self.kv_bytes_per_element = float(torch.empty(0, dtype=self.kv_dtype).element_size())
+            self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
+                                          dtype=self.kv_dtype, device=self.device)
+                              for _ in range(a.num_hidden_layers)]
+        self.decode_kernel = cpu_kernels.use_decode_kernel(self.device, self.kv_dtype, self.dtype)
         self.num_blocks = num_blocks
 
     def time_step(self, query_lens: list[int], context_lens: list[int], min_time_s: float) -> float:
@@ -206,7 +223,8 @@ def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     for kind, name, q_lens, c_lens in cases:
         t = timer.time_step(q_lens, c_lens, args.min_time)
         cost = step_cost_breakdown(timer.arch, sum(q_lens), c_lens, q_lens,
-                                   weight_bytes=weight_elem, act_bytes=elem, kv_bytes=elem)
+                                   weight_bytes=weight_elem, act_bytes=elem,
+                                   kv_bytes=timer.kv_bytes_per_element)
         achieved = cost["flops"] / t
         roof = min(peak, cost["intensity"] * bandwidth)
         steps.append({

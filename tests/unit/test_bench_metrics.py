@@ -10,6 +10,7 @@ import statistics
 
 import httpx
 import pytest
+import torch
 
 from pagoda.bench import datasets as ds
 from pagoda.bench.client import RequestSpec, arrival_delays, build_payload, send_request
@@ -19,6 +20,7 @@ from pagoda.bench.metrics import (
     RequestResult, compute_metrics, itl_from_chunk_times, meets_slos, parse_goodput, percentile, summarize, tpot,
 )
 from pagoda.model.arch import ModelArchConfig
+from pagoda.ops import cpu_kernels
 
 
 def req(start: float, chunks: list[float], end: float, out: int, prompt: int = 10, ok: bool = True) -> RequestResult:
@@ -269,3 +271,27 @@ def test_latency_iteration_summary():
     assert (s["num_prefill_steps"], s["num_decode_steps"], s["prefill_tokens"]) == (1, 2, 256)
     assert s["decode_step_ms"]["median"] == pytest.approx(200.0)
     assert s["decode_tokens_per_s"] == pytest.approx(4 / 0.4)
+
+
+@pytest.mark.parametrize("quantization, kv_cache_dtype, want", [
+    ("none", "auto", torch.float32), ("int8", "auto", torch.float16), ("none", "int8", torch.int8)])
+def test_roofline_steps_run_on_the_engines_kv_cache(tiny_llama_dir, default_model_path, quantization,
+                                                    kv_cache_dtype, want):
+    """The roofline times steps against the KV cache the engine would use (float16 in the
+    quantized modes, 8 bits with scales for --kv-cache-dtype int8) and counts its bytes.
+    (int8 calibrates on a text, so it needs a model with a tokenizer: the default one.)"""
+    from pagoda.bench.roofline import StepTimer
+    from pagoda.config import EngineConfig
+    from pagoda.model.kv_quant import QuantizedKVCache
+
+    model = default_model_path if quantization == "int8" else tiny_llama_dir
+    config = EngineConfig(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    timer = StepTimer(config, 5 * config.block_size)
+    assert timer.kv_dtype == want
+    cache = timer.kv_caches[0]
+    assert (cache.data.dtype if isinstance(cache, QuantizedKVCache) else cache.dtype) == want
+    assert timer.kv_bytes_per_element == {torch.float32: 4.0, torch.float16: 2.0}.get(
+        want, 1.0 + 4.0 / timer.arch.head_dim)
+    assert timer.decode_kernel == (cpu_kernels.kernels() is not None)
+    assert timer.time_step([1] * 4, [20] * 4, 0.0) > 0      # decodes
+    assert timer.time_step([24], [0], 0.0) > 0              # a prompt
