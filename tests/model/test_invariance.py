@@ -81,7 +81,9 @@ def _assert_same(outs, baseline, label) -> list[str]:
 
 @pytest.mark.slow
 def test_prefix_caching_on_gives_same_tokens(prompts, baseline):
-    llm, first = _run(prompts, enable_prefix_caching=True, max_num_batched_tokens=8192, num_kv_blocks=1024)
+    # 16-token blocks: the chat prompts are shorter than one 64-token CPU block.
+    llm, first = _run(prompts, enable_prefix_caching=True, max_num_batched_tokens=8192, num_kv_blocks=1024,
+                      block_size=16)
     _assert_same(first, baseline, "prefix-cache cold")
     # Second pass: the whole prompts are now cached.
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)

@@ -246,7 +246,7 @@ def test_default_model_preemption_prefix_caching(smol, smol_prompts, smol_baseli
     want, want_lp = smol_baseline
     prompts = smol_prompts + [smol_prompts[0]]
     params = _mixed_params() + [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)]
-    core = engine(smol, spec, num_kv_blocks=8, max_model_len=128)
+    core = engine(smol, spec, num_kv_blocks=8, block_size=16, max_model_len=128)  # a pool of 128 tokens
     got, _ = run(core, prompts, params)
     _assert_same_greedy(got, want + [want[0]], want_lp + [want_lp[0]], spec["method"])
     stats = core.scheduler.make_stats()
