@@ -309,6 +309,32 @@ def test_argmax_rows_matches_torch(cols):
     assert torch.equal(ops.argmax_rows(x[:, : max(1, cols // 2)]), x[:, : max(1, cols // 2)].argmax(dim=-1))
 
 
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 16, 12])
+def test_rope_qkv_rounds_as_its_elementwise_formula(head_dim):
+    """Bit for bit x * cos + (-x_rotated) * sin (two multiplies and an add, each rounded),
+    in the 8-wide loop (head_dim 16, 64) and the scalar tail (12); float16 cache writes
+    round as torch's .half(), widths with and without a tail."""
+    torch.manual_seed(head_dim)
+    t, heads, kv_heads, d = 7, 3, 1, head_dim
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d) * 50
+    cos, sin = torch.randn(t, d), torch.randn(t, d)
+    cache = torch.zeros(2, 4, 4, kv_heads, d, dtype=torch.float16)
+    slots = torch.tensor([9, 0, 15, 3, 4, 1, 2])
+    q, k, v = ops.rope_qkv(qkv, cos, sin, heads, kv_heads, cache, slots)
+    half = d // 2
+
+    def formula(x):  # [t, heads, d]
+        a, b = x[..., :half], x[..., half:]
+        c, s = cos[:, None], sin[:, None]
+        return torch.cat((a * c[..., :half] + (-b) * s[..., :half], b * c[..., half:] + a * s[..., half:]), -1)
+
+    assert torch.equal(q, formula(qkv[:, :heads * d].reshape(t, heads, d)))
+    assert torch.equal(k, formula(qkv[:, heads * d:(heads + kv_heads) * d].reshape(t, kv_heads, d)))
+    assert torch.equal(cache[0].reshape(-1, kv_heads, d)[slots], k.half())
+    assert torch.equal(cache[1].reshape(-1, kv_heads, d)[slots], v.half())
+
+
 def test_kernels_build_on_a_cpu_that_has_what_they_need():
     """A compile error must not pass unnoticed as skipped tests and a slow fallback."""
     if not {"avx2", "fma", "f16c"} <= cpu_kernels._cpu_flags():
