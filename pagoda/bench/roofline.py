@@ -102,6 +102,7 @@ class StepTimer:
         from pagoda.config import keep_freed_memory
         from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
         from pagoda.model.loader import load_model, parse_dtype
+        from pagoda.worker.model_runner import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_storage
 
         if torch.device(config.device).type == "cpu":
             keep_freed_memory()   # as the engine does
@@ -115,24 +116,20 @@ class StepTimer:
         self.block_size = config.block_size
         num_blocks = max_tokens_in_kv // self.block_size + 1
         a = self.arch
-        # The KV cache the engine would use: the model's dtype, float16 in the quantized
-        # modes (EngineConfig.resolved_kv_cache_dtype), or 8 bits with per-token scales.
-        kv_choice = config.resolved_kv_cache_dtype
-        quantized = storage_dtype(kv_choice) if kv_choice in ("int8", "fp8") else None
-        if quantized is not None:
-            self.kv_dtype = quantized
-            self.kv_bytes_per_element = 1.0 + 4.0 / a.head_dim   # a float32 scale per head_dim values
-            self.kv_caches = [QuantizedKVCache(num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
-                                               quantized, self.device) for _ in range(a.num_hidden_layers)]
-            for c in self.kv_caches:
+        # The KV cache the engine would use (float16 in the quantized modes, 8 bits with
+        # scales for --kv-cache-dtype int8|fp8), filled with zeros (unit scales).
+        kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, self.dtype)
+        self.kv_caches = [allocate_kv_cache(self.model, num_blocks, self.block_size, kv_dtype, kv_quant, self.device)
+                          for _ in range(a.num_hidden_layers)]  # fmt: skip
+        for c in self.kv_caches:
+            if isinstance(c, QuantizedKVCache):
                 c.data.zero_()
                 c.scales.fill_(1.0)
-        else:
-            self.kv_dtype = torch.float16 if kv_choice == "float16" else self.dtype
-            self.kv_bytes_per_element = float(torch.empty(0, dtype=self.kv_dtype).element_size())
-            self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
-                                          dtype=self.kv_dtype, device=self.device)
-                              for _ in range(a.num_hidden_layers)]
+            else:
+                c.zero_()
+        self.kv_dtype = kv_dtype if kv_quant == "auto" else storage_dtype(kv_quant)
+        self.kv_bytes_per_element = (kv_cache_bytes_per_block(self.model, 1, kv_dtype, kv_quant)
+                                     / (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim))
         self.decode_kernel = cpu_kernels.use_decode_kernel(self.device, self.kv_dtype, self.dtype)
         self.num_blocks = num_blocks
 

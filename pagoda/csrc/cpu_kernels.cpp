@@ -258,19 +258,18 @@ inline __m256 hsum8x8(const __m256 a[8]) {
 template <int G, typename KV>
 void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len, int64_t D,
                   int64_t kv0, int64_t kv1, float sc, float* scores, float* ob, const float* ks,
-                  const float* vs, const int64_t* srows) {
+                  const float* vs, const int64_t* srows, float* buf) {
   const int64_t padded = (len + 7) / 8 * 8;
-  // Eight positions' K (then V) rows, heads kv0..kv1, copied as float32 into buf one row
-  // after another: read in address order, the cache streams from memory (the passes
-  // below jump between rows; reading the cache that way took twice as long), and a
-  // float16 or int8 element is converted once, not once per query head.
+  // Eight positions' K (then V) rows, heads kv0..kv1, copied as float32 into buf (room for
+  // 8 x (kv1 - kv0) x D) one row after another: read in address order, the cache streams
+  // from memory (the passes below jump between rows; reading the cache that way took twice
+  // as long), and a float16 or int8 element is converted once, not once per query head.
   const int64_t width = (kv1 - kv0) * D;
-  std::vector<float> buf(8 * width);
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
     const float* keys[8];  // keys[j] + (kvh - kv0) * D: position p0 + j's K for head kvh
     for (int j = 0; j < 8; ++j) {
       const KV* src = kp + rows[std::min(p0 + j, len - 1)] + kv0 * D;
-      float* dst = buf.data() + j * width;
+      float* dst = buf + j * width;
       for (int64_t i = 0; i < width; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
       keys[j] = dst;
     }
@@ -326,7 +325,7 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
     const float* vals[8];  // vals[p - p0] + (kvh - kv0) * D: position p's V for head kvh
     for (int64_t p = p0; p < p1; ++p) {
       const KV* src = vp + rows[p] + kv0 * D;
-      float* dst = buf.data() + (p - p0) * width;
+      float* dst = buf + (p - p0) * width;
       for (int64_t i = 0; i < width; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
       vals[p - p0] = dst;
     }
@@ -403,7 +402,7 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
   // does not depend on its batch.
   const int64_t split = vec && B >= at::get_num_threads() ? 1 : KVH;
   at::parallel_for(0, B * split, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores;
+    std::vector<float> scores, buf(8 * KVH * D);  // buf: decode_heads' rows as float32
     std::vector<int64_t> rows, srows;  // srows[p]: position p's slot x KVH (an int8 cache's scales)
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / split, len = lp[b];
@@ -430,7 +429,7 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
         }
         continue;
       }
-#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, ks, vs, srows.data()); break;
+#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, ks, vs, srows.data(), buf.data()); break;
       switch (G) {
         case 1: PAGODA_HEADS(1)
         case 2: PAGODA_HEADS(2)
@@ -869,9 +868,8 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
     const int64_t num_slots = kv_cache->size(1) * kv_cache->size(2);
     const int64_t v_offset = num_slots * num_kv_heads * D;
     slot_t = slot_mapping->contiguous();
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(slot_t.data_ptr<int64_t>()[t] >= 0 && slot_t.data_ptr<int64_t>()[t] < num_slots,
-                  "slot out of range");
+    slots = slot_t.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
     if (kind == torch::kInt8) {
       TORCH_CHECK(kv_scales.has_value() && kv_scales->defined() && kv_scales->is_contiguous() &&
                   kv_scales->scalar_type() == torch::kFloat32 && kv_scales->numel() == 2 * num_slots * num_kv_heads,
@@ -887,7 +885,6 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
       kc = kv_cache->data_ptr<float>();
       vc = kc + v_offset;
     }
-    slots = slot_t.data_ptr<int64_t>();
   }
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();

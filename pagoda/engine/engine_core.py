@@ -21,7 +21,7 @@ from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parse_dtype
 from pagoda.request import Request, RequestStatus
-from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,7 @@ class EngineCore:
             from pagoda.spec_decode import check_draft_model
 
             check_draft_model(spec, loaded, draft)
-        kv_choice = config.resolved_kv_cache_dtype
-        kv_dtype = torch.float16 if kv_choice == "float16" else dtype
-        kv_quant = kv_choice if kv_choice in ("int8", "fp8") else "auto"  # 8-bit caches with scales
+        kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)  # kv_quant: 8-bit with scales
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
         if draft is not None:
             # The draft model's own cache has as many blocks, over the same block ids.

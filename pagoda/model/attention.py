@@ -121,6 +121,15 @@ class AttentionMetadata:
         )
 
 
+def kernel_cache(kv_cache: torch.Tensor | QuantizedKVCache) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What pagoda's CPU kernels read and write in place: (cache tensor, None) for a float32
+    or float16 cache, (int8 values, scales) for an int8 QuantizedKVCache; None for the others
+    (fp8, bfloat16), which go through torch."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return (kv_cache.data, kv_cache.scales) if kv_cache.dtype == torch.int8 else None
+    return (kv_cache, None) if kv_cache.dtype in (torch.float32, torch.float16) else None
+
+
 def paged_attention(
     q: torch.Tensor,          # [T, H, D]
     k: torch.Tensor,          # [T, KVH, D]
@@ -136,12 +145,10 @@ def paged_attention(
     if isinstance(kv_cache, QuantizedKVCache):
         if not kv_written:
             kv_cache.write(meta.slot_mapping, k, v)
-        kernel_cache, kernel_scales = kv_cache.data, kv_cache.scales
 
         def read(i: int, slots: torch.Tensor) -> torch.Tensor:
             return kv_cache.read(i, slots, q.dtype)
     else:
-        kernel_cache, kernel_scales = kv_cache, None
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         if not kv_written:
@@ -152,16 +159,18 @@ def paged_attention(
             return (k_flat if i == 0 else v_flat)[slots].to(q.dtype)
 
     nd = meta.num_decodes
-    if nd == num_tokens and meta.decode_block_tables is not None:
-        # A decode-only step (the common one): the kernel's output is the result.
+
+    def decode_kernel(queries: torch.Tensor) -> torch.Tensor:
+        cache, scales = kernel_cache(kv_cache)
         return cpu_kernels.kernels().paged_decode_attention(
-            q, kernel_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_scales
+            queries, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, scales
         )
+
+    if nd == num_tokens and meta.decode_block_tables is not None:
+        return decode_kernel(q)   # a decode-only step (the common one): the kernel's output is the result
     out = torch.empty_like(q)
     if nd and meta.decode_block_tables is not None:
-        out[:nd] = cpu_kernels.kernels().paged_decode_attention(
-            q[:nd], kernel_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_scales
-        )
+        out[:nd] = decode_kernel(q[:nd])
     elif nd:
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
         ks = read(0, meta.decode_gather_slots).transpose(1, 2)

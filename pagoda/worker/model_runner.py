@@ -54,6 +54,27 @@ def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: to
     return 2 * c.num_hidden_layers * block_size * local_kv_heads(model) * c.head_dim * elem
 
 
+def kv_cache_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """(float dtype of a plain cache, 8-bit kind or "auto") for a resolved --kv-cache-dtype
+    (``EngineConfig.resolved_kv_cache_dtype``)."""
+    kv_dtype = torch.float16 if kv_cache_dtype == "float16" else model_dtype
+    return kv_dtype, kv_cache_dtype if kv_cache_dtype in ("int8", "fp8") else "auto"
+
+
+def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                      kv_cache_dtype: str, device: torch.device | str,
+                      pin: bool = False) -> torch.Tensor | QuantizedKVCache:  # fmt: skip
+    """One layer's cache: [2, blocks, block_size, kv_heads, head_dim] of kv_dtype, or an 8-bit
+    QuantizedKVCache with its scales. Uninitialised: a fresh large allocation is zero pages
+    from the OS already, and untouched pages cost no RSS until blocks are used."""
+    c = model.config
+    quantized = storage_dtype(kv_cache_dtype)
+    if quantized is not None:
+        return QuantizedKVCache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, quantized, device, pin)
+    return torch.empty(2, num_blocks, block_size, local_kv_heads(model), c.head_dim, dtype=kv_dtype, device=device,
+                       pin_memory=pin)  # fmt: skip
+
+
 def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
     """Blocks src_idx of one layer's cache -> blocks dst_idx of another (device <-> host)."""
     if isinstance(src, QuantizedKVCache):
@@ -91,12 +112,7 @@ class ModelRunner:
         quantized = storage_dtype(kv_cache_dtype)
 
         def cache(n: int, on: torch.device | str, pin: bool = False) -> torch.Tensor | QuantizedKVCache:
-            if quantized is not None:
-                return QuantizedKVCache(n, block_size, c.num_key_value_heads, c.head_dim, quantized, on, pin)
-            # empty, not zeros: a fresh large allocation is zero pages from the OS
-            # already, and untouched pages cost no RSS until blocks are used.
-            return torch.empty(2, n, block_size, local_kv_heads(model), c.head_dim, dtype=kv_dtype, device=on,
-                               pin_memory=pin)  # fmt: skip
+            return allocate_kv_cache(model, n, block_size, kv_dtype, kv_cache_dtype, on, pin)
 
         self.kv_caches = [cache(num_blocks, device) for _ in range(c.num_hidden_layers)]
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.

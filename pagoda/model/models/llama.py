@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig
-from pagoda.model.attention import AttentionMetadata, paged_attention
-from pagoda.model.kv_quant import QuantizedKVCache
+from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
 from pagoda.ops import cpu_kernels
 
 
@@ -111,12 +110,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         ops = _fused_ops(qkv)
         if ops is not None:
-            # One op: rotary q and k, and (float32/float16/int8 cache) k and v written to their slots.
-            if isinstance(kv_cache, QuantizedKVCache):
-                cache, scales = (kv_cache.data, kv_cache.scales) if kv_cache.dtype == torch.int8 else (None, None)
-            else:
-                cache = kv_cache if kv_cache.dtype in (torch.float32, torch.float16) else None
-                scales = None
+            # One op: rotary q and k, and (a cache the kernels write) k and v into their slots.
+            cache, scales = kernel_cache(kv_cache) or (None, None)
             in_place = cache is not None
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                                    cache, meta.slot_mapping if in_place else None, scales)
