@@ -6,6 +6,9 @@ afterwards; concurrent processes wait on its lock. The kernels need AVX2 and
 FMA; where the build fails or the CPU lacks them, ``kernels()`` returns None,
 the reason is logged once, and callers use their plain-torch path.
 ``PAGODA_DISABLE_CPU_KERNELS=1`` forces the plain-torch paths (for comparisons).
+Some kernels also have an AVX-512 VNNI version, compiled into the same module and
+chosen at run time where the CPU has it (``has_avx512_vnni``);
+``PAGODA_CPU_ISA=avx2`` keeps to the AVX2 versions (for comparisons and tests).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def _build() -> ModuleType:
         sources=[str(_SOURCE)],
         # No FMA contraction of plain C++ arithmetic: the elementwise ops then round as
         # torch's do (the kernels' explicit FMA intrinsics are unaffected).
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
+                      # keep arrays of vector accumulators (up to 6 x 4 AVX-512 registers) in registers
+                      "--param=sra-max-scalarization-size-Ospeed=4096"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
@@ -76,6 +81,14 @@ def kernels() -> ModuleType | None:
 
 def error() -> str | None:
     return _error
+
+
+def has_avx512_vnni() -> bool:
+    """Whether the kernels' AVX-512 VNNI versions run here: the module is built, the CPU
+    has AVX-512 (F, BW, DQ, VL) with VNNI, and ``PAGODA_CPU_ISA`` is not ``avx2``."""
+    module = kernels()
+    return (module is not None and os.environ.get("PAGODA_CPU_ISA", "").lower() != "avx2"
+            and bool(module.cpu_has_avx512_vnni()))
 
 
 def use_decode_kernel(device, kv_dtype, model_dtype) -> bool:

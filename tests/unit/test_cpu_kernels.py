@@ -219,6 +219,63 @@ def test_i8_mm_is_exact_and_int8_linear_is_batch_invariant():
         assert torch.equal(layer(x[37:39]), batched[37:39])
 
 
+needs_vnni = pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="this CPU lacks AVX-512 VNNI")
+
+
+@needs_vnni
+def test_int8_pack_vnni_layout_and_sums():
+    """Tiles of 64 channels, [K/4][64][4] each: byte (t, k // 4, c, k % 4) is weight
+    (64 t + c, k); channels past N are zero; comp is -128 x each channel's sum."""
+    torch.manual_seed(11)
+    w = torch.randint(-127, 128, (70, 12), dtype=torch.int8)
+    packed, comp = ops.int8_pack_vnni(w)
+    padded = torch.zeros(128, 12, dtype=torch.int8)
+    padded[:70] = w
+    expected = padded.view(2, 64, 3, 4).permute(0, 2, 1, 3).reshape(-1)
+    assert torch.equal(packed, expected)
+    assert torch.equal(comp[:70], -128 * w.int().sum(1)) and not comp[70:].any()
+
+
+@needs_vnni
+@pytest.mark.parametrize("in_features,out_features", [(64, 75), (48, 130), (1536, 64)])
+def test_int8_linear_vnni_gives_the_avx2_bits(in_features, out_features):
+    """The AVX-512 VNNI product (u8 x s8 with the 128 x sum(w) taken off) has the same
+    integers as the AVX2 GEMV and torch._int_mm, and its fused epilogue the same float
+    operations in the same order: every element bit for bit, for every step size (rows
+    six at a time and each remainder), tile tails, outlier channels and bias."""
+    from pagoda.model.layers.quantization import INT8_SMALL_STEP_ROWS, Int8Linear
+
+    torch.manual_seed(in_features + out_features)
+    for outliers in (None, torch.tensor([3, 10, 40])):
+        for bias in (True, False):
+            layer = Int8Linear(torch.nn.Linear(in_features, out_features, bias=bias), outliers=outliers)
+            assert layer.vnni_weight is not None
+            for rows in (1, 2, 5, 6, 7, 13, 40):
+                x = torch.randn(rows, in_features) * 4
+                got = layer(x)
+                avx2 = ops.int8_linear(x, layer.qweight, layer.weight_scale, layer.bias, INT8_SMALL_STEP_ROWS,
+                                       layer.outlier_idx, layer.outlier_weight)
+                assert torch.equal(got, avx2), (outliers, bias, rows)
+    # Extreme integers: every product at +-127 x 127 (no saturation anywhere).
+    layer = Int8Linear(torch.nn.Linear(in_features, out_features, bias=False))
+    with torch.no_grad():
+        layer.qweight.fill_(127)
+        layer.vnni_weight, layer.vnni_comp = ops.int8_pack_vnni(layer.qweight)
+    for sign in (1.0, -1.0):
+        x = torch.full((3, in_features), sign)
+        acc = layer(x) / (layer.weight_scale * (1.0 / 127.0))
+        torch.testing.assert_close(acc, torch.full_like(acc, sign * 127 * 127 * in_features), rtol=1e-6, atol=0)
+
+
+def test_avx2_only_setting_turns_vnni_off(monkeypatch):
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
+    assert cpu_kernels.has_avx512_vnni() is False
+    from pagoda.model.layers.quantization import Int8Linear
+
+    layer = Int8Linear(torch.nn.Linear(64, 8))
+    assert layer.vnni_weight is None and "vnni_weight" not in layer.state_dict()
+
+
 @needs_kernels
 def test_int8_linear_keeps_outlier_channels_in_float():
     """With a huge activation in one channel, per-token int8 rounds every other channel

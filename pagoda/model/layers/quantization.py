@@ -230,6 +230,12 @@ class Int8Linear(nn.Module):
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
         self._ops = cpu_kernels.kernels() if self.in_features % 16 == 0 else None
+        # On a CPU with AVX-512 VNNI the product runs on it, from the weights in its tile
+        # layout (packed once here; derived from qweight, so not saved with the model).
+        vnni = self._ops is not None and cpu_kernels.has_avx512_vnni()
+        packed = self._ops.int8_pack_vnni(self.qweight) if vnni else (None, None)
+        self.register_buffer("vnni_weight", packed[0], persistent=False)
+        self.register_buffer("vnni_comp", packed[1], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -238,7 +244,7 @@ class Int8Linear(nn.Module):
             # The same operations as below, in one C++ call (a decode step's linear
             # layers were mostly per-op overhead).
             y = self._ops.int8_linear(x2, self.qweight, self.weight_scale, self.bias, INT8_SMALL_STEP_ROWS,
-                                      self.outlier_idx, self.outlier_weight)
+                                      self.outlier_idx, self.outlier_weight, self.vnni_weight, self.vnni_comp)
             return y.view(*shape[:-1], self.out_features).to(x.dtype)
         inliers = x2.index_fill(1, self.outlier_idx, 0.0)
         x_scale = inliers.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
