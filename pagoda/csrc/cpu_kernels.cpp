@@ -298,7 +298,12 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
   // set to 0 so they add nothing).
   for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
     float* sg = scores + h * padded;
-    float mx = *std::max_element(sg, sg + len);
+    // The maximum over the padding too: its lanes repeat the last position's score.
+    __m256 vmx = _mm256_loadu_ps(sg);
+    for (int64_t p0 = 8; p0 < padded; p0 += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + p0));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmx);
+    const float mx = *std::max_element(lanes, lanes + 8);
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 tot = _mm256_setzero_ps();
     for (int64_t p0 = 0; p0 < padded; p0 += 8) {
@@ -341,11 +346,14 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
           for (int c = 0; c < C; ++c) acc[g][c] = _mm256_loadu_ps(ok + g * D + i + 8 * c);
         for (int64_t p = p0; p < p1; ++p) {
           const float* vrow = vals[p - p0] + (kvh - kv0) * D + i;
-          __m256 vv[C];
-          for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(vrow + 8 * c);
-          for (int g = 0; g < G; ++g) {
-            const __m256 s = _mm256_broadcast_ss(sk + g * padded + p);
-            for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(s, vv[c], acc[g][c]);
+          // The G weights in registers, then one V slice at a time: G x C + G + 1
+          // registers (16 for G = 3, C = 4: all of AVX2's; holding all C slices
+          // instead spilled an accumulator, and its store-load chain set the pace).
+          __m256 s[G];
+          for (int g = 0; g < G; ++g) s[g] = _mm256_broadcast_ss(sk + g * padded + p);
+          for (int c = 0; c < C; ++c) {
+            const __m256 vv = _mm256_loadu_ps(vrow + 8 * c);
+            for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(s[g], vv, acc[g][c]);
           }
         }
         for (int g = 0; g < G; ++g)
