@@ -26,7 +26,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -882,10 +884,20 @@ PAGODA_AVX512 void int8_vnni_tiles(const uint8_t* xu, int64_t M, int64_t K, cons
 }  // namespace
 
 bool cpu_has_avx512_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vnni");
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return has;
+}
+
+// Whether the AVX-512 versions run: the CPU has them and PAGODA_CPU_ISA is not "avx2"
+// (read at every call, so a test can compare the two versions in one process).
+bool use_avx512() {
+  const char* isa = std::getenv("PAGODA_CPU_ISA");
+  return cpu_has_avx512_vnni() && !(isa && std::string(isa) == "avx2");
 }
 
 // qweight [N, K] int8 -> (packed [ceil(N/64) * 64 * K] int8 in the tile layout above,
@@ -957,6 +969,67 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   auto acc = M <= small_rows ? i8_mm(xq, qweight) : at::_int_mm(xq, qweight.t());
   int8_epilogue_avx2(acc.data_ptr<int32_t>(), M, e);
   return y;
+}
+
+// ---- SiLU(gate) * up --------------------------------------------------------------
+// The MLP's activation in one pass over the fused gate/up projection's output, with
+// torch's own arithmetic: ATen's vectorised SiLU is x / (1 + exp(-x)) with exp from
+// SLEEF (Sleef_expf16_u10 / Sleef_expf8_u10, exported by libtorch_cpu), and the
+// product by up is one rounding more, so every element has the bits of
+// F.silu(gate) * up (tested). Rows whose width is not a multiple of 32 would meet
+// ATen's scalar tail (libm's expf), so the caller keeps torch for those.
+
+extern "C" __m512 Sleef_expf16_u10(__m512);
+extern "C" __m256 Sleef_expf8_u10(__m256);
+
+namespace {
+
+PAGODA_AVX512 void silu_mul_rows512(const float* gu, float* out, int64_t M, int64_t I) {
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gu + m * 2 * I;
+    const float* u = g + I;
+    float* o = out + m * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(sign, x));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+  }
+}
+
+void silu_mul_rows256(const float* gu, float* out, int64_t M, int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gu + m * 2 * I;
+    const float* u = g + I;
+    float* o = out + m * I;
+    for (int64_t i = 0; i < I; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(sign, x));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous(),
+              "gate_up must be a contiguous 2-D float32 tensor");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I && I % 32 == 0, "gate_up's width must be 2 x a multiple of 32");
+  auto out = torch::empty({M, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool wide = use_avx512();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    if (wide)
+      silu_mul_rows512(gp + m0 * 2 * I, op + m0 * I, m1 - m0, I);
+    else
+      silu_mul_rows256(gp + m0 * 2 * I, op + m0 * I, m1 - m0, I);
+  });
+  return out;
 }
 
 // ---- per-layer elementwise work -------------------------------------------------------
@@ -1393,6 +1466,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vnni_comp") = py::none());
   m.def("int8_pack_vnni", &int8_pack_vnni, "int8 weights [N, K] -> (AVX-512 VNNI tile layout, -128 x channel sums)");
   m.def("cpu_has_avx512_vnni", &cpu_has_avx512_vnni, "whether this CPU runs the AVX-512 VNNI kernels");
+  m.def("silu_mul", &silu_mul, "F.silu(gate) * up of the fused [M, 2 x I] gate/up output, bit for bit");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a 2-D float32 tensor");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, optionally of (residual += x)");
   m.def("rope_qkv", &rope_qkv, "rotary embedding of fused qkv -> q, k, v (k and v also into the cache)",

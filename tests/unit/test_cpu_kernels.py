@@ -300,6 +300,36 @@ def test_int8_linear_keeps_outlier_channels_in_float():
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ["", "avx2"])
+def test_silu_mul_has_torchs_bits(isa, monkeypatch):
+    """silu_mul computes F.silu(gate) * up with torch's own SLEEF exp: every element
+    bit for bit, on either instruction set, including huge, tiny and signed-zero
+    inputs; the MLP uses it and still gives the unfused result."""
+    monkeypatch.setenv("PAGODA_CPU_ISA", isa)
+    torch.manual_seed(2)
+    for rows, width, spread in ((1, 32, 0.5), (5, 96, 3.0), (64, 1536, 10.0), (3, 64, 60.0)):
+        gu = torch.randn(rows, 2 * width) * spread
+        gu[0, :12] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 100.0, -100.0, 1e-8, -1e-8, 3e38, -3e38])
+        gate, up = gu.split(width, dim=-1)
+        assert torch.equal(ops.silu_mul(gu), F.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.silu_mul(torch.randn(2, 40))
+
+    from pagoda.model.arch import ModelArchConfig
+    from pagoda.model.models.llama import LlamaMLP
+
+    arch = ModelArchConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                           rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                           tie_word_embeddings=False, attention_bias=False)
+    mlp = LlamaMLP(arch)
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        gate, up = mlp.gate_up_proj(x).split(64, dim=-1)
+        assert torch.equal(mlp(x), mlp.down_proj(F.silu(gate) * up))
+
+
+@needs_kernels
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_torch(with_residual):
     from pagoda.model.models.llama import RMSNorm
