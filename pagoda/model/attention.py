@@ -180,8 +180,14 @@ def paged_attention(
         out[:nd] = o.reshape(nd, num_heads, head_dim)
     for chunk in meta.prefills:
         start, end = chunk.token_start, chunk.token_start + chunk.query_len
-        ks = read(0, chunk.gather_slots).transpose(0, 1)[None]   # [1, KVH, S, hd]
-        vs = read(1, chunk.gather_slots).transpose(0, 1)[None]
+        if chunk.context_len == 0 and not isinstance(kv_cache, QuantizedKVCache):
+            # No cached prefix: the chunk's keys are its own k and v, rounded as the cache
+            # holds them (the values a read-back would give, without the gather).
+            ks = k[start:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
+            vs = v[start:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
+        else:
+            ks = read(0, chunk.gather_slots).transpose(0, 1)[None]   # [1, KVH, S, hd]
+            vs = read(1, chunk.gather_slots).transpose(0, 1)[None]
         qs = q[start:end].transpose(0, 1)[None]                              # [1, H, Q, hd]
         o = F.scaled_dot_product_attention(
             qs, ks, vs,
