@@ -80,7 +80,9 @@ def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
             if isinstance(m, torch.nn.Linear):
                 nbytes += m.weight.numel() * m.weight.element_size()
             else:
-                nbytes += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "bias")
+                # An Int8Linear packed for AVX-512 VNNI keeps both layouts; its steps read one.
+                skip = {"bias", "qweight"} if getattr(m, "vnni_weight", None) is not None else {"bias"}
+                nbytes += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n not in skip)
     return nbytes / elems
 
 

@@ -295,3 +295,15 @@ def test_roofline_steps_run_on_the_engines_kv_cache(tiny_llama_dir, default_mode
     assert timer.decode_kernel == (cpu_kernels.kernels() is not None)
     assert timer.time_step([1] * 4, [20] * 4, 0.0) > 0      # decodes
     assert timer.time_step([24], [0], 0.0) > 0              # a prompt
+
+
+def test_roofline_counts_the_int8_weights_a_step_reads_once():
+    """int8 layers packed for AVX-512 VNNI hold a second copy of their weights; the
+    roofline's bytes count the copy the steps read, about one byte per weight either way."""
+    from pagoda.bench.roofline import linear_weight_bytes_per_element
+    from pagoda.model.layers.quantization import Int8Linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Int8Linear(torch.nn.Linear(576, 128), outliers=torch.arange(16)))
+    per_weight = linear_weight_bytes_per_element(model)
+    assert 1.0 <= per_weight < 1.2, per_weight
