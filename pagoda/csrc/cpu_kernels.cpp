@@ -28,7 +28,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <string>
+#include <strings.h>
 #include <type_traits>
 #include <vector>
 
@@ -894,10 +894,10 @@ bool cpu_has_avx512_vnni() {
 }
 
 // Whether the AVX-512 versions run: the CPU has them and PAGODA_CPU_ISA is not "avx2"
-// (read at every call, so a test can compare the two versions in one process).
+// (any case; read at every call, so a test can compare the two versions in one process).
 bool use_avx512() {
   const char* isa = std::getenv("PAGODA_CPU_ISA");
-  return cpu_has_avx512_vnni() && !(isa && std::string(isa) == "avx2");
+  return cpu_has_avx512_vnni() && !(isa && strcasecmp(isa, "avx2") == 0);
 }
 
 // qweight [N, K] int8 -> (packed [ceil(N/64) * 64 * K] int8 in the tile layout above,
@@ -1465,7 +1465,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("outlier_idx"), py::arg("outlier_w"), py::arg("vnni_weight") = py::none(),
         py::arg("vnni_comp") = py::none());
   m.def("int8_pack_vnni", &int8_pack_vnni, "int8 weights [N, K] -> (AVX-512 VNNI tile layout, -128 x channel sums)");
-  m.def("cpu_has_avx512_vnni", &cpu_has_avx512_vnni, "whether this CPU runs the AVX-512 VNNI kernels");
+  m.def("avx512_enabled", &use_avx512, "whether the AVX-512 VNNI kernels run (the CPU has them, PAGODA_CPU_ISA is not avx2)");
   m.def("silu_mul", &silu_mul, "F.silu(gate) * up of the fused [M, 2 x I] gate/up output, bit for bit");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a 2-D float32 tensor");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, optionally of (residual += x)");

@@ -51,9 +51,7 @@ def _build() -> ModuleType:
         sources=[str(_SOURCE)],
         # No FMA contraction of plain C++ arithmetic: the elementwise ops then round as
         # torch's do (the kernels' explicit FMA intrinsics are unaffected).
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
-                      # keep arrays of vector accumulators (up to 6 x 4 AVX-512 registers) in registers
-                      "--param=sra-max-scalarization-size-Ospeed=4096"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
@@ -87,8 +85,7 @@ def has_avx512_vnni() -> bool:
     """Whether the kernels' AVX-512 VNNI versions run here: the module is built, the CPU
     has AVX-512 (F, BW, DQ, VL) with VNNI, and ``PAGODA_CPU_ISA`` is not ``avx2``."""
     module = kernels()
-    return (module is not None and os.environ.get("PAGODA_CPU_ISA", "").lower() != "avx2"
-            and bool(module.cpu_has_avx512_vnni()))
+    return module is not None and bool(module.avx512_enabled())
 
 
 def use_decode_kernel(device, kv_dtype, model_dtype) -> bool:
