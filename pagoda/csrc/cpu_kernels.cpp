@@ -768,7 +768,7 @@ void int8_epilogue_avx2(const int32_t* ap, int64_t M, const Int8Epilogue& e) {
 
 // ---- AVX-512 VNNI ----
 // Compiled for AVX-512 whatever the build flags (function attribute), called only when
-// the CPU has it (cpu_has_avx512_vnni). Weights packed per tile of 64 output channels:
+// the CPU has it (use_avx512 / avx512_enabled). Weights packed per tile of 64 output channels:
 // [N/64][K/4][64][4] (int8_pack_vnni), so one step of four input channels is 256
 // contiguous bytes, four registers of 16 channels x 4 bytes: vpdpbusd adds, per channel,
 // the four products of a broadcast 4-byte group of the (unsigned) activations. Signed x
@@ -778,8 +778,6 @@ void int8_epilogue_avx2(const int32_t* ap, int64_t M, const Int8Epilogue& e) {
 
 constexpr int64_t kVnniTile = 64;
 
-// MR rows from m0 against one tile (channels n0 .. n0 + 64, the last tile masked to N),
-// then the epilogue in the same order of operations as int8_epilogue_avx2's.
 // The integer sums of MR rows x 64 channels into sums[MR][64] (its own function: with
 // the epilogue beside it, GCC spilled the accumulators to the stack at every step).
 template <int MR>
@@ -818,6 +816,8 @@ PAGODA_AVX512 __attribute__((noinline)) void vnni_dot(const uint8_t* x0, int64_t
   }
 }
 
+// MR rows from m0 against one tile (channels n0 .. n0 + 64, the last tile masked to N),
+// then the epilogue in the same order of operations as int8_epilogue_avx2's.
 template <int MR>
 PAGODA_AVX512 void vnni_rows(const uint8_t* xu, int64_t K, const int8_t* wt, const int32_t* comp, int64_t m0,
                              int64_t n0, const Int8Epilogue& e) {
