@@ -10,8 +10,8 @@
 //   set by bytes per weight: 5 bits here against 32 for fp32.
 // q8_linear: the same with int8 weights per output channel (q4 mode's LM head).
 // i8_mm / int8_linear: int8 mode's per-token int8 x int8 products.
-// blocks_linear: exact mode's float32 products, the weights read from GGUF Q4_1 / Q8_0
-//   blocks and dequantized in cache to the float32 values the loader gives.
+// gguf_linear / gguf_dequantize (gguf_blocks.cpp): exact mode's float32 products with
+//   weights kept in the file's GGUF blocks, every type.
 // paged_decode_attention: one query token per sequence against its K/V read in
 //   place from the paged cache through the block table (no gathered, padded
 //   copy). Each (sequence, query head) has a fixed summation order, so a
@@ -32,20 +32,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "f32_tiles.h"
+
 namespace {
 
 constexpr int kGroup = 32;
 
-inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  sums = _mm_add_ss(sums, shuf);
-  return _mm_cvtss_f32(sums);
-}
+using pagoda::h2f;
+using pagoda::hsum256;
 
 // Unpacks one group's 16 bytes into 4 x 8 floats (weights 0-7, 8-15, 16-23, 24-31),
 // still as the integers q (0..15).
@@ -59,8 +53,6 @@ inline void unpack_group(const uint8_t* p, __m256 w[4]) {
   w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
   w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
-
-inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
 // Activations in int8 groups of 32 (what llama.cpp calls Q8_1): per row r and group g,
 // x ~ xd[r, g] * xq[r, g, :], with xd = max|x| / 127 and xq rounded to nearest (ties to
@@ -1247,214 +1239,10 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
   return {q, k, v};
 }
 
-// ---- exact mode: float32 products, weights read from their GGUF blocks ----------
-// A GGUF's Q4_1 weights are w = d*q + m (d, m fp16, q 0..15) and its Q8_0 weights
-// w = d*q (q -128..127); the product d*q is exact in float32, so a fused multiply-add
-// gives the very float32 value the loader's dequantization (multiply, then add) gives.
-// blocks_linear dequantizes a tile of output channels into a small float32 buffer
-// (in cache) and multiplies it with the float32 x: the exact mode's numbers at 5 or 8.5
-// bits read per weight instead of 32 (a decode step reads the weights once).
-
-namespace {
-
-constexpr int kFmtQ4_1 = 0;
-constexpr int kFmtQ8_0 = 1;
-// Steps of up to this many rows dequantize in registers (direct_rows), larger ones a
-// tile at a time into a buffer that every block of rows reuses.
-constexpr int64_t kBlocksDirectRows = 4;
-
-// Rows [n0, n1) of W into buf (row-major, K floats each).
-void dequantize_rows(int fmt, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int64_t K,
-                     int64_t n0, int64_t n1, float* buf) {
-  const int64_t groups = K / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    float* out = buf + (n - n0) * K;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 d = _mm256_set1_ps(h2f(scales[n * groups + g]));
-      float* o = out + g * kGroup;
-      if (fmt == kFmtQ4_1) {
-        const __m256 m = _mm256_set1_ps(h2f(mins[n * groups + g]));
-        __m256 q[4];
-        unpack_group(qw + n * (K / 2) + g * 16, q);
-        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(q[c], d, m));
-      } else {
-        const int8_t* p = reinterpret_cast<const int8_t*>(qw) + n * K + g * kGroup;
-        for (int c = 0; c < 4; ++c) {
-          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c));
-          _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d));
-        }
-      }
-    }
-  }
-}
-
-// y[r0 + r, n + c] = the lanes of acc[r][c] summed (+ bias[n + c]).
-template <int MR, int NC>
-inline void store_sums(const __m256 (&acc)[MR][NC], const float* bias, float* y, int64_t N, int64_t r0, int64_t n) {
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) {
-      float v = hsum256(acc[r][c]);
-      if (bias) v += bias[n + c];
-      y[(r0 + r) * N + n + c] = v;
-    }
-}
-
-// y[r, n + c] for rows [r0, r0 + MR) of x and NC buffered weight rows: eight lanes of
-// partial sums over k, then their horizontal sum (the same order for every M).
-template <int MR, int NC>
-inline void f32_block(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N,
-                      int64_t r0, int64_t n) {
-  __m256 acc[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NC];
-    for (int c = 0; c < NC; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k);
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-  store_sums<MR, NC>(acc, bias, y, N, r0, n);
-}
-
-template <int MR>
-inline void f32_rows(const float* x, int64_t K, const float* buf, const float* bias, float* y, int64_t N,
-                     int64_t r0, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 3 <= n1; n += 3) f32_block<MR, 3>(x, K, buf + (n - n0) * K, bias, y, N, r0, n);
-  for (; n < n1; ++n) f32_block<MR, 1>(x, K, buf + (n - n0) * K, bias, y, N, r0, n);
-}
-
-// Small steps, bound by weight bytes: the same products with the weights dequantized in
-// registers (no buffer): w = d*q + m (Q4_1) or d*q (Q8_0) per 8 weights, then the same
-// fused multiply-adds in the same k order as f32_block, so a row's result is bit for bit
-// that of the buffered path. NC output channels at a time give independent FMA chains.
-template <int FMT>
-inline __m256 dequant8(const uint8_t* qw, int64_t K, int64_t n, int64_t g, int c, __m256 d, __m256 m) {
-  if constexpr (FMT == kFmtQ4_1) {
-    // Chunk c: weights 8c .. 8c + 7 = low nibbles of bytes 0-7 / 8-15, then high nibbles.
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qw + n * (K / 2) + g * 16 + (c & 1) * 8));
-    const __m256i v = _mm256_cvtepu8_epi32(b);
-    const __m256i q = c < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
-  } else {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qw + n * K + g * kGroup + c * 8));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
-  }
-}
-
-template <int FMT, int MR, int NC>
-inline void direct_block(const float* x, int64_t K, const uint8_t* qw, const uint16_t* scales,
-                         const uint16_t* mins, const float* bias, float* y, int64_t N, int64_t r0, int64_t n) {
-  const int64_t groups = K / kGroup;
-  __m256 acc[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 d[NC], m[NC];
-    for (int o = 0; o < NC; ++o) {
-      d[o] = _mm256_set1_ps(h2f(scales[(n + o) * groups + g]));
-      m[o] = FMT == kFmtQ4_1 ? _mm256_set1_ps(h2f(mins[(n + o) * groups + g])) : _mm256_setzero_ps();
-    }
-    for (int c = 0; c < 4; ++c) {
-      __m256 w[NC];
-      for (int o = 0; o < NC; ++o) w[o] = dequant8<FMT>(qw, K, n + o, g, c, d[o], m[o]);
-      for (int r = 0; r < MR; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + g * kGroup + 8 * c);
-        for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_fmadd_ps(xv, w[o], acc[r][o]);
-      }
-    }
-  }
-  store_sums<MR, NC>(acc, bias, y, N, r0, n);
-}
-
-template <int FMT, int MR>
-void direct_rows(const float* x, int64_t K, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
-                 const float* bias, float* y, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
-  constexpr int NC = 2;
-  int64_t n = n0;
-  for (; n + NC <= n1; n += NC) direct_block<FMT, MR, NC>(x, K, qw, scales, mins, bias, y, N, r0, n);
-  for (; n < n1; ++n) direct_block<FMT, MR, 1>(x, K, qw, scales, mins, bias, y, N, r0, n);
-}
-
-}  // namespace
-
-torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                            c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(K % kGroup == 0, "in_features must be a multiple of 32, got ", K);
-  const bool q4 = mins.has_value() && mins->defined();
-  const int fmt = q4 ? kFmtQ4_1 : kFmtQ8_0;
-  TORCH_CHECK(qweight.is_contiguous() && qweight.dim() == 2 &&
-                  qweight.scalar_type() == (q4 ? torch::kUInt8 : torch::kInt8),
-              q4 ? "Q4_1 qweight must be contiguous uint8 [out, in / 2]" : "Q8_0 qweight must be contiguous int8 [out, in]");
-  TORCH_CHECK(qweight.size(1) == (q4 ? K / 2 : K), "qweight has ", qweight.size(1), " bytes per row for in_features ", K);
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / kGroup &&
-                  scales.scalar_type() == torch::kFloat16 && scales.is_contiguous(),
-              "scales must be contiguous float16 [out_features, in_features / 32]");
-  if (q4)
-    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == torch::kFloat16 && mins->is_contiguous(),
-                "mins must be contiguous float16 like scales");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
-                "bias must be contiguous float32 [out_features]");
-    bp = bias->data_ptr<float>();
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const uint8_t* qp = q4 ? qweight.data_ptr<uint8_t>() : reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>());
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Tiles of output channels whose float32 rows fill about 24 KiB (a multiple of 3).
-  const int64_t tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
-  const int64_t num_tiles = (N + tile - 1) / tile;
-  if (M <= kBlocksDirectRows) {
-    at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
-      const int64_t n0 = t0 * tile, n1 = std::min(N, t1 * tile);
-      auto run = [&](auto fmt, auto mr) {
-        direct_rows<decltype(fmt)::value, decltype(mr)::value>(xp, K, qp, dp, mp, bp, yp, N, 0, n0, n1);
-      };
-      auto with_rows = [&](auto fmt) {
-        switch (M) {
-          case 1: run(fmt, std::integral_constant<int, 1>{}); break;
-          case 2: run(fmt, std::integral_constant<int, 2>{}); break;
-          case 3: run(fmt, std::integral_constant<int, 3>{}); break;
-          default: run(fmt, std::integral_constant<int, 4>{}); break;
-        }
-      };
-      if (q4) with_rows(std::integral_constant<int, kFmtQ4_1>{});
-      else with_rows(std::integral_constant<int, kFmtQ8_0>{});
-    });
-    return y;
-  }
-  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(tile * K);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      dequantize_rows(fmt, qp, dp, mp, K, n0, n1, buf.data());
-      if (t + 1 < t1) {  // the next tile's blocks on their way from memory meanwhile
-        const int64_t row_bytes = q4 ? K / 2 : K;
-        const char* next = reinterpret_cast<const char*>(qp + n1 * row_bytes);
-        const int64_t bytes = (std::min(N, n1 + tile) - n1) * row_bytes;
-        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      }
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) f32_rows<4>(xp, K, buf.data(), bp, yp, N, r, n0, n1);
-      switch (M - r) {
-        case 3: f32_rows<3>(xp, K, buf.data(), bp, yp, N, r, n0, n1); break;
-        case 2: f32_rows<2>(xp, K, buf.data(), bp, yp, N, r, n0, n1); break;
-        case 1: f32_rows<1>(xp, K, buf.data(), bp, yp, N, r, n0, n1); break;
-        default: break;
-      }
-    }
-  });
-  return y;
-}
+// ---- GGUF blocks (gguf_blocks.cpp) -------------------------------------------------
+torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::optional<torch::Tensor> rows);
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                          c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
@@ -1472,7 +1260,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv, "rotary embedding of fused qkv -> q, k, v (k and v also into the cache)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("kv_cache") = py::none(), py::arg("slot_mapping") = py::none(), py::arg("kv_scales") = py::none());
-  m.def("blocks_linear", &blocks_linear, "x @ W^T in float32, W read from GGUF Q4_1 (with mins) or Q8_0 blocks");
+  m.def("gguf_dequantize", &gguf_dequantize, "rows of a GGUF tensor (all, or those indexed) as float32",
+        py::arg("data"), py::arg("ggml_type"), py::arg("in_features"), py::arg("rows") = py::none());
+  m.def("gguf_linear", &gguf_linear, "x @ W^T (+ bias) in float32, W given as GGUF parts of any supported type",
+        py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("kv_scales") = py::none());

@@ -157,6 +157,7 @@ class GGUFFile:
         if size == 0:
             raise self._error("file is empty")
         self._data: np.memmap[Any, np.dtype[np.uint8]] | None = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._cow: np.memmap[Any, np.dtype[np.uint8]] | None = None  # for tensor_rows
         view = memoryview(self._data)
         try:
             self._parse(_Cursor(view, self._error), size)
@@ -239,6 +240,31 @@ class GGUFFile:
             raise ValueError(f"{self.path}: file is closed")
         return self._data[info.offset : info.offset + info.nbytes]
 
+    def tensor_rows(self, name: str) -> torch.Tensor:
+        """The tensor's stored bytes as a uint8 tensor [rows, bytes per row] (a row: the
+        innermost dimension's blocks), without copying: a view into a copy-on-write map
+        of the file, so only the pages a kernel reads become resident, and they are the
+        page cache's own. The map lives as long as any tensor taken from it."""
+        info = self._info(name)
+        if self._cow is None:
+            self._cow = np.memmap(self.path, dtype=np.uint8, mode="c")
+        view = self._cow[info.offset : info.offset + info.nbytes].reshape(self._row_shape(info))
+        return torch.from_numpy(np.asarray(view))
+
+    def copy_rows(self, name: str) -> torch.Tensor:
+        """Like ``tensor_rows``, but a private copy read with pread (for a tensor whose
+        rows the loader reorders; no page of the file's maps becomes resident)."""
+        info = self._info(name)
+        with open(self.path, "rb") as f:
+            raw = os.pread(f.fileno(), info.nbytes, info.offset)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(self._row_shape(info))
+
+    @staticmethod
+    def _row_shape(info: GGUFTensorInfo) -> tuple[int, int]:
+        block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        row_bytes = (info.shape[-1] if info.shape else 1) // block_size * type_size
+        return (info.nbytes // row_bytes if row_bytes else 0), row_bytes
+
     def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantize a tensor into a new contiguous tensor in PyTorch dimension order."""
         info = self._info(name)
@@ -264,8 +290,9 @@ class GGUFFile:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
     def close(self) -> None:
-        """Drop the memory map; loaded tensors stay valid because they own their memory."""
+        """Drop the memory maps; tensors taken from them stay valid (a view keeps its map)."""
         self._data = None
+        self._cow = None
 
     def __enter__(self) -> GGUFFile:
         return self

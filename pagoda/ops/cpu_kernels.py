@@ -21,7 +21,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "gguf_blocks.cpp")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
@@ -44,11 +45,16 @@ def _build() -> ModuleType:
     missing = {"avx2", "fma", "f16c"} - flags
     if missing:
         raise RuntimeError(f"the CPU lacks {', '.join(sorted(missing))}")
+    import hashlib
+
     from torch.utils import cpp_extension
 
+    # The name carries a hash of every source and header, so a changed header (which
+    # torch's own check of the sources does not see) builds afresh.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()
     return cpp_extension.load(
-        name="pagoda_cpu_kernels",
-        sources=[str(_SOURCE)],
+        name=f"pagoda_cpu_kernels_{digest[:12]}",
+        sources=[str(p) for p in _SOURCES],
         # No FMA contraction of plain C++ arithmetic: the elementwise ops then round as
         # torch's do (the kernels' explicit FMA intrinsics are unaffected).
         extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],

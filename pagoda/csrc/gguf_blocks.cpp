@@ -1,0 +1,439 @@
+// GGUF weights kept in their blocks: every tensor type people download, dequantized a
+// few rows at a time inside the kernels, never as a whole model.
+//
+// gguf_dequantize: rows of a tensor (all, or those an index names: an embedding lookup)
+//   to float32, the very values of ggml's reference dequantization (and of the gguf
+//   library's numpy one, which the tests compare with bit for bit): each value is
+//   scale * q (+ offset) with the multiplication and the addition rounded separately.
+// gguf_linear: y = x W^T (+ bias) in float32 for W given as one or more parts (a stacked
+//   q/k/v or gate/up projection whose parts may differ in type, as Q4_K_M files mix
+//   Q4_K and Q6_K). Small steps (decode, up to kSmallSteps rows) dequantize a tile of
+//   output channels into a buffer that stays in L1/L2 and run pagoda's float32
+//   micro-kernel over it: the weights are read once per step in their 4.5-8.5 bits.
+//   Larger steps dequantize panels of output channels and multiply them with BLAS.
+//
+// Block layouts (ggml's, byte offsets within one block; d, dmin, m are float16):
+//   Q4_0   32: d, qs[16]                 w = d * (nibble - 8)
+//   Q4_1   32: d, m, qs[16]              w = d * nibble + m
+//   Q5_0   32: d, qh[4], qs[16]          w = d * ((nibble | bit << 4) - 16)
+//   Q5_1   32: d, m, qh[4], qs[16]       w = d * (nibble | bit << 4) + m
+//   Q8_0   32: d, qs[32] (int8)          w = d * q
+//   IQ4_NL 32: d, qs[16]                 w = d * kvalues[nibble]
+//   Q2_K  256: scales[16], qs[64], d, dmin            w = (d * sc) * q - (dmin * mn)
+//   Q3_K  256: hmask[32], qs[64], scales[12], d       w = (d * (sc - 32)) * q
+//   Q4_K  256: d, dmin, scales[12], qs[128]           w = (d * sc) * q - (dmin * mn)
+//   Q5_K  256: d, dmin, scales[12], qh[32], qs[128]   as Q4_K with a fifth bit
+//   Q6_K  256: ql[128], qh[64], scales[16] (int8), d  w = (d * sc) * (q - 32)
+//   IQ4_XS 256: d, scales_h (u16), scales_l[4], qs[128]   w = (d * (sc - 32)) * kvalues[nibble]
+// In a block of 32 with 16 bytes of nibbles, byte j holds weight j (low) and j + 16 (high).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "f32_tiles.h"
+
+namespace {
+
+using pagoda::f32_all_rows;
+
+// ggml type ids (gguf.GGMLQuantizationType).
+enum GgmlType : int {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30,
+};
+
+struct BlockFormat {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+bool known_format(int type, BlockFormat* f) {
+  switch (type) {
+    case kF32: *f = {1, 4}; return true;
+    case kF16: *f = {1, 2}; return true;
+    case kBF16: *f = {1, 2}; return true;
+    case kQ4_0: *f = {32, 18}; return true;
+    case kQ4_1: *f = {32, 20}; return true;
+    case kQ5_0: *f = {32, 22}; return true;
+    case kQ5_1: *f = {32, 24}; return true;
+    case kQ8_0: *f = {32, 34}; return true;
+    case kIQ4_NL: *f = {32, 18}; return true;
+    case kQ2_K: *f = {256, 84}; return true;
+    case kQ3_K: *f = {256, 110}; return true;
+    case kQ4_K: *f = {256, 144}; return true;
+    case kQ5_K: *f = {256, 176}; return true;
+    case kQ6_K: *f = {256, 210}; return true;
+    case kIQ4_XS: *f = {256, 136}; return true;
+    default: return false;
+  }
+}
+
+BlockFormat format_of(int64_t type) {
+  BlockFormat f;
+  TORCH_CHECK(known_format(static_cast<int>(type), &f), "unsupported ggml type ", type);
+  return f;
+}
+
+const int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return pagoda::h2f(h);
+}
+
+inline __m256 load_q8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+// y[j] = a * q[j] for n (a multiple of 8) values.
+inline void emit_scaled(const int8_t* q, int n, float a, float* y) {
+  const __m256 av = _mm256_set1_ps(a);
+  for (int j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, _mm256_mul_ps(av, load_q8(q + j)));
+}
+
+// y[j] = a * q[j] + b, rounded after the product and after the sum (no fused multiply-add).
+inline void emit_affine(const int8_t* q, int n, float a, float b, float* y) {
+  const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+  for (int j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_mul_ps(av, load_q8(q + j)), bv));
+}
+
+// y[j] = a * q[j] - b.
+inline void emit_minus(const int8_t* q, int n, float a, float b, float* y) {
+  const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+  for (int j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, _mm256_sub_ps(_mm256_mul_ps(av, load_q8(q + j)), bv));
+}
+
+// 16 bytes of nibbles -> 32 values: byte j's low nibble to q[j], high nibble to q[j + 16].
+inline void split_nibbles16(const uint8_t* p, uint8_t* q) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_and_si128(b, mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+}
+
+// 32 bytes -> 64 values: low nibbles to q[0..31], high nibbles to q[32..63].
+inline void split_nibbles32(const uint8_t* p, uint8_t* q) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_and_si256(b, mask));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+}
+
+// The K-quants' 6-bit scales and minimums of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One block of `type` at p -> y (block-size floats).
+void dequantize_block(int type, const uint8_t* p, float* y) {
+  alignas(32) int8_t q[256];
+  uint8_t* uq = reinterpret_cast<uint8_t*>(q);
+  switch (type) {
+    case kQ4_0: {
+      split_nibbles16(p + 2, uq);
+      for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(uq[j] - 8);
+      emit_scaled(q, 32, f16_at(p), y);
+      break;
+    }
+    case kQ4_1:
+      split_nibbles16(p + 4, uq);
+      emit_affine(q, 32, f16_at(p), f16_at(p + 2), y);
+      break;
+    case kIQ4_NL:
+      split_nibbles16(p + 2, uq);
+      for (int j = 0; j < 32; ++j) q[j] = kIQ4Values[uq[j]];
+      emit_scaled(q, 32, f16_at(p), y);
+      break;
+    case kQ5_0:
+    case kQ5_1: {
+      const int off = type == kQ5_1 ? 4 : 2;
+      uint32_t qh;
+      std::memcpy(&qh, p + off, 4);
+      split_nibbles16(p + off + 4, uq);
+      for (int j = 0; j < 32; ++j) uq[j] |= ((qh >> j) & 1) << 4;
+      if (type == kQ5_0) {
+        for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(uq[j] - 16);
+        emit_scaled(q, 32, f16_at(p), y);
+      } else {
+        emit_affine(q, 32, f16_at(p), f16_at(p + 2), y);
+      }
+      break;
+    }
+    case kQ8_0:
+      emit_scaled(reinterpret_cast<const int8_t*>(p + 2), 32, f16_at(p), y);
+      break;
+    case kQ2_K: {
+      const uint8_t* scales = p;
+      const uint8_t* qs = p + 16;
+      const float d = f16_at(p + 80), dmin = f16_at(p + 82);
+      // Weight half * 128 + s * 32 + l is bits 2s..2s+1 of qs[half * 32 + l].
+      for (int half = 0; half < 2; ++half)
+        for (int s = 0; s < 4; ++s)
+          for (int l = 0; l < 32; ++l) uq[half * 128 + s * 32 + l] = (qs[half * 32 + l] >> (2 * s)) & 3;
+      for (int j = 0; j < 16; ++j)
+        emit_minus(q + 16 * j, 16, d * static_cast<float>(scales[j] & 0x0F), dmin * static_cast<float>(scales[j] >> 4),
+                   y + 16 * j);
+      break;
+    }
+    case kQ3_K: {
+      const uint8_t* hmask = p;
+      const uint8_t* qs = p + 32;
+      const uint8_t* s = p + 96;
+      const float d = f16_at(p + 108);
+      // Weight w = half * 128 + s * 32 + l: 2 low bits from qs as in Q2_K, and minus 4
+      // where bit w / 32 of hmask[l] is clear.
+      for (int half = 0; half < 2; ++half)
+        for (int sh = 0; sh < 4; ++sh)
+          for (int l = 0; l < 32; ++l) {
+            const int w = half * 128 + sh * 32 + l;
+            const int low = (qs[half * 32 + l] >> (2 * sh)) & 3;
+            q[w] = static_cast<int8_t>(low - (((hmask[l] >> (w / 32)) & 1) ? 0 : 4));
+          }
+      for (int j = 0; j < 16; ++j) {
+        // 6-bit scales: low 4 bits from bytes 0-7 (low nibbles, then high), high 2 from bytes 8-11.
+        const int lo = (s[j % 8] >> (4 * (j / 8))) & 0x0F;
+        const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        const int sc = static_cast<int8_t>(lo | (hi << 4)) - 32;
+        emit_scaled(q + 16 * j, 16, d * static_cast<float>(sc), y + 16 * j);
+      }
+      break;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const float d = f16_at(p), dmin = f16_at(p + 2);
+      const uint8_t* s = p + 4;
+      const bool five = type == kQ5_K;
+      const uint8_t* qs = p + (five ? 48 : 16);
+      // Weight c * 64 + l: low nibble of qs[c * 32 + l]; c * 64 + 32 + l: its high nibble.
+      for (int c = 0; c < 4; ++c) split_nibbles32(qs + 32 * c, uq + 64 * c);
+      if (five) {
+        // Bit j of qh[l] is the fifth bit of weight j * 32 + l.
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+        const __m256i bit = _mm256_set1_epi8(0x10);
+        for (int j = 0; j < 8; ++j) {
+          // Move bit j of every byte to bit 4: shift 16-bit lanes, then mask.
+          const __m256i h = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+          __m256i* dst = reinterpret_cast<__m256i*>(uq + 32 * j);
+          _mm256_storeu_si256(dst, _mm256_or_si256(_mm256_loadu_si256(dst), _mm256_and_si256(h, bit)));
+        }
+      }
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, mn;
+        scale_min_k4(j, s, &sc, &mn);
+        emit_minus(q + 32 * j, 32, d * static_cast<float>(sc), dmin * static_cast<float>(mn), y + 32 * j);
+      }
+      break;
+    }
+    case kQ6_K: {
+      const uint8_t* ql = p;
+      const uint8_t* qh = p + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+      const float d = f16_at(p + 208);
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+      for (int half = 0; half < 2; ++half) {
+        // Weights half * 128 + [0, 32): low nibbles of ql[0..31] | bits 0-1 of qh << 4;
+        // [32, 64): low nibbles of ql[32..63] | bits 2-3; [64, 96): high nibbles of ql[0..31]
+        // | bits 4-5; [96, 128): high nibbles of ql[32..63] | bits 6-7. Minus 32.
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * half));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * half + 32));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * half));
+        const __m256i lows[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        for (int c = 0; c < 4; ++c) {
+          const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
+          const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lows[c], _mm256_slli_epi16(hb, 4)), bias);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * c), v);
+        }
+      }
+      for (int j = 0; j < 16; ++j) emit_scaled(q + 16 * j, 16, d * static_cast<float>(scales[j]), y + 16 * j);
+      break;
+    }
+    case kIQ4_XS: {
+      const float d = f16_at(p);
+      uint16_t sh;
+      std::memcpy(&sh, p + 2, 2);
+      const uint8_t* sl = p + 4;
+      const uint8_t* qs = p + 8;
+      for (int ib = 0; ib < 8; ++ib) {
+        split_nibbles16(qs + 16 * ib, uq + 32 * ib);
+        for (int j = 0; j < 32; ++j) q[32 * ib + j] = kIQ4Values[uq[32 * ib + j]];
+        const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
+        emit_scaled(q + 32 * ib, 32, d * static_cast<float>(ls - 32), y + 32 * ib);
+      }
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "unsupported ggml type ", type);
+  }
+}
+
+// One row of K weights of `type` at p -> y.
+void dequantize_row(int type, const uint8_t* p, int64_t K, float* y) {
+  switch (type) {
+    case kF32:
+      std::memcpy(y, p, K * 4);
+      return;
+    case kF16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        _mm256_storeu_ps(y + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k))));
+      for (; k < K; ++k) y[k] = pagoda::h2f(h[k]);
+      return;
+    }
+    case kBF16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k)));
+        _mm256_storeu_ps(y + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      }
+      for (; k < K; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(h[k]) << 16;
+        std::memcpy(y + k, &bits, 4);
+      }
+      return;
+    }
+    default: {
+      const BlockFormat f = format_of(type);
+      for (int64_t b = 0; b < K / f.block; ++b) dequantize_block(type, p + b * f.bytes, y + b * f.block);
+    }
+  }
+}
+
+struct Part {
+  const uint8_t* data;
+  int type;
+  int64_t rows;
+  int64_t row_bytes;
+  int64_t col;  // first output column of this part
+};
+
+std::vector<Part> check_parts(const std::vector<torch::Tensor>& parts, const std::vector<int64_t>& types, int64_t K) {
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "one ggml type per weight part");
+  std::vector<Part> out;
+  int64_t col = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const torch::Tensor& t = parts[i];
+    const BlockFormat f = format_of(types[i]);
+    TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kUInt8 && t.is_contiguous(),
+                "weight part ", i, " must be contiguous uint8 [rows, bytes per row]");
+    TORCH_CHECK(K % f.block == 0, "in_features ", K, " is not a multiple of the block size ", f.block);
+    TORCH_CHECK(t.size(1) == K / f.block * f.bytes, "weight part ", i, " has ", t.size(1),
+                " bytes per row; in_features ", K, " of type ", types[i], " needs ", K / f.block * f.bytes);
+    out.push_back({t.data_ptr<uint8_t>(), static_cast<int>(types[i]), t.size(0), t.size(1), col});
+    col += t.size(0);
+  }
+  return out;
+}
+
+// Steps of up to this many rows run pagoda's micro-kernel on dequantized tiles; larger
+// ones BLAS on dequantized panels.
+constexpr int64_t kSmallSteps = 16;
+
+// A unit of work: rows [n0, n1) of one part.
+struct Tile {
+  int part;
+  int64_t n0, n1;
+};
+
+std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile) {
+  std::vector<Tile> tiles;
+  for (size_t p = 0; p < parts.size(); ++p)
+    for (int64_t n0 = 0; n0 < parts[p].rows; n0 += rows_per_tile)
+      tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + rows_per_tile)});
+  return tiles;
+}
+
+}  // namespace
+
+torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::optional<torch::Tensor> rows) {
+  const std::vector<Part> parts = check_parts({data}, {type}, K);
+  const Part& w = parts[0];
+  const int64_t* idx = nullptr;
+  int64_t R = w.rows;
+  torch::Tensor index;
+  if (rows.has_value() && rows->defined()) {
+    index = rows->to(torch::kInt64).contiguous();
+    idx = index.data_ptr<int64_t>();
+    R = index.numel();
+    for (int64_t i = 0; i < R; ++i)
+      TORCH_CHECK(idx[i] >= 0 && idx[i] < w.rows, "row index ", idx[i], " out of range for ", w.rows, " rows");
+  }
+  auto y = torch::empty({R, K}, torch::kFloat32);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t src = idx ? idx[r] : r;
+      dequantize_row(w.type, w.data + src * w.row_bytes, K, yp + r * K);
+    }
+  });
+  return y;
+}
+
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 8 == 0, "in_features must be a multiple of 8, got ", K);
+  const std::vector<Part> parts = check_parts(weights, types, K);
+  const int64_t N = parts.back().col + parts.back().rows;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "bias must be contiguous float32 [out_features]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M <= kSmallSteps) {
+    // Tiles of output channels whose float32 rows fill about 24 KiB (at least 3 rows).
+    const int64_t per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
+    const std::vector<Tile> tiles = tiles_of(parts, per_tile);
+    at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> buf(per_tile * K);
+      for (int64_t t = t0; t < t1; ++t) {
+        const Tile& tile = tiles[t];
+        const Part& w = parts[tile.part];
+        for (int64_t n = tile.n0; n < tile.n1; ++n)
+          dequantize_row(w.type, w.data + n * w.row_bytes, K, buf.data() + (n - tile.n0) * K);
+        f32_all_rows(xp, M, K, buf.data(), bp ? bp + w.col : nullptr, yp + w.col, N, tile.n0, tile.n1);
+      }
+    });
+    return y;
+  }
+  // Panels of about 256 KiB of float32 weights, each multiplied by BLAS in one call.
+  const int64_t per_panel = std::max<int64_t>(16, 65536 / K);
+  const std::vector<Tile> panels = tiles_of(parts, per_panel);
+  at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t t0, int64_t t1) {
+    auto buf = torch::empty({per_panel, K}, torch::kFloat32);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Tile& tile = panels[t];
+      const Part& w = parts[tile.part];
+      const int64_t n = tile.n1 - tile.n0;
+      for (int64_t i = 0; i < n; ++i)
+        dequantize_row(w.type, w.data + (tile.n0 + i) * w.row_bytes, K, buf.data_ptr<float>() + i * K);
+      const torch::Tensor panel = buf.narrow(0, 0, n);
+      torch::Tensor out = y.narrow(1, w.col + tile.n0, n);
+      if (bp)
+        out.copy_(at::addmm(bias->narrow(0, w.col + tile.n0, n), x, panel.t()));
+      else
+        out.copy_(at::mm(x, panel.t()));
+    }
+  });
+  return y;
+}

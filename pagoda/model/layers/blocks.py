@@ -1,0 +1,142 @@
+"""Weights kept in their file's format: GGUF blocks of any type, float16 and bfloat16.
+
+The loader hands each projection's stored bytes (for a GGUF file, a view into a
+memory map of it: nothing is copied or dequantized at load) to a ``BlockWeight``,
+and the model's linear layers and embedding to ``BlocksLinear`` / ``BlocksEmbedding``.
+pagoda's kernels (``gguf_linear``, ``gguf_dequantize`` in pagoda/csrc/gguf_blocks.cpp)
+dequantize a few rows at a time in cache to the very float32 values of ggml's
+reference dequantization and multiply in float32: the exact mode's numbers, with a
+decode step reading 4.5-8.5 bits per weight instead of 32.
+
+A format is one entry of ``BLOCK_TYPES`` (the ggml types the kernels read); a type
+missing there is refused by the loader with the tensor's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from pagoda.ops import cpu_kernels
+
+_Q = GGMLQuantizationType
+# The ggml types pagoda's kernels multiply in place (block layouts: gguf_blocks.cpp).
+BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset({
+    _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ4_NL, _Q.IQ4_XS,
+})
+# torch dtypes stored as they are (HF checkpoints), as the ggml type of the same bits.
+TORCH_DTYPE_TYPES = {torch.float32: _Q.F32, torch.float16: _Q.F16, torch.bfloat16: _Q.BF16}
+
+
+class UnsupportedWeightType(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A [out_features, in_features] weight as stored: ``data`` holds each output
+    channel's row of blocks (uint8 [out_features, bytes per row])."""
+
+    data: torch.Tensor
+    ggml_type: GGMLQuantizationType
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.ggml_type not in BLOCK_TYPES:
+            raise UnsupportedWeightType(f"ggml type {self.ggml_type.name} is not supported")
+        block, nbytes = GGML_QUANT_SIZES[self.ggml_type]
+        if self.in_features % block or self.data.dim() != 2 or self.data.dtype != torch.uint8:
+            raise ValueError(f"{self.ggml_type.name} weight: expected uint8 rows of whole blocks of {block}")
+        if self.data.shape[1] != self.in_features // block * nbytes:
+            raise ValueError(f"{self.ggml_type.name} weight: {self.data.shape[1]} bytes per row "
+                             f"do not hold {self.in_features} weights")
+
+    @classmethod
+    def from_tensor(cls, weight: torch.Tensor) -> BlockWeight:
+        """A float32/float16/bfloat16 [out, in] tensor kept in its own dtype (no copy
+        when it is contiguous)."""
+        if weight.dtype not in TORCH_DTYPE_TYPES or weight.dim() != 2:
+            raise UnsupportedWeightType(f"cannot keep a {weight.dtype} tensor of {weight.dim()} dimensions as blocks")
+        w = weight.detach().contiguous()
+        return cls(w.view(torch.uint8).reshape(w.shape[0], -1), TORCH_DTYPE_TYPES[w.dtype], w.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out_features, in_features], or only the rows ``rows`` names."""
+        ops = cpu_kernels.kernels()
+        if ops is None:
+            raise RuntimeError(f"pagoda's CPU kernels are needed to read {self.ggml_type.name} weights "
+                               f"({cpu_kernels.error()})")
+        return ops.gguf_dequantize(self.data, int(self.ggml_type), self.in_features, rows)
+
+
+class BlocksLinear(nn.Module):
+    """y = x W^T (+ bias) with W the concatenation of ``parts`` along the output
+    channels (a stacked q/k/v or gate/up projection; the parts may differ in type)."""
+
+    def __init__(self, parts: list[BlockWeight], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("BlocksLinear needs one or more parts with the same in_features")
+        self.parts = list(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} for {self.out_features} output channels")
+        # The parts' bytes as buffers, so they count as the model's memory.
+        for i, p in enumerate(self.parts):
+            self.register_buffer(f"part{i}", p.data, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self._data = [p.data for p in self.parts]
+        self._types = [int(p.ggml_type) for p in self.parts]
+        self._ops = cpu_kernels.kernels()
+        if self._ops is None:
+            raise RuntimeError(f"pagoda's CPU kernels are needed for weights kept as blocks ({cpu_kernels.error()})")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        y = self._ops.gguf_linear(x2, self._data, self._types, self.bias)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out_features, in_features] (a transient copy)."""
+        return torch.cat([p.dequantize() for p in self.parts]) if len(self.parts) > 1 else self.parts[0].dequantize()
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(p.ggml_type.name for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, kept as {kinds}"
+
+
+class BlocksEmbedding(nn.Module):
+    """A token embedding kept as blocks: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: BlockWeight) -> None:
+        super().__init__()
+        self.blocks = weight
+        self.num_embeddings = weight.out_features
+        self.embedding_dim = weight.in_features
+        self.register_buffer("data", weight.data, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # The kernel checks every id against the row count.
+        return self.blocks.dequantize(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kept as {self.blocks.ggml_type.name}"
