@@ -10,12 +10,16 @@ scale fields hold small finite values (any such bytes are a valid block).
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 _Q = GGMLQuantizationType
 # Byte offsets of the float16 fields (scales, minimums) inside one block.
 FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    _Q.Q4_0: (0,), _Q.Q4_1: (0, 2), _Q.Q5_0: (0,), _Q.Q5_1: (0, 2), _Q.Q8_0: (0,),
     _Q.Q2_K: (80, 82), _Q.Q3_K: (108,), _Q.Q4_K: (0, 2), _Q.Q5_K: (0, 2), _Q.Q6_K: (208,),
     _Q.IQ4_NL: (0,), _Q.IQ4_XS: (0,),
 }
@@ -23,9 +27,11 @@ QUANTIZABLE = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q
 
 
 def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
-                  std: float = 0.02) -> np.ndarray:
-    """uint8 [rows, bytes per row]: a random [rows, cols] weight stored as ``ggml_type``."""
-    if ggml_type in QUANTIZABLE:
+                  std: float = 0.02, reference_quantizer: bool = True) -> np.ndarray:
+    """uint8 [rows, bytes per row]: a random [rows, cols] weight stored as ``ggml_type``;
+    quantized from random floats by the gguf library where it can (and
+    ``reference_quantizer``), else random blocks (fast: for files of billions of weights)."""
+    if ggml_type in (_Q.F32, _Q.F16) or (ggml_type in QUANTIZABLE and reference_quantizer):
         w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
         if ggml_type == _Q.F32:
             return w.view(np.uint8)
@@ -44,3 +50,163 @@ def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng: np
     for i, off in enumerate(FP16_FIELDS[ggml_type]):
         raw[:, off : off + 2] = scales[:, i : i + 1].view(np.uint8)
     return raw.reshape(rows, cols // block * nbytes)
+
+
+# ---- whole files -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    arch: str                 # GGUF general.architecture
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    tied: bool
+    rope_theta: float
+    qkv_bias: bool = False
+
+
+# Real models' shapes (their own vocabularies replaced by the bundled tokenizer's 49,152).
+SHAPES: dict[str, ModelShape] = {
+    "smollm2-135m": ModelShape("llama", 576, 30, 9, 3, 1536, True, 100000.0),
+    "qwen2.5-0.5b": ModelShape("qwen2", 896, 24, 14, 2, 4864, True, 1000000.0, qkv_bias=True),
+    "llama-3.2-1b": ModelShape("llama", 2048, 16, 32, 8, 8192, True, 500000.0),
+    "llama-3.2-3b": ModelShape("llama", 3072, 28, 24, 8, 8192, True, 500000.0),
+    "llama-3.1-8b": ModelShape("llama", 4096, 32, 32, 8, 14336, False, 500000.0),
+}
+# File types: F16, or llama.cpp's mixes written directly as random blocks.
+FILE_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")
+# llama.cpp's fallback where a row is not whole 256-weight blocks.
+_FALLBACK = {_Q.Q4_K: _Q.Q5_0, _Q.Q5_K: _Q.Q5_1, _Q.Q6_K: _Q.Q8_0, _Q.Q2_K: _Q.IQ4_NL, _Q.Q3_K: _Q.IQ4_NL}
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers that get Q6_K in a Q4_K_M file."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(file_type: str, name: str, layer: int, layers: int, cols: int, tied: bool) -> GGMLQuantizationType:
+    """The type a ``file_type`` file stores tensor ``name`` (llama.cpp's Q4_K_M recipe)."""
+    if file_type == "F16":
+        return _Q.F16
+    if file_type in ("Q8_0", "Q4_0"):
+        t = _Q[file_type]
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            t = _Q.Q6_K if cols % 256 == 0 else _Q.Q8_0
+        return t
+    t = _Q.Q4_K
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        t = _Q.Q6_K
+    elif name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(layer, layers):
+        t = _Q.Q6_K
+    if cols % 256:
+        t = _FALLBACK.get(t, t)
+    return t
+
+
+def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] | tuple[int], int]]:
+    """(name, numpy shape, layer) of every tensor, in llama.cpp's order."""
+    h, hd = shape.hidden, shape.hidden // shape.heads
+    out: list = [("token_embd.weight", (vocab, h), -1)]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (h,), i), (b + "attn_q.weight", (shape.heads * hd, h), i),
+                (b + "attn_k.weight", (shape.kv_heads * hd, h), i), (b + "attn_v.weight", (shape.kv_heads * hd, h), i)]
+        if shape.qkv_bias:
+            out += [(b + "attn_q.bias", (shape.heads * hd,), i), (b + "attn_k.bias", (shape.kv_heads * hd,), i),
+                    (b + "attn_v.bias", (shape.kv_heads * hd,), i)]
+        out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + "ffn_norm.weight", (h,), i),
+                (b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
+                (b + "ffn_down.weight", (h, shape.ffn), i)]
+    out.append(("output_norm.weight", (h,), -1))
+    if not shape.tied:
+        out.append(("output.weight", (vocab, h), -1))
+    return out
+
+
+def write_model(path: str, shape_name: str, file_type: str = "Q4_K_M", tokenizer_from: str | None = None,
+                seed: int = 0, show_progress: bool = True) -> str:
+    """Write a random-weight GGUF file of a named shape, tensor by tensor (peak memory:
+    one tensor), with the bundled model's tokenizer and chat template."""
+    import gguf
+    from tqdm import tqdm
+
+    from pagoda.model.gguf_file import GGUFFile
+    from pagoda.model.loader import default_model_path
+
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}; known: {', '.join(SHAPES)}")
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"file type must be one of {', '.join(FILE_TYPES)}; got {file_type!r}")
+    shape = SHAPES[shape_name]
+    src = GGUFFile(tokenizer_from or default_model_path())
+    tok = {k: v for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+    vocab = len(tok["tokenizer.ggml.tokens"])
+    a = shape.arch
+    w = gguf.GGUFWriter(path, a)
+    w.add_name(f"random {shape_name} {file_type}")
+    w.add_uint32(f"{a}.block_count", shape.layers)
+    w.add_uint32(f"{a}.context_length", 8192)
+    w.add_uint32(f"{a}.embedding_length", shape.hidden)
+    w.add_uint32(f"{a}.feed_forward_length", shape.ffn)
+    w.add_uint32(f"{a}.attention.head_count", shape.heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", shape.kv_heads)
+    w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_uint32(f"{a}.vocab_size", vocab)
+    w.add_uint32(f"{a}.rope.dimension_count", shape.hidden // shape.heads)
+    w.add_uint32("general.file_type", {"F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}[file_type])
+    w.add_uint32("general.quantization_version", 2)
+    for k, v in tok.items():
+        if isinstance(v, list):
+            w.add_array(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, bool):
+            w.add_bool(k, v)
+        else:
+            w.add_uint32(k, v)
+    rng = np.random.default_rng(seed)
+    plan = []
+    for name, np_shape, layer in _tensors(shape, vocab):
+        if len(np_shape) == 1:
+            plan.append((name, np_shape, _Q.F32))
+            w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * np_shape[0])
+            continue
+        t = tensor_type(file_type, name, layer, shape.layers, np_shape[1], shape.tied)
+        plan.append((name, np_shape, t))
+        block, nbytes = GGML_QUANT_SIZES[t]
+        row_bytes = np_shape[1] // block * nbytes
+        w.add_tensor_info(name, (np_shape[0], row_bytes), np.dtype(np.uint8), np_shape[0] * row_bytes, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, np_shape, t in tqdm(plan, desc=f"writing {os.path.basename(path)}", disable=not show_progress):
+        if len(np_shape) == 1:
+            data = (np.ones(np_shape, np.float32) if name.endswith("norm.weight")
+                    else rng.standard_normal(np_shape, dtype=np.float32) * np.float32(0.02))
+        else:
+            data = random_blocks(t, np_shape[0], np_shape[1], rng, reference_quantizer=False)
+        w.write_tensor_data(data)
+    w.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write random-weight GGUF files of real model shapes.")
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out", help="output .gguf path")
+    ap.add_argument("--type", default="Q4_K_M", choices=FILE_TYPES,
+                    help="F16 (e.g. for llama-quantize) or a mix written directly as random blocks")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    write_model(args.out, args.shape, args.type, seed=args.seed)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -69,9 +69,9 @@ def measure_int8_peak(shapes: list[tuple[int, int, int]]) -> dict[str, Any]:
 def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
     """Bytes per weight of the projections and LM head as loaded (4 for fp32, ~1 for
     int8, ~0.6 for q4 with its scales; exact mode's ``BlocksLinear`` counts its blocks,
-    what its steps of up to BLOCKS_MAX_ROWS rows read), for the ideal-bytes side of the
-    roofline."""
-    from pagoda.model.layers.quantization import BlocksLinear, Int8Linear, Int8WeightLinear, Q4Linear
+    what its steps read), for the ideal-bytes side of the roofline."""
+    from pagoda.model.layers.blocks import BlocksLinear
+    from pagoda.model.layers.quantization import Int8Linear, Int8WeightLinear, Q4Linear
 
     elems = nbytes = 0
     for m in model.modules():
@@ -79,6 +79,8 @@ def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
             elems += m.in_features * m.out_features
             if isinstance(m, torch.nn.Linear):
                 nbytes += m.weight.numel() * m.weight.element_size()
+            elif isinstance(m, BlocksLinear):
+                nbytes += m.weight_bytes
             else:
                 # An Int8Linear packed for AVX-512 VNNI keeps both layouts; its steps read one.
                 skip = {"bias", "qweight"} if getattr(m, "vnni_weight", None) is not None else {"bias"}

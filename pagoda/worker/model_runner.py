@@ -121,7 +121,7 @@ class ModelRunner:
         # Decode attention in place through the block tables (pagoda/csrc), where
         # the kernels build: CPU, float32 queries, float32/float16/int8 KV.
         self.decode_kernel = cpu_kernels.use_decode_kernel(
-            device, quantized if quantized is not None else kv_dtype, model.model.embed_tokens.weight.dtype
+            device, quantized if quantized is not None else kv_dtype, model.model.norm.weight.dtype
         )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}

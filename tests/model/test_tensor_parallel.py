@@ -89,8 +89,17 @@ _PROMPTS = [list(range(3, 9)), list(range(20, 61)), [7] * 19, list(range(100, 13
 
 
 def _float_parameter_bytes(model) -> int:
-    unique = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() * p.element_size() for p in unique)
+    """The weights' bytes in float32: a layer kept as GGUF blocks (BlocksLinear,
+    BlocksEmbedding; a tied LM head shares the embedding's) at its float32 size."""
+    from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
+
+    unique = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    for m in model.modules():
+        if isinstance(m, BlocksLinear):
+            unique.update({id(p.data): 4 * p.out_features * p.in_features for p in m.parts})
+        elif isinstance(m, BlocksEmbedding):
+            unique[id(m.blocks.data)] = 4 * m.num_embeddings * m.embedding_dim
+    return sum(unique.values())
 
 
 def _greedy(path: str | None, tp: int, **kw):
@@ -99,8 +108,8 @@ def _greedy(path: str | None, tp: int, **kw):
               skip_tokenizer_init=True, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params, use_tqdm=False)
-        # Without tensor parallelism the exact mode also keeps GGUF blocks of the weights
-        # (BlocksLinear, not used by TP ranks): compare the float weights alone.
+        # Without tensor parallelism the exact mode keeps GGUF weights in their blocks
+        # (TP ranks dequantize them): compare float32 sizes.
         weights = [_float_parameter_bytes(llm.engine.loaded.model)]
         if tp > 1:
             weights = llm.engine.tp_driver.weight_bytes

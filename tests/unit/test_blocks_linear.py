@@ -1,119 +1,126 @@
-"""Exact mode's BlocksLinear: float32 products with weights read from GGUF Q4_1 / Q8_0
-blocks must equal the float32 linear layer on the dequantized weights."""
+"""Weights kept in their GGUF blocks: for every type, pagoda's dequantization equals the
+gguf library's reference bit for bit, and its float32 products equal float64 products of
+the dequantized weights within float32 rounding, at every step size."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
 
-from pagoda.model.layers import quantization as qz
-from pagoda.model.layers.quantization import (BlocksLinear, exact_blocks, pack_exact_blocks, q4_dequantize,
-                                              q8_0_dequantize)
+from pagoda.bench.gguf_files import random_blocks
+from pagoda.model.layers.blocks import BLOCK_TYPES, BlocksEmbedding, BlocksLinear, BlockWeight, UnsupportedWeightType
 from pagoda.ops import cpu_kernels
 
 ops = cpu_kernels.kernels()
-needs_kernels = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {cpu_kernels.error()}")
+pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {cpu_kernels.error()}")
+
+TYPES = sorted(BLOCK_TYPES, key=lambda t: t.value)
 
 
-def _q4_1_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    """A float32 weight as a Q4_1 GGUF tensor dequantizes to: random 4-bit values, fp16
-    scales and minimums."""
-    g = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    # Q4_1 maps each group's minimum to 0 and its maximum to 15.
-    packed[:, ::16] &= 0xF0
-    packed[:, 1::16] |= 0x0F
-    scales = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).half()
-    mins = (-torch.rand(n, k // 32, generator=g) * 0.08).half()
-    return q4_dequantize(packed, scales, mins)
+def _weight(ggml_type: Q, rows: int, cols: int, seed: int) -> tuple[BlockWeight, np.ndarray]:
+    raw = random_blocks(ggml_type, rows, cols, np.random.default_rng(seed))
+    if ggml_type == Q.F32:
+        ref = raw.view(np.float32).reshape(rows, cols)
+    elif ggml_type == Q.F16:
+        ref = raw.view(np.float16).reshape(rows, cols).astype(np.float32)
+    else:
+        ref = quants.dequantize(raw, ggml_type).reshape(rows, cols)
+    return BlockWeight(torch.from_numpy(np.ascontiguousarray(raw)), ggml_type, cols), ref
 
 
-def _q8_0_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    q[:, ::32] = 127  # ggml's Q8_0 maps each group's largest |w| to +-127
-    scales = (torch.rand(n, k // 32, generator=g) * 0.001 + 1e-5).half()
-    return q8_0_dequantize(q, scales)
+def _close(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None) -> None:
+    """Within float32 rounding of the float64 product: the float32 sums' error is
+    bounded by ~K eps |x| |w|, far below a wrong block's (weights off by a scale)."""
+    exact = x.double() @ torch.from_numpy(w).double().T
+    if bias is not None:
+        exact = exact + bias.double()
+    bound = x.abs().double() @ torch.from_numpy(np.abs(w)).double().T
+    tol = 4 * x.shape[1] ** 0.5 * torch.finfo(torch.float32).eps * bound + 1e-30
+    assert y.dtype == torch.float32
+    assert bool(((y.double() - exact).abs() <= tol).all()), (y.double() - exact).abs().max()
 
 
-def test_exact_blocks_rebuilds_gguf_weights_bit_for_bit():
-    w4 = _q4_1_weight(40, 96, 0)
-    packed, scales, mins = exact_blocks(w4)
-    assert mins is not None and torch.equal(q4_dequantize(packed, scales, mins), w4)
-    w8 = _q8_0_weight(40, 96, 1)
-    q, scales, mins = exact_blocks(w8)
-    assert mins is None and q.dtype == torch.int8 and torch.equal(q8_0_dequantize(q, scales), w8)
-    # A float checkpoint's weights are no such blocks: they stay as they are.
-    assert exact_blocks(torch.randn(40, 96)) is None
-    assert exact_blocks(torch.randn(40, 90)) is None  # rows not in groups of 32
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_the_reference_bit_for_bit(ggml_type):
+    w, ref = _weight(ggml_type, 19, 512, seed=ggml_type.value)
+    got = w.dequantize().numpy()
+    assert got.shape == ref.shape
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)) or np.array_equal(got, ref)
+    rows = torch.tensor([18, 0, 7, 7])
+    assert np.array_equal(w.dequantize(rows).numpy(), ref[rows.numpy()])
 
 
-@needs_kernels
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 70])
-@pytest.mark.parametrize("out_features", [96, 100])  # 100: output channels not in threes
-def test_blocks_linear_equals_the_float32_linear(fmt, rows, out_features):
-    w = (_q4_1_weight if fmt == "q4_1" else _q8_0_weight)(out_features, 128, rows)
-    qweight, scales, mins = exact_blocks(w)
-    torch.manual_seed(rows)
-    x = torch.randn(rows, 128)
-    bias = torch.randn(out_features)
-    y = ops.blocks_linear(x, qweight, scales, mins, bias)
-    ref = F.linear(x.double(), w.double(), bias.double()).float()
-    # float32 sums in another order than BLAS's: a few ulps of the sum's terms.
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    # A row's result does not depend on how many rows share the call.
-    for i in (0, rows // 2, rows - 1):
-        assert torch.equal(ops.blocks_linear(x[i:i + 1], qweight, scales, mins, bias)[0], y[i])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_linear_equals_float_products_at_every_step_size(ggml_type):
+    w, ref = _weight(ggml_type, 45, 256, seed=100 + ggml_type.value)
+    layer = BlocksLinear([w])
+    g = torch.Generator().manual_seed(ggml_type.value)
+    for rows in (1, 2, 3, 4, 5, 7, 16, 17, 33, 64, 130, 300):
+        x = torch.randn(rows, 256, generator=g)
+        y = layer(x)
+        assert y.shape == (rows, 45)
+        _close(y, x, ref)
 
 
-@needs_kernels
-def test_blocks_linear_checks_its_inputs():
-    qweight, scales, mins = exact_blocks(_q4_1_weight(8, 64, 2))
-    with pytest.raises(RuntimeError, match="bytes per row"):
-        ops.blocks_linear(torch.randn(2, 96), qweight, scales, mins, None)
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.blocks_linear(torch.randn(2, 64, dtype=torch.float64), qweight, scales, mins, None)
+def test_stacked_parts_of_different_types_with_bias():
+    """A q/k/v projection whose parts differ in type (Q4_K_M files mix Q4_K and Q6_K)."""
+    parts = [_weight(t, n, 512, seed=i) for i, (t, n) in enumerate([(Q.Q4_K, 32), (Q.Q6_K, 8), (Q.Q8_0, 8)])]
+    bias = torch.randn(48)
+    layer = BlocksLinear([p for p, _ in parts], bias)
+    ref = np.concatenate([r for _, r in parts])
+    for rows in (1, 6, 40):
+        x = torch.randn(rows, 512)
+        _close(layer(x), x, ref, bias)
+    # Leading dimensions are kept.
+    assert layer(torch.randn(2, 3, 512)).shape == (2, 3, 48)
+    assert torch.equal(layer.dequantized(), torch.from_numpy(ref))
+
+
+def test_a_small_steps_rows_do_not_depend_on_the_batch():
+    """Up to 16 rows run one micro-kernel whose sums per row have a fixed order."""
+    w, _ = _weight(Q.Q4_K, 70, 512, seed=3)
+    layer = BlocksLinear([w])
+    x = torch.randn(16, 512)
+    y = layer(x)
+    for i in range(16):
+        assert torch.equal(layer(x[i : i + 1])[0], y[i])
+
+
+def test_embedding_reads_only_its_rows():
+    w, ref = _weight(Q.Q6_K, 100, 256, seed=5)
+    emb = BlocksEmbedding(w)
+    ids = torch.tensor([[3, 99], [0, 3]])
+    out = emb(ids)
+    assert out.shape == (2, 2, 256)
+    assert torch.equal(out[0, 0], torch.from_numpy(ref[3])) and torch.equal(out[1, 1], out[0, 0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(torch.tensor([100]))
+
+
+def test_bad_weights_are_clear_errors():
+    w, _ = _weight(Q.Q4_K, 8, 256, seed=1)
+    with pytest.raises(UnsupportedWeightType, match="IQ2_XXS"):
+        BlockWeight(w.data, Q.IQ2_XXS, 256)
+    with pytest.raises(ValueError, match="bytes per row"):
+        BlockWeight(w.data, Q.Q6_K, 256)
+    with pytest.raises(ValueError, match="same in_features"):
+        BlocksLinear([w, _weight(Q.Q8_0, 8, 512, seed=2)[0]])
+    with pytest.raises(RuntimeError, match="in_features"):
+        ops.gguf_linear(torch.randn(2, 128), [w.data], [int(Q.Q4_K)], None)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        ops.gguf_linear(torch.randn(2, 256), [w.data], [int(Q.IQ2_XXS)], None)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.blocks_linear(torch.randn(2, 64), qweight, scales, mins, torch.randn(9))
-    with pytest.raises(RuntimeError, match="Q8_0 qweight must be"):
-        ops.blocks_linear(torch.randn(2, 64), qweight, scales, None, None)  # Q4_1 bytes without mins
+        ops.gguf_linear(torch.randn(2, 256), [w.data], [int(Q.Q4_K)], torch.randn(9))
 
 
-@needs_kernels
-def test_blocks_linear_layer_uses_blas_above_its_row_limit(monkeypatch):
-    lin = torch.nn.Linear(64, 48, bias=True)
-    with torch.no_grad():
-        lin.weight.copy_(_q4_1_weight(48, 64, 3))
-    layer = BlocksLinear(lin, exact_blocks(lin.weight.detach()))
-    assert layer.weight is lin.weight  # shared, not copied (a tied LM head stays tied)
-    monkeypatch.setattr(qz, "BLOCKS_MAX_ROWS", 4)
-    calls = []
-    real = ops.blocks_linear
-    monkeypatch.setattr(layer, "_ops", type("Ops", (), {"blocks_linear": staticmethod(
-        lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
-    x = torch.randn(2, 3, 64)  # 6 rows > 4: BLAS
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), lin(x), rtol=1e-5, atol=1e-5)
-        assert calls == []
-        torch.testing.assert_close(layer(x[0]), lin(x[0]), rtol=1e-5, atol=1e-5)
-    assert calls == [3]
-
-
-@needs_kernels
-def test_pack_exact_blocks_replaces_only_layers_it_can_rebuild():
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False),
-                                torch.nn.Linear(64, 32, bias=False))
-    with torch.no_grad():
-        model[0].weight.copy_(_q4_1_weight(96, 64, 4))
-        model[1].weight.copy_(_q8_0_weight(64, 96, 5))  # model[2] keeps float weights
-    x = torch.randn(5, 64)
-    with torch.no_grad():
-        before = model(x)
-        assert pack_exact_blocks(model) == 2
-        after = model(x)
-    assert isinstance(model[0], BlocksLinear) and model[0].format == "Q4_1"
-    assert isinstance(model[1], BlocksLinear) and model[1].format == "Q8_0"
-    assert type(model[2]) is torch.nn.Linear
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+def test_float_tensors_are_kept_in_their_dtype():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        t = torch.randn(24, 64).to(dtype)
+        w = BlockWeight.from_tensor(t)
+        assert w.nbytes == t.numel() * t.element_size()
+        assert torch.equal(w.dequantize(), t.float())
+        x = torch.randn(5, 64)
+        _close(BlocksLinear([w])(x), x, t.float().numpy())

@@ -29,15 +29,9 @@ hits. Needs pagoda's C++ kernels; without them it falls back to dequantizing in
 torch (float activations; correct, slow). The LM head stays 8-bit (int8 weights per
 channel, activations as above: ``Int8WeightLinear``), as a GGUF's output weights do.
 
-Exact mode (``none``) on the CPU: a GGUF's linear weights are already block-quantized
-(the default model: Q4_1 projections, a Q8_0 embedding that is also the LM head), and
-the float32 weights the model computes with are those blocks dequantized. ``BlocksLinear``
-keeps the blocks next to the float32 weight and multiplies float32 activations by
-weights dequantized on the fly to the same float32 values (pagoda's ``blocks_linear``):
-the exact mode's numbers, up to the order of the float32 sums as with any GEMM, with
-5 or 8.5 bits read per weight instead of 32. ``pack_exact_blocks`` swaps it in for each
-layer whose weight it can rebuild bit for bit from Q4_1 or Q8_0 blocks; others stay
-``nn.Linear``.
+Exact mode (``none``) on the CPU keeps a GGUF's weights in their blocks
+(``pagoda.model.layers.blocks``); the quantized modes here start from those blocks,
+dequantized one layer at a time.
 """
 
 from __future__ import annotations
@@ -45,15 +39,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda.model.layers.blocks import BlocksLinear
 from pagoda.ops import cpu_kernels
 
 QUANTIZATION_MODES = ("none", "int8", "q4")
 Q4_GROUP = 32
-# Exact mode: steps of up to this many rows run blocks_linear, larger ones BLAS on the
-# float32 weights. Measured (all linear layers of the default model, 30 layers + LM head,
-# one thread; blocks_linear vs torch's float32 linear): M=1 20.9 vs 59.8 ms, M=16 60 vs
-# 120 ms, M=64 194 vs 300 ms, M=128 388 vs 517 ms, M=256 794 vs 814 ms.
-BLOCKS_MAX_ROWS = 256
 # int8 mode: up to this many tokens per step run pagoda's int8 GEMV (bound by weight
 # bytes); more run torch._int_mm. Both are exact integer products. Measured (20 layers
 # of 3072x576, one thread, GEMV vs _int_mm): M=1 1.6 vs ~5 ms, M=6 4.9 vs 5.5 ms,
@@ -85,90 +75,6 @@ def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     g = packed.reshape(n, half // 16, 16)
     q = torch.cat((g & 0x0F, g >> 4), dim=-1).float()
     return (q * scales.float()[..., None] + mins.float()[..., None]).reshape(n, half * 2)
-
-
-def q8_0_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (q [N, K] int8, scales [N, K/32] fp16): GGUF's Q8_0, w = d*q with
-    d = max|w| / 127 per group of 32 along K."""
-    n, k = weight.shape
-    if k % Q4_GROUP:
-        raise ValueError(f"Q8_0 needs in_features divisible by {Q4_GROUP}, got {k}")
-    groups = weight.float().reshape(n, k // Q4_GROUP, Q4_GROUP)
-    scale = (groups.abs().amax(-1) / 127.0).half()
-    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-    q = torch.round(groups / safe[..., None]).clamp(-128, 127).to(torch.int8)
-    return q.reshape(n, k).contiguous(), scale.contiguous()
-
-
-def q8_0_dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    return (q.float().reshape(n, k // Q4_GROUP, Q4_GROUP) * scales.float()[..., None]).reshape(n, k)
-
-
-def exact_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The Q4_1 blocks (packed, scales, mins) or Q8_0 blocks (q, scales, None) that
-    ``weight`` dequantizes from exactly, bit for bit; None when it is neither (e.g. a
-    float checkpoint)."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % Q4_GROUP:
-        return None
-    packed, scales, mins = q4_quantize(weight)
-    if torch.equal(q4_dequantize(packed, scales, mins), weight):
-        return packed, scales, mins
-    q, scales = q8_0_quantize(weight)
-    if torch.equal(q8_0_dequantize(q, scales), weight):
-        return q, scales, None
-    return None
-
-
-class BlocksLinear(nn.Module):
-    """Exact mode's linear layer on the CPU for a weight that is GGUF blocks dequantized:
-    steps of up to ``BLOCKS_MAX_ROWS`` rows multiply by the blocks (dequantized in cache
-    to the same float32 values), larger ones by the float32 weight (kept; BLAS wins
-    there)."""
-
-    def __init__(self, linear: nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight  # the same Parameter (a tied LM head stays tied)
-        self.bias = linear.bias
-        qweight, scales, mins = blocks
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
-        self.format = "Q4_1" if mins is not None else "Q8_0"
-        self._ops = cpu_kernels.kernels()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if self._ops is not None and x2.shape[0] <= BLOCKS_MAX_ROWS and x2.dtype == torch.float32:
-            y = self._ops.blocks_linear(x2, self.qweight, self.scales, self.mins, self.bias)
-        else:
-            y = nn.functional.linear(x2, self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, float32 from {self.format} blocks"
-
-
-def pack_exact_blocks(model: nn.Module) -> int:
-    """Exact mode on the CPU: replace each ``nn.Linear`` whose float32 weight is GGUF
-    Q4_1 or Q8_0 blocks dequantized by a ``BlocksLinear``, in place. Returns how many
-    layers were replaced (0 without pagoda's kernels or for float checkpoints)."""
-    if cpu_kernels.kernels() is None:
-        return 0
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
-            continue
-        blocks = exact_blocks(module.weight.detach())
-        if blocks is None:
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, BlocksLinear(module, blocks))
-        replaced += 1
-    return replaced
 
 
 class Q4Linear(nn.Module):
@@ -317,11 +223,11 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
             ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
         return hook
 
-    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, (nn.Linear, BlocksLinear))]
     try:
         block = 16
         num_blocks = -(-len(token_ids) // block)
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.model.norm.weight.dtype
         caches = [torch.zeros(2, num_blocks, block, c.num_key_value_heads, c.head_dim, dtype=dtype)
                   for _ in range(c.num_hidden_layers)]
         meta = AttentionMetadata.build([len(token_ids)], [0], [list(range(num_blocks))], block, torch.device("cpu"))
@@ -332,6 +238,18 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
         for h in hooks:
             h.remove()
     return ranges
+
+
+def _as_float_linear(module: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` with the layer's float32 weight (dequantized afresh for a
+    ``BlocksLinear``: one layer's float copy at a time, dropped once quantized)."""
+    if isinstance(module, nn.Linear):
+        return module
+    lin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    lin.weight = nn.Parameter(module.dequantized(), requires_grad=False)
+    if module.bias is not None:
+        lin.bias = nn.Parameter(module.bias.clone(), requires_grad=False)
+    return lin
 
 
 def quantize_model(model: nn.Module, mode: str, device: torch.device,
@@ -351,7 +269,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         raise ValueError(f"--quantization {mode} runs on the CPU only; use --quantization none on {device}")
     targets = [
         (name, module) for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
+        if isinstance(module, (nn.Linear, BlocksLinear))
     ]
     ranges: dict[str, torch.Tensor] = {}
     if mode == "int8":
@@ -360,6 +278,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
             calibration_ids = torch.randint(0, model.config.vocab_size, (128,), generator=gen).tolist()
         ranges = calibrate(model, calibration_ids)
     for name, module in targets:
+        module = _as_float_linear(module)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         # q4 keeps the LM head at 8 bits, as GGUF files do (Q8_0/Q6_K output
