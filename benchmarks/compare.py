@@ -34,8 +34,9 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 
-ENGINES = ("pagoda", "pagoda-int8", "pagoda-q4", "llama-server", "vllm-cpu", "hf")
-PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4"}  # engine -> --quantization
+ENGINES = ("pagoda", "pagoda-int8", "pagoda-q4", "pagoda-gguf", "llama-server", "vllm-cpu", "hf")
+# engine -> --quantization
+PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4", "pagoda-gguf": "gguf"}
 
 
 def free_port() -> int:

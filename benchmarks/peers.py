@@ -63,7 +63,9 @@ def install_llama_server(cache: str, jobs: int = 1, version: str | None = None) 
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     _run(nice + ["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
                  "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], log, cwd=llama)
-    _run(nice + ["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], log, cwd=llama)
+    # llama-quantize too: it makes K-quant files from F16 ones (pagoda.bench.gguf_files writes those).
+    _run(nice + ["cmake", "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(jobs)],
+         log, cwd=llama)
     binary = os.path.join(llama, "build", "bin", "llama-server")
     if not os.path.isfile(binary):
         raise RuntimeError(f"the build finished without {binary}; see {log}")

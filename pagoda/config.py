@@ -79,8 +79,8 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantization == "int4":
             object.__setattr__(self, "quantization", "q4")  # the issue's / vLLM-style name
-        if self.quantization not in ("none", "int8", "q4"):
-            raise ValueError(f"quantization must be none, int8 or q4, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "q4", "gguf"):
+            raise ValueError(f"quantization must be none, int8, q4 or gguf, got {self.quantization!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("nnodes", self.nnodes)
@@ -142,23 +142,32 @@ class EngineConfig:
     @property
     def resolved_kv_cache_dtype(self) -> str:
         """``auto`` made concrete: the model's dtype ("auto") in the exact mode, float16 with
-        --quantization int8|q4 (as llama.cpp's default; decode attention reads half the
+        --quantization int8|q4|gguf (as llama.cpp's default; decode attention reads half the
         bytes, and those modes are approximate already)."""
         if self.kv_cache_dtype == "auto" and self.quantization != "none":
             return "float16"
         return self.kv_cache_dtype
 
-def cpu_threads_policy(requested: int | None) -> int | None:
-    """Torch threads for the engine process: ``requested`` if given; else
-    None (leave torch alone) when OMP_NUM_THREADS is set; else one thread per
-    usable core, less one for the API process (HTTP, detokenization) and
-    clients, and exactly one on machines with 2 cores or fewer.
+# Models whose weights a step reads take long enough per op that two threads pay off
+# on a 2-core machine (see cpu_threads_policy).
+BIG_MODEL_BYTES = 256 << 20
 
-    Why not all cores: torch's threads meet at a barrier after every op, so
-    when another process takes one of the cores, every op waits a whole
-    scheduler slice for the descheduled thread. Measured on this project's
-    2-core machines under load: a batch-1 decode step took 724 ms with 2
-    threads against 53 ms with 1 (docs/benchmarks.md)."""
+
+def cpu_threads_policy(requested: int | None, weight_bytes: int | None = None) -> int | None:
+    """Torch threads for the engine process: ``requested`` if given; else
+    ``OMP_NUM_THREADS`` if set (None: leave torch's choice); else one per core less
+    one for the API process and its clients, and on machines with 2 cores or fewer
+    exactly one, unless the model's weights (``weight_bytes``) are at least
+    BIG_MODEL_BYTES: then both cores.
+
+    Why not all cores for small models: torch's threads meet at a barrier after every
+    op, so when another process takes one of the cores, every op waits a whole
+    scheduler slice for the descheduled thread. Measured on this project's 2-core
+    machines under load: a batch-1 decode step of the 135M model took 724 ms with 2
+    threads against 53 ms with 1 (docs/benchmarks.md). A real-size model's ops each
+    take milliseconds (a 1B decode step reads ~700 MB), so a slice lost now and then
+    costs little against using the second core for every op (docs/benchmarks.md,
+    real-size models)."""
     if requested is not None:
         return requested
     if os.environ.get("OMP_NUM_THREADS"):
@@ -167,7 +176,9 @@ def cpu_threads_policy(requested: int | None) -> int | None:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return 1 if cores <= 2 else cores - 1
+    if cores <= 2:
+        return cores if weight_bytes is not None and weight_bytes >= BIG_MODEL_BYTES else 1
+    return cores - 1
 
 
 # glibc mallopt parameters (malloc.h).

@@ -125,27 +125,31 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
     return out
 
 
-def write_model(path: str, shape_name: str, file_type: str = "Q4_K_M", tokenizer_from: str | None = None,
-                seed: int = 0, show_progress: bool = True) -> str:
-    """Write a random-weight GGUF file of a named shape, tensor by tensor (peak memory:
-    one tensor), with the bundled model's tokenizer and chat template."""
+def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_M", tokenizer_from: str | None = None,
+                seed: int = 0, show_progress: bool = True,
+                overrides: dict[str, GGMLQuantizationType] | None = None) -> str:
+    """Write a random-weight GGUF file of a named shape (or any ``ModelShape``), tensor by
+    tensor (peak memory: one tensor), with the bundled model's tokenizer and chat
+    template. ``overrides``: tensor name -> type, for tests (a type this module has no
+    random blocks for is written as zeros)."""
     import gguf
     from tqdm import tqdm
 
     from pagoda.model.gguf_file import GGUFFile
     from pagoda.model.loader import default_model_path
 
-    if shape_name not in SHAPES:
+    if isinstance(shape_name, str) and shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; known: {', '.join(SHAPES)}")
     if file_type not in FILE_TYPES:
         raise ValueError(f"file type must be one of {', '.join(FILE_TYPES)}; got {file_type!r}")
-    shape = SHAPES[shape_name]
+    shape = SHAPES[shape_name] if isinstance(shape_name, str) else shape_name
+    overrides = overrides or {}
     src = GGUFFile(tokenizer_from or default_model_path())
     tok = {k: v for k, v in src.metadata.items() if k.startswith("tokenizer.")}
     vocab = len(tok["tokenizer.ggml.tokens"])
     a = shape.arch
     w = gguf.GGUFWriter(path, a)
-    w.add_name(f"random {shape_name} {file_type}")
+    w.add_name(f"random {shape_name if isinstance(shape_name, str) else 'custom'} {file_type}")
     w.add_uint32(f"{a}.block_count", shape.layers)
     w.add_uint32(f"{a}.context_length", 8192)
     w.add_uint32(f"{a}.embedding_length", shape.hidden)
@@ -174,7 +178,7 @@ def write_model(path: str, shape_name: str, file_type: str = "Q4_K_M", tokenizer
             plan.append((name, np_shape, _Q.F32))
             w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * np_shape[0])
             continue
-        t = tensor_type(file_type, name, layer, shape.layers, np_shape[1], shape.tied)
+        t = overrides.get(name) or tensor_type(file_type, name, layer, shape.layers, np_shape[1], shape.tied)
         plan.append((name, np_shape, t))
         block, nbytes = GGML_QUANT_SIZES[t]
         row_bytes = np_shape[1] // block * nbytes
@@ -186,8 +190,11 @@ def write_model(path: str, shape_name: str, file_type: str = "Q4_K_M", tokenizer
         if len(np_shape) == 1:
             data = (np.ones(np_shape, np.float32) if name.endswith("norm.weight")
                     else rng.standard_normal(np_shape, dtype=np.float32) * np.float32(0.02))
-        else:
+        elif t in QUANTIZABLE or t in FP16_FIELDS:
             data = random_blocks(t, np_shape[0], np_shape[1], rng, reference_quantizer=False)
+        else:
+            block, nbytes = GGML_QUANT_SIZES[t]
+            data = np.zeros((np_shape[0], np_shape[1] // block * nbytes), np.uint8)
         w.write_tensor_data(data)
     w.close()
     return path

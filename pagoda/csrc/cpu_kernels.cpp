@@ -1243,6 +1243,8 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
 torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::optional<torch::Tensor> rows);
 torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                           c10::optional<torch::Tensor> bias);
+torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                               c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
@@ -1263,6 +1265,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, "rows of a GGUF tensor (all, or those indexed) as float32",
         py::arg("data"), py::arg("ggml_type"), py::arg("in_features"), py::arg("rows") = py::none());
   m.def("gguf_linear", &gguf_linear, "x @ W^T (+ bias) in float32, W given as GGUF parts of any supported type",
+        py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
+  m.def("gguf_linear_int8", &gguf_linear_int8, "x @ W^T (+ bias) with x quantized to int8 per 32 and W's GGUF blocks "
+        "as integers (llama.cpp's arithmetic)",
         py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),

@@ -119,24 +119,39 @@ inline void split_nibbles32(const uint8_t* p, uint8_t* q) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
 }
 
-// The K-quants' 6-bit scales and minimums of sub-block j (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// The K-quants' 6-bit scales and minimums of the 8 sub-blocks, from their 12 bytes:
+// sub-block j < 4: scale = s[j] & 63, min = s[j + 4] & 63; j >= 4: scale = low nibble of
+// s[j + 4] | top 2 bits of s[j - 4] << 4, min = high nibble of s[j + 4] | top 2 bits of
+// s[j] << 4. Four bytes at a time.
+inline void unpack_k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, s, 4);
+  std::memcpy(&w1, s + 4, 4);
+  std::memcpy(&w2, s + 8, 4);
+  const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+  std::memcpy(sc, &sc_lo, 4);
+  std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4);
+  std::memcpy(mn + 4, &mn_hi, 4);
+}
+
+// out[j] = d * v[j] for 8 unsigned bytes v (exact conversions, one rounding each).
+inline void scale8(const uint8_t* v, float d, float* out) {
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), f));
 }
 
 // One block decoded: its weights are w[j] = a[s] * q[j] (+ b[s]) for j in sub-block
 // s = j / sub. b is the file's offset (a minimum: + m; the K-quants' - dmin * m is
 // stored negated, and x + (-m) rounds as x - m does).
+// Where decode_block_t writes: q (block-size values), a and b (one per sub-block);
+// pointers into a whole decoded row or into one block's arrays.
 struct Decoded {
-  alignas(32) int8_t q[256];
-  float a[16];
-  float b[16];
+  int8_t* q;
+  float* a;
+  float* b;
   int sub;       // weights per sub-block: 16 or 32
   int nsub;      // sub-blocks in the block
   bool offset;   // whether b is used
@@ -248,12 +263,11 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       }
       d.nsub = 8;
       d.offset = true;
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, mn;
-        scale_min_k4(j, s, &sc, &mn);
-        d.a[j] = dd * static_cast<float>(sc);
-        d.b[j] = -(dmin * static_cast<float>(mn));
-      }
+      uint8_t sc[8], mn[8];
+      unpack_k4_scales(s, sc, mn);
+      scale8(sc, dd, d.a);
+      // b = -(dmin * m): the product rounded, then negated (exact).
+      scale8(mn, -dmin, d.b);
       break;
     }
     case kQ6_K: {
@@ -327,7 +341,9 @@ constexpr int block_of(int type) { return type >= kQ2_K && type != kIQ4_NL ? 256
 
 // One block of `type` at p -> y (block-size floats).
 void dequantize_block(int type, const uint8_t* p, float* y) {
-  Decoded d;
+  alignas(32) int8_t q[256];
+  float a[16], b[16];
+  Decoded d{q, a, b, 32, 1, false};
   with_block_type(type, [&](auto t) { decode_block_t<decltype(t)::value>(p, d); });
   for (int s = 0; s < d.nsub; ++s) {
     if (d.offset)
@@ -415,7 +431,7 @@ std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile
   return tiles;
 }
 
-// ---- small steps of block types: products from the decoded blocks ------------------
+// ---- small steps of block types: products from decoded rows -------------------------
 // Per (row r, channel n) and sub-block s: d = sum_j x[r, j] q[j] over the sub-block in
 // eight float32 lanes (fused multiply-adds in j order), then acc += a[s] * d (lanes) and
 // off += b[s] * (the sub-block's sum of x); y = hsum(acc) + off (+ bias). That is the
@@ -423,9 +439,40 @@ std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile
 // (within float32 rounding of it), and no dequantized weight is stored: per weight one
 // conversion and one FMA per row. The operations and their order are the same for
 // every (r, n) whatever the number of rows, so a row's result does not depend on its
-// batch (up to kSmallSteps rows).
+// batch (up to kSmallSteps rows). kChannels rows of W are decoded at a time (int8 q,
+// float scales: ~1.3 bytes per weight, in cache), then every row of x runs over them
+// with its sums in registers.
 
-constexpr int kChannels = 2;  // output channels decoded together
+constexpr int kChannels = 4;
+
+// Channels decoded for the products: q [kChannels][K], a and b [kChannels][K / sub].
+struct DecodedRows {
+  std::vector<int8_t> q;
+  std::vector<float> a, b;
+  int64_t K = 0, nsub = 0;
+  const int8_t* qc(int o) const { return q.data() + o * K; }
+  const float* ac(int o) const { return a.data() + o * nsub; }
+  const float* bc(int o) const { return b.data() + o * nsub; }
+};
+
+template <int T>
+void decode_rows(const Part& w, int64_t n, int nc, int64_t K, DecodedRows& out) {
+  constexpr int block = block_of(T), sub = sub_block_of(T);
+  const int64_t bytes = format_of(T).bytes;
+  out.K = K;
+  out.nsub = K / sub;
+  out.q.resize(kChannels * K);
+  out.a.resize(kChannels * out.nsub);
+  out.b.resize(kChannels * out.nsub);
+  for (int o = 0; o < nc; ++o) {
+    const uint8_t* row = w.data + (n + o) * w.row_bytes;
+    for (int64_t b = 0; b < K / block; ++b) {
+      Decoded d{out.q.data() + o * K + b * block, out.a.data() + o * out.nsub + b * (block / sub),
+                out.b.data() + o * out.nsub + b * (block / sub), sub, block / sub, false};
+      decode_block_t<T>(row + b * bytes, d);
+    }
+  }
+}
 
 // Sums of x over each group of 16 inputs, per row: xs[r * (K / 16) + g].
 std::vector<float> group_sums16(const float* x, int64_t M, int64_t K) {
@@ -437,87 +484,200 @@ std::vector<float> group_sums16(const float* x, int64_t M, int64_t K) {
   return xs;
 }
 
-template <int NC>
-struct ChannelAcc {
-  __m256 acc[kSmallSteps][NC];
-  float off[kSmallSteps][NC];
-};
-
-// Rows [r0, r0 + MR) against NC decoded blocks of type T covering inputs [k0, k0 + block).
+// y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC) (channel n0 + c of part w).
 template <int T, int MR, int NC>
-inline void direct_rows(const float* x, int64_t K, int64_t r0, int64_t k0, const Decoded* dec, const float* xs,
-                        ChannelAcc<NC>& ca) {
+void float_dot(const float* x, int64_t K, int64_t r0, const DecodedRows& dr, int c0, const float* xs,
+               const Part& w, int64_t n0, const float* bias, float* y, int64_t N) {
   constexpr int sub = sub_block_of(T);
   const int64_t groups = K / 16;
-  for (int s = 0; s < block_of(T) / sub; ++s) {
+  __m256 acc[MR][NC];
+  float off[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      acc[r][o] = _mm256_setzero_ps();
+      off[r][o] = 0.f;
+    }
+  for (int64_t s = 0; s < K / sub; ++s) {
     __m256 d[MR][NC];
     for (int r = 0; r < MR; ++r)
       for (int o = 0; o < NC; ++o) d[r][o] = _mm256_setzero_ps();
     for (int c = 0; c < sub; c += 8) {
       __m256 qv[NC];
-      for (int o = 0; o < NC; ++o) qv[o] = load_q8(dec[o].q + s * sub + c);
+      for (int o = 0; o < NC; ++o) qv[o] = load_q8(dr.qc(c0 + o) + s * sub + c);
       for (int r = 0; r < MR; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k0 + s * sub + c);
+        const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + s * sub + c);
         for (int o = 0; o < NC; ++o) d[r][o] = _mm256_fmadd_ps(xv, qv[o], d[r][o]);
       }
     }
     for (int r = 0; r < MR; ++r)
       for (int o = 0; o < NC; ++o) {
-        ca.acc[r0 + r][o] = _mm256_fmadd_ps(_mm256_set1_ps(dec[o].a[s]), d[r][o], ca.acc[r0 + r][o]);
+        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(dr.ac(c0 + o)[s]), d[r][o], acc[r][o]);
         if constexpr (has_offset(T)) {
-          const float* g = xs + (r0 + r) * groups + (k0 + s * sub) / 16;
+          const float* g = xs + (r0 + r) * groups + s * sub / 16;
           const float xsum = sub == 32 ? g[0] + g[1] : g[0];
-          ca.off[r0 + r][o] += dec[o].b[s] * xsum;
+          off[r][o] += dr.bc(c0 + o)[s] * xsum;
         }
       }
   }
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      const int64_t col = w.col + n0 + c0 + o;
+      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
+      if (bias) v += bias[col];
+      y[(r0 + r) * N + col] = v;
+    }
 }
 
-// Channels [n, n + NC) of part w (of type T), all M rows.
-template <int T, int NC>
-void direct_channels(const float* x, int64_t M, int64_t K, const Part& w, int64_t n, const float* xs,
-                     const float* bias, float* y, int64_t N) {
-  constexpr int block = block_of(T);
-  const int64_t bytes = format_of(T).bytes;
-  Decoded dec[NC];
-  ChannelAcc<NC> ca;
-  for (int64_t r = 0; r < M; ++r)
-    for (int o = 0; o < NC; ++o) {
-      ca.acc[r][o] = _mm256_setzero_ps();
-      ca.off[r][o] = 0.f;
-    }
-  for (int64_t b = 0; b < K / block; ++b) {
-    for (int o = 0; o < NC; ++o) decode_block_t<T>(w.data + (n + o) * w.row_bytes + b * bytes, dec[o]);
-    const int64_t k0 = b * block;
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) direct_rows<T, 4, NC>(x, K, r, k0, dec, xs, ca);
-    switch (M - r) {
-      case 3: direct_rows<T, 3, NC>(x, K, r, k0, dec, xs, ca); break;
-      case 2: direct_rows<T, 2, NC>(x, K, r, k0, dec, xs, ca); break;
-      case 1: direct_rows<T, 1, NC>(x, K, r, k0, dec, xs, ca); break;
-      default: break;
+// Runs dot<MR, NC>(r0, c0) over rows [m0, m1) and decoded channels [0, nc): a single row
+// against all channels at once, otherwise pairs of rows against pairs of channels (the
+// registers hold MR x NC sums and as many partial sums).
+template <typename Dot1x4, typename Dot1x1, typename Dot2x2, typename Dot2x1>
+void for_row_channel_blocks(int64_t m0, int64_t m1, int nc, Dot1x4 d14, Dot1x1 d11, Dot2x2 d22, Dot2x1 d21) {
+  int64_t r = m0;
+  for (; r + 2 <= m1; r += 2) {
+    int c = 0;
+    for (; c + 2 <= nc; c += 2) d22(r, c);
+    if (c < nc) d21(r, c);
+  }
+  if (r < m1) {
+    if (nc == kChannels) {
+      d14(r, 0);
+    } else {
+      for (int c = 0; c < nc; ++c) d11(r, c);
     }
   }
-  for (int64_t r = 0; r < M; ++r)
-    for (int o = 0; o < NC; ++o) {
-      float v = pagoda::hsum256(ca.acc[r][o]) + ca.off[r][o];
-      if (bias) v += bias[w.col + n + o];
-      y[r * N + w.col + n + o] = v;
-    }
 }
 
-// Channels [n0, n1) of part w, kChannels at a time.
+// Channels [n0, n1) of part w, all M rows, in float32.
 void direct_tile(const float* x, int64_t M, int64_t K, const Part& w, int64_t n0, int64_t n1, const float* xs,
-                 const float* bias, float* y, int64_t N) {
+                 const float* bias, float* y, int64_t N, DecodedRows& dr) {
   with_block_type(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
-    int64_t n = n0;
-    for (; n + kChannels <= n1; n += kChannels) direct_channels<T, kChannels>(x, M, K, w, n, xs, bias, y, N);
-    for (; n < n1; ++n) direct_channels<T, 1>(x, M, K, w, n, xs, bias, y, N);
+    for (int64_t n = n0; n < n1; n += kChannels) {
+      const int nc = static_cast<int>(std::min<int64_t>(kChannels, n1 - n));
+      decode_rows<T>(w, n, nc, K, dr);
+      auto dot = [&](auto mr, auto ncc) {
+        return [&, mr, ncc](int64_t r, int c) {
+          float_dot<T, decltype(mr)::value, decltype(ncc)::value>(x, K, r, dr, c, xs, w, n, bias, y, N);
+        };
+      };
+      using I1 = std::integral_constant<int, 1>;
+      using I2 = std::integral_constant<int, 2>;
+      using I4 = std::integral_constant<int, 4>;
+      for_row_channel_blocks(0, M, nc, dot(I1{}, I4{}), dot(I1{}, I1{}), dot(I2{}, I2{}), dot(I2{}, I1{}));
+    }
   });
 }
 
 bool is_float_type(int type) { return type == kF32 || type == kF16 || type == kBF16; }
+
+// ---- fast mode: the blocks times int8 activations (llama.cpp's arithmetic) ----------
+// Each row of x is quantized per group of 32 inputs: dx = max|x| / 127, xq = x / dx
+// rounded to nearest (ties to even), and the sums of xq per 16. Per group of 32 of a
+// block: the integer dot product of the block's q with xq (maddubs on |q| and xq with
+// q's sign: exact in int32), times a * dx in float32; an offset b adds b * dx * sum(xq).
+// That is exactly W x' for the quantized x'. Every row is quantized and multiplied on
+// its own, in the same order whatever the batch: a request's numbers do not depend on
+// its batch, chunking or prefix-cache hits.
+
+constexpr int64_t kRowChunk = 64;
+
+struct QuantizedX {
+  std::vector<int8_t> q;    // [M, K]
+  std::vector<float> d;     // [M, K / 32]
+  std::vector<int32_t> s16;  // [M, K / 16]
+};
+
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
+  QuantizedX out;
+  out.q.resize(M * K);
+  out.d.resize(M * K / 32);
+  out.s16.resize(M * K / 16);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  at::parallel_for(0, M * K / 32, 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* xg = x + g * 32;
+      __m256 v[4], m = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        v[c] = _mm256_loadu_ps(xg + 8 * c);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[c]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float d = _mm_cvtss_f32(h) / 127.f;
+      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      __m256i i32[4];
+      for (int c = 0; c < 4; ++c)
+        i32[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[c], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // Pack 32 int32 to 32 int8 in order (packs work within 128-bit lanes, then permute).
+      const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+      __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+      p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + g * 32), p8);
+      out.d[g] = d;
+      const __m256i s01 = _mm256_add_epi32(i32[0], i32[1]), s23 = _mm256_add_epi32(i32[2], i32[3]);
+      const __m256i hs = _mm256_hadd_epi32(s01, s23);  // [a01 a23 b01 b23 | a45 a67 b45 b67] (per 128-bit lane)
+      const __m256i hs2 = _mm256_hadd_epi32(hs, hs);
+      out.s16[2 * g] = _mm256_extract_epi32(hs2, 0) + _mm256_extract_epi32(hs2, 4);
+      out.s16[2 * g + 1] = _mm256_extract_epi32(hs2, 1) + _mm256_extract_epi32(hs2, 5);
+    }
+  });
+  return out;
+}
+
+// y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
+template <int T, int MR, int NC>
+void int8_dot(const QuantizedX& xq, int64_t K, int64_t r0, const DecodedRows& dr, int c0, const Part& w,
+              int64_t n0, const float* bias, float* y, int64_t N) {
+  constexpr int sub = sub_block_of(T);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NC];
+  float off[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      acc[r][o] = _mm256_setzero_ps();
+      off[r][o] = 0.f;
+    }
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m256i qs[NC], u[NC];
+    for (int o = 0; o < NC; ++o) {
+      qs[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dr.qc(c0 + o) + 32 * g));
+      u[o] = _mm256_abs_epi8(qs[o]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = r0 + r;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + row * K + 32 * g));
+      const int64_t gi = row * (K / 32) + g;
+      const float dx = xq.d[gi];
+      for (int o = 0; o < NC; ++o) {
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[o], _mm256_sign_epi8(xv, qs[o])), ones);
+        const float* a = dr.ac(c0 + o);
+        __m256 scale;
+        if constexpr (sub == 32)
+          scale = _mm256_set1_ps(a[g] * dx);
+        else  // int32 lanes 0-3 hold inputs 0-15 (sub-block 2g), lanes 4-7 inputs 16-31
+          scale = _mm256_set_m128(_mm_set1_ps(a[2 * g + 1] * dx), _mm_set1_ps(a[2 * g] * dx));
+        acc[r][o] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r][o]);
+        if constexpr (has_offset(T)) {
+          const int32_t* s16 = xq.s16.data() + 2 * gi;
+          const float* b = dr.bc(c0 + o);
+          if constexpr (sub == 32)
+            off[r][o] += b[g] * (dx * static_cast<float>(s16[0] + s16[1]));
+          else
+            off[r][o] += b[2 * g] * (dx * static_cast<float>(s16[0])) + b[2 * g + 1] * (dx * static_cast<float>(s16[1]));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      const int64_t col = w.col + n0 + c0 + o;
+      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
+      if (bias) v += bias[col];
+      y[(r0 + r) * N + col] = v;
+    }
+}
 
 }  // namespace
 
@@ -563,7 +723,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M <= kSmallSteps) {
-    // Block types: products from the decoded blocks, tiles of 8 channels. Float types:
+    // Block types: products from decoded rows, tiles of 8 channels. Float types:
     // tiles of rows converted to float32 (about 24 KiB) for the float32 micro-kernel.
     const std::vector<float> xs = group_sums16(xp, M, K);
     const int64_t per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
@@ -575,11 +735,12 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
     }
     at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> buf;
+      DecodedRows dr;
       for (int64_t t = t0; t < t1; ++t) {
         const Tile& tile = tiles[t];
         const Part& w = parts[tile.part];
         if (!is_float_type(w.type)) {
-          direct_tile(xp, M, K, w, tile.n0, tile.n1, xs.data(), bp, yp, N);
+          direct_tile(xp, M, K, w, tile.n0, tile.n1, xs.data(), bp, yp, N, dr);
           continue;
         }
         buf.resize(per_tile * K);
@@ -611,5 +772,54 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
         out.copy_(at::mm(x, panel.t()));
     }
   });
+  return y;
+}
+
+torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32, got ", K);
+  const std::vector<Part> parts = check_parts(weights, types, K);
+  for (const Part& p : parts)
+    TORCH_CHECK(!is_float_type(p.type), "the int8 product needs quantized blocks, not ggml type ", p.type);
+  const int64_t N = parts.back().col + parts.back().rows;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "bias must be contiguous float32 [out_features]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K);
+  float* yp = y.data_ptr<float>();
+  // Chunks of kRowChunk rows (their int8 x stays in L2); within a chunk, tiles of
+  // kChannels output channels, decoded once, that every row of the chunk runs over.
+  const std::vector<Tile> tiles = tiles_of(parts, kChannels);
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t m1 = std::min(M, m0 + kRowChunk);
+    at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+      DecodedRows dr;
+      for (int64_t t = t0; t < t1; ++t) {
+        const Tile& tile = tiles[t];
+        const Part& w = parts[tile.part];
+        with_block_type(w.type, [&](auto tt) {
+          constexpr int T = decltype(tt)::value;
+          const int nc = static_cast<int>(tile.n1 - tile.n0);
+          decode_rows<T>(w, tile.n0, nc, K, dr);
+          auto dot = [&](auto mr, auto ncc) {
+            return [&, mr, ncc](int64_t r, int c) {
+              int8_dot<T, decltype(mr)::value, decltype(ncc)::value>(xq, K, r, dr, c, w, tile.n0, bp, yp, N);
+            };
+          };
+          using I1 = std::integral_constant<int, 1>;
+          using I2 = std::integral_constant<int, 2>;
+          using I4 = std::integral_constant<int, 4>;
+          for_row_channel_blocks(m0, m1, nc, dot(I1{}, I4{}), dot(I1{}, I1{}), dot(I2{}, I2{}), dot(I2{}, I1{}));
+        });
+      }
+    });
+  }
   return y;
 }

@@ -19,7 +19,7 @@ from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCo
 from pagoda.lora.manager import LoRAInUseError, LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
-from pagoda.model.loader import LoadedModel, load_model, parse_dtype
+from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
 from pagoda.request import Request, RequestStatus
 from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage
 
@@ -74,6 +74,12 @@ class EngineCore:
         if loaded is None:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                 quantization=config.quantization)
+        if device.type == "cpu" and not parallel:
+            threads = cpu_threads_policy(config.num_threads, parameter_bytes(loaded.model))
+            if threads is not None and threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+                logger.info("CPU threads: %d (for %.2f GiB of weights)", threads,
+                            parameter_bytes(loaded.model) / 2**30)
         self._init_rest(config, loaded, device, dtype, collect_stats)
 
     def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
@@ -118,8 +124,9 @@ class EngineCore:
                 )
             max_model_len = self.max_model_len = capacity
         self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
-                    num_blocks * per_block / 2**20)
+        logger.info("memory plan: weights %.2f GiB, KV cache %.2f GiB (%d blocks of %d tokens: up to %d "
+                    "tokens in flight, %d per request)", parameter_bytes(loaded.model) / 2**30,
+                    num_blocks * per_block / 2**30, num_blocks, config.block_size, capacity, max_model_len)
 
         num_host_blocks = config.swap_space // per_block if config.preemption_mode != "recompute" else 0
         if config.preemption_mode != "recompute" and num_host_blocks < 1:

@@ -48,14 +48,17 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
         p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (auto = float32 on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "q4", "int4"),
-                   help="none: exact (weights dequantized to --dtype, reference-equal output; on CPU in float32, "
-                        "GGUF Q4_1/Q8_0 weights are read as blocks and dequantized on the fly, same values); "
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "q4", "int4", "gguf"),
+                   help="none: exact (reference-equal output; on CPU in float32 a GGUF file's weights stay in "
+                        "its blocks, memory-mapped, and are dequantized in cache to the same values; "
+                        "elsewhere dequantized to --dtype at load); "
+                        "gguf: a GGUF file's blocks (any type) times activations in int8 per group of 32, "
+                        "llama.cpp's arithmetic; "
                         "int8: int8 weights per channel, activations int8 per token (16 outlier channels "
                         "per layer kept in float), perplexity within ~1.5 %% of fp32; the fastest mode on CPU, "
                         "for single streams and batches; q4 (alias int4): 4-bit groups of 32 (GGUF Q4_1 "
                         "scheme) with activations int8 per group of 32, the smallest weights (5 bits each), "
-                        "perplexity within ~1 %%, slower prompts. Both use a float16 KV cache by default")
+                        "perplexity within ~1 %%, slower prompts. int8, q4 and gguf use a float16 KV cache by default")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine (default: cores - 1, and 1 on machines with "
                         "2 cores or fewer; OMP_NUM_THREADS if set)")
@@ -85,7 +88,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "step is capped at this while others want the budget (default with "
                         "--max-long-partial-prefills: 4%% of the context length)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "int8", "fp8"),
-                   help="auto: the model's dtype, or float16 with --quantization int8|q4; float16: half the "
+                   help="auto: the model's dtype, or float16 with --quantization int8|q4|gguf; float16: half the "
                         "bytes of float32 KV (decode attention reads K/V in place, converting on load); "
                         "int8 / fp8 (e4m3): 8-bit K/V with a float32 scale per token "
                         "and head, about 4x the blocks of float32 KV in the same memory (2x of bf16)")

@@ -98,6 +98,9 @@ class BlocksLinear(nn.Module):
         for i, p in enumerate(self.parts):
             self.register_buffer(f"part{i}", p.data, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        # The gguf mode: activations quantized to int8 per group of 32, integer products
+        # with the blocks (llama.cpp's arithmetic); needs every part block-quantized.
+        self.int8_activations = False
         self._data = [p.data for p in self.parts]
         self._types = [int(p.ggml_type) for p in self.parts]
         self._ops = cpu_kernels.kernels()
@@ -108,8 +111,14 @@ class BlocksLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = self._ops.gguf_linear(x2, self._data, self._types, self.bias)
+        matmul = self._ops.gguf_linear_int8 if self.int8_activations else self._ops.gguf_linear
+        y = matmul(x2, self._data, self._types, self.bias)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def quantized_parts(self) -> bool:
+        """Whether every part is block-quantized (not F32/F16/BF16)."""
+        return all(p.ggml_type not in TORCH_DTYPE_TYPES.values() for p in self.parts)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out_features, in_features] (a transient copy)."""
@@ -121,7 +130,8 @@ class BlocksLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kinds = "+".join(p.ggml_type.name for p in self.parts)
-        return f"in_features={self.in_features}, out_features={self.out_features}, kept as {kinds}"
+        act = ", int8 activations" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, kept as {kinds}{act}"
 
 
 class BlocksEmbedding(nn.Module):

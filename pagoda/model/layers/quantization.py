@@ -42,7 +42,7 @@ from torch import nn
 from pagoda.model.layers.blocks import BlocksLinear
 from pagoda.ops import cpu_kernels
 
-QUANTIZATION_MODES = ("none", "int8", "q4")
+QUANTIZATION_MODES = ("none", "int8", "q4", "gguf")
 Q4_GROUP = 32
 # int8 mode: up to this many tokens per step run pagoda's int8 GEMV (bound by weight
 # bytes); more run torch._int_mm. Both are exact integer products. Measured (20 layers
@@ -252,6 +252,19 @@ def _as_float_linear(module: nn.Module) -> nn.Linear:
     return lin
 
 
+def _int8_activations(model: nn.Module) -> nn.Module:
+    """``gguf``: every projection and LM head kept as GGUF blocks multiplies them with
+    int8 activations (``BlocksLinear.int8_activations``); the weights stay as they are."""
+    layers = [m for m in model.modules() if isinstance(m, BlocksLinear)]
+    if not layers:
+        raise ValueError("--quantization gguf needs a GGUF file on the CPU in float32 (its weights kept in "
+                         "their blocks); for other checkpoints use int8 or q4")
+    for layer in layers:
+        if layer.quantized_parts:
+            layer.int8_activations = True
+    return model
+
+
 def quantize_model(model: nn.Module, mode: str, device: torch.device,
                    calibration_ids: list[int] | None = None) -> nn.Module:
     """Replace the model's projections and LM head with quantized layers, in place.
@@ -265,6 +278,8 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
     if mode == "none":
         return model
+    if mode == "gguf":
+        return _int8_activations(model)
     if device.type != "cpu":
         raise ValueError(f"--quantization {mode} runs on the CPU only; use --quantization none on {device}")
     targets = [

@@ -1,0 +1,127 @@
+"""GGUF files whose weights stay in their blocks: the loader maps every projection, the
+LM head and the embedding without a float copy, computes what the dequantized model
+computes, keeps its memory near the file's size, and refuses types it cannot read by
+name. Files are random-weight GGUFs of small shapes written tensor by tensor
+(pagoda.bench.gguf_files), in llama.cpp's Q4_K_M type mix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagoda.bench.gguf_files import ModelShape, write_model
+from pagoda.model.gguf_file import GGUFFile
+from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
+from pagoda.model.layers.quantization import quantize_model
+from pagoda.model.loader import ModelLoadError, _load_gguf, load_model
+from pagoda.ops import cpu_kernels
+from tests.model.test_reference import pagoda_prompt_logits
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="GGUF blocks need pagoda's CPU kernels")
+
+# Llama-like, rows of whole 256-blocks (Q4_K / Q6_K); Qwen2-like with q/k/v biases and
+# rows of 320 (llama.cpp's fallbacks: Q5_0 for Q4_K, Q8_0 for Q6_K).
+LLAMA = ModelShape("llama", 256, 2, 4, 2, 512, True, 10000.0)
+QWEN2 = ModelShape("qwen2", 320, 2, 5, 1, 768, False, 1000000.0, qkv_bias=True)
+PROMPT = [1, 504, 2031, 17, 9, 4000, 123, 49000, 77, 3]
+
+
+@pytest.fixture(scope="module", params=[LLAMA, QWEN2], ids=["llama-q4_k_m", "qwen2-q4_k_m"])
+def gguf_path(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    return str(write_model(str(path), request.param, "Q4_K_M", show_progress=False))
+
+
+def test_weights_stay_blocks_and_compute_the_dequantized_model(gguf_path):
+    loaded = load_model(gguf_path, show_progress=False)
+    model = loaded.model
+    types = {t.ggml_type for t in GGUFFile(gguf_path).tensors.values()}
+    assert types >= {Q.Q4_K} and types & {Q.Q6_K, Q.Q8_0, Q.Q5_0}
+    linears = [m for m in model.modules() if isinstance(m, BlocksLinear)]
+    assert len(linears) == 4 * model.config.num_hidden_layers + 1
+    assert isinstance(model.model.embed_tokens, BlocksEmbedding)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # No float copy: the float parameters are the norms (and biases) alone.
+    floats = sum(p.numel() for p in model.parameters())
+    assert floats < 10 * model.config.hidden_size * (model.config.num_hidden_layers + 1)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.parts[0] is model.model.embed_tokens.blocks
+
+    reference = _load_gguf(gguf_path, torch.float32, torch.device("cpu"), False)  # dequantized by gguf's numpy code
+    for chunks in ([len(PROMPT)], [1] * len(PROMPT), [3, 4, 3]):
+        got = pagoda_prompt_logits(model, PROMPT, chunks)
+        ref = pagoda_prompt_logits(reference.model, PROMPT, [len(PROMPT)])
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (got - ref).abs().max()
+
+
+def test_gguf_mode_multiplies_the_blocks_with_int8_activations(gguf_path):
+    loaded = load_model(gguf_path, show_progress=False, quantization="gguf")
+    linears = [m for m in loaded.model.modules() if isinstance(m, BlocksLinear)]
+    assert linears and all(m.int8_activations for m in linears)
+    # Each layer: its product with int8 activations is close to the float one (a random
+    # model amplifies such differences through its layers, so compare layer by layer;
+    # the real model's perplexity bounds are in test_quantization).
+    g = torch.Generator().manual_seed(0)
+    for layer in linears:
+        x = torch.randn(5, layer.in_features, generator=g)
+        got = layer(x)
+        layer.int8_activations = False
+        ref = layer(x)
+        layer.int8_activations = True
+        assert not torch.equal(got, ref)
+        assert (got - ref).norm() < 0.02 * ref.norm(), layer
+    got = pagoda_prompt_logits(loaded.model, PROMPT, [len(PROMPT)])
+    assert torch.isfinite(got).all()
+    # The same numbers for a row whatever its step.
+    alone = pagoda_prompt_logits(loaded.model, PROMPT, [1] * len(PROMPT))
+    assert torch.allclose(alone, got, rtol=0, atol=1e-4 * got.abs().max().item())
+
+
+def test_gguf_mode_needs_blocks():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with pytest.raises(ValueError, match="needs a GGUF file"):
+        quantize_model(model, "gguf", torch.device("cpu"))
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = str(tmp_path / "iq2.gguf")
+    write_model(path, LLAMA, "Q4_K_M", show_progress=False, overrides={"blk.1.ffn_up.weight": Q.IQ2_XXS})
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight has type IQ2_XXS"):
+        load_model(path, show_progress=False)
+
+
+RSS_SCRIPT = r"""
+import gc, os, sys, torch
+from pagoda.ops import cpu_kernels
+from pagoda.model.loader import load_model
+cpu_kernels.kernels()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+del load_model(sys.argv[1], show_progress=False).model  # imports and one-time set-up (~80 MB)
+gc.collect()
+before = rss()
+loaded = load_model(sys.argv[1], show_progress=False)
+after_load = rss()
+from tests.model.test_reference import pagoda_prompt_logits
+pagoda_prompt_logits(loaded.model, [1, 2, 3, 4], [4])
+print(before, after_load, rss())
+"""
+
+
+def test_loader_memory_stays_near_the_file_size(tmp_path):
+    """RSS after loading and running one prompt stays under the file's size plus a bound
+    (a float32 copy would be ~7x the file)."""
+    shape = ModelShape("llama", 1024, 4, 8, 2, 2816, False, 10000.0)
+    path = str(tmp_path / "rss.gguf")
+    write_model(path, shape, "Q4_K_M", show_progress=False)
+    size = os.path.getsize(path)
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, path], capture_output=True, text=True, check=True,
+                         timeout=600).stdout.split()
+    before, after_load, after_run = map(int, out)
+    assert after_load - before < 0.25 * size + (32 << 20)    # mapped, not read
+    assert after_run - before < size + (64 << 20), (after_run - before, size)
