@@ -583,47 +583,254 @@ bool is_float_type(int type) { return type == kF32 || type == kF16 || type == kB
 constexpr int64_t kRowChunk = 64;
 
 struct QuantizedX {
-  std::vector<int8_t> q;    // [M, K]
-  std::vector<float> d;     // [M, K / 32]
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> d;      // [M, K / group]
   std::vector<int32_t> s16;  // [M, K / 16]
+  std::vector<int16_t> h16;  // the same sums as int16 (|sum| <= 16 x 127)
+  std::vector<int16_t> h32;  // sums per 32 as int16 (|sum| <= 32 x 127)
 };
 
-QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
+// x quantized in groups of `group` inputs (32, or 256 for the K-quant kernels) with one
+// scale each; sums of xq per 16 either way.
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group = 32) {
   QuantizedX out;
   out.q.resize(M * K);
-  out.d.resize(M * K / 32);
+  out.d.resize(M * K / group);
   out.s16.resize(M * K / 16);
+  out.h16.resize(M * K / 16);
+  out.h32.resize(M * K / 32);
   const __m256 sign = _mm256_set1_ps(-0.f);
-  at::parallel_for(0, M * K / 32, 256, [&](int64_t g0, int64_t g1) {
+  const int64_t chunks = group / 32;
+  at::parallel_for(0, M * K / group, 256 / chunks, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const float* xg = x + g * 32;
-      __m256 v[4], m = _mm256_setzero_ps();
-      for (int c = 0; c < 4; ++c) {
-        v[c] = _mm256_loadu_ps(xg + 8 * c);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[c]));
-      }
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t i = 0; i < group; i += 8)
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + g * group + i)));
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
       h = _mm_max_ss(h, _mm_movehdup_ps(h));
       const float d = _mm_cvtss_f32(h) / 127.f;
       const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      __m256i i32[4];
-      for (int c = 0; c < 4; ++c)
-        i32[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[c], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      // Pack 32 int32 to 32 int8 in order (packs work within 128-bit lanes, then permute).
-      const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
-      __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-      p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + g * 32), p8);
       out.d[g] = d;
-      const __m256i s01 = _mm256_add_epi32(i32[0], i32[1]), s23 = _mm256_add_epi32(i32[2], i32[3]);
-      const __m256i hs = _mm256_hadd_epi32(s01, s23);  // [a01 a23 b01 b23 | a45 a67 b45 b67] (per 128-bit lane)
-      const __m256i hs2 = _mm256_hadd_epi32(hs, hs);
-      out.s16[2 * g] = _mm256_extract_epi32(hs2, 0) + _mm256_extract_epi32(hs2, 4);
-      out.s16[2 * g + 1] = _mm256_extract_epi32(hs2, 1) + _mm256_extract_epi32(hs2, 5);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t c32 = g * chunks + ch;  // this chunk of 32 among the row-major chunks
+        const float* xg = x + c32 * 32;
+        __m256i i32[4];
+        for (int c = 0; c < 4; ++c)
+          i32[c] = _mm256_cvtps_epi32(
+              _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + 8 * c), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // Pack 32 int32 to 32 int8 in order (packs work within 128-bit lanes, then permute).
+        const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + c32 * 32), p8);
+        const __m256i s01 = _mm256_add_epi32(i32[0], i32[1]), s23 = _mm256_add_epi32(i32[2], i32[3]);
+        const __m256i hs = _mm256_hadd_epi32(s01, s23);  // [a01 a23 b01 b23 | a45 a67 b45 b67] per 128-bit lane
+        const __m256i hs2 = _mm256_hadd_epi32(hs, hs);
+        out.s16[2 * c32] = _mm256_extract_epi32(hs2, 0) + _mm256_extract_epi32(hs2, 4);
+        out.s16[2 * c32 + 1] = _mm256_extract_epi32(hs2, 1) + _mm256_extract_epi32(hs2, 5);
+        out.h16[2 * c32] = static_cast<int16_t>(out.s16[2 * c32]);
+        out.h16[2 * c32 + 1] = static_cast<int16_t>(out.s16[2 * c32 + 1]);
+        out.h32[c32] = static_cast<int16_t>(out.s16[2 * c32] + out.s16[2 * c32 + 1]);
+      }
     }
   });
   return out;
+}
+
+// ---- Q4_K and Q6_K against x in groups of 256 (llama.cpp's Q8_K) -------------------
+// The 4- or 6-bit values are unsigned (Q6_K's stored q + 32), so maddubs takes them
+// directly; each sub-block's integer scale multiplies its int16 pair sums (madd) and a
+// block's sums stay in int32: one float multiply-add per block of 256. The minimums
+// (Q4_K) and Q6_K's -32 come off through the sums of xq per sub-block.
+
+// Sum of the 8 int32 lanes.
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// scales: 16 int16 (8 values, twice). Lanes 0-7 <- value i, lanes 8-15 <- value j.
+inline __m256i pick_scales(__m256i scales, int i, int j) {
+  const __m256i mask = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))),
+                                        _mm_set1_epi16(static_cast<int16_t>((2 * i) | ((2 * i + 1) << 8))));
+  return _mm256_shuffle_epi8(scales, mask);
+}
+
+inline __m256i nibbles_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i nibbles_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+
+template <int MR, int NC>
+void q4k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n, const float* bias, float* y,
+             int64_t N) {
+  __m256 acc[MR][NC];
+  float off[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      acc[r][o] = _mm256_setzero_ps();
+      off[r][o] = 0.f;
+    }
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* p[NC];
+    __m256i scales[NC];   // the 8 sub-block scales as int16, in both halves
+    __m128i mins[NC];     // the 8 minimums as int16
+    float d[NC], dmin[NC];
+    for (int o = 0; o < NC; ++o) {
+      p[o] = w.data + (n + o) * w.row_bytes + b * 144;
+      uint8_t sc[8], mn[8];
+      unpack_k4_scales(p[o] + 4, sc, mn);
+      const __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+      scales[o] = _mm256_set_m128i(s16, s16);
+      mins[o] = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+      d[o] = f16_at(p[o]);
+      dmin[o] = f16_at(p[o] + 2);
+    }
+    __m256i isum[MR][NC];
+    for (int r = 0; r < MR; ++r)
+      for (int o = 0; o < NC; ++o) isum[r][o] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // weights 64c .. 64c + 63: sub-blocks 2c (low nibbles), 2c + 1 (high)
+      __m256i lo[NC], hi[NC];
+      for (int o = 0; o < NC; ++o) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[o] + 16 + 32 * c));
+        lo[o] = nibbles_lo(v);
+        hi[o] = nibbles_hi(v);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = xq.q.data() + (r0 + r) * K + b * 256 + 64 * c;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
+        for (int o = 0; o < NC; ++o) {
+          const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[o], x0), pick_scales(scales[o], 2 * c, 2 * c));
+          const __m256i h =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(hi[o], x1), pick_scales(scales[o], 2 * c + 1, 2 * c + 1));
+          isum[r][o] = _mm256_add_epi32(isum[r][o], _mm256_add_epi32(a, h));
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const float dx = xq.d[(r0 + r) * (K / 256) + b];
+      const __m128i b32 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + (r0 + r) * (K / 32) + b * 8));
+      for (int o = 0; o < NC; ++o) {
+        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(d[o] * dx), _mm256_cvtepi32_ps(isum[r][o]), acc[r][o]);
+        const __m128i mprod = _mm_madd_epi16(mins[o], b32);  // sum of min x sum(xq) per sub-block pair
+        const int32_t msum = hsum_i32(_mm256_castsi128_si256(mprod)) ;
+        off[r][o] -= (dmin[o] * dx) * static_cast<float>(msum);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
+      if (bias) v += bias[w.col + n + o];
+      y[(r0 + r) * N + w.col + n + o] = v;
+    }
+}
+
+template <int MR, int NC>
+void q6k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n, const float* bias, float* y,
+             int64_t N) {
+  const __m256i m2 = _mm256_set1_epi8(3);
+  __m256 acc[MR][NC];
+  float off[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      acc[r][o] = _mm256_setzero_ps();
+      off[r][o] = 0.f;
+    }
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* p[NC];
+    __m256i scales16[NC][2];  // the 16 sub-block scales as int16: [0..7] and [8..15], each in both halves
+    __m256i sc_all[NC];       // all 16 as int16, for the -32 term
+    float d[NC];
+    for (int o = 0; o < NC; ++o) {
+      p[o] = w.data + (n + o) * w.row_bytes + b * 210;
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[o] + 192));
+      sc_all[o] = _mm256_cvtepi8_epi16(raw);
+      const __m128i lo8 = _mm256_castsi256_si128(sc_all[o]), hi8 = _mm256_extracti128_si256(sc_all[o], 1);
+      scales16[o][0] = _mm256_set_m128i(lo8, lo8);
+      scales16[o][1] = _mm256_set_m128i(hi8, hi8);
+      d[o] = f16_at(p[o] + 208);
+    }
+    __m256i isum[MR][NC];
+    for (int r = 0; r < MR; ++r)
+      for (int o = 0; o < NC; ++o) isum[r][o] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      for (int c = 0; c < 4; ++c) {
+        // Weights half * 128 + 32c .. + 31 (sub-blocks 8 half + 2c and + 1), as in decode_block_t.
+        __m256i q[NC], scale[NC];
+        for (int o = 0; o < NC; ++o) {
+          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[o] + 64 * half + 32 * (c & 1)));
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[o] + 128 + 32 * half));
+          const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
+          q[o] = _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
+          scale[o] = pick_scales(scales16[o][half], 2 * c, 2 * c + 1);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xv = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * K + b * 256 + 128 * half + 32 * c));
+          for (int o = 0; o < NC; ++o)
+            isum[r][o] = _mm256_add_epi32(isum[r][o], _mm256_madd_epi16(_mm256_maddubs_epi16(q[o], xv), scale[o]));
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const float dx = xq.d[(r0 + r) * (K / 256) + b];
+      const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.h16.data() + (r0 + r) * (K / 16) + b * 16));
+      for (int o = 0; o < NC; ++o) {
+        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(d[o] * dx), _mm256_cvtepi32_ps(isum[r][o]), acc[r][o]);
+        const int32_t zsum = hsum_i32(_mm256_madd_epi16(sc_all[o], b16));  // sum of scale x sum(xq) per sub-block
+        off[r][o] -= (32.f * d[o] * dx) * static_cast<float>(zsum);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) {
+      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
+      if (bias) v += bias[w.col + n + o];
+      y[(r0 + r) * N + w.col + n + o] = v;
+    }
+}
+
+bool has_k_kernel(int type) { return type == kQ4_K || type == kQ6_K; }
+
+// Asks for rows [n0, n1) of w (clipped to its rows) to be on their way into the cache:
+// the next tile's weights arrive while this one computes (a decode step is bound by
+// reading the weights, and the hardware prefetchers alone left it at a third of the
+// machine's bandwidth).
+inline void prefetch_rows(const Part& w, int64_t n0, int64_t n1) {
+  n1 = std::min(n1, w.rows);
+  if (n0 >= n1) return;
+  const char* p = reinterpret_cast<const char*>(w.data + n0 * w.row_bytes);
+  const int64_t bytes = (n1 - n0) * w.row_bytes;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): pairs of rows against
+// pairs of channels.
+void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
+            const float* bias, float* y, int64_t N) {
+  auto run = [&](auto mr, auto nc, int64_t r, int64_t n) {
+    constexpr int MR = decltype(mr)::value, NC = decltype(nc)::value;
+    if (w.type == kQ4_K)
+      q4k_dot<MR, NC>(xq, K, r, w, n, bias, y, N);
+    else
+      q6k_dot<MR, NC>(xq, K, r, w, n, bias, y, N);
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  int64_t r = m0;
+  for (; r < m1; r += 2) {
+    int64_t n = n0;
+    if (r + 2 <= m1) {
+      for (; n + 2 <= n1; n += 2) run(I2{}, I2{}, r, n);
+      for (; n < n1; ++n) run(I2{}, I1{}, r, n);
+    } else {
+      for (; n + 2 <= n1; n += 2) run(I1{}, I2{}, r, n);
+      for (; n < n1; ++n) run(I1{}, I1{}, r, n);
+    }
+  }
 }
 
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
@@ -739,6 +946,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
       for (int64_t t = t0; t < t1; ++t) {
         const Tile& tile = tiles[t];
         const Part& w = parts[tile.part];
+        prefetch_rows(w, tile.n1, 2 * tile.n1 - tile.n0);
         if (!is_float_type(w.type)) {
           direct_tile(xp, M, K, w, tile.n0, tile.n1, xs.data(), bp, yp, N, dr);
           continue;
@@ -792,7 +1000,10 @@ torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weigh
     bp = bias->data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K);
+  bool k_parts = false, other_parts = false;
+  for (const Part& p : parts) (has_k_kernel(p.type) ? k_parts : other_parts) = true;
+  const QuantizedX xq = other_parts ? quantize_x(x.data_ptr<float>(), M, K) : QuantizedX{};
+  const QuantizedX xk = k_parts ? quantize_x(x.data_ptr<float>(), M, K, 256) : QuantizedX{};
   float* yp = y.data_ptr<float>();
   // Chunks of kRowChunk rows (their int8 x stays in L2); within a chunk, tiles of
   // kChannels output channels, decoded once, that every row of the chunk runs over.
@@ -804,6 +1015,11 @@ torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weigh
       for (int64_t t = t0; t < t1; ++t) {
         const Tile& tile = tiles[t];
         const Part& w = parts[tile.part];
+        prefetch_rows(w, tile.n1, 2 * tile.n1 - tile.n0);
+        if (has_k_kernel(w.type)) {
+          k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
+          continue;
+        }
         with_block_type(w.type, [&](auto tt) {
           constexpr int T = decltype(tt)::value;
           const int nc = static_cast<int>(tile.n1 - tile.n0);

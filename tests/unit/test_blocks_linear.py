@@ -124,3 +124,39 @@ def test_float_tensors_are_kept_in_their_dtype():
         assert torch.equal(w.dequantize(), t.float())
         x = torch.randn(5, 64)
         _close(BlocksLinear([w])(x), x, t.float().numpy())
+
+
+# ---- the gguf mode: the blocks times int8 activations ------------------------------
+
+# x is quantized per group of 32 inputs, or of 256 for the types with their own K-quant
+# kernels (llama.cpp's Q8_K).
+INT8_GROUP = {Q.Q4_K: 256, Q.Q6_K: 256}
+
+
+def _quantized_x(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x with each group rounded to int8 of scale max|x| / 127 (ties to even), as floats."""
+    g = x.reshape(x.shape[0], -1, group)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ggml_type", [t for t in TYPES if t not in (Q.F32, Q.F16, Q.BF16)], ids=lambda t: t.name)
+def test_int8_linear_is_the_product_with_quantized_activations(ggml_type):
+    """Integer dot products are exact, so the result is W x' for the quantized x' up to
+    float32 rounding, and a row's result does not depend on its step."""
+    w, ref = _weight(ggml_type, 21, 512, seed=200 + ggml_type.value)
+    layer = BlocksLinear([w])
+    layer.int8_activations = True
+    g = torch.Generator().manual_seed(ggml_type.value)
+    x = torch.randn(300, 512, generator=g)
+    y = layer(x)
+    _close(y, _quantized_x(x, INT8_GROUP.get(ggml_type, 32)), ref)
+    for rows in (1, 3, 17, 64, 65):
+        assert torch.equal(layer(x[:rows]), y[:rows])
+    assert torch.equal(layer(x[150:151])[0], y[150])
+
+
+def test_int8_linear_refuses_float_weights():
+    t = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="quantized blocks"):
+        ops.gguf_linear_int8(torch.randn(2, 64), [BlockWeight.from_tensor(t).data], [int(Q.F32)], None)
