@@ -29,10 +29,10 @@ def hf_default_model(default_model_path):
     return model.eval()
 
 
-def _save_tiny(tmp_path_factory, name: str, config) -> str:
+def _save_tiny(tmp_path_factory, name: str, config, dtype: torch.dtype = torch.float32) -> str:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     path = tmp_path_factory.mktemp(name)
     # Small shards, so the loader's sharded path is exercised.
     model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
@@ -50,6 +50,20 @@ def tiny_llama_dir(tmp_path_factory) -> str:
         architectures=["LlamaForCausalLM"],
     )
     return _save_tiny(tmp_path_factory, "tiny-llama", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bf16_dir(tmp_path_factory) -> str:
+    """A bfloat16 checkpoint (how most HF models ship): pagoda keeps it in bfloat16."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.3,
+        architectures=["LlamaForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-llama-bf16", config, torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

@@ -109,8 +109,8 @@ def load_model(
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
     code itself never branches on quantization). On the CPU in float32, a GGUF
-    file's weights stay in its blocks, memory-mapped (``BlocksLinear``,
-    ``BlocksEmbedding``). With ``tp_group`` (a
+    file's weights stay in its blocks, memory-mapped, and a bfloat16/float16 HF
+    checkpoint's in its dtype (``BlocksLinear``, ``BlocksEmbedding``). With ``tp_group`` (a
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
     part of each tensor kept as it is read."""
@@ -127,7 +127,8 @@ def load_model(
     keep_blocks = (device.type == "cpu" and dtype == torch.float32 and tp is None
                    and cpu_kernels.kernels() is not None)
     if os.path.isdir(path):
-        loaded = _load_hf_folder(path, dtype, device, show_progress, tp)
+        loaded = (_load_hf_kept(path, device, show_progress) if keep_blocks else None) or \
+            _load_hf_folder(path, dtype, device, show_progress, tp)
     elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
         loaded = _load_gguf_blocks(path, device, show_progress)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
@@ -360,21 +361,33 @@ _LAYER_PROJECTIONS = {
 }
 
 
+def _kept_weight_slot(hf_name: str, ndim: int) -> tuple[str, int] | None:
+    """Where a checkpoint tensor goes when weights are kept as stored: (module path,
+    shard of a stacked projection) for projection, LM head and embedding matrices;
+    None for the rest (norms, biases: float32 parameters)."""
+    parts = hf_name.split(".")
+    if not hf_name.endswith(".weight") or ndim != 2:
+        return None
+    if len(parts) == 6 and parts[4] in _LAYER_PROJECTIONS:   # model.layers.{i}.{block}.{proj}.weight
+        module, shard = _LAYER_PROJECTIONS[parts[4]]
+        return ".".join(parts[:3] + [module]), shard
+    if hf_name in ("lm_head.weight", "model.embed_tokens.weight"):
+        return hf_name.rsplit(".", 1)[0], 0
+    return None
+
+
 def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> LoadedModel:
     """A GGUF model whose projections, LM head and embedding stay in the file's blocks:
     views into a copy-on-write memory map (nothing read until a kernel reads it), except
     Q and K of Llama-converted files, whose rows are put back in HF order (a copy)."""
     from pagoda.model.gguf_file import GGUFFile
-    from pagoda.model.layers.blocks import BLOCK_TYPES, BlocksEmbedding, BlocksLinear, BlockWeight
+    from pagoda.model.layers.blocks import BLOCK_TYPES, BlockWeight
 
     gf = GGUFFile(path)
     md = gf.metadata
     arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
     permuted = md.get("general.architecture") in ("llama", "mistral")
     heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
-    cls = MODEL_REGISTRY[arch.architecture]
-    with torch.device("meta"):
-        model = cls(arch)
 
     blocks: dict[str, dict[int, BlockWeight]] = {}   # module path -> shard -> weight
     floats: dict[str, torch.Tensor] = {}              # parameter / bias name -> tensor
@@ -388,10 +401,9 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
                 raise UnsupportedModelError(f"{path}: GGUF rope_freqs tensors are not supported")
             unexpected.append(gguf_name)
             continue
-        parts = hf_name.split(".")
-        proj = parts[-2] if len(parts) >= 2 else ""
-        is_matrix = hf_name.endswith(".weight") and len(info.shape) == 2
-        if is_matrix and (proj in _LAYER_PROJECTIONS or hf_name in ("lm_head.weight", "model.embed_tokens.weight")):
+        proj = hf_name.split(".")[-2] if "." in hf_name else ""
+        slot = _kept_weight_slot(hf_name, len(info.shape))
+        if slot is not None:
             if info.ggml_type not in BLOCK_TYPES:
                 raise ModelLoadError(
                     f"{path}: tensor {gguf_name} has type {info.ggml_type.name}, which pagoda cannot read "
@@ -401,12 +413,7 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
                 data = unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
             else:
                 data = gf.tensor_rows(gguf_name)
-            weight = BlockWeight(data, info.ggml_type, info.shape[1])
-            if proj in _LAYER_PROJECTIONS:
-                module, shard = _LAYER_PROJECTIONS[proj]
-                blocks.setdefault(".".join(parts[:3] + [module]), {})[shard] = weight
-            else:
-                blocks[hf_name.rsplit(".", 1)[0]] = {0: weight}
+            blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight(data, info.ggml_type, info.shape[1])
             continue
         t = gf.load_tensor(gguf_name, dtype=torch.float32)
         if permuted and proj in heads and hf_name.endswith(".bias"):
@@ -416,12 +423,57 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
     gf.close()  # the header's map; the weights keep the copy-on-write map alive
     if unexpected:
         raise ModelLoadError(f"{path}: tensors pagoda does not know: {unexpected[:8]}")
+    model = _kept_weights_model(arch, blocks, floats, path, device)
+    return LoadedModel(model, arch, path, gguf_metadata=md)
+
+
+def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> LoadedModel | None:
+    """An HF folder whose weights are bfloat16 or float16 (how most checkpoints ship),
+    served in that dtype: projections, LM head and embedding as ``BlocksLinear`` /
+    ``BlocksEmbedding`` over the checkpoint's own bytes (half of a float32 copy; products
+    in float32). None when the folder is float32 (loaded as ``nn.Linear`` layers)."""
+    from safetensors import safe_open
+
+    from pagoda.model.layers.blocks import TORCH_DTYPE_TYPES, BlockWeight
+
+    config_file = os.path.join(path, "config.json")
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not os.path.isfile(config_file) or not files:
+        return None  # _load_hf_folder says what is missing
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
+              if _kept_weight_slot(n, len(h.get_slice(n).get_shape())) is not None}
+    if not dtypes or not dtypes <= {"BF16", "F16"}:
+        return None
+    with open(config_file) as f:
+        arch = ModelArchConfig.from_hf_config(json.load(f))
+    blocks: dict[str, dict[int, BlockWeight]] = {}
+    floats: dict[str, torch.Tensor] = {}
+    for handle in handles:
+        for name in tqdm(list(handle.keys()), desc="Loading weights", unit="tensor", disable=not show_progress,
+                         leave=False):
+            t = handle.get_tensor(name)
+            slot = _kept_weight_slot(name, t.dim())
+            if slot is not None and t.dtype in TORCH_DTYPE_TYPES:
+                blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight.from_tensor(t)
+            elif "rotary_emb" not in name:
+                floats[name] = t.float()
+    model = _kept_weights_model(arch, blocks, floats, path, device)
+    return LoadedModel(model, arch, path)
+
+
+def _kept_weights_model(arch: ModelArchConfig, blocks: dict, floats: dict[str, torch.Tensor], path: str,
+                        device: torch.device) -> LlamaForCausalLM:
+    from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
+
     if "lm_head" not in blocks and arch.tie_word_embeddings and "model.embed_tokens" in blocks:
         blocks["lm_head"] = blocks["model.embed_tokens"]
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[arch.architecture](arch)
     _assemble_blocks(model, blocks, floats, path, BlocksLinear, BlocksEmbedding)
     model.inv_freq = _inv_freq(arch, device)
     model.eval().requires_grad_(False)
-    return LoadedModel(model, arch, path, gguf_metadata=md)
+    return model
 
 
 def _assemble_blocks(model: LlamaForCausalLM, blocks: dict, floats: dict[str, torch.Tensor], path: str,

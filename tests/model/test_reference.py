@@ -9,6 +9,7 @@ import torch
 
 from pagoda import SamplingParams
 from pagoda.model.attention import AttentionMetadata
+from pagoda.ops import cpu_kernels
 from tests.model.helpers import compare_greedy, hf_greedy, logprob_gap, top2_gap
 
 CHATS = [
@@ -88,7 +89,7 @@ def test_default_model_greedy_matches_transformers(llm, hf_default_model, chat_p
     assert len(excused) <= 1
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama_bf16_dir"])
 def test_tiny_random_models_match_transformers(fixture, request):
     import transformers
 
@@ -97,6 +98,15 @@ def test_tiny_random_models_match_transformers(fixture, request):
     path = request.getfixturevalue(fixture)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64)
+    if fixture == "tiny_llama_bf16_dir" and cpu_kernels.kernels() is not None:
+        # Served in bfloat16 (no float32 copy), computed in float32 like transformers'
+        # float32 load of the same (exactly widened) weights.
+        from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
+
+        model = llm.engine.runner.model
+        linears = [m for m in model.modules() if isinstance(m, BlocksLinear)]
+        assert len(linears) == 4 * 2 + 1 and all(p.ggml_type.name == "BF16" for m in linears for p in m.parts)
+        assert isinstance(model.model.embed_tokens, BlocksEmbedding)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]
     for ids in prompts:
