@@ -644,14 +644,6 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group = 32) 
 // block's sums stay in int32: one float multiply-add per block of 256. The minimums
 // (Q4_K) and Q6_K's -32 come off through the sums of xq per sub-block.
 
-// Sum of the 8 int32 lanes.
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // scales: 16 int16 (8 values, twice). Lanes 0-7 <- value i, lanes 8-15 <- value j.
 inline __m256i pick_scales(__m256i scales, int i, int j) {
   const __m256i mask = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))),
@@ -666,12 +658,8 @@ template <int MR, int NC>
 void q4k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n, const float* bias, float* y,
              int64_t N) {
   __m256 acc[MR][NC];
-  float off[MR][NC];
   for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      acc[r][o] = _mm256_setzero_ps();
-      off[r][o] = 0.f;
-    }
+    for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p[NC];
     __m256i scales[NC];   // the 8 sub-block scales as int16, in both halves
@@ -714,15 +702,15 @@ void q4k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t
       const __m128i b32 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + (r0 + r) * (K / 32) + b * 8));
       for (int o = 0; o < NC; ++o) {
         acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(d[o] * dx), _mm256_cvtepi32_ps(isum[r][o]), acc[r][o]);
-        const __m128i mprod = _mm_madd_epi16(mins[o], b32);  // sum of min x sum(xq) per sub-block pair
-        const int32_t msum = hsum_i32(_mm256_castsi128_si256(mprod)) ;
-        off[r][o] -= (dmin[o] * dx) * static_cast<float>(msum);
+        // - dmin dx sum_j min_j sum(xq over sub-block j): 4 lanes of pair sums, into the same lanes.
+        const __m256i mprod = _mm256_zextsi128_si256(_mm_madd_epi16(mins[o], b32));
+        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin[o] * dx)), _mm256_cvtepi32_ps(mprod), acc[r][o]);
       }
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int o = 0; o < NC; ++o) {
-      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
+      float v = pagoda::hsum256(acc[r][o]);
       if (bias) v += bias[w.col + n + o];
       y[(r0 + r) * N + w.col + n + o] = v;
     }
@@ -733,12 +721,8 @@ void q6k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t
              int64_t N) {
   const __m256i m2 = _mm256_set1_epi8(3);
   __m256 acc[MR][NC];
-  float off[MR][NC];
   for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      acc[r][o] = _mm256_setzero_ps();
-      off[r][o] = 0.f;
-    }
+    for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p[NC];
     __m256i scales16[NC][2];  // the 16 sub-block scales as int16: [0..7] and [8..15], each in both halves
@@ -780,14 +764,15 @@ void q6k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t
       const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.h16.data() + (r0 + r) * (K / 16) + b * 16));
       for (int o = 0; o < NC; ++o) {
         acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(d[o] * dx), _mm256_cvtepi32_ps(isum[r][o]), acc[r][o]);
-        const int32_t zsum = hsum_i32(_mm256_madd_epi16(sc_all[o], b16));  // sum of scale x sum(xq) per sub-block
-        off[r][o] -= (32.f * d[o] * dx) * static_cast<float>(zsum);
+        // - 32 d dx sum_j scale_j sum(xq over sub-block j), in 8 lanes of pair sums.
+        const __m256i zprod = _mm256_madd_epi16(sc_all[o], b16);
+        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(-(32.f * d[o] * dx)), _mm256_cvtepi32_ps(zprod), acc[r][o]);
       }
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int o = 0; o < NC; ++o) {
-      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
+      float v = pagoda::hsum256(acc[r][o]);
       if (bias) v += bias[w.col + n + o];
       y[(r0 + r) * N + w.col + n + o] = v;
     }
@@ -804,7 +789,7 @@ inline void prefetch_rows(const Part& w, int64_t n0, int64_t n1) {
   if (n0 >= n1) return;
   const char* p = reinterpret_cast<const char*>(w.data + n0 * w.row_bytes);
   const int64_t bytes = (n1 - n0) * w.row_bytes;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 // Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): pairs of rows against
@@ -946,7 +931,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
       for (int64_t t = t0; t < t1; ++t) {
         const Tile& tile = tiles[t];
         const Part& w = parts[tile.part];
-        prefetch_rows(w, tile.n1, 2 * tile.n1 - tile.n0);
+        prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
         if (!is_float_type(w.type)) {
           direct_tile(xp, M, K, w, tile.n0, tile.n1, xs.data(), bp, yp, N, dr);
           continue;
@@ -1015,7 +1000,7 @@ torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weigh
       for (int64_t t = t0; t < t1; ++t) {
         const Tile& tile = tiles[t];
         const Part& w = parts[tile.part];
-        prefetch_rows(w, tile.n1, 2 * tile.n1 - tile.n0);
+        prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
         if (has_k_kernel(w.type)) {
           k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
           continue;
