@@ -102,9 +102,6 @@ class AsyncLLM:
         if log_stats and not log_stats_interval > 0:
             raise ValueError(f"log_stats_interval must be > 0, got {log_stats_interval}")
         self.config = config
-        self.tokenizer: Tokenizer = _tokenizer_for(config)
-        self.eos_token_ids = self.tokenizer.eos_token_ids
-        self.processor = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue] = {}
         self._validator = None
         self._stats = SchedulerStats()
@@ -142,6 +139,17 @@ class AsyncLLM:
                 name="pagoda-engine-core", daemon=True,
             )
             self._thread.start()
+        # The tokenizer is built while the engine core starts (imports, weights).
+        try:
+            self.tokenizer: Tokenizer = _tokenizer_for(config)
+        except BaseException:
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc.join(10)
+            self._cleanup()
+            raise
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.processor = OutputProcessor(self.tokenizer)
         self.info = self._wait_ready()
         self.max_model_len = self.info.max_model_len
         self.vocab_size = self.info.vocab_size
