@@ -39,31 +39,26 @@ def _save_tiny(tmp_path_factory, name: str, config, dtype: torch.dtype = torch.f
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> str:
+def _tiny_llama_config(tie_word_embeddings: bool):
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.3,
+        rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings, initializer_range=0.3,
         architectures=["LlamaForCausalLM"],
     )
-    return _save_tiny(tmp_path_factory, "tiny-llama", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return _save_tiny(tmp_path_factory, "tiny-llama", _tiny_llama_config(True))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_bf16_dir(tmp_path_factory) -> str:
     """A bfloat16 checkpoint (how most HF models ship): pagoda keeps it in bfloat16."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.3,
-        architectures=["LlamaForCausalLM"],
-    )
-    return _save_tiny(tmp_path_factory, "tiny-llama-bf16", config, torch.bfloat16)
+    return _save_tiny(tmp_path_factory, "tiny-llama-bf16", _tiny_llama_config(False), torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

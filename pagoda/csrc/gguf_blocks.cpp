@@ -474,6 +474,29 @@ void decode_rows(const Part& w, int64_t n, int nc, int64_t K, DecodedRows& out) 
   }
 }
 
+// Per (row, channel): eight lanes of float sums and a scalar of offset terms, zeroed;
+// store() writes y[r0 + r, col0 + o] = their sum (+ bias).
+template <int MR, int NC>
+struct Sums {
+  __m256 acc[MR][NC];
+  float off[MR][NC];
+  Sums() {
+    for (int r = 0; r < MR; ++r)
+      for (int o = 0; o < NC; ++o) {
+        acc[r][o] = _mm256_setzero_ps();
+        off[r][o] = 0.f;
+      }
+  }
+  void store(float* y, int64_t N, int64_t r0, int64_t col0, const float* bias) const {
+    for (int r = 0; r < MR; ++r)
+      for (int o = 0; o < NC; ++o) {
+        float v = pagoda::hsum256(acc[r][o]) + off[r][o];
+        if (bias) v += bias[col0 + o];
+        y[(r0 + r) * N + col0 + o] = v;
+      }
+  }
+};
+
 // Sums of x over each group of 16 inputs, per row: xs[r * (K / 16) + g].
 std::vector<float> group_sums16(const float* x, int64_t M, int64_t K) {
   std::vector<float> xs(M * (K / 16));
@@ -490,13 +513,9 @@ void float_dot(const float* x, int64_t K, int64_t r0, const DecodedRows& dr, int
                const Part& w, int64_t n0, const float* bias, float* y, int64_t N) {
   constexpr int sub = sub_block_of(T);
   const int64_t groups = K / 16;
-  __m256 acc[MR][NC];
-  float off[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      acc[r][o] = _mm256_setzero_ps();
-      off[r][o] = 0.f;
-    }
+  Sums<MR, NC> sums;
+  auto& acc = sums.acc;
+  auto& off = sums.off;
   for (int64_t s = 0; s < K / sub; ++s) {
     __m256 d[MR][NC];
     for (int r = 0; r < MR; ++r)
@@ -519,13 +538,7 @@ void float_dot(const float* x, int64_t K, int64_t r0, const DecodedRows& dr, int
         }
       }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      const int64_t col = w.col + n0 + c0 + o;
-      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
-      if (bias) v += bias[col];
-      y[(r0 + r) * N + col] = v;
-    }
+  sums.store(y, N, r0, w.col + n0 + c0, bias);
 }
 
 // Runs dot<MR, NC>(r0, c0) over rows [m0, m1) and decoded channels [0, nc): a single row
@@ -657,9 +670,8 @@ inline __m256i nibbles_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16
 template <int MR, int NC>
 void q4k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n, const float* bias, float* y,
              int64_t N) {
-  __m256 acc[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_setzero_ps();
+  Sums<MR, NC> sums;
+  auto& acc = sums.acc;
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p[NC];
     __m256i scales[NC];   // the 8 sub-block scales as int16, in both halves
@@ -708,21 +720,15 @@ void q4k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      float v = pagoda::hsum256(acc[r][o]);
-      if (bias) v += bias[w.col + n + o];
-      y[(r0 + r) * N + w.col + n + o] = v;
-    }
+  sums.store(y, N, r0, w.col + n, bias);
 }
 
 template <int MR, int NC>
 void q6k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n, const float* bias, float* y,
              int64_t N) {
   const __m256i m2 = _mm256_set1_epi8(3);
-  __m256 acc[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) acc[r][o] = _mm256_setzero_ps();
+  Sums<MR, NC> sums;
+  auto& acc = sums.acc;
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p[NC];
     __m256i scales16[NC][2];  // the 16 sub-block scales as int16: [0..7] and [8..15], each in both halves
@@ -770,12 +776,7 @@ void q6k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      float v = pagoda::hsum256(acc[r][o]);
-      if (bias) v += bias[w.col + n + o];
-      y[(r0 + r) * N + w.col + n + o] = v;
-    }
+  sums.store(y, N, r0, w.col + n, bias);
 }
 
 bool has_k_kernel(int type) { return type == kQ4_K || type == kQ6_K; }
@@ -824,13 +825,9 @@ void int8_dot(const QuantizedX& xq, int64_t K, int64_t r0, const DecodedRows& dr
               int64_t n0, const float* bias, float* y, int64_t N) {
   constexpr int sub = sub_block_of(T);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR][NC];
-  float off[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      acc[r][o] = _mm256_setzero_ps();
-      off[r][o] = 0.f;
-    }
+  Sums<MR, NC> sums;
+  auto& acc = sums.acc;
+  auto& off = sums.off;
   for (int64_t g = 0; g < K / 32; ++g) {
     __m256i qs[NC], u[NC];
     for (int o = 0; o < NC; ++o) {
@@ -862,13 +859,7 @@ void int8_dot(const QuantizedX& xq, int64_t K, int64_t r0, const DecodedRows& dr
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int o = 0; o < NC; ++o) {
-      const int64_t col = w.col + n0 + c0 + o;
-      float v = pagoda::hsum256(acc[r][o]) + off[r][o];
-      if (bias) v += bias[col];
-      y[(r0 + r) * N + col] = v;
-    }
+  sums.store(y, N, r0, w.col + n0 + c0, bias);
 }
 
 }  // namespace
@@ -897,20 +888,41 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
   return y;
 }
 
-torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-                          c10::optional<torch::Tensor> bias) {
+namespace {
+
+// A linear layer's call, checked: x [M, K] float32 (contiguous), the weight's parts, the
+// output width N and the bias (or null).
+struct LinearCall {
+  torch::Tensor x;
+  std::vector<Part> parts;
+  int64_t M, K, N;
+  const float* bias;
+};
+
+LinearCall check_linear(torch::Tensor x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& types,
+                        const c10::optional<torch::Tensor>& bias, int64_t k_multiple) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 8 == 0, "in_features must be a multiple of 8, got ", K);
-  const std::vector<Part> parts = check_parts(weights, types, K);
-  const int64_t N = parts.back().col + parts.back().rows;
-  const float* bp = nullptr;
+  LinearCall c{x.contiguous(), {}, x.size(0), x.size(1), 0, nullptr};
+  TORCH_CHECK(c.K % k_multiple == 0, "in_features must be a multiple of ", k_multiple, ", got ", c.K);
+  c.parts = check_parts(weights, types, c.K);
+  c.N = c.parts.back().col + c.parts.back().rows;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+    TORCH_CHECK(bias->numel() == c.N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
                 "bias must be contiguous float32 [out_features]");
-    bp = bias->data_ptr<float>();
+    c.bias = bias->data_ptr<float>();
   }
+  return c;
+}
+
+}  // namespace
+
+torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                          c10::optional<torch::Tensor> bias) {
+  const LinearCall call = check_linear(x_in, weights, types, bias, 8);
+  const torch::Tensor& x = call.x;
+  const int64_t M = call.M, K = call.K, N = call.N;
+  const std::vector<Part>& parts = call.parts;
+  const float* bp = call.bias;
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -968,22 +980,15 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
   return y;
 }
 
-torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                                c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32, got ", K);
-  const std::vector<Part> parts = check_parts(weights, types, K);
+  const LinearCall call = check_linear(x_in, weights, types, bias, 32);
+  const std::vector<Part>& parts = call.parts;
   for (const Part& p : parts)
     TORCH_CHECK(!is_float_type(p.type), "the int8 product needs quantized blocks, not ggml type ", p.type);
-  const int64_t N = parts.back().col + parts.back().rows;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
-                "bias must be contiguous float32 [out_features]");
-    bp = bias->data_ptr<float>();
-  }
+  const torch::Tensor& x = call.x;
+  const int64_t M = call.M, K = call.K, N = call.N;
+  const float* bp = call.bias;
   auto y = torch::empty({M, N}, x.options());
   bool k_parts = false, other_parts = false;
   for (const Part& p : parts) (has_k_kernel(p.type) ? k_parts : other_parts) = true;
