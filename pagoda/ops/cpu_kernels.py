@@ -29,6 +29,11 @@ _error: str | None = None
 _tried = False
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    return _cpu_flags()
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -217,6 +217,12 @@ def test_i8_mm_is_exact_and_int8_linear_is_batch_invariant():
         for i in (0, 17, 38, 39):
             assert torch.equal(layer(x[i:i + 1])[0], batched[i])
         assert torch.equal(layer(x[37:39]), batched[37:39])
+        # The GEMV for every step (what CPUs without VNNI run: torch._int_mm is slow there)
+        # and torch._int_mm above INT8_SMALL_STEP_ROWS give the same bits.
+        args = (layer.qweight, layer.weight_scale, layer.bias)
+        rest = (layer.outlier_idx, layer.outlier_weight)
+        assert torch.equal(ops.int8_linear(x, *args, INT8_SMALL_STEP_ROWS, *rest),
+                           ops.int8_linear(x, *args, 1 << 62, *rest))
 
 
 needs_vnni = pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="this CPU lacks AVX-512 VNNI")
