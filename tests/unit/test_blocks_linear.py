@@ -80,13 +80,15 @@ def test_stacked_parts_of_different_types_with_bias():
 
 
 def test_a_small_steps_rows_do_not_depend_on_the_batch():
-    """Up to 16 rows run one micro-kernel whose sums per row have a fixed order."""
+    """Up to 4 rows (decode of a few streams) run one micro-kernel whose sums per row have
+    a fixed order; 5-16 rows another (dequantized tiles), also row by row."""
     w, _ = _weight(Q.Q4_K, 70, 512, seed=3)
     layer = BlocksLinear([w])
     x = torch.randn(16, 512)
-    y = layer(x)
-    for i in range(16):
-        assert torch.equal(layer(x[i : i + 1])[0], y[i])
+    y4, y16 = layer(x[:4]), layer(x)
+    for i in range(4):
+        assert torch.equal(layer(x[i : i + 1])[0], y4[i])
+    assert torch.equal(layer(x[5:12]), y16[5:12])
 
 
 def test_embedding_reads_only_its_rows():
