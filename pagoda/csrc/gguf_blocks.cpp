@@ -7,10 +7,12 @@
 //   scale * q (+ offset) with the multiplication and the addition rounded separately.
 // gguf_linear: y = x W^T (+ bias) in float32 for W given as one or more parts (a stacked
 //   q/k/v or gate/up projection whose parts may differ in type, as Q4_K_M files mix
-//   Q4_K and Q6_K). Small steps (decode, up to kSmallSteps rows) dequantize a tile of
-//   output channels into a buffer that stays in L1/L2 and run pagoda's float32
-//   micro-kernel over it: the weights are read once per step in their 4.5-8.5 bits.
+//   Q4_K and Q6_K). Steps of up to kDirectRows rows multiply from decoded rows (int8
+//   values and sub-block scales, sums in registers); up to kSmallSteps rows, tiles of
+//   output channels dequantized into a buffer that stays in L1/L2 run pagoda's float32
+//   micro-kernel: either way the weights are read once per step in their 4.5-8.5 bits.
 //   Larger steps dequantize panels of output channels and multiply them with BLAS.
+// gguf_linear_int8: the gguf mode's product, x quantized to int8 (see below).
 //
 // Block layouts (ggml's, byte offsets within one block; d, dmin, m are float16):
 //   Q4_0   32: d, qs[16]                 w = d * (nibble - 8)
