@@ -942,7 +942,8 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
     // Block types up to kDirectRows rows: products from decoded rows, tiles of 8
     // channels. Otherwise tiles of rows dequantized to float32 (about 24 KiB) for the
     // float32 micro-kernel.
-    const std::vector<float> xs = group_sums16(xp, M, K);
+    // Sums of x per 16 inputs: only the decoded-row products use them.
+    const std::vector<float> xs = M <= kDirectRows ? group_sums16(xp, M, K) : std::vector<float>{};
     const int64_t per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
     std::vector<Tile> tiles;
     for (size_t p = 0; p < parts.size(); ++p) {

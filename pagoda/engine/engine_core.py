@@ -75,11 +75,11 @@ class EngineCore:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                 quantization=config.quantization)
         if device.type == "cpu" and not parallel:
-            threads = cpu_threads_policy(config.num_threads, parameter_bytes(loaded.model))
+            weight_bytes = parameter_bytes(loaded.model)
+            threads = cpu_threads_policy(config.num_threads, weight_bytes)
             if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-                logger.info("CPU threads: %d (for %.2f GiB of weights)", threads,
-                            parameter_bytes(loaded.model) / 2**30)
+                logger.info("CPU threads: %d (for %.2f GiB of weights)", threads, weight_bytes / 2**30)
         self._init_rest(config, loaded, device, dtype, collect_stats)
 
     def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,

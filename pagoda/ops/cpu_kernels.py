@@ -13,6 +13,7 @@ chosen at run time where the CPU has it (``has_avx512_vnni``);
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -29,9 +30,11 @@ _error: str | None = None
 _tried = False
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
-    return _cpu_flags()
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read); read
+    once (every int8 layer asks at load)."""
+    return frozenset(_cpu_flags())
 
 
 def _cpu_flags() -> set[str]:
