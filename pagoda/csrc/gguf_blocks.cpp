@@ -667,136 +667,142 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group = 32) 
 // The 4- or 6-bit values are unsigned (Q6_K's stored q + 32), so maddubs takes them
 // directly; each sub-block's integer scale multiplies its int16 pair sums (madd) and a
 // block's sums stay in int32: one float multiply-add per block of 256. The minimums
-// (Q4_K) and Q6_K's -32 come off through the sums of xq per sub-block.
+// (Q4_K) and Q6_K's -32 come off through the sums of xq per sub-block. One output
+// channel at a time against MR rows of x: the weights are read once in a single stream,
+// the scales decoded in registers and shuffled by constant masks (pairs of channels at
+// a time, with the scales through memory, ran at half the speed).
 
-// scales: 16 int16 (8 values, twice). Lanes 0-7 <- value i, lanes 8-15 <- value j.
-inline __m256i pick_scales(__m256i scales, int i, int j) {
-  const __m256i mask = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))),
-                                        _mm_set1_epi16(static_cast<int16_t>((2 * i) | ((2 * i + 1) << 8))));
-  return _mm256_shuffle_epi8(scales, mask);
+// kScaleLanes[j]: a pshufb mask that puts int16 lane j (of each 128-bit half) in all 8
+// lanes of that half.
+struct ScaleLanes {
+  alignas(32) uint8_t m[8][32];
+  ScaleLanes() {
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 32; i += 2) {
+        m[j][i] = static_cast<uint8_t>(2 * j);
+        m[j][i + 1] = static_cast<uint8_t>(2 * j + 1);
+      }
+  }
+  __m256i operator[](int j) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m[j])); }
+};
+const ScaleLanes kScaleLanes;
+
+// Q4_K's 12 bytes of 6-bit scales and minimums as 16 bytes: scales 0-7, minimums 0-7
+// (the bit layout of unpack_k4_scales).
+inline __m128i k4_scales_mins(const uint8_t* s) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, s, 4);
+  std::memcpy(&w1, s + 4, 4);
+  std::memcpy(&w2, s + 8, 4);
+  const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+  return _mm_set_epi32(static_cast<int>(mn_hi), static_cast<int>(mn_lo), static_cast<int>(sc_hi),
+                       static_cast<int>(sc_lo));
 }
 
 inline __m256i nibbles_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i nibbles_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 
-template <int MR, int NC>
-void q4k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n, const float* bias, float* y,
-             int64_t N) {
-  Sums<MR, NC> sums;
-  auto& acc = sums.acc;
+// y[(r0 + r) * N + col] for r < MR: channel `row` of a Q4_K part.
+template <int MR>
+void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
+              int64_t N, int64_t col) {
+  __m256 acc[MR];
+  __m128 accm[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    accm[r] = _mm_setzero_ps();
+  }
   for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* p[NC];
-    __m256i scales[NC];   // the 8 sub-block scales as int16, in both halves
-    __m128i mins[NC];     // the 8 minimums as int16
-    float d[NC], dmin[NC];
-    for (int o = 0; o < NC; ++o) {
-      p[o] = w.data + (n + o) * w.row_bytes + b * 144;
-      uint8_t sc[8], mn[8];
-      unpack_k4_scales(p[o] + 4, sc, mn);
-      const __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
-      scales[o] = _mm256_set_m128i(s16, s16);
-      mins[o] = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-      d[o] = f16_at(p[o]);
-      dmin[o] = f16_at(p[o] + 2);
-    }
-    __m256i isum[MR][NC];
-    for (int r = 0; r < MR; ++r)
-      for (int o = 0; o < NC; ++o) isum[r][o] = _mm256_setzero_si256();
+    const uint8_t* p = row + b * 144;
+    const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));  // scales: int16 lanes 0-7, minimums 8-15
+    const __m128i sc = _mm256_castsi256_si128(sm), mins = _mm256_extracti128_si256(sm, 1);
+    const __m256i scales = _mm256_set_m128i(sc, sc);
+    int32_t dd_bits;
+    std::memcpy(&dd_bits, p, 4);
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd_bits));  // d, dmin
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // weights 64c .. 64c + 63: sub-blocks 2c (low nibbles), 2c + 1 (high)
-      __m256i lo[NC], hi[NC];
-      for (int o = 0; o < NC; ++o) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[o] + 16 + 32 * c));
-        lo[o] = nibbles_lo(v);
-        hi[o] = nibbles_hi(v);
-      }
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
+      const __m256i lo = nibbles_lo(v), hi = nibbles_hi(v);
+      const __m256i slo = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c]);
+      const __m256i shi = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c + 1]);
       for (int r = 0; r < MR; ++r) {
         const int8_t* xr = xq.q.data() + (r0 + r) * K + b * 256 + 64 * c;
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-        for (int o = 0; o < NC; ++o) {
-          const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[o], x0), pick_scales(scales[o], 2 * c, 2 * c));
-          const __m256i h =
-              _mm256_madd_epi16(_mm256_maddubs_epi16(hi[o], x1), pick_scales(scales[o], 2 * c + 1, 2 * c + 1));
-          isum[r][o] = _mm256_add_epi32(isum[r][o], _mm256_add_epi32(a, h));
-        }
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), slo),
+                                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi)));
       }
     }
     for (int r = 0; r < MR; ++r) {
-      const float dx = xq.d[(r0 + r) * (K / 256) + b];
+      const __m128 ddx = _mm_mul_ps(dd, _mm_set1_ps(xq.d[(r0 + r) * (K / 256) + b]));  // d dx, dmin dx
       const __m128i b32 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + (r0 + r) * (K / 32) + b * 8));
-      for (int o = 0; o < NC; ++o) {
-        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(d[o] * dx), _mm256_cvtepi32_ps(isum[r][o]), acc[r][o]);
-        // - dmin dx sum_j min_j sum(xq over sub-block j): 4 lanes of pair sums, into the same lanes.
-        const __m256i mprod = _mm256_zextsi128_si256(_mm_madd_epi16(mins[o], b32));
-        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin[o] * dx)), _mm256_cvtepi32_ps(mprod), acc[r][o]);
-      }
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(ddx)), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      // dmin dx sum_j min_j sum(xq over sub-block j): 4 lanes of pair sums, subtracted at the end.
+      accm[r] = _mm_fmadd_ps(_mm_shuffle_ps(ddx, ddx, 0x55), _mm_cvtepi32_ps(_mm_madd_epi16(mins, b32)), accm[r]);
     }
   }
-  sums.store(y, N, r0, w.col + n, bias);
+  for (int r = 0; r < MR; ++r) {
+    float v = pagoda::hsum256(_mm256_sub_ps(acc[r], _mm256_zextps128_ps256(accm[r])));
+    if (bias) v += bias[col];
+    y[(r0 + r) * N + col] = v;
+  }
 }
 
-template <int MR, int NC>
-void q6k_dot(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n, const float* bias, float* y,
-             int64_t N) {
+// The same for a Q6_K channel: q + 32 in maddubs, then - 32 sum_j scale_j sum(xq over
+// sub-block j) in int32 (exact: |sums| < 2^29 per block).
+template <int MR>
+void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
+              int64_t N, int64_t col) {
   const __m256i m2 = _mm256_set1_epi8(3);
-  Sums<MR, NC> sums;
-  auto& acc = sums.acc;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* p[NC];
-    __m256i scales16[NC][2];  // the 16 sub-block scales as int16: [0..7] and [8..15], each in both halves
-    __m256i sc_all[NC];       // all 16 as int16, for the -32 term
-    float d[NC];
-    for (int o = 0; o < NC; ++o) {
-      p[o] = w.data + (n + o) * w.row_bytes + b * 210;
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[o] + 192));
-      sc_all[o] = _mm256_cvtepi8_epi16(raw);
-      const __m128i lo8 = _mm256_castsi256_si128(sc_all[o]), hi8 = _mm256_extracti128_si256(sc_all[o], 1);
-      scales16[o][0] = _mm256_set_m128i(lo8, lo8);
-      scales16[o][1] = _mm256_set_m128i(hi8, hi8);
-      d[o] = f16_at(p[o] + 208);
-    }
-    __m256i isum[MR][NC];
-    for (int r = 0; r < MR; ++r)
-      for (int o = 0; o < NC; ++o) isum[r][o] = _mm256_setzero_si256();
+    const uint8_t* p = row + b * 210;
+    const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    const __m128i lo8 = _mm256_castsi256_si128(sc_all), hi8 = _mm256_extracti128_si256(sc_all, 1);
+    const float d = f16_at(p + 208);
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     for (int half = 0; half < 2; ++half) {
+      const __m256i scales = half ? _mm256_set_m128i(hi8, hi8) : _mm256_set_m128i(lo8, lo8);
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
       for (int c = 0; c < 4; ++c) {
         // Weights half * 128 + 32c .. + 31 (sub-blocks 8 half + 2c and + 1), as in decode_block_t.
-        __m256i q[NC], scale[NC];
-        for (int o = 0; o < NC; ++o) {
-          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[o] + 64 * half + 32 * (c & 1)));
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[o] + 128 + 32 * half));
-          const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
-          q[o] = _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
-          scale[o] = pick_scales(scales16[o][half], 2 * c, 2 * c + 1);
-        }
+        const __m256i l = (c & 1) ? l1 : l0;
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
+        const __m256i q = _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
+        // int16 lanes 0-7 <- scale 2c, lanes 8-15 <- scale 2c + 1 (of this half)
+        const __m256i s = _mm256_shuffle_epi8(scales, _mm256_blend_epi32(kScaleLanes[2 * c], kScaleLanes[2 * c + 1], 0xF0));
         for (int r = 0; r < MR; ++r) {
           const __m256i xv = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * K + b * 256 + 128 * half + 32 * c));
-          for (int o = 0; o < NC; ++o)
-            isum[r][o] = _mm256_add_epi32(isum[r][o], _mm256_madd_epi16(_mm256_maddubs_epi16(q[o], xv), scale[o]));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), s));
         }
       }
     }
     for (int r = 0; r < MR; ++r) {
-      const float dx = xq.d[(r0 + r) * (K / 256) + b];
       const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.h16.data() + (r0 + r) * (K / 16) + b * 16));
-      for (int o = 0; o < NC; ++o) {
-        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(d[o] * dx), _mm256_cvtepi32_ps(isum[r][o]), acc[r][o]);
-        // - 32 d dx sum_j scale_j sum(xq over sub-block j), in 8 lanes of pair sums.
-        const __m256i zprod = _mm256_madd_epi16(sc_all[o], b16);
-        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(-(32.f * d[o] * dx)), _mm256_cvtepi32_ps(zprod), acc[r][o]);
-      }
+      const __m256i t = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sc_all, b16), 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xq.d[(r0 + r) * (K / 256) + b]), _mm256_cvtepi32_ps(t), acc[r]);
     }
   }
-  sums.store(y, N, r0, w.col + n, bias);
+  for (int r = 0; r < MR; ++r) {
+    float v = pagoda::hsum256(acc[r]);
+    if (bias) v += bias[col];
+    y[(r0 + r) * N + col] = v;
+  }
 }
 
 bool has_k_kernel(int type) { return type == kQ4_K || type == kQ6_K; }
 
 // Asks for rows [n0, n1) of w (clipped to its rows) to be on their way into the cache:
-// the next tile's weights arrive while this one computes (a decode step is bound by
-// reading the weights, and the hardware prefetchers alone left it at a third of the
-// machine's bandwidth).
+// the next tile's weights arrive while this one computes.
 inline void prefetch_rows(const Part& w, int64_t n0, int64_t n1) {
   n1 = std::min(n1, w.rows);
   if (n0 >= n1) return;
@@ -805,29 +811,24 @@ inline void prefetch_rows(const Part& w, int64_t n0, int64_t n1) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): pairs of rows against
-// pairs of channels.
+// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): each channel against
+// four rows at a time, then the rest.
 void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
             const float* bias, float* y, int64_t N) {
-  auto run = [&](auto mr, auto nc, int64_t r, int64_t n) {
-    constexpr int MR = decltype(mr)::value, NC = decltype(nc)::value;
-    if (w.type == kQ4_K)
-      q4k_dot<MR, NC>(xq, K, r, w, n, bias, y, N);
-    else
-      q6k_dot<MR, NC>(xq, K, r, w, n, bias, y, N);
-  };
-  using I1 = std::integral_constant<int, 1>;
-  using I2 = std::integral_constant<int, 2>;
-  int64_t r = m0;
-  for (; r < m1; r += 2) {
-    int64_t n = n0;
-    if (r + 2 <= m1) {
-      for (; n + 2 <= n1; n += 2) run(I2{}, I2{}, r, n);
-      for (; n < n1; ++n) run(I2{}, I1{}, r, n);
-    } else {
-      for (; n + 2 <= n1; n += 2) run(I1{}, I2{}, r, n);
-      for (; n < n1; ++n) run(I1{}, I1{}, r, n);
-    }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.data + n * w.row_bytes;
+    const int64_t col = w.col + n;
+    auto run = [&](auto mr, int64_t r) {
+      constexpr int MR = decltype(mr)::value;
+      if (w.type == kQ4_K)
+        q4k_rows<MR>(xq, K, r, row, bias, y, N, col);
+      else
+        q6k_rows<MR>(xq, K, r, row, bias, y, N, col);
+    };
+    int64_t r = m0;
+    for (; r + 4 <= m1; r += 4) run(std::integral_constant<int, 4>{}, r);
+    for (; r + 2 <= m1; r += 2) run(std::integral_constant<int, 2>{}, r);
+    if (r < m1) run(std::integral_constant<int, 1>{}, r);
   }
 }
 
@@ -1019,11 +1020,11 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
       for (int64_t t = t0; t < t1; ++t) {
         const Tile& tile = tiles[t];
         const Part& w = parts[tile.part];
-        prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
-        if (has_k_kernel(w.type)) {
+        if (has_k_kernel(w.type)) {  // one stream of rows, which the hardware prefetchers follow
           k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
           continue;
         }
+        prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
         with_block_type(w.type, [&](auto tt) {
           constexpr int T = decltype(tt)::value;
           const int nc = static_cast<int>(tile.n1 - tile.n0);
