@@ -226,3 +226,11 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 2 << 30
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun (or alike), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+    return None

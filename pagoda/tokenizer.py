@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -23,6 +23,9 @@ import jinja2.parser
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
 
 __all__ = ["Tokenizer", "ChatTemplateError"]
 
@@ -426,3 +429,25 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer:
+    """The tokenizer alone, without the weights (the API server process needs only this)."""
+    from pagoda.model.gguf_file import GGUFFile
+    from pagoda.model.paths import resolve_model_path
+
+    path = resolve_model_path(config.model)
+    if os.path.isdir(path):
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+    else:
+        tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+    return with_chat_template(tokenizer, config.chat_template)
+
+
+def with_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer:
+    if chat_template is not None:
+        if os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                chat_template = f.read()
+        tokenizer.chat_template = chat_template
+    return tokenizer

@@ -129,7 +129,7 @@ def _engine(config: EngineConfig, loaded: Any, **changes: Any) -> Any:
 
 
 def _setup(config: EngineConfig) -> tuple[Any, int, set[int]]:
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
     from pagoda.model.loader import load_model, parse_dtype
     import torch
 

@@ -68,7 +68,7 @@ def summarize_iteration(steps: list[dict[str, Any]], batch_size: int) -> dict[st
 def run_latency(args: argparse.Namespace, config: EngineConfig) -> int:
     from pagoda.bench.throughput import random_prompts
     from pagoda.engine.engine_core import EngineCore
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
 
     config = EngineConfig(**{**vars(config), "show_progress": False})
     tokenizer = load_tokenizer(config)

@@ -71,7 +71,7 @@ async def _run_one(config: EngineConfig, prompts: list[list[int]], output_len: i
 
 def run_parallel(args: argparse.Namespace, config: EngineConfig) -> int:
     from pagoda.bench.throughput import random_prompts
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
 
     names = _settings(args.settings)
     tok = load_tokenizer(config)

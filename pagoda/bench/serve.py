@@ -266,7 +266,7 @@ def format_sweep(report: dict[str, Any]) -> str:
 
 def load_client_tokenizer(path: str | None) -> Any:
     from pagoda.config import EngineConfig
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
 
     return load_tokenizer(EngineConfig(model=path))
 

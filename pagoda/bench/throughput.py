@@ -85,7 +85,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
     from pagoda.model.loader import resolve_model_path
 
     tokenizer = load_tokenizer(config)

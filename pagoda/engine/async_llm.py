@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -26,11 +25,10 @@ import zmq
 import zmq.asyncio
 
 from pagoda.config import EngineConfig, check_priority
-from pagoda.engine.core_proc import EngineInfo, engine_core_process_main, run_engine_core
+from pagoda.engine.core_proc import CoreProcess, EngineInfo, run_engine_core, start_core_process
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.engine.protocol import EngineCoreOutputs, SchedulerStats
-from pagoda.lora.adapter import LoRAAdapterError
-from pagoda.lora.manager import LoRAInUseError
+from pagoda.lora.errors import LoRAAdapterError, LoRAInUseError
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.log import StatLogger, log_request
 from pagoda.metrics.stats import EngineMetrics
@@ -68,7 +66,7 @@ class LoRAExistsError(ValueError):
 
 
 def _tokenizer_for(config: EngineConfig) -> Tokenizer:
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
 
     return load_tokenizer(config)
 
@@ -94,10 +92,13 @@ class AsyncLLM:
         log_stats_interval: float = 10.0,
         log_requests: bool = True,
         stall_timeout: float = STALL_TIMEOUT_S,
+        core: CoreProcess | None = None,
     ) -> None:
         """``log_stats``: log a throughput / queue / KV line every ``log_stats_interval``
         seconds while busy. ``log_requests``: log one line per finished request.
-        ``stall_timeout``: busy with no engine output for this long = unhealthy."""
+        ``stall_timeout``: busy with no engine output for this long = unhealthy.
+        ``core``: an engine-core process already started for ``config``
+        (``start_core_process``); by default one is started here."""
         self.stall_timeout = stall_timeout
         if log_stats and not log_stats_interval > 0:
             raise ValueError(f"log_stats_interval must be > 0, got {log_stats_interval}")
@@ -112,10 +113,11 @@ class AsyncLLM:
         self._last_output = time.monotonic()
         self._ctx = zmq.asyncio.Context()
         self._tmpdir = None
+        if core is not None and not multiprocess:
+            raise ValueError("an engine-core process was given to an in-process AsyncLLM")
         if multiprocess:
-            self._tmpdir = tempfile.mkdtemp(prefix="pagoda-")
-            in_addr = f"ipc://{self._tmpdir}/input"
-            out_addr = f"ipc://{self._tmpdir}/output"
+            core = core or start_core_process(config)
+            self._tmpdir, in_addr, out_addr = core.tmpdir, core.input_addr, core.output_addr
         else:
             tag = uuid.uuid4().hex
             in_addr, out_addr = f"inproc://in-{tag}", f"inproc://out-{tag}"
@@ -125,13 +127,8 @@ class AsyncLLM:
         self._output.bind(out_addr)
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._thread: threading.Thread | None = None
-        if multiprocess:
-            mp = multiprocessing.get_context("spawn")
-            self._proc = mp.Process(
-                target=engine_core_process_main, args=(config, in_addr, out_addr),
-                name="pagoda-engine-core", daemon=True,
-            )
-            self._proc.start()
+        if core is not None:  # it connects to the addresses bound above (zmq retries until then)
+            self._proc = core.proc
         else:
             sync_ctx = zmq.Context.shadow(self._ctx.underlying)
             self._thread = threading.Thread(

@@ -10,8 +10,11 @@ dead (a fatal error; the loop exits).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing
 import os
+import tempfile
 import time
 import traceback
 
@@ -145,6 +148,28 @@ def _close(inp, out, ctx, own_context: bool) -> None:
     out.close(linger=1000)
     if own_context:
         ctx.term()
+
+
+@dataclasses.dataclass
+class CoreProcess:
+    """A spawned engine-core process and the two ipc addresses it connects to; its
+    client (AsyncLLM) binds them. `pagoda serve` starts it before importing the API
+    stack, so that the two processes' imports (torch in each) overlap."""
+
+    proc: multiprocessing.process.BaseProcess
+    tmpdir: str
+    input_addr: str
+    output_addr: str
+
+
+def start_core_process(config: EngineConfig) -> CoreProcess:
+    tmpdir = tempfile.mkdtemp(prefix="pagoda-")
+    in_addr, out_addr = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=engine_core_process_main, args=(config, in_addr, out_addr), name="pagoda-engine-core", daemon=True,
+    )
+    proc.start()
+    return CoreProcess(proc, tmpdir, in_addr, out_addr)
 
 
 def engine_core_process_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:

@@ -16,7 +16,8 @@ from pagoda.config import EngineConfig, available_memory_bytes, check_priority, 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from pagoda.lora.manager import LoRAInUseError, LoRAManager
+from pagoda.lora.errors import LoRAInUseError
+from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from typing import Any, Sequence
 
@@ -12,10 +11,10 @@ from pagoda.config import EngineConfig, check_priority
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest
-from pagoda.model.loader import LoadedModel, resolve_model_path
+from pagoda.model.loader import LoadedModel
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.tokenizer import Tokenizer
+from pagoda.tokenizer import Tokenizer, with_chat_template
 
 PromptType = str | dict[str, Any]
 
@@ -25,28 +24,7 @@ def build_tokenizer(loaded: LoadedModel, chat_template: str | None) -> Tokenizer
         tokenizer = Tokenizer.from_gguf_metadata(loaded.gguf_metadata)
     else:
         tokenizer = Tokenizer.from_pretrained_dir(loaded.path)
-    return _with_template(tokenizer, chat_template)
-
-
-def load_tokenizer(config: EngineConfig) -> Tokenizer:
-    """The tokenizer alone, without the weights (the API server process needs only this)."""
-    path = resolve_model_path(config.model)
-    if os.path.isdir(path):
-        tokenizer = Tokenizer.from_pretrained_dir(path)
-    else:
-        from pagoda.model.gguf_file import GGUFFile
-
-        tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
-    return _with_template(tokenizer, config.chat_template)
-
-
-def _with_template(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer:
-    if chat_template is not None:
-        if os.path.isfile(chat_template):
-            with open(chat_template) as f:
-                chat_template = f.read()
-        tokenizer.chat_template = chat_template
-    return tokenizer
+    return with_chat_template(tokenizer, chat_template)
 
 
 class LLM:

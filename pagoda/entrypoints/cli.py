@@ -251,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args, config_from_args(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -305,15 +305,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    from pagoda.bench.commands import add_bench_commands
+    if with_bench_commands:
+        from pagoda.bench.commands import add_bench_commands
 
-    add_bench_commands(bench.add_subparsers(dest="bench_command", required=True),
-                       add_engine_args, config_from_args)
+        add_bench_commands(bench.add_subparsers(dest="bench_command", required=True),
+                           add_engine_args, config_from_args)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The benchmarks' options come from their modules, which import torch: built only for
+    # `pagoda bench`, so that `pagoda serve` starts its engine core before any torch import.
+    args = build_parser(with_bench_commands=bool(argv) and argv[0] == "bench").parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -26,21 +25,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, torchrun_rank
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.group import DistributedError, TPGroup, rendezvous_store
 
 logger = logging.getLogger(__name__)
 
 _WORKER_EXIT_TIMEOUT_S = 10.0
-
-
-def torchrun_rank() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) when launched by torchrun (or alike), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return rank, world, int(os.environ.get("LOCAL_RANK", rank))
-    return None
 
 
 def configure_threads(config: EngineConfig) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.lora.errors import LoRAAdapterError
 from pagoda.lora.request import LoRARequest
 from pagoda.model.arch import ModelArchConfig
 
@@ -36,11 +37,6 @@ TARGET_MODULES: dict[str, tuple[str, int]] = {
 }
 
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
-
-
-class LoRAAdapterError(ValueError):
-    """The adapter cannot be loaded: missing files, unsupported settings or
-    target modules, shapes that do not fit the base model."""
 
 
 @dataclass

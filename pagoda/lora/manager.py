@@ -22,10 +22,6 @@ from pagoda.lora.request import LoRARequest
 from pagoda.model.arch import ModelArchConfig
 
 
-class LoRAInUseError(ValueError):
-    """An adapter cannot be unloaded while requests use it."""
-
-
 class LoRAManager:
     def __init__(self, model: nn.Module, arch: ModelArchConfig, max_loras: int, max_rank: int) -> None:
         self.arch = arch

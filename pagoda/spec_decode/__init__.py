@@ -8,64 +8,14 @@ scheduler rolls back what was rejected.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
-
+from pagoda.lazy import lazy_exports
 from pagoda.spec_decode.config import SpeculativeConfig
-from pagoda.spec_decode.ngram import NgramProposer
-from pagoda.spec_decode.proposer import DraftRequest, ModelDraftProposer, Proposer
-
-if TYPE_CHECKING:
-    from pagoda.model.loader import LoadedModel
 
 __all__ = ["DraftRequest", "ModelDraftProposer", "NgramProposer", "Proposer", "SpeculativeConfig",
            "build_proposer", "check_draft_model", "draft_kv_caches"]
 
-
-def check_draft_model(spec: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None) -> None:
-    """Reject drafts that cannot work with this target, with a message that says why."""
-    arch = target.arch
-    if spec.method == "layer_skip":
-        assert spec.num_layers is not None
-        if spec.num_layers >= arch.num_hidden_layers:
-            raise ValueError(
-                f"speculative_config: num_layers={spec.num_layers} must be smaller than the target's "
-                f"{arch.num_hidden_layers} layers"
-            )
-    if spec.method == "draft_model":
-        assert draft is not None
-        if draft.arch.vocab_size != arch.vocab_size:
-            raise ValueError(
-                f"speculative_config: the draft model's vocabulary ({draft.arch.vocab_size}) differs from "
-                f"the target's ({arch.vocab_size}); a draft must share the target's tokenizer"
-            )
-
-
-def draft_kv_caches(draft: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> list[torch.Tensor]:
-    c = draft.model.config
-    return [
-        torch.empty(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-        for _ in range(c.num_hidden_layers)
-    ]
-
-
-def build_proposer(
-    spec: SpeculativeConfig,
-    target_model: torch.nn.Module,
-    target_kv_caches: list[torch.Tensor],
-    block_size: int,
-    device: torch.device,
-    draft: LoadedModel | None = None,
-    draft_caches: list[torch.Tensor] | None = None,
-) -> Proposer:
-    if spec.method == "ngram":
-        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "layer_skip":
-        # Shares the target's weights and the K/V of its first num_layers layers.
-        return ModelDraftProposer(target_model, target_kv_caches[: spec.num_layers], block_size, device,
-                                  num_layers=spec.num_layers)
-    assert draft is not None and draft_caches is not None
-    return ModelDraftProposer(draft.model, draft_caches, block_size, device, needs_sync=True)
+# Everything but the config needs torch (pagoda.config imports the config).
+__getattr__ = lazy_exports(__name__, {
+    "DraftRequest": "proposer", "ModelDraftProposer": "proposer", "Proposer": "proposer",
+    "NgramProposer": "ngram", "build_proposer": "build", "check_draft_model": "build", "draft_kv_caches": "build",
+})

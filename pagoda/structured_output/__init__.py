@@ -1,6 +1,12 @@
 """Structured output: grammars that constrain which tokens may come next."""
 
-from pagoda.structured_output.backend import GrammarError, StructuredOutputBackend
-from pagoda.structured_output.manager import StructuredOutputManager
+from __future__ import annotations
+
+from pagoda.lazy import lazy_exports
 
 __all__ = ["GrammarError", "StructuredOutputBackend", "StructuredOutputManager"]
+
+# The manager needs torch; the API process imports only GrammarError.
+__getattr__ = lazy_exports(__name__, {
+    "GrammarError": "backend", "StructuredOutputBackend": "backend", "StructuredOutputManager": "manager",
+})

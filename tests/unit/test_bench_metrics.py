@@ -175,7 +175,7 @@ def test_client_chat_without_usage_and_errors():
 @pytest.fixture(scope="module")
 def sampler() -> ds.TextSampler:
     from pagoda.config import EngineConfig
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
 
     return ds.TextSampler(load_tokenizer(EngineConfig()), seed=0)
 

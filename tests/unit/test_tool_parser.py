@@ -156,7 +156,7 @@ def test_scan_partial_literals() -> None:
 def matcher_factory():
     llguidance = pytest.importorskip("llguidance")
     from pagoda.config import EngineConfig
-    from pagoda.engine.llm import load_tokenizer
+    from pagoda.tokenizer import load_tokenizer
 
     tok = load_tokenizer(EngineConfig())
     ll_tok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids))

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from pagoda.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES, build_app
-from pagoda.entrypoints.openai.server import PagodaServer, create_server, serve
+from pagoda.lazy import lazy_exports
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "PagodaServer", "build_app", "create_server", "serve"]
+
+# The CLI reads the tool parsers' names from this package before it starts the engine core.
+__getattr__ = lazy_exports(__name__, {
+    "DEFAULT_MAX_BODY_BYTES": "api_server", "build_app": "api_server",
+    "PagodaServer": "server", "create_server": "server", "serve": "server",
+})

@@ -341,7 +341,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> 
     model as ``parent``, and chosen by a request's ``model``.
     """
     from pagoda.engine.async_llm import LoRAExistsError, LoRANotFoundError
-    from pagoda.lora.manager import LoRAInUseError
+    from pagoda.lora.errors import LoRAInUseError
 
     def check_enabled() -> None:
         config = getattr(engine, "config", None)

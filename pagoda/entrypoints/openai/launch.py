@@ -6,8 +6,12 @@ import argparse
 import asyncio
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from pagoda.config import EngineConfig
+
+if TYPE_CHECKING:
+    from pagoda.engine.core_proc import CoreProcess
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +25,13 @@ def default_served_model_name(config: EngineConfig) -> str:
         return config.served_model_name
     if config.model is None:
         return DEFAULT_SERVED_NAME
-    from pagoda.model.loader import resolve_model_path
+    from pagoda.model.paths import resolve_model_path
 
     name = os.path.basename(os.path.normpath(resolve_model_path(config.model)))
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
-async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
+async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None) -> None:
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.openai.server import serve
     from pagoda.tenants import load_api_keys_file
@@ -37,6 +41,7 @@ async def _main(args: argparse.Namespace, config: EngineConfig) -> None:
         from pagoda.engine.dp_client import DataParallelLLM as engine_cls
     engine = engine_cls.from_config(
         config,
+        **({"core": core} if core is not None else {}),
         log_stats=not getattr(args, "disable_log_stats", False),
         log_stats_interval=getattr(args, "log_stats_interval", 10.0),
         log_requests=not getattr(args, "disable_log_requests", False),
@@ -70,7 +75,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         logger.info("node %d of %d: starting tensor-parallel workers for %s", config.node_rank,
                     config.nnodes, config.distributed_init_method)
         return start_node_workers(config)
-    from pagoda.executor.multiproc import torchrun_rank
+    from pagoda.config import torchrun_rank
 
     launched = torchrun_rank()
     if launched is not None and launched[0] > 0:
@@ -78,5 +83,12 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         from pagoda.executor.worker import run_worker
 
         return run_worker(config, launched[0], launched[2], config.distributed_init_method or "env://")
-    asyncio.run(_main(args, config))
+    core = None
+    if config.data_parallel_size == 1:
+        # Start the engine core first: its imports and weight loading overlap this
+        # process's imports of the API stack.
+        from pagoda.engine.core_proc import start_core_process
+
+        core = start_core_process(config)
+    asyncio.run(_main(args, config, core))
     return 0

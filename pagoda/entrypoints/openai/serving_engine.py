@@ -19,7 +19,7 @@ from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.structured_output import GrammarError
+from pagoda.structured_output.backend import GrammarError
 
 logger = logging.getLogger(__name__)
 

@@ -276,6 +276,16 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     return model
 
 
+def calibration_ids(path: str, gguf_metadata: dict | None) -> list[int]:
+    """``CALIBRATION_TEXT`` in the tokens of the model at ``path`` (its GGUF metadata,
+    when it is a GGUF file)."""
+    from pagoda.tokenizer import Tokenizer
+
+    tokenizer = (Tokenizer.from_gguf_metadata(gguf_metadata) if gguf_metadata is not None
+                 else Tokenizer.from_pretrained_dir(path))
+    return tokenizer.encode(CALIBRATION_TEXT)
+
+
 def quantize_model(model: nn.Module, mode: str, device: torch.device,
                    calibration_ids: list[int] | None = None) -> nn.Module:
     """Replace the model's projections and LM head with quantized layers, in place.
