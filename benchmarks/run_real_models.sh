@@ -19,9 +19,9 @@ QUANTIZE=$(dirname "$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); impo
 [ -f "$M/llama-3.1-8b-q4_k_m.gguf" ] || $PY -m pagoda.bench.gguf_files llama-3.1-8b "$M/llama-3.1-8b-q4_k_m.gguf" --type Q4_K_M
 
 $PY benchmarks/compare.py run --model "$M/llama-3.2-1b-q4_k_m.gguf" --engines pagoda,pagoda-gguf,llama-server \
-  --threads 2 --concurrency 1,16 --num-prompts 4,16 --input-len 128 --output-len 64 --out-dir "$OUT/real-1b"
-$PY benchmarks/compare.py table "$OUT/real-1b"
+  --threads 2 --concurrency 1,16 --num-prompts 4,16 --input-len 128 --output-len 64 --out-dir "$OUT/real-1b-s2"
+$PY benchmarks/compare.py table "$OUT/real-1b-s2"
 
-$PY benchmarks/compare.py run --model "$M/llama-3.1-8b-q4_k_m.gguf" --engines pagoda-gguf,llama-server \
-  --threads 2 --concurrency 1 --num-prompts 2 --input-len 128 --output-len 32 --out-dir "$OUT/real-8b"
-$PY benchmarks/compare.py table "$OUT/real-8b"
+$PY benchmarks/compare.py run --model "$M/llama-3.1-8b-q4_k_m.gguf" --engines pagoda,pagoda-gguf,llama-server \
+  --threads 2 --concurrency 1 --num-prompts 2 --input-len 128 --output-len 32 --out-dir "$OUT/real-8b-s2"
+$PY benchmarks/compare.py table "$OUT/real-8b-s2"
