@@ -205,6 +205,21 @@ def keep_freed_memory() -> bool:
                ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 256 << 20), (_M_TOP_PAD, 64 << 20)))
 
 
+def release_freed_memory() -> bool:
+    """Hand malloc's free heap back to the kernel (glibc's malloc_trim), after a one-off
+    burst of allocations such as converting a model's weights at load. Returns whether
+    it ran (glibc only)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
+
+
 def check_priority(config: EngineConfig, priority: object) -> None:
     """A request's priority: an integer, and non-zero only under a policy that uses it."""
     if isinstance(priority, bool) or not isinstance(priority, int):

@@ -364,11 +364,9 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
                     f"{path}: tensor {gguf_name} has type {info.ggml_type.name}, which pagoda cannot read "
                     f"(supported: {', '.join(sorted(t.name for t in BLOCK_TYPES))})"
                 )
-            if permuted and proj in heads:
-                data = unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
-            else:
-                data = gf.tensor_rows(gguf_name)
-            blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight(data, info.ggml_type, info.shape[1])
+            mapped = not (permuted and proj in heads)
+            data = gf.tensor_rows(gguf_name) if mapped else unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
+            blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight(data, info.ggml_type, info.shape[1], mapped)
             continue
         t = gf.load_tensor(gguf_name, dtype=torch.float32)
         if permuted and proj in heads and hf_name.endswith(".bias"):

@@ -114,3 +114,18 @@ def test_q4_keeps_the_gguf_4bit_values():
     original = f.load_tensor(name)
     ours = q4_dequantize(*q4_quantize(original))
     torch.testing.assert_close(ours, original, rtol=0, atol=1e-5)
+
+
+def test_quantizers_give_the_same_values_a_block_of_rows_at_a_time(monkeypatch):
+    """The q4 / int8 quantizers work through a weight a block of rows at a time (bounded
+    temporaries while an 8B model loads): the result is the whole-weight one."""
+    from pagoda.model.layers import quantization as qz
+
+    w = torch.randn(300, 256, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(qz, "QUANTIZE_ROWS", 10**9)
+    whole_q4, whole_int8 = qz.q4_quantize(w), qz.int8_per_channel(w)
+    monkeypatch.setattr(qz, "QUANTIZE_ROWS", 7)
+    for a, b in zip(qz.q4_quantize(w) + qz.int8_per_channel(w), whole_q4 + whole_int8):
+        assert torch.equal(a, b)
+    q, scale = whole_int8
+    torch.testing.assert_close(q.float() * scale[:, None], w, rtol=0, atol=float(scale.max()) / 2 + 1e-7)

@@ -162,3 +162,33 @@ def test_int8_linear_refuses_float_weights():
     t = torch.randn(8, 64)
     with pytest.raises(RuntimeError, match="quantized blocks"):
         ops.gguf_linear_int8(torch.randn(2, 64), [BlockWeight.from_tensor(t).data], [int(Q.F32)], None)
+
+
+# ---- pages of file-mapped weights ------------------------------------------------------
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_drop_pages_releases_a_mapped_weight_and_keeps_its_values(tmp_path):
+    """The int8 / q4 modes drop each converted layer's pages of the file map: RSS falls by
+    the weight's size, and the weight still reads the file's bytes (refaulted)."""
+    rows, cols = 2048, 1024  # 8 MiB of float32
+    values = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    path = tmp_path / "w.bin"
+    values.tofile(path)
+    view = np.memmap(path, dtype=np.uint8, mode="c").reshape(rows, cols * 4)
+    w = BlockWeight(torch.from_numpy(np.asarray(view)), Q.F32, cols, file_mapped=True)
+    assert torch.equal(w.dequantize(), torch.from_numpy(values))  # every page resident now
+    before = _rss_bytes()
+    w.drop_pages()
+    assert before - _rss_bytes() > 6 << 20
+    assert torch.equal(w.dequantize(), torch.from_numpy(values))
+
+
+def test_drop_pages_leaves_memory_that_is_not_a_file_map_alone():
+    t = torch.randn(64, 64)
+    w = BlockWeight.from_tensor(t)
+    w.drop_pages()  # not file-mapped: must not zero anonymous memory
+    assert torch.equal(w.dequantize(), t)

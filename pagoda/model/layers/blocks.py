@@ -14,6 +14,9 @@ missing there is refused by the loader with the tensor's name.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,12 @@ BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset({
 })
 # torch dtypes stored as they are (HF checkpoints), as the ggml type of the same bits.
 TORCH_DTYPE_TYPES = {torch.float32: _Q.F32, torch.float16: _Q.F16, torch.bfloat16: _Q.BF16}
+_MADV_DONTNEED = 4  # Linux
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class UnsupportedWeightType(ValueError):
@@ -44,6 +53,8 @@ class BlockWeight:
     data: torch.Tensor
     ggml_type: GGMLQuantizationType
     in_features: int
+    # ``data`` is a view into a read-only (never written) private map of the model file.
+    file_mapped: bool = False
 
     def __post_init__(self) -> None:
         if self.ggml_type not in BLOCK_TYPES:
@@ -67,6 +78,19 @@ class BlockWeight:
     @property
     def out_features(self) -> int:
         return self.data.shape[0]
+
+    def drop_pages(self) -> None:
+        """Let go of the resident pages of a file-mapped weight (madvise DONTNEED): a
+        later read faults them in again from the page cache, unchanged, since the map's
+        pages are never written. The int8 / q4 modes call it on each layer they have
+        converted, or the whole file would stay in their RSS. No-op otherwise."""
+        if not self.file_mapped or self.data.numel() == 0:
+            return
+        page = mmap.PAGESIZE
+        start = self.data.data_ptr() & ~(page - 1)
+        length = self.data.data_ptr() + self.data.numel() - start
+        if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a file-mapped weight")
 
     @property
     def nbytes(self) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda.config import release_freed_memory
 from pagoda.model.layers.blocks import BlocksLinear
 from pagoda.ops import cpu_kernels
 
@@ -61,6 +62,10 @@ def int8_small_step_rows() -> int:
     return INT8_SMALL_STEP_ROWS if flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else 1 << 62
 
 
+# Rows of a weight quantized at a time (the float temporaries of one block).
+QUANTIZE_ROWS = 1024
+
+
 def q4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (packed [N, K/2] uint8, scales [N, K/32] fp16, mins [N, K/32] fp16).
 
@@ -70,13 +75,40 @@ def q4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     n, k = weight.shape
     if k % Q4_GROUP:
         raise ValueError(f"q4 needs in_features divisible by {Q4_GROUP}, got {k}")
-    groups = weight.float().reshape(n, k // Q4_GROUP, Q4_GROUP)
-    lo = groups.amin(-1).half()
-    scale = ((groups.amax(-1) - lo.float()) / 15.0).half()
-    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-    q = torch.round((groups - lo.float()[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
-    packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous()
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales = torch.empty(n, k // Q4_GROUP, dtype=torch.float16)
+    mins = torch.empty(n, k // Q4_GROUP, dtype=torch.float16)
+    scratch = torch.empty(min(n, QUANTIZE_ROWS), k // Q4_GROUP, Q4_GROUP)  # as in int8_per_channel
+    for r in range(0, n, QUANTIZE_ROWS):  # a block of rows at a time, not several weights' worth
+        groups = weight[r : r + QUANTIZE_ROWS].float().reshape(-1, k // Q4_GROUP, Q4_GROUP)
+        lo = groups.amin(-1).half()
+        scale = ((groups.amax(-1) - lo.float()) / 15.0).half()
+        safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+        t = torch.sub(groups, lo.float()[..., None], out=scratch[: groups.shape[0]])
+        q = t.div_(safe[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        packed[r : r + QUANTIZE_ROWS] = (q[..., :16] | (q[..., 16:] << 4)).reshape(-1, k // 2)
+        scales[r : r + QUANTIZE_ROWS] = scale
+        mins[r : r + QUANTIZE_ROWS] = lo
+    return packed, scales, mins
+
+
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scales [N]): each output channel rounded
+    to int8 of scale max|w| / 127, a block of rows at a time."""
+    n, k = weight.shape
+    qweight = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, dtype=torch.float32)
+    # One scratch block for every step (fresh temporaries per block would be freed into
+    # malloc's heap, which pagoda lets grow for its steps: gigabytes kept after an 8B load).
+    scratch = torch.empty(min(n, QUANTIZE_ROWS), k)
+    for r in range(0, n, QUANTIZE_ROWS):
+        w = weight[r : r + QUANTIZE_ROWS].float()
+        t = scratch[: w.shape[0]]
+        scale = (torch.abs(w, out=t).amax(dim=1) / 127.0).clamp(min=1e-12)
+        torch.div(w, scale[:, None], out=t).round_().clamp_(-127, 127)
+        qweight[r : r + QUANTIZE_ROWS].copy_(t)  # whole numbers: the conversion is exact
+        scales[r : r + QUANTIZE_ROWS] = scale
+    return qweight, scales
 
 
 def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -139,9 +171,9 @@ class Int8Linear(nn.Module):
         # [k, out]: the outlier columns, transposed so each is a contiguous row.
         self.register_buffer("outlier_weight", weight[:, idx].t().contiguous())
         weight[:, idx] = 0.0
-        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         # [out, in]; _int_mm multiplies by its transposed view at the same speed.
-        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        qweight, scale = int8_per_channel(weight)
+        self.register_buffer("qweight", qweight)
         self.register_buffer("weight_scale", scale)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
@@ -186,11 +218,10 @@ class Int8WeightLinear(nn.Module):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("Int8WeightLinear takes a linear layer without bias")
-        weight = linear.weight.detach().float()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        qweight, scale = int8_per_channel(linear.weight.detach())
+        self.register_buffer("qweight", qweight)
         self.register_buffer("weight_scale", scale)
         self._ops = cpu_kernels.kernels() if self.in_features % Q4_GROUP == 0 else None
 
@@ -258,6 +289,8 @@ def _as_float_linear(module: nn.Module) -> nn.Linear:
         return module
     lin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     lin.weight = nn.Parameter(module.dequantized(), requires_grad=False)
+    for part in module.parts:  # read once; the file's pages need not stay in this process
+        part.drop_pages()
     if module.bias is not None:
         lin.bias = nn.Parameter(module.bias.clone(), requires_grad=False)
     return lin
@@ -313,6 +346,10 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
             gen = torch.Generator().manual_seed(0)
             calibration_ids = torch.randint(0, model.config.vocab_size, (128,), generator=gen).tolist()
         ranges = calibrate(model, calibration_ids)
+        for module in model.modules():  # the calibration read every weight: let the file's pages go
+            if isinstance(module, BlocksLinear):
+                for part in module.parts:
+                    part.drop_pages()
     for name, module in targets:
         module = _as_float_linear(module)
         parent_name, _, attr = name.rpartition(".")
@@ -328,4 +365,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         else:
             layer = Q4Linear(module)
         setattr(parent, attr, layer)
+        # This layer's float copies go back to the kernel before the next is made (8B int8:
+        # 2 GiB more RSS after the load otherwise, and a higher peak during it).
+        release_freed_memory()
     return model
