@@ -121,11 +121,11 @@ inline void split_nibbles32(const uint8_t* p, uint8_t* q) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
 }
 
-// The K-quants' 6-bit scales and minimums of the 8 sub-blocks, from their 12 bytes:
-// sub-block j < 4: scale = s[j] & 63, min = s[j + 4] & 63; j >= 4: scale = low nibble of
-// s[j + 4] | top 2 bits of s[j - 4] << 4, min = high nibble of s[j + 4] | top 2 bits of
-// s[j] << 4. Four bytes at a time.
-inline void unpack_k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+// The K-quants' 6-bit scales and minimums of the 8 sub-blocks, from their 12 bytes, as 16
+// bytes (scales 0-7, then minimums 0-7): sub-block j < 4: scale = s[j] & 63, min =
+// s[j + 4] & 63; j >= 4: scale = low nibble of s[j + 4] | top 2 bits of s[j - 4] << 4, min
+// = high nibble of s[j + 4] | top 2 bits of s[j] << 4. Four bytes at a time, in registers.
+inline __m128i k4_scales_mins(const uint8_t* s) {
   uint32_t w0, w1, w2;
   std::memcpy(&w0, s, 4);
   std::memcpy(&w1, s + 4, 4);
@@ -133,10 +133,14 @@ inline void unpack_k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
   const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
   const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-  std::memcpy(sc, &sc_lo, 4);
-  std::memcpy(sc + 4, &sc_hi, 4);
-  std::memcpy(mn, &mn_lo, 4);
-  std::memcpy(mn + 4, &mn_hi, 4);
+  return _mm_set_epi32(static_cast<int>(mn_hi), static_cast<int>(mn_lo), static_cast<int>(sc_hi),
+                       static_cast<int>(sc_lo));
+}
+
+inline void unpack_k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  const __m128i v = k4_scales_mins(s);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(sc), v);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(mn), _mm_unpackhi_epi64(v, v));
 }
 
 // out[j] = d * v[j] for 8 unsigned bytes v (exact conversions, one rounding each).
@@ -686,20 +690,6 @@ struct ScaleLanes {
   __m256i operator[](int j) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m[j])); }
 };
 const ScaleLanes kScaleLanes;
-
-// Q4_K's 12 bytes of 6-bit scales and minimums as 16 bytes: scales 0-7, minimums 0-7
-// (the bit layout of unpack_k4_scales).
-inline __m128i k4_scales_mins(const uint8_t* s) {
-  uint32_t w0, w1, w2;
-  std::memcpy(&w0, s, 4);
-  std::memcpy(&w1, s + 4, 4);
-  std::memcpy(&w2, s + 8, 4);
-  const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-  const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-  return _mm_set_epi32(static_cast<int>(mn_hi), static_cast<int>(mn_lo), static_cast<int>(sc_hi),
-                       static_cast<int>(sc_lo));
-}
 
 inline __m256i nibbles_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i nibbles_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
