@@ -98,7 +98,8 @@ def load_model(
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
     quantize_model(loaded.model, quantization, device,
-                   calibration_ids(loaded.path, loaded.gguf_metadata) if quantization == "int8" else None)
+                   calibration_ids(loaded.path, loaded.gguf_metadata) if quantization == "int8" else None,
+                   show_progress=show_progress)
     return loaded
 
 

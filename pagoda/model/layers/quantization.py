@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from pagoda.config import release_freed_memory
 from pagoda.model.layers.blocks import BlocksLinear
@@ -320,7 +321,7 @@ def calibration_ids(path: str, gguf_metadata: dict | None) -> list[int]:
 
 
 def quantize_model(model: nn.Module, mode: str, device: torch.device,
-                   calibration_ids: list[int] | None = None) -> nn.Module:
+                   calibration_ids: list[int] | None = None, show_progress: bool = False) -> nn.Module:
     """Replace the model's projections and LM head with quantized layers, in place.
 
     The embedding stays in full precision (it is a lookup, not a GEMM); a tied
@@ -350,7 +351,9 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
             if isinstance(module, BlocksLinear):
                 for part in module.parts:
                     part.drop_pages()
-    for name, module in targets:
+    # A bar for the conversion (an 8B model: about a minute), as for the load itself.
+    for name, module in tqdm(targets, desc=f"Converting to {mode}", unit="layer", leave=False,
+                             disable=not show_progress):
         module = _as_float_linear(module)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
