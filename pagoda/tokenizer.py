@@ -431,17 +431,23 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def model_tokenizer(path: str, gguf_metadata: dict[str, Any] | None = None) -> Tokenizer:
+    """The tokenizer of the model at ``path``: an HF folder's files, or a GGUF file's
+    metadata (``gguf_metadata`` when the caller has read it already)."""
+    if gguf_metadata is None and os.path.isdir(path):
+        return Tokenizer.from_pretrained_dir(path)
+    if gguf_metadata is None:
+        from pagoda.model.gguf_file import GGUFFile
+
+        gguf_metadata = GGUFFile(path).metadata
+    return Tokenizer.from_gguf_metadata(gguf_metadata)
+
+
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
     """The tokenizer alone, without the weights (the API server process needs only this)."""
-    from pagoda.model.gguf_file import GGUFFile
     from pagoda.model.paths import resolve_model_path
 
-    path = resolve_model_path(config.model)
-    if os.path.isdir(path):
-        tokenizer = Tokenizer.from_pretrained_dir(path)
-    else:
-        tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
-    return with_chat_template(tokenizer, config.chat_template)
+    return with_chat_template(model_tokenizer(resolve_model_path(config.model)), config.chat_template)
 
 
 def with_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer:

@@ -14,17 +14,13 @@ from pagoda.lora.request import LoRARequest
 from pagoda.model.loader import LoadedModel
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.tokenizer import Tokenizer, with_chat_template
+from pagoda.tokenizer import Tokenizer, model_tokenizer, with_chat_template
 
 PromptType = str | dict[str, Any]
 
 
 def build_tokenizer(loaded: LoadedModel, chat_template: str | None) -> Tokenizer:
-    if loaded.gguf_metadata is not None:
-        tokenizer = Tokenizer.from_gguf_metadata(loaded.gguf_metadata)
-    else:
-        tokenizer = Tokenizer.from_pretrained_dir(loaded.path)
-    return with_chat_template(tokenizer, chat_template)
+    return with_chat_template(model_tokenizer(loaded.path, loaded.gguf_metadata), chat_template)
 
 
 class LLM:

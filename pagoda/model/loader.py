@@ -76,7 +76,7 @@ def load_model(
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
     part of each tensor kept as it is read."""
-    from pagoda.model.layers.quantization import calibration_ids, quantize_model
+    from pagoda.model.layers.quantization import calibration_token_ids, quantize_model
 
     path = resolve_model_path(model)
     device = torch.device(device)
@@ -98,7 +98,7 @@ def load_model(
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
     quantize_model(loaded.model, quantization, device,
-                   calibration_ids(loaded.path, loaded.gguf_metadata) if quantization == "int8" else None,
+                   calibration_token_ids(loaded.path, loaded.gguf_metadata) if quantization == "int8" else None,
                    show_progress=show_progress)
     return loaded
 

@@ -310,14 +310,12 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     return model
 
 
-def calibration_ids(path: str, gguf_metadata: dict | None) -> list[int]:
+def calibration_token_ids(path: str, gguf_metadata: dict | None) -> list[int]:
     """``CALIBRATION_TEXT`` in the tokens of the model at ``path`` (its GGUF metadata,
     when it is a GGUF file)."""
-    from pagoda.tokenizer import Tokenizer
+    from pagoda.tokenizer import model_tokenizer
 
-    tokenizer = (Tokenizer.from_gguf_metadata(gguf_metadata) if gguf_metadata is not None
-                 else Tokenizer.from_pretrained_dir(path))
-    return tokenizer.encode(CALIBRATION_TEXT)
+    return model_tokenizer(path, gguf_metadata).encode(CALIBRATION_TEXT)
 
 
 def quantize_model(model: nn.Module, mode: str, device: torch.device,
@@ -347,10 +345,6 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
             gen = torch.Generator().manual_seed(0)
             calibration_ids = torch.randint(0, model.config.vocab_size, (128,), generator=gen).tolist()
         ranges = calibrate(model, calibration_ids)
-        for module in model.modules():  # the calibration read every weight: let the file's pages go
-            if isinstance(module, BlocksLinear):
-                for part in module.parts:
-                    part.drop_pages()
     # A bar for the conversion (an 8B model: about a minute), as for the load itself.
     for name, module in tqdm(targets, desc=f"Converting to {mode}", unit="layer", leave=False,
                              disable=not show_progress):
