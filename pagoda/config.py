@@ -21,7 +21,7 @@ class EngineConfig:
     model: str | None = None              # HF folder or .gguf file; None = bundled default
     served_model_name: str | None = None
     dtype: str = "auto"                   # auto = float32 on CPU
-    quantization: str = "none"            # none (exact) | int8 (dynamic int8 GEMMs) | q4 (4-bit groups); CPU
+    quantization: str = "none"            # none (exact) | int8 (dynamic int8 GEMMs) | q4 (4-bit groups) | gguf | bf16; CPU
     device: str = "cpu"
     max_model_len: int | None = None      # None = the model's own context length
     max_num_seqs: int = 256
@@ -79,8 +79,19 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantization == "int4":
             object.__setattr__(self, "quantization", "q4")  # the issue's / vLLM-style name
-        if self.quantization not in ("none", "int8", "q4", "gguf"):
-            raise ValueError(f"quantization must be none, int8, q4 or gguf, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "q4", "gguf", "bf16"):
+            raise ValueError(f"quantization must be none, int8, q4, gguf or bf16, got {self.quantization!r}")
+        if self.device == "cpu" and self.dtype in ("bfloat16", "bf16"):
+            # The CPU's bf16 mode: bfloat16 GEMMs on oneDNN, float32 norms, residuals and
+            # attention (pagoda/model/layers/quantization.py, Bf16Linear).
+            if self.quantization not in ("none", "bf16"):
+                raise ValueError(f"--dtype bfloat16 on the CPU is a mode of its own (bfloat16 GEMMs); it does "
+                                 f"not combine with --quantization {self.quantization}")
+            object.__setattr__(self, "quantization", "bf16")
+            object.__setattr__(self, "dtype", "float32")
+        elif self.quantization == "bf16" and (self.device != "cpu" or self.dtype not in ("auto", "float32", "fp32", "float")):
+            raise ValueError("--quantization bf16 is the CPU's bf16 mode (float32 model, bfloat16 GEMMs); on a GPU "
+                             "use --dtype bfloat16")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("nnodes", self.nnodes)
@@ -142,7 +153,7 @@ class EngineConfig:
     @property
     def resolved_kv_cache_dtype(self) -> str:
         """``auto`` made concrete: the model's dtype ("auto") in the exact mode, float16 with
-        --quantization int8|q4|gguf (as llama.cpp's default; decode attention reads half the
+        --quantization int8|q4|gguf|bf16 (as llama.cpp's default; decode attention reads half the
         bytes, and those modes are approximate already)."""
         if self.kv_cache_dtype == "auto" and self.quantization != "none":
             return "float16"
@@ -179,6 +190,25 @@ def cpu_threads_policy(requested: int | None, weight_bytes: int | None = None) -
     if cores <= 2:
         return cores if weight_bytes is not None and weight_bytes >= BIG_MODEL_BYTES else 1
     return cores - 1
+
+
+def governed_threads(requested: int | None) -> tuple[int, int] | None:
+    """(low, high): the range the engine's ``ThreadGovernor`` moves its torch threads in
+    (pagoda/engine/cpu_threads.py), or None for a fixed count (``cpu_threads_policy``):
+    when ``--num-threads`` or ``OMP_NUM_THREADS`` says how many, on one core and off
+    Linux. Else every core while the machine is otherwise idle, and one less (at least
+    one) while other processes want a core."""
+    from pagoda.engine import cpu_threads
+
+    if requested is not None or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+    if cores < 2 or not cpu_threads.available():
+        return None
+    return max(1, cores - 1), cores
 
 
 # glibc mallopt parameters (malloc.h).

@@ -71,11 +71,11 @@ def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
     int8, ~0.6 for q4 with its scales; exact mode's ``BlocksLinear`` counts its blocks,
     what its steps read), for the ideal-bytes side of the roofline."""
     from pagoda.model.layers.blocks import BlocksLinear
-    from pagoda.model.layers.quantization import Int8Linear, Int8WeightLinear, Q4Linear
+    from pagoda.model.layers.quantization import Bf16Linear, Int8Linear, Int8WeightLinear, Q4Linear
 
     elems = nbytes = 0
     for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, Int8Linear, Int8WeightLinear, Q4Linear, BlocksLinear)):
+        if isinstance(m, (torch.nn.Linear, Bf16Linear, Int8Linear, Int8WeightLinear, Q4Linear, BlocksLinear)):
             elems += m.in_features * m.out_features
             if isinstance(m, torch.nn.Linear):
                 nbytes += m.weight.numel() * m.weight.element_size()

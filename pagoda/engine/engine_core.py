@@ -12,9 +12,17 @@ import time
 
 import torch
 
-from pagoda.config import EngineConfig, available_memory_bytes, check_priority, cpu_threads_policy, keep_freed_memory
+from pagoda.config import (
+    EngineConfig,
+    available_memory_bytes,
+    check_priority,
+    cpu_threads_policy,
+    governed_threads,
+    keep_freed_memory,
+)
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.cpu_threads import ThreadGovernor
 from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagoda.lora.errors import LoRAInUseError
 from pagoda.lora.manager import LoRAManager
@@ -55,6 +63,7 @@ class EngineCore:
             keep_freed_memory()
         dtype = parse_dtype(config.dtype)
         self.tp_driver = None
+        self.threads: ThreadGovernor | None = None  # the thread count's governor, where it moves
         if config.tensor_parallel_size > 1:
             # Rank 0 of a tensor-parallel group (pagoda/executor/multiproc.py).
             from pagoda.executor.multiproc import configure_threads, start_driver
@@ -77,10 +86,15 @@ class EngineCore:
                                 quantization=config.quantization)
         if device.type == "cpu" and not parallel:
             weight_bytes = parameter_bytes(loaded.model)
-            threads = cpu_threads_policy(config.num_threads, weight_bytes)
-            if threads is not None and threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
-                logger.info("CPU threads: %d (for %.2f GiB of weights)", threads, weight_bytes / 2**30)
+            span = governed_threads(config.num_threads)
+            if span is not None:
+                self.threads = ThreadGovernor(*span, set_threads=torch.set_num_threads)
+                logger.info("CPU threads: %d, down to %d while other processes want a core", *reversed(span))
+            else:
+                threads = cpu_threads_policy(config.num_threads, weight_bytes)
+                if threads is not None and threads != torch.get_num_threads():
+                    torch.set_num_threads(threads)
+                    logger.info("CPU threads: %d (for %.2f GiB of weights)", threads, weight_bytes / 2**30)
         self._init_rest(config, loaded, device, dtype, collect_stats)
 
     def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
@@ -302,6 +316,8 @@ class EngineCore:
             )
             masks = dict(zip(sched_out.structured_req_ids, rows))
         runner_out = self.executor.execute_model(sched_out, masks)
+        if self.threads is not None:
+            self.threads.step_done()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
         out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)

@@ -46,9 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                        help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     else:
         p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2)")
-    p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16 (auto = float32 on CPU)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto|float32|bfloat16|float16 (auto = float32 on CPU); bfloat16 on the CPU is the bf16 "
+                        "mode (same as --quantization bf16): bfloat16 weights and GEMM inputs on oneDNN (AMX / "
+                        "AVX512_BF16 where the CPU has them), float32 sums, norms and attention")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "q4", "int4", "gguf"),
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "q4", "int4", "gguf", "bf16"),
                    help="none: exact (reference-equal output; on CPU in float32 a GGUF file's weights stay in "
                         "its blocks, memory-mapped, and are dequantized in cache to the same values; "
                         "elsewhere dequantized to --dtype at load); "
@@ -58,7 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "per layer kept in float), perplexity within ~1.5 %% of fp32; the fastest mode on CPU, "
                         "for single streams and batches; q4 (alias int4): 4-bit groups of 32 (GGUF Q4_1 "
                         "scheme) with activations int8 per group of 32, the smallest weights (5 bits each), "
-                        "perplexity within ~1 %%, slower prompts. int8, q4 and gguf use a float16 KV cache by default")
+                        "perplexity within ~1 %%, slower prompts; bf16: see --dtype bfloat16. int8, q4, gguf and bf16 "
+                        "use a float16 KV cache by default")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine (default: cores - 1, and 1 on machines with "
                         "2 cores or fewer; OMP_NUM_THREADS if set)")

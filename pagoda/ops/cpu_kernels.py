@@ -113,3 +113,50 @@ def use_decode_kernel(device, kv_dtype, model_dtype) -> bool:
         and model_dtype == torch.float32
         and kernels() is not None
     )
+
+
+# Linux x86-64: arch_prctl's system call and the request for the AMX tile data state.
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+@functools.lru_cache(maxsize=1)
+def amx_permitted() -> bool | None:
+    """None where the CPU has no AMX; else whether this process may use the tiles. Linux
+    hands the tile state to a process only on request (``arch_prctl(ARCH_REQ_XCOMP_PERM)``);
+    oneDNN asks for it itself, and a refusal (an old kernel, a seccomp filter) silently
+    sends its bf16 / int8 GEMMs to the AVX-512 paths, so pagoda asks once and says so."""
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        return None
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        return False
+    granted = ctypes.c_ulong(0)
+    libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(granted))
+    return bool(granted.value & (1 << _XFEATURE_XTILEDATA))
+
+
+def onednn_units(kind: str) -> str:
+    """The units oneDNN's ``kind`` (``bf16`` or ``int8``) GEMMs run on here, for the start-up
+    log: what the CPU has, capped by ``ONEDNN_MAX_CPU_ISA`` where it is set."""
+    flags = cpu_flags()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    amx_ok = (cap in ("", "ALL", "DEFAULT") or "AMX" in cap) and amx_permitted()
+    if kind == "bf16":
+        if amx_ok and "amx_bf16" in flags:
+            return "AMX bf16 tiles"
+        if "avx512_bf16" in flags and (cap in ("", "ALL", "DEFAULT") or "BF16" in cap or "AMX" in cap):
+            return "AVX512_BF16 dot products"
+        return "float32 FMA (no bf16 units: converted)"
+    if amx_ok and "amx_int8" in flags:
+        return "AMX int8 tiles"
+    if flags & {"avx512_vnni", "avx_vnni"} and cap not in ("AVX2", "AVX", "SSE41"):
+        return "VNNI dot products"
+    return "AVX2 integer multiply-adds"
+

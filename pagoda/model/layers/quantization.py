@@ -29,6 +29,15 @@ hits. Needs pagoda's C++ kernels; without them it falls back to dequantizing in
 torch (float activations; correct, slow). The LM head stays 8-bit (int8 weights per
 channel, activations as above: ``Int8WeightLinear``), as a GGUF's output weights do.
 
+``bf16`` (``--dtype bfloat16`` on the CPU, OpenVINO's default precision on CPUs with
+bf16 units): weights rounded to bfloat16 once and packed for oneDNN; each step's
+activations rounded to bfloat16 at every projection's input, the products summed in
+float32 by oneDNN (AMX tiles where the CPU has amx_bf16, AVX512_BF16 dot products on
+Zen 4 and Sapphire Rapids without AMX, converted to float32 elsewhere) and the result
+rounded to bfloat16 (``Bf16Linear``). Norms, residuals, RoPE and attention stay
+float32. oneDNN computes a row the same way whatever the number of rows (a test
+checks it), so a request's numbers do not depend on its batch.
+
 Exact mode (``none``) on the CPU keeps a GGUF's weights in their blocks
 (``pagoda.model.layers.blocks``); the quantized modes here start from those blocks,
 dequantized one layer at a time.
@@ -36,15 +45,19 @@ dequantized one layer at a time.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from pagoda.config import release_freed_memory
-from pagoda.model.layers.blocks import BlocksLinear
+from pagoda.model.layers.blocks import BlocksLinear, BlockWeight
 from pagoda.ops import cpu_kernels
 
-QUANTIZATION_MODES = ("none", "int8", "q4", "gguf")
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_MODES = ("none", "int8", "q4", "gguf", "bf16")
 Q4_GROUP = 32
 # int8 mode: up to this many tokens per step run pagoda's int8 GEMV (bound by weight
 # bytes); more run torch._int_mm. Both are exact integer products. Measured (20 layers
@@ -211,6 +224,63 @@ class Int8Linear(nn.Module):
                 f"{self.outlier_idx.numel()} float input channels")
 
 
+def bf16_gemm_path() -> str:
+    """Where the bf16 mode's products run here:
+
+    - ``onednn``: where the CPU has bf16 units (AMX, AVX512_BF16) and oneDNN may use them:
+      oneDNN with each weight packed once (instead of reordered at every call; measured:
+      a 1536 x 576 product at one row 94 -> 45 us, the 49152 x 576 LM head 6.5 -> 3.9 ms);
+    - ``pagoda``: elsewhere, pagoda's kernel for bfloat16 weights (float32 sums; the exact
+      mode's: one order for steps of up to 16 rows, BLAS's above). oneDNN without bf16
+      units converts, and its one-row product then sums in another order than its 2-15
+      row ones (measured with ONEDNN_MAX_CPU_ISA=AVX512_CORE): a decode step's numbers
+      would depend on how many requests share it;
+    - ``torch``: without pagoda's kernels, torch's bf16 GEMM."""
+    if not cpu_kernels.onednn_units("bf16").startswith("float32") and torch.backends.mkldnn.is_available():
+        try:
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return "onednn"
+        except (AttributeError, RuntimeError):  # a torch without the query
+            pass
+    return "pagoda" if cpu_kernels.kernels() is not None else "torch"
+
+
+class Bf16Linear(nn.Module):
+    """``bf16`` mode: bfloat16 weights x activations rounded to bfloat16, summed in float32
+    (``bf16_gemm_path``), the result rounded to bfloat16 and returned as float32 (the
+    bias, if any, added in float32)."""
+
+    def __init__(self, linear: nn.Linear, path: str | None = None) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.path = path or bf16_gemm_path()
+        weight = linear.weight.detach().to(torch.bfloat16).contiguous()
+        self._blocks = None
+        if self.path == "onednn":
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        elif self.path == "pagoda":
+            self._blocks = BlocksLinear([BlockWeight.from_tensor(weight)])
+        self.register_buffer("weight", weight, persistent=False)
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.path == "onednn":
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "").float()
+        elif self.path == "pagoda":
+            y = self._blocks(xb.float()).bfloat16().float()
+        else:
+            y = torch.nn.functional.linear(xb, self.weight).float()
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 on {self.path}"
+
+
 class Int8WeightLinear(nn.Module):
     """int8 weights per output channel, activations in int8 groups of 32 per token
     (pagoda's ``q8_linear``): q4 mode's LM head, one byte read per weight."""
@@ -310,6 +380,24 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     return model
 
 
+def _log_gemm_paths(mode: str) -> None:
+    """Which units each step size's products run on, once at load (AMX needs the kernel's
+    permission per process: ``cpu_kernels.amx_permitted``)."""
+    if mode == "bf16":
+        path = {"onednn": f"oneDNN ({cpu_kernels.onednn_units('bf16')})",
+                "pagoda": "pagoda's bf16-weight kernel (no bf16 units)",
+                "torch": "torch's bf16 GEMM (no pagoda kernels)"}[bf16_gemm_path()]
+        logger.info("bf16 mode: every projection and the LM head on %s, every step size", path)
+    elif mode == "int8":
+        small = int8_small_step_rows()
+        gemv = "pagoda's AVX-512 VNNI GEMV" if cpu_kernels.has_avx512_vnni() else "pagoda's AVX2 GEMV"
+        if small > 1 << 40:
+            logger.info("int8 mode: every step size on %s", gemv)
+        else:
+            logger.info("int8 mode: steps of up to %d tokens on %s, larger on torch._int_mm (oneDNN, %s)",
+                        small, gemv, cpu_kernels.onednn_units("int8"))
+
+
 def calibration_token_ids(path: str, gguf_metadata: dict | None) -> list[int]:
     """``CALIBRATION_TEXT`` in the tokens of the model at ``path`` (its GGUF metadata,
     when it is a GGUF file)."""
@@ -339,6 +427,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         (name, module) for name, module in model.named_modules()
         if isinstance(module, (nn.Linear, BlocksLinear))
     ]
+    _log_gemm_paths(mode)
     ranges: dict[str, torch.Tensor] = {}
     if mode == "int8":
         if calibration_ids is None:
@@ -354,7 +443,9 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         # q4 keeps the LM head at 8 bits, as GGUF files do (Q8_0/Q6_K output
         # weights): 4-bit logits cost more quality than the head's share of the
         # bytes saves (measured: q4 head -> wrong answers on the reference prompts).
-        if mode == "int8":
+        if mode == "bf16":
+            layer = Bf16Linear(module)
+        elif mode == "int8":
             k = min(INT8_OUTLIER_CHANNELS, module.in_features // 4)
             layer = Int8Linear(module, ranges[name].topk(k).indices if name in ranges else None)
         elif name == "lm_head" and module.bias is None:
