@@ -82,9 +82,7 @@ def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
             elif isinstance(m, BlocksLinear):
                 nbytes += m.weight_bytes
             else:
-                # An Int8Linear packed for AVX-512 VNNI keeps both layouts; its steps read one.
-                skip = {"bias", "qweight"} if getattr(m, "vnni_weight", None) is not None else {"bias"}
-                nbytes += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n not in skip)
+                nbytes += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "bias")
     return nbytes / elems
 
 

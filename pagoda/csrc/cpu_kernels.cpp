@@ -923,8 +923,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           c10::optional<torch::Tensor> vnni_weight, c10::optional<torch::Tensor> vnni_comp) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), NO = outlier_idx.numel();
-  TORCH_CHECK(qweight.size(1) == K, "qweight does not match x");
+  // N from the scales: with the VNNI layout given, qweight may be empty (the layer keeps
+  // one copy of its int8 weights, in that layout).
+  const int64_t M = x.size(0), K = x.size(1), N = weight_scale.numel(), NO = outlier_idx.numel();
+  const bool vnni = vnni_weight.has_value() && vnni_weight->defined();
+  TORCH_CHECK((vnni && qweight.numel() == 0) || (qweight.dim() == 2 && qweight.size(0) == N && qweight.size(1) == K),
+              "qweight does not match x and weight_scale");
   TORCH_CHECK(outlier_idx.scalar_type() == torch::kInt64 && outlier_w.scalar_type() == torch::kFloat32 &&
               outlier_w.is_contiguous() && outlier_w.size(0) == NO && (NO == 0 || outlier_w.size(1) == N),
               "outlier_idx must be int64 [k] and outlier_w contiguous float32 [k, out_features]");
@@ -934,7 +938,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   TORCH_CHECK(!bp || (bias->numel() == N && bias->is_contiguous()), "bias must be contiguous [out_features]");
   const int64_t* oi = outlier_idx.data_ptr<int64_t>();
   for (int64_t j = 0; j < NO; ++j) TORCH_CHECK(oi[j] >= 0 && oi[j] < K, "outlier index out of range");
-  const bool vnni = vnni_weight.has_value() && vnni_weight->defined();
   const int64_t tiles = (N + kVnniTile - 1) / kVnniTile;
   if (vnni) {
     TORCH_CHECK(cpu_has_avx512_vnni(), "vnni_weight given but this CPU lacks AVX-512 VNNI");

@@ -219,7 +219,7 @@ def test_i8_mm_is_exact_and_int8_linear_is_batch_invariant():
         assert torch.equal(layer(x[37:39]), batched[37:39])
         # The GEMV for every step (what CPUs without VNNI run: torch._int_mm is slow there)
         # and torch._int_mm above INT8_SMALL_STEP_ROWS give the same bits.
-        args = (layer.qweight, layer.weight_scale, layer.bias)
+        args = (layer.int8_weight().contiguous(), layer.weight_scale, layer.bias)
         rest = (layer.outlier_idx, layer.outlier_weight)
         assert torch.equal(ops.int8_linear(x, *args, INT8_SMALL_STEP_ROWS, *rest),
                            ops.int8_linear(x, *args, 1 << 62, *rest))
@@ -259,18 +259,31 @@ def test_int8_linear_vnni_gives_the_avx2_bits(in_features, out_features):
             for rows in (1, 2, 5, 6, 7, 13, 40):
                 x = torch.randn(rows, in_features) * 4
                 got = layer(x)
-                avx2 = ops.int8_linear(x, layer.qweight, layer.weight_scale, layer.bias, INT8_SMALL_STEP_ROWS,
-                                       layer.outlier_idx, layer.outlier_weight)
+                avx2 = ops.int8_linear(x, layer.int8_weight(), layer.weight_scale, layer.bias,
+                                       INT8_SMALL_STEP_ROWS, layer.outlier_idx, layer.outlier_weight)
                 assert torch.equal(got, avx2), (outliers, bias, rows)
     # Extreme integers: every product at +-127 x 127 (no saturation anywhere).
     layer = Int8Linear(torch.nn.Linear(in_features, out_features, bias=False))
     with torch.no_grad():
-        layer.qweight.fill_(127)
-        layer.vnni_weight, layer.vnni_comp = ops.int8_pack_vnni(layer.qweight)
+        layer.vnni_weight, layer.vnni_comp = ops.int8_pack_vnni(torch.full_like(layer.int8_weight(), 127))
     for sign in (1.0, -1.0):
         x = torch.full((3, in_features), sign)
         acc = layer(x) / (layer.weight_scale * (1.0 / 127.0))
         torch.testing.assert_close(acc, torch.full_like(acc, sign * 127 * 127 * in_features), rtol=1e-6, atol=0)
+
+
+@needs_vnni
+def test_int8_linear_keeps_one_copy_of_its_weights():
+    """Packed for VNNI, the layer drops the plain layout (an 8B model's int8 weights are
+    7 GB) and still gives back the weights it was built from."""
+    from pagoda.model.layers.quantization import Int8Linear, int8_per_channel
+
+    lin = torch.nn.Linear(96, 130, bias=False)
+    layer = Int8Linear(lin)
+    assert layer.qweight.numel() == 0
+    assert torch.equal(layer.int8_weight(), int8_per_channel(lin.weight.detach())[0])
+    own = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert own < 1.2 * 192 * 96   # the packed tiles (two of 64 channels) and a few sums
 
 
 def test_avx2_only_setting_turns_vnni_off(monkeypatch):
@@ -302,7 +315,8 @@ def test_int8_linear_keeps_outlier_channels_in_float():
     fallback._ops = None
     torch.testing.assert_close(fallback(x), split(x), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.int8_linear(x, split.qweight, split.weight_scale, None, 6, torch.tensor([64]), split.outlier_weight)
+        ops.int8_linear(x, split.int8_weight().contiguous(), split.weight_scale, None, 6, torch.tensor([64]),
+                        split.outlier_weight)
 
 
 @needs_kernels

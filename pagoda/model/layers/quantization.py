@@ -193,12 +193,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self._ops = cpu_kernels.kernels() if self.in_features % 16 == 0 else None
         self._small_rows = int8_small_step_rows()
-        # On a CPU with AVX-512 VNNI the product runs on it, from the weights in its tile
-        # layout (packed once here; derived from qweight, so not saved with the model).
+        # On a CPU with AVX-512 VNNI every step's product runs on it, from the weights in
+        # its tile layout, packed once here; the plain layout is then dropped (one copy of
+        # the int8 weights, not two: an 8B model's 7 GB). ``int8_weight()`` unpacks it.
         vnni = self._ops is not None and cpu_kernels.has_avx512_vnni()
         packed = self._ops.int8_pack_vnni(self.qweight) if vnni else (None, None)
         self.register_buffer("vnni_weight", packed[0], persistent=False)
         self.register_buffer("vnni_comp", packed[1], persistent=False)
+        if vnni:
+            self.qweight = torch.empty(0, dtype=torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -212,12 +215,21 @@ class Int8Linear(nn.Module):
         inliers = x2.index_fill(1, self.outlier_idx, 0.0)
         x_scale = inliers.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
         xq = torch.round(inliers / x_scale).to(torch.int8)
-        acc = torch._int_mm(xq, self.qweight.t())
+        acc = torch._int_mm(xq, self.int8_weight().t())
         y = acc.float() * (x_scale * self.weight_scale)
         if self.bias is not None:
             y = y + self.bias
         y = y + x2[:, self.outlier_idx] @ self.outlier_weight
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weights [out, in] (unpacked from the VNNI tile layout where that is the
+        copy kept: [N/64][K/4][64][4])."""
+        if self.vnni_weight is None:
+            return self.qweight
+        n, k = self.out_features, self.in_features
+        tiles = self.vnni_weight.view(-1, k // 4, 64, 4)
+        return tiles.permute(0, 2, 1, 3).reshape(-1, k)[:n]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, "
