@@ -23,14 +23,14 @@ Threads are OpenVINO's own choice (all cores). One warm-up generate() first, dis
 from __future__ import annotations
 
 import json
-import resource
-import statistics
 import sys
 import time
 
 import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
+
+from runner_stats import peak_rss_mb, summary
 
 # variant -> CPU properties given to the pipeline (the rest stay at OpenVINO's defaults)
 VARIANT_PROPERTIES = {
@@ -145,25 +145,6 @@ def run_latency(spec: dict, props: dict[str, str]) -> dict:
         tokens.append(list(res.tokens[0]))
     elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "load_s": load_s, "tokens": tokens, "ttft": ttft, "tpot": tpot, "e2e": e2e}
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process (pipeline load, warm-up and run): VmHWM, which
-    starts afresh at exec; ru_maxrss does not on Linux (it keeps the forking parent's)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {"mean": statistics.fmean(v), "median": statistics.median(v),
-            "p99": v[min(len(v) - 1, round(0.99 * (len(v) - 1)))], "min": v[0], "max": v[-1]}
 
 
 def main(argv: list[str]) -> int:

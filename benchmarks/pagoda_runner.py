@@ -19,7 +19,7 @@ unless "num_threads" is given. One warm-up request first, discarded.
 from __future__ import annotations
 
 import json
-import statistics
+import os
 import sys
 import time
 
@@ -27,6 +27,9 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.protocol import EngineCoreRequest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runner_stats import peak_rss_mb, summary  # noqa: E402
 
 
 def greedy(output_len: int) -> SamplingParams:
@@ -64,20 +67,6 @@ def run_latency(llm: LLM, spec: dict) -> dict:
             tpot.append((done - first) * 1000 / (len(got) - 1))
         tokens.append(got)
     return {"elapsed_s": time.perf_counter() - start, "tokens": tokens, "ttft": ttft, "tpot": tpot, "e2e": e2e}
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return 0.0
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {"mean": statistics.fmean(v), "median": statistics.median(v),
-            "p99": v[min(len(v) - 1, round(0.99 * (len(v) - 1)))], "min": v[0], "max": v[-1]}
 
 
 def main(argv: list[str]) -> int:
