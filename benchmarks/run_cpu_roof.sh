@@ -24,3 +24,14 @@ for t in gov 1 2; do
   $PY benchmarks/compare.py run --engines pagoda-int8,pagoda --concurrency 1,16,64 --num-prompts 4,16,64 \
     --input-len 128 --output-len 128 "${A[@]}" --out-dir "$OUT/cpu-roof-threads-$t"
 done
+
+# The 1B-shaped Q4_K_M file of issue #20 (made as in run_real_models.sh), against OpenVINO's
+# IRs exported from the same weights (transformers dequantizes the GGUF to an fp32 HF folder)
+# and llama-server.
+M=${MODELS:-/tmp/models}
+QUANTIZE=$(dirname "$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); import peers; print(peers.llama_server_binary(peers.DEFAULT_CACHE))')")/llama-quantize
+[ -f "$M/llama-3.2-1b-f16.gguf" ] || $PY -m pagoda.bench.gguf_files llama-3.2-1b "$M/llama-3.2-1b-f16.gguf" --type F16
+[ -f "$M/llama-3.2-1b-q4_k_m.gguf" ] || "$QUANTIZE" "$M/llama-3.2-1b-f16.gguf" "$M/llama-3.2-1b-q4_k_m.gguf" Q4_K_M 2
+$PY benchmarks/compare.py run --model "$M/llama-3.2-1b-q4_k_m.gguf" --threads 2 \
+  --engines pagoda-gguf-offline,pagoda-int8-offline,openvino-int4,openvino-int8,openvino-fp32,pagoda-gguf,llama-server \
+  --concurrency 1,16 --num-prompts 2,16 --input-len 128 --output-len 64 --out-dir "$OUT/cpu-roof-1b"

@@ -165,7 +165,8 @@ BIG_MODEL_BYTES = 256 << 20
 
 
 def cpu_threads_policy(requested: int | None, weight_bytes: int | None = None) -> int | None:
-    """Torch threads for the engine process: ``requested`` if given; else
+    """A fixed thread count: while the engine loads, where ``governed_threads`` gives no
+    range (off Linux), and for the roofline bench. ``requested`` if given; else
     ``OMP_NUM_THREADS`` if set (None: leave torch's choice); else one per core less
     one for the API process and its clients, and on machines with 2 cores or fewer
     exactly one, unless the model's weights (``weight_bytes``) are at least
