@@ -74,7 +74,11 @@ def linear_weight_bytes_per_element(model: torch.nn.Module) -> float:
     from pagoda.model.layers.quantization import Bf16Linear, Int8Linear, Int8WeightLinear, Q4Linear
 
     elems = nbytes = 0
+    # A Bf16Linear without bf16 units holds its weight in a BlocksLinear: counted once, as itself.
+    inner = {id(m.blocks) for m in model.modules() if isinstance(m, Bf16Linear) and m.blocks is not None}
     for m in model.modules():
+        if id(m) in inner:
+            continue
         if isinstance(m, (torch.nn.Linear, Bf16Linear, Int8Linear, Int8WeightLinear, Q4Linear, BlocksLinear)):
             elems += m.in_features * m.out_features
             if isinstance(m, torch.nn.Linear):

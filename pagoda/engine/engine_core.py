@@ -85,12 +85,12 @@ class EngineCore:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                 quantization=config.quantization)
         if device.type == "cpu" and not parallel:
-            weight_bytes = parameter_bytes(loaded.model)
             span = governed_threads(config.num_threads)
             if span is not None:
                 self.threads = ThreadGovernor(*span, set_threads=torch.set_num_threads)
                 logger.info("CPU threads: %d, down to %d while other processes want a core", *reversed(span))
             else:
+                weight_bytes = parameter_bytes(loaded.model)
                 threads = cpu_threads_policy(config.num_threads, weight_bytes)
                 if threads is not None and threads != torch.get_num_threads():
                     torch.set_num_threads(threads)

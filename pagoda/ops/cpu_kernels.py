@@ -147,11 +147,12 @@ def onednn_units(kind: str) -> str:
     log: what the CPU has, capped by ``ONEDNN_MAX_CPU_ISA`` where it is set."""
     flags = cpu_flags()
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    amx_ok = (cap in ("", "ALL", "DEFAULT") or "AMX" in cap) and amx_permitted()
+    uncapped = cap in ("", "ALL", "DEFAULT")
+    amx_ok = (uncapped or "AMX" in cap) and amx_permitted()
     if kind == "bf16":
         if amx_ok and "amx_bf16" in flags:
             return "AMX bf16 tiles"
-        if "avx512_bf16" in flags and (cap in ("", "ALL", "DEFAULT") or "BF16" in cap or "AMX" in cap):
+        if "avx512_bf16" in flags and (uncapped or "BF16" in cap or "AMX" in cap):
             return "AVX512_BF16 dot products"
         return "float32 FMA (no bf16 units: converted)"
     if amx_ok and "amx_int8" in flags:

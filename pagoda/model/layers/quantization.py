@@ -268,12 +268,11 @@ class Bf16Linear(nn.Module):
         self.out_features = linear.out_features
         self.path = path or bf16_gemm_path()
         weight = linear.weight.detach().to(torch.bfloat16).contiguous()
-        self._blocks = None
+        # One copy of the weight: packed for oneDNN, in pagoda's block layer, or as it is.
+        self.blocks = BlocksLinear([BlockWeight.from_tensor(weight)]) if self.path == "pagoda" else None
         if self.path == "onednn":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-        elif self.path == "pagoda":
-            self._blocks = BlocksLinear([BlockWeight.from_tensor(weight)])
-        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight", None if self.blocks is not None else weight, persistent=False)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
@@ -282,7 +281,7 @@ class Bf16Linear(nn.Module):
         if self.path == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "").float()
         elif self.path == "pagoda":
-            y = self._blocks(xb.float()).bfloat16().float()
+            y = self.blocks(xb).float()  # float32 sums, returned in x's dtype: rounded to bfloat16
         else:
             y = torch.nn.functional.linear(xb, self.weight).float()
         if self.bias is not None:
@@ -392,13 +391,13 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     return model
 
 
-def _log_gemm_paths(mode: str) -> None:
+def _log_gemm_paths(mode: str, bf16_path: str | None) -> None:
     """Which units each step size's products run on, once at load (AMX needs the kernel's
     permission per process: ``cpu_kernels.amx_permitted``)."""
     if mode == "bf16":
         path = {"onednn": f"oneDNN ({cpu_kernels.onednn_units('bf16')})",
                 "pagoda": "pagoda's bf16-weight kernel (no bf16 units)",
-                "torch": "torch's bf16 GEMM (no pagoda kernels)"}[bf16_gemm_path()]
+                "torch": "torch's bf16 GEMM (no pagoda kernels)"}[bf16_path]
         logger.info("bf16 mode: every projection and the LM head on %s, every step size", path)
     elif mode == "int8":
         small = int8_small_step_rows()
@@ -439,7 +438,8 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         (name, module) for name, module in model.named_modules()
         if isinstance(module, (nn.Linear, BlocksLinear))
     ]
-    _log_gemm_paths(mode)
+    bf16_path = bf16_gemm_path() if mode == "bf16" else None   # the same for every layer
+    _log_gemm_paths(mode, bf16_path)
     ranges: dict[str, torch.Tensor] = {}
     if mode == "int8":
         if calibration_ids is None:
@@ -456,7 +456,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         # weights): 4-bit logits cost more quality than the head's share of the
         # bytes saves (measured: q4 head -> wrong answers on the reference prompts).
         if mode == "bf16":
-            layer = Bf16Linear(module)
+            layer = Bf16Linear(module, bf16_path)
         elif mode == "int8":
             k = min(INT8_OUTLIER_CHANNELS, module.in_features // 4)
             layer = Int8Linear(module, ranges[name].topk(k).indices if name in ranges else None)
