@@ -1,26 +1,17 @@
-"""Architecture hyper-parameters, read from an HF config.json or GGUF metadata."""
+"""Architecture hyper-parameters, read from an HF config.json or GGUF metadata.
+
+``ModelArchConfig`` is the one record every family fills; each family's class
+(``pagoda.model.models``) parses its own config (``arch_from_hf`` / ``arch_from_gguf``),
+starting from the fields every decoder shares (``hf_fields`` / ``gguf_fields``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-# HF `architectures` name -> (model family, q/k/v projections carry a bias).
-# Every entry is served by the same plain Llama-style module.
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
-
-# GGUF `general.architecture` -> HF architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
+from pagoda.model.layers.rotary import SUPPORTED_ROPE_SCALING, rope_kind
+from pagoda.model.models import GGUF_ARCHITECTURES, hf_architectures, model_class
 
 
 class UnsupportedModelError(ValueError):
@@ -44,24 +35,43 @@ class ModelArchConfig:
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     sliding_window: int | None = None
+    # Family options (their defaults are Llama's).
+    qk_norm: str | None = None               # "head" (per head) | "full" (whole projection) | None
+    rope_layers: tuple[bool, ...] | None = None  # per layer whether it applies RoPE (None: all do)
+    norm_placement: str = "pre"              # "pre" | "post" (OLMo 2)
+    embedding_multiplier: float = 1.0        # Granite's multipliers
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None   # the attention scale (None: 1 / sqrt(head_dim))
+    logits_divisor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in hf_architectures():
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported; supported: "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"{', '.join(hf_architectures())}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in SUPPORTED_ROPE_SCALING:
-                raise UnsupportedModelError(
-                    f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}"
-                )
+        kind = rope_kind(self.rope_scaling)
+        if kind not in SUPPORTED_ROPE_SCALING:
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
+        if self.qk_norm not in (None, "head", "full"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        if self.norm_placement not in ("pre", "post"):
+            raise ValueError(f"norm_placement must be 'pre' or 'post', got {self.norm_placement!r}")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_hidden_layers} layers")
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The attention window of a layer (None: it sees the whole context). No family
+        served today has windowed layers (their windows are refused at parsing)."""
+        return None
 
     @property
     def num_params(self) -> int:
@@ -72,15 +82,34 @@ class ModelArchConfig:
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + lm_head
 
+    # ---- parsing ------------------------------------------------------------------
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
         archs = config.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in hf_architectures()), None)
         if arch is None:
             raise UnsupportedModelError(
                 f"architecture {archs or config.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"supported: {', '.join(hf_architectures())}"
             )
+        return model_class(arch).arch_from_hf(config, arch)
+
+    @classmethod
+    def from_gguf_metadata(cls, md: dict[str, Any], tensor_names: set[str]) -> ModelArchConfig:
+        gguf_arch = md.get("general.architecture")
+        if gguf_arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {gguf_arch!r} is not supported; supported: "
+                f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+        arch = GGUF_ARCHITECTURES[gguf_arch]
+        return model_class(arch).arch_from_gguf(md, tensor_names, arch)
+
+    @staticmethod
+    def hf_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+        """The fields every decoder's config.json holds, checked for what the shared
+        layers cannot do."""
         if config.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported")
         if config.get("use_sliding_window"):
@@ -94,8 +123,8 @@ class ModelArchConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
-        return cls(
-            architecture=arch,
+        return dict(
+            architecture=architecture,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -107,20 +136,15 @@ class ModelArchConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(config.get("attention_bias")),
+            attention_bias=bool(config.get("attention_bias")),
             rope_scaling=rope_scaling,
-            sliding_window=config.get("sliding_window"),
+            sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
         )
 
-    @classmethod
-    def from_gguf_metadata(cls, md: dict[str, Any], tensor_names: set[str]) -> ModelArchConfig:
-        gguf_arch = md.get("general.architecture")
-        if gguf_arch not in GGUF_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"GGUF architecture {gguf_arch!r} is not supported; supported: "
-                f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
-            )
-        p = f"{gguf_arch}."
+    @staticmethod
+    def gguf_fields(md: dict[str, Any], tensor_names: set[str], architecture: str) -> dict[str, Any]:
+        """The fields every decoder's GGUF metadata holds (keys ``{arch}.*``)."""
+        p = f"{md['general.architecture']}."
         hidden = md[p + "embedding_length"]
         heads = md[p + "attention.head_count"]
         vocab = md.get(p + "vocab_size") or len(md["tokenizer.ggml.tokens"])
@@ -128,12 +152,11 @@ class ModelArchConfig:
         if md.get(p + "rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": md[p + "rope.scaling.factor"]}
         elif md.get(p + "rope.scaling.type") not in (None, "none"):
-            raise UnsupportedModelError(
-                f"GGUF rope scaling {md[p + 'rope.scaling.type']!r} is not supported"
-            )
-        arch = GGUF_ARCHITECTURES[gguf_arch]
-        return cls(
-            architecture=arch,
+            raise UnsupportedModelError(f"GGUF rope scaling {md[p + 'rope.scaling.type']!r} is not supported")
+        if md.get(p + "attention.sliding_window"):
+            raise UnsupportedModelError("sliding-window attention is not supported")
+        return dict(
+            architecture=architecture,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=md[p + "feed_forward_length"],

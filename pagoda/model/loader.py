@@ -12,16 +12,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.parallel import Collectives, ShardPlan
-from pagoda.model.arch import SUPPORTED_ARCHITECTURES, ModelArchConfig, UnsupportedModelError
-from pagoda.model.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from pagoda.model.models import model_class
 from pagoda.model.paths import ModelLoadError, default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from pagoda.ops import cpu_kernels
-
-# HF architecture name -> model class. One class serves the whole Llama family.
-MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
-    name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES
-}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -42,7 +38,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     arch: ModelArchConfig
     path: str
     gguf_metadata: dict | None = None   # for building the tokenizer from a GGUF file
@@ -109,8 +105,10 @@ def _has_gguf_magic(path: str) -> bool:
 
 
 def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 tp: tuple[Collectives, int] | None = None) -> tuple[LlamaForCausalLM, ShardPlan | None]:
-    cls = MODEL_REGISTRY[arch.architecture]
+                 tp: tuple[Collectives, int] | None = None) -> tuple[CausalLM, ShardPlan | None]:
+    cls = model_class(arch.architecture)
+    if tp is not None and not cls.tensor_parallel:
+        raise UnsupportedModelError(f"{arch.architecture} cannot be served with tensor parallelism")
     # Build on the meta device: no time spent on random init of weights we overwrite,
     # and a tensor-parallel rank allocates only its shard.
     with torch.device("meta"):
@@ -122,33 +120,45 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
         with torch.device("meta"):
             plan.apply(model, group)
     model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = _inv_freq(arch, device)  # buffers are not loaded from checkpoints
+    model.inv_freq = cls.rope_inv_freq(arch).to(device)  # buffers are not loaded from checkpoints
     model.eval().requires_grad_(False)
     return model, plan
 
 
-def _inv_freq(arch: ModelArchConfig, device: torch.device) -> torch.Tensor:
-    from pagoda.model.models.llama import rope_inv_freq
+def packed_projections(cls: type[CausalLM]) -> dict[str, tuple[str, int]]:
+    """Checkpoint projection -> (the stacked module holding it, its shard index)."""
+    return {proj: (stacked, i) for stacked, projs in cls.packed_modules_mapping.items() for i, proj in enumerate(projs)}
 
-    return rope_inv_freq(arch).to(device)
 
-
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, slice | None]:
+def _target(model: CausalLM, name: str) -> tuple[str, slice | None]:
     """Map a checkpoint tensor name to (parameter name, row slice or None).
 
     E.g. model.layers.3.self_attn.k_proj.weight -> (model.layers.3.self_attn.qkv_proj.weight, rows of k).
     """
+    packed = packed_projections(type(model))
     parts = name.split(".")
     for i, part in enumerate(parts):
-        if part in STACKED_PARAMS:
-            stacked, shard = STACKED_PARAMS[part]
+        if part in packed:
+            stacked, shard = packed[part]
             start, end = model.shard_rows(stacked, shard)
             return ".".join(parts[:i] + [stacked] + parts[i + 1:]), slice(start, end)
     return name, None
 
 
+def checkpoint_names(model: CausalLM) -> list[str]:
+    """The tensor names of the family's HF checkpoints (stacked projections as their
+    parts; the LM head even when tied), from the model's own parameters."""
+    mapping = type(model).packed_modules_mapping
+    names = []
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        module, _, leaf = name.rpartition(".")
+        prefix, _, last = module.rpartition(".")
+        names += [f"{prefix}.{p}.{leaf}" for p in mapping[last]] if last in mapping else [name]
+    return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
+
+
 def _fill(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     tensors: Iterator[tuple[str, torch.Tensor]],
     total: int,
     path: str,
@@ -160,12 +170,14 @@ def _fill(
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
     # Every parameter (or row range of a stacked one) must be written exactly once.
-    expected = {(n, None) for n in params if not n.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight"))}
+    mapping = type(model).packed_modules_mapping
+    expected = set()
     for n in params:
         stacked = n.split(".")[-2]
-        if stacked in ("qkv_proj", "gate_up_proj"):
-            for shard in range(3 if stacked == "qkv_proj" else 2):
-                expected.add((n, model.shard_rows(stacked, shard)))
+        if stacked in mapping:
+            expected.update((n, model.shard_rows(stacked, shard)) for shard in range(len(mapping[stacked])))
+        else:
+            expected.add((n, None))
     loaded: set = set()
     unexpected: list[str] = []
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False)
@@ -232,31 +244,28 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
 
 # ---- GGUF --------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
+def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str]:
+    """GGUF tensor name -> HF checkpoint name, for every tensor of the family's checkpoints:
+    the ``gguf`` library's own table of llama.cpp's names (``TensorNameMap``) asked for each
+    HF name the model has (so one HF name maps as llama.cpp maps it for this architecture:
+    Llama's post_attention_layernorm is ``ffn_norm``, OLMo 2's ``post_attention_norm``)."""
+    from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
+    from gguf.tensor_mapping import get_tensor_name_map
 
-def gguf_to_hf_name(name: str) -> str | None:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
+    arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == gguf_arch) if gguf_arch in MODEL_ARCH_NAMES.values() \
+        else None
+    if arch is None or arch not in MODEL_ARCH:
+        raise UnsupportedModelError(f"the gguf library does not know the architecture {gguf_arch!r}")
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for hf_name in checkpoint_names(model):
+        module, _, leaf = hf_name.rpartition(".")
+        gguf = table.get_name(module)
+        if gguf is None:
+            raise UnsupportedModelError(f"llama.cpp has no name for {module} in {gguf_arch} files")
+        names[f"{gguf}.{leaf}"] = hf_name
+    return names
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -277,73 +286,78 @@ def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-               tp: tuple[Collectives, int] | None = None) -> LoadedModel:
+def _read_gguf(path: str):
+    """(the open file, its architecture, its GGUF -> HF names, the family's class, whether
+    Q/K rows are permuted) for a GGUF model file."""
     from pagoda.model.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
-    md = gf.metadata
-    arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
-    # llama.cpp permutes Q/K only for models it converts with the Llama converter.
-    permuted = md.get("general.architecture") in ("llama", "mistral")
+    arch = ModelArchConfig.from_gguf_metadata(gf.metadata, set(gf.tensors))
+    cls = model_class(arch.architecture)
+    with torch.device("meta"):
+        names = gguf_names(gf.metadata["general.architecture"], cls(arch))
+    if "rope_freqs.weight" in gf.tensors:
+        raise UnsupportedModelError(f"{path}: GGUF rope_freqs tensors are not supported")
+    return gf, arch, names, cls
+
+
+def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
+    """Projection -> heads, for the rows to un-permute (none unless llama.cpp permuted them)."""
+    return {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads} if cls.gguf_qk_permuted else {}
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
+               tp: tuple[Collectives, int] | None = None) -> LoadedModel:
+    gf, arch, names, cls = _read_gguf(path)
+    heads = _qk_heads(arch, cls)
     model, plan = _instantiate(arch, dtype, device, tp)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name in gf.tensors:
-            hf_name = gguf_to_hf_name(gguf_name)
+            hf_name = names.get(gguf_name)
             if hf_name is None:
-                if gguf_name == "rope_freqs.weight":
-                    raise UnsupportedModelError(f"{path}: GGUF rope_freqs tensors are not supported")
                 yield gguf_name, torch.empty(0)
                 continue
             t = gf.load_tensor(gguf_name, dtype=torch.float32)
-            if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                t = unpermute_rope(t, arch.num_attention_heads)
-            elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                t = unpermute_rope(t, arch.num_key_value_heads)
+            proj = hf_name.split(".")[-2]
+            if proj in heads:
+                t = unpermute_rope(t, heads[proj])
             yield hf_name, t.to(dtype)
 
     _fill(model, tensors(), len(gf.tensors), path, show_progress, plan)
-    return LoadedModel(model, arch, path, gguf_metadata=md, shard=plan)
+    return LoadedModel(model, arch, path, gguf_metadata=gf.metadata, shard=plan)
 
 
-# ---- GGUF, weights kept in their blocks ------------------------------------------
-
-# Checkpoint projection -> (module path inside a decoder layer, shard of it).
-_LAYER_PROJECTIONS = {
-    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0),
-}
+# ---- weights kept in their blocks (GGUF) or dtype (HF bfloat16 / float16) ---------
 
 
-def _kept_weight_slot(hf_name: str, ndim: int) -> tuple[str, int] | None:
-    """Where a checkpoint tensor goes when weights are kept as stored: (module path,
-    shard of a stacked projection) for projection, LM head and embedding matrices;
-    None for the rest (norms, biases: float32 parameters)."""
-    parts = hf_name.split(".")
-    if not hf_name.endswith(".weight") or ndim != 2:
-        return None
-    if len(parts) == 6 and parts[4] in _LAYER_PROJECTIONS:   # model.layers.{i}.{block}.{proj}.weight
-        module, shard = _LAYER_PROJECTIONS[parts[4]]
-        return ".".join(parts[:3] + [module]), shard
-    if hf_name in ("lm_head.weight", "model.embed_tokens.weight"):
-        return hf_name.rsplit(".", 1)[0], 0
-    return None
+def kept_weight_slots(model: CausalLM) -> dict[str, tuple[str, int]]:
+    """Where checkpoint matrices go when weights are kept as stored: HF weight name ->
+    (module path, shard of a stacked projection), for every projection, the LM head and
+    the embedding. Other tensors (norms, biases) become float32 parameters."""
+    mapping = type(model).packed_modules_mapping
+    slots = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        prefix, _, last = path.rpartition(".")
+        for i, proj in enumerate(mapping.get(last, (last,))):
+            slots[f"{prefix}.{proj}.weight" if prefix else f"{proj}.weight"] = (path, i)
+    return slots
 
 
 def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> LoadedModel:
     """A GGUF model whose projections, LM head and embedding stay in the file's blocks:
     views into a copy-on-write memory map (nothing read until a kernel reads it), except
     Q and K of Llama-converted files, whose rows are put back in HF order (a copy)."""
-    from pagoda.model.gguf_file import GGUFFile
     from pagoda.model.layers.blocks import BLOCK_TYPES, BlockWeight
 
-    gf = GGUFFile(path)
+    gf, arch, names, cls = _read_gguf(path)
     md = gf.metadata
-    arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
-    permuted = md.get("general.architecture") in ("llama", "mistral")
-    heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
+    heads = _qk_heads(arch, cls)
+    with torch.device("meta"):
+        model = cls(arch)
+    slots = kept_weight_slots(model)
 
     blocks: dict[str, dict[int, BlockWeight]] = {}   # module path -> shard -> weight
     floats: dict[str, torch.Tensor] = {}              # parameter / bias name -> tensor
@@ -351,33 +365,31 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
     bar = tqdm(total=len(gf.tensors), desc="Mapping weights", unit="tensor", disable=not show_progress, leave=False)
     for gguf_name, info in gf.tensors.items():
         bar.update(1)
-        hf_name = gguf_to_hf_name(gguf_name)
+        hf_name = names.get(gguf_name)
         if hf_name is None:
-            if gguf_name == "rope_freqs.weight":
-                raise UnsupportedModelError(f"{path}: GGUF rope_freqs tensors are not supported")
             unexpected.append(gguf_name)
             continue
         proj = hf_name.split(".")[-2] if "." in hf_name else ""
-        slot = _kept_weight_slot(hf_name, len(info.shape))
+        slot = slots.get(hf_name) if len(info.shape) == 2 else None
         if slot is not None:
             if info.ggml_type not in BLOCK_TYPES:
                 raise ModelLoadError(
                     f"{path}: tensor {gguf_name} has type {info.ggml_type.name}, which pagoda cannot read "
                     f"(supported: {', '.join(sorted(t.name for t in BLOCK_TYPES))})"
                 )
-            mapped = not (permuted and proj in heads)
+            mapped = proj not in heads
             data = gf.tensor_rows(gguf_name) if mapped else unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
             blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight(data, info.ggml_type, info.shape[1], mapped)
             continue
         t = gf.load_tensor(gguf_name, dtype=torch.float32)
-        if permuted and proj in heads and hf_name.endswith(".bias"):
+        if proj in heads and hf_name.endswith(".bias"):
             t = unpermute_rope(t, heads[proj])
         floats[hf_name] = t
     bar.close()
     gf.close()  # the header's map; the weights keep the copy-on-write map alive
     if unexpected:
         raise ModelLoadError(f"{path}: tensors pagoda does not know: {unexpected[:8]}")
-    model = _kept_weights_model(arch, blocks, floats, path, device)
+    _kept_weights_model(model, blocks, floats, path, device)
     return LoadedModel(model, arch, path, gguf_metadata=md)
 
 
@@ -394,57 +406,61 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
     files = sorted(Path(path).glob("*.safetensors"))
     if not os.path.isfile(config_file) or not files:
         return None  # _load_hf_folder says what is missing
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
-              if _kept_weight_slot(n, len(h.get_slice(n).get_shape())) is not None}
-    if not dtypes or not dtypes <= {"BF16", "F16"}:
-        return None
     with open(config_file) as f:
         arch = ModelArchConfig.from_hf_config(json.load(f))
+    with torch.device("meta"):
+        model = model_class(arch.architecture)(arch)
+    slots = kept_weight_slots(model)
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
+              if n in slots and len(h.get_slice(n).get_shape()) == 2}
+    if not dtypes or not dtypes <= {"BF16", "F16"}:
+        return None
     blocks: dict[str, dict[int, BlockWeight]] = {}
     floats: dict[str, torch.Tensor] = {}
     for handle in handles:
         for name in tqdm(list(handle.keys()), desc="Loading weights", unit="tensor", disable=not show_progress,
                          leave=False):
             t = handle.get_tensor(name)
-            slot = _kept_weight_slot(name, t.dim())
+            slot = slots.get(name) if t.dim() == 2 else None
             if slot is not None and t.dtype in TORCH_DTYPE_TYPES:
                 blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight.from_tensor(t)
             elif "rotary_emb" not in name:
                 floats[name] = t.float()
-    model = _kept_weights_model(arch, blocks, floats, path, device)
+    _kept_weights_model(model, blocks, floats, path, device)
     return LoadedModel(model, arch, path)
 
 
-def _kept_weights_model(arch: ModelArchConfig, blocks: dict, floats: dict[str, torch.Tensor], path: str,
-                        device: torch.device) -> LlamaForCausalLM:
+def _kept_weights_model(model: CausalLM, blocks: dict, floats: dict[str, torch.Tensor], path: str,
+                        device: torch.device) -> None:
+    """Fill ``model`` (built on the meta device) with the kept weights, in place."""
     from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
 
+    arch = model.config
     if "lm_head" not in blocks and arch.tie_word_embeddings and "model.embed_tokens" in blocks:
         blocks["lm_head"] = blocks["model.embed_tokens"]
-    with torch.device("meta"):
-        model = MODEL_REGISTRY[arch.architecture](arch)
     _assemble_blocks(model, blocks, floats, path, BlocksLinear, BlocksEmbedding)
-    model.inv_freq = _inv_freq(arch, device)
+    model.inv_freq = type(model).rope_inv_freq(arch).to(device)
     model.eval().requires_grad_(False)
-    return model
 
 
-def _assemble_blocks(model: LlamaForCausalLM, blocks: dict, floats: dict[str, torch.Tensor], path: str,
+def _assemble_blocks(model: CausalLM, blocks: dict, floats: dict[str, torch.Tensor], path: str,
                      linear_cls: type, embedding_cls: type) -> None:
     """Put the kept weights into ``model`` (built on the meta device): a ``linear_cls``
     per projection (stacked parts in shard order), an ``embedding_cls``, and the
     float tensors (norms, biases) into the parameters left; everything must fit."""
+    mapping = type(model).packed_modules_mapping
     problems: list[str] = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
         shards = blocks.pop(name, None)
-        n_shards = 3 if name.endswith("qkv_proj") else 2 if name.endswith("gate_up_proj") else 1
-        if shards is None or sorted(shards) != list(range(n_shards)):
+        parent_name, _, attr = name.rpartition(".")
+        projections = mapping.get(attr, (attr,))
+        if shards is None or sorted(shards) != list(range(len(projections))):
             problems.append(f"missing {name}")
             continue
-        parts = [shards[i] for i in range(n_shards)]
+        parts = [shards[i] for i in range(len(projections))]
         if isinstance(module, nn.Embedding):
             w = parts[0]
             if (w.out_features, w.in_features) != (module.num_embeddings, module.embedding_dim):
@@ -454,7 +470,7 @@ def _assemble_blocks(model: LlamaForCausalLM, blocks: dict, floats: dict[str, to
         else:
             bias = None
             if module.bias is not None:
-                names = [f"{name.rsplit('.', 1)[0]}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+                names = [f"{parent_name}.{p}.bias" for p in projections]
                 if not all(n in floats for n in names):
                     problems.append(f"missing bias of {name}")
                     continue
@@ -465,7 +481,6 @@ def _assemble_blocks(model: LlamaForCausalLM, blocks: dict, floats: dict[str, to
                                 f"expected {module.out_features}x{module.in_features}")
                 continue
             new = lin
-        parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
     for name, param in list(model.named_parameters()):
         t = floats.pop(name, None)

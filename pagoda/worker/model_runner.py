@@ -16,7 +16,7 @@ from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
-from pagoda.model.models.llama import LlamaForCausalLM
+from pagoda.model.layers.decoder import CausalLM
 from pagoda.ops import cpu_kernels
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
 from pagoda.sample.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -40,12 +40,16 @@ class CachedRequestState:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
 
-def local_kv_heads(model: LlamaForCausalLM) -> int:
-    """KV heads this process holds (a tensor-parallel rank holds only its share)."""
-    return model.model.layers[0].self_attn.num_kv_heads
+def local_kv_heads(model: CausalLM) -> int:
+    """KV heads this process holds per layer (a tensor-parallel rank holds only its share).
+    Every layer's cache has the same shape (the families served have no windowed layers)."""
+    specs = {(s.num_kv_heads, s.head_dim, s.sliding_window) for s in model.kv_specs()}
+    if len(specs) != 1:
+        raise NotImplementedError(f"layers with different KV caches {sorted(specs, key=str)} are not supported")
+    return next(iter(specs))[0]
 
 
-def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype,
+def kv_cache_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype,
                              kv_cache_dtype: str = "auto") -> int:  # fmt: skip
     c = model.config
     if storage_dtype(kv_cache_dtype) is not None:
@@ -61,7 +65,7 @@ def kv_cache_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[tor
     return kv_dtype, kv_cache_dtype if kv_cache_dtype in ("int8", "fp8") else "auto"
 
 
-def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       kv_cache_dtype: str, device: torch.device | str,
                       pin: bool = False) -> torch.Tensor | QuantizedKVCache:  # fmt: skip
     """One layer's cache: [2, blocks, block_size, kv_heads, head_dim] of kv_dtype, or an 8-bit
@@ -86,7 +90,7 @@ def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         device: torch.device,

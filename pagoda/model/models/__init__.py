@@ -1,0 +1,49 @@
+"""The model registry: one module per family, one line per architecture.
+
+Adding a family is one file in this package (a ``CausalLM`` subclass from
+``pagoda.model.layers.decoder``: its config parsing, weight names and any layer of its own)
+plus its lines here. Classes are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# HF `architectures` name -> (module in this package, class).
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+}
+
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
+def hf_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def model_class(architecture: str):
+    """The ``CausalLM`` subclass serving an HF architecture name."""
+    if architecture not in ARCHITECTURES:
+        from pagoda.model.arch import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(hf_architectures())}")
+    module, name = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

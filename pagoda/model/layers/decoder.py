@@ -1,0 +1,260 @@
+"""The decoder-only transformer that every family assembles: GQA attention (optional q/k
+norms, RoPE or none, a fixed or configured scale), a gated MLP, pre- or post-norm blocks,
+and the causal-LM wrapper with the declarations the loader, tensor parallelism, LoRA and
+the runner read (``CausalLM``). A family (``pagoda/model/models/<family>.py``) subclasses
+``CausalLM``: its config parsing, its weight names, and any layer it changes.
+
+Parameter names follow Hugging Face's, except that q/k/v and gate/up are stacked into one
+projection each (one GEMM instead of three or two; ``packed_modules_mapping``); the loader
+maps the checkpoint's separate tensors into their row ranges. The model takes a flat batch
+of tokens from many requests plus the attention metadata for this step; it knows nothing
+of scheduling or parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.model.arch import ModelArchConfig
+from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
+from pagoda.model.layers.norm import RMSNorm, fused_ops
+from pagoda.model.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one layer keeps in the KV cache."""
+
+    num_kv_heads: int          # this process's share under tensor parallelism
+    head_dim: int
+    sliding_window: int | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h = config.hidden_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one GEMM (the loader fills the three row ranges).
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
+        self.use_rope = config.uses_rope(layer_idx)
+        # q/k RMSNorm before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
+        self.qk_norm = config.qk_norm
+        if self.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        elif self.qk_norm == "full":
+            self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "head":
+            q = self.q_norm.rows(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, -1)
+            k = self.k_norm.rows(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, -1)
+        else:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        return torch.cat((q, k, v), dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,      # [T, 1, D]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.qk_norm is not None:
+            qkv = self._norm_qk(qkv)
+        ops = fused_ops(qkv)
+        if ops is not None:
+            if not self.use_rope:  # the identity rotation, exactly: q * 1 + rotated * 0
+                cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+            # One op: rotary q and k, and (a cache the kernels write) k and v into their slots.
+            cache, scales = kernel_cache(kv_cache) or (None, None)
+            in_place = cache is not None
+            q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
+                                   cache, meta.slot_mapping if in_place else None, scales)
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            if self.use_rope:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.intermediate_size = i
+        # gate and up in one GEMM (rows [0, i) and [i, 2i)).
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops(gate_up)
+        if ops is not None and gate_up.dim() == 2 and gate_up.shape[1] % 64 == 0:
+            # One pass, the same bits as the line below (torch's own SLEEF exp).
+            return self.down_proj(ops.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """A transformer block. ``config.norm_placement``: "pre" (Llama: norm before attention
+    and before the MLP) or "post" (OLMo 2: norm of each block's output, before the add).
+    The residual stream is carried separately, so each "add, then norm" is one fused op:
+    forward returns (this layer's output, the stream before it), their sum the stream."""
+
+    def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = GatedMLP(config)
+        self.post_norm = config.norm_placement == "post"
+        h, eps = config.hidden_size, config.rms_norm_eps
+        if self.post_norm:
+            self.post_attention_layernorm = RMSNorm(h, eps)
+            self.post_feedforward_layernorm = RMSNorm(h, eps)
+        else:
+            self.input_layernorm = RMSNorm(h, eps)
+            self.post_attention_layernorm = RMSNorm(h, eps)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.post_norm:
+            stream = x if residual is None else x + residual
+            stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, meta))
+            return self.post_feedforward_layernorm(self.mlp(stream)), stream
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
+        h, residual = self.post_attention_layernorm(h, residual)
+        h = self.mlp(h)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
+        return h, residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, layer_cls: type[nn.Module]) -> None:
+        super().__init__()
+        # nn.Embedding's own init (normal_) on the meta device, where the loader builds
+        # the model, goes through torch._refs and imports torch._dynamo: ~2.8 s of start.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only causal LM, and what the shared code needs to know of its family."""
+
+    # Stacked pagoda module -> the checkpoint projections it holds, in row order.
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+    # Whether llama.cpp's converter permuted the Q/K rows of this family's GGUF files
+    # (its Llama converter does, for its interleaved rotary layout).
+    gguf_qk_permuted: ClassVar[bool] = False
+    # Whether tensor parallelism (pagoda.model.layers.parallel.ShardPlan) applies.
+    tensor_parallel: ClassVar[bool] = True
+    layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.layer_cls)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", self.rope_inv_freq(config), persistent=False)
+
+    # ---- the family's declarations ---------------------------------------------------
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        """The hyper-parameters of an HF config.json of this family."""
+        return ModelArchConfig(**ModelArchConfig.hf_fields(config, architecture))
+
+    @classmethod
+    def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
+        """The hyper-parameters of a GGUF file's metadata of this family."""
+        return ModelArchConfig(**ModelArchConfig.gguf_fields(md, tensor_names, architecture))
+
+    @staticmethod
+    def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
+        return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def kv_specs(self) -> list[KVSpec]:
+        """Per layer: the KV heads this process holds, their size, and the window."""
+        return [KVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, self.config.sliding_window_of(i))
+                for i, layer in enumerate(self.model.layers)]
+
+    def shard_rows(self, stacked: str, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of a shard inside a stacked projection (read from
+        the layers, which hold only a rank's heads under tensor parallelism)."""
+        layer = self.model.layers[0]
+        if stacked == "qkv_proj":
+            q, kv = layer.self_attn.q_size, layer.self_attn.kv_size
+            bounds = [0, q, q + kv, q + 2 * kv]
+        elif stacked == "gate_up_proj":
+            i = layer.mlp.intermediate_size
+            bounds = [0, i, 2 * i]
+        else:
+            raise KeyError(f"{stacked} is not a stacked projection of {type(self).__name__}")
+        return bounds[shard], bounds[shard + 1]
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- the forward -----------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,        # [T]
+        positions: torch.Tensor,        # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        num_layers: int | None = None,  # run only the first num_layers (a layer-skip draft)
+    ) -> torch.Tensor:                  # hidden states [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        residual = None
+        for layer, kv_cache in zip(layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.config.logits_divisor != 1.0:
+            logits = logits / self.config.logits_divisor
+        return logits.float()

@@ -1,0 +1,46 @@
+"""RMSNorm, with the residual add fused in (one C++ op on the CPU in float32)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagoda.ops import cpu_kernels
+
+
+def fused_ops(x: torch.Tensor):
+    """pagoda's C++ ops for this tensor, or None (not float32 on CPU, or not built)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return cpu_kernels.kernels()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with ``residual``: (norm(x + residual), x + residual), the sum
+        written into ``residual`` in place (one fused op on CPU)."""
+        ops = fused_ops(x)
+        if ops is not None and x.dim() == 2:
+            if residual is None:
+                return ops.rms_norm(x.contiguous(), self.weight, self.eps, None)
+            return ops.rms_norm(x.contiguous(), self.weight, self.eps, residual), residual
+        if residual is None:
+            return self._norm(x)
+        residual.add_(x)
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """norm over the last dimension of x of any shape (q/k norms per head)."""
+        shape = x.shape
+        return self(x.reshape(-1, shape[-1])).view(shape)

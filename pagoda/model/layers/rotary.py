@@ -1,0 +1,53 @@
+"""Rotary position embedding: inverse frequencies (with the scalings checkpoints use) and
+the rotate-half rotation of HF's layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
+
+
+def rope_kind(scaling: dict | None) -> str:
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    # On the CPU even under a meta-device context (where factory functions go through
+    # torch._refs and import torch._dynamo, seconds of start-up).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    kind = rope_kind(scaling)
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
+        # and the band between is interpolated smoothly.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+        inv_freq = scaled
+    elif kind != "default":
+        raise ValueError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
+    return inv_freq.float()
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, head_dim] (each frequency twice: the rotate-half layout)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). x [T, heads, D]; cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,64 @@
+"""A minimal HF -> GGUF converter for tests: a tiny checkpoint's tensors written with the
+``gguf`` library under llama.cpp's names and metadata keys, as llama.cpp's converter writes
+them (float32 tensors; Q/K rows permuted for the families its Llama converter handles), so
+that pagoda's GGUF path can be compared with transformers on the very same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGUFWriter
+from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
+from gguf.tensor_mapping import get_tensor_name_map
+
+# GGUF architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel).
+PERMUTED = {"llama", "mistral", "granite", "smollm3"}
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: each head's [first half | second half] rows interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path: str, gguf_arch: str) -> str:
+    """``model``: a transformers causal LM (float32). Returns ``path``."""
+    c = model.config
+    arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == gguf_arch)
+    table = get_tensor_name_map(arch, c.num_hidden_layers)
+    w = GGUFWriter(path, gguf_arch)
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = getattr(c, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
+    w.add_vocab_size(c.vocab_size)
+    if gguf_arch == "granite":
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
+    state = model.state_dict()
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    for name, t in state.items():
+        if name == "lm_head.weight" and tied:
+            continue
+        module, _, leaf = name.rpartition(".")
+        t = t.detach().float()
+        if gguf_arch in PERMUTED and module.endswith("q_proj"):
+            t = _permute(t, heads)
+        elif gguf_arch in PERMUTED and module.endswith("k_proj"):
+            t = _permute(t, kv)
+        w.add_tensor(f"{table.get_name(module)}.{leaf}", np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,130 @@
+"""Every architecture family of the registry against transformers: a tiny random
+checkpoint of each (built here from the family's own config class, float32), loaded by
+pagoda from safetensors and from a GGUF file written from the same tensors
+(tests/model/hf_to_gguf.py): prompt logits within 1e-3 of transformers' and greedy
+tokens equal, through a batch of mixed lengths, chunked prefill, prefix-cache hits and
+preemption; every KV block comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.models import ARCHITECTURES, GGUF_ARCHITECTURES, model_class
+from pagoda.ops import cpu_kernels
+from tests.model.helpers import compare_greedy, hf_greedy, logprob_gap, top2_gap
+from tests.model.hf_to_gguf import write_gguf
+from tests.model.test_reference import pagoda_prompt_logits
+
+transformers = pytest.importorskip("transformers")
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _configs():
+    t = transformers
+    return {
+        # head_dim 32 with hidden 64 / 4 heads (Qwen3's head size is its own).
+        "qwen3": (t.Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32, rope_theta=1e6,
+                                tie_word_embeddings=True), "qwen3"),
+        # 4 layers: the fourth applies no RoPE.
+        "smollm3": (t.SmolLM3Config(**_COMMON, num_hidden_layers=4, no_rope_layer_interval=4,
+                                    tie_word_embeddings=True), "smollm3"),
+        "granite": (t.GraniteConfig(**_COMMON, num_hidden_layers=2, embedding_multiplier=6.0,
+                                    residual_multiplier=0.3, attention_multiplier=0.09, logits_scaling=4.0,
+                                    tie_word_embeddings=False), "granite"),
+        "olmo2": (t.Olmo2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "olmo2"),
+        # q/k/v and gate/up stacked in the checkpoint itself.
+        "phi3": (t.Phi3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "phi3"),
+    }
+
+
+@pytest.fixture(scope="module", params=["qwen3", "smollm3", "granite", "olmo2", "phi3"])
+def family(request, tmp_path_factory):
+    config, gguf_arch = _configs()[request.param]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path / "hf", safe_serialization=True)
+    gguf_path = write_gguf(hf, str(path / "model.gguf"), gguf_arch)
+    return request.param, hf, str(path / "hf"), gguf_path
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 33, 70)]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_family_matches_transformers(family, source):
+    name, hf, hf_dir, gguf_path = family
+    path = hf_dir if source == "hf" else gguf_path
+    if source == "gguf" and cpu_kernels.kernels() is None:
+        pytest.skip("GGUF files are served from their blocks by pagoda's CPU kernels")
+    prompts = _prompts()
+    # Small blocks and a small step budget: chunked prefill over several blocks.
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    assert type(model) is model_class(hf.config.architectures[0])
+    for ids in prompts:
+        with torch.inference_mode():
+            want = hf(torch.tensor([ids])).logits[0].float()
+        for chunks in ([len(ids)], [3, len(ids) - 3]):
+            got = pagoda_prompt_logits(model, ids, chunks)
+            assert (got - want).abs().max().item() < 1e-3, (name, source, chunks)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    # The same prompts twice: the second pass hits the prefix cache.
+    for _ in range(2):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for i, (ids, out) in enumerate(zip(prompts, outputs)):
+            want_tokens, want_logits = hf_greedy(hf, ids, 24)
+            result = compare_greedy(
+                out.outputs[0].token_ids, want_tokens,
+                lambda pos: min(top2_gap(want_logits[pos]), logprob_gap(out.outputs[0], pos)),
+                f"{name} {source} prompt {i}",
+            )
+            assert result.equal, result.excused
+    llm.engine.check_integrity()
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_family_under_preemption(family):
+    """A pool too small for the batch: requests are preempted and recomputed, and still
+    produce transformers' tokens."""
+    name, hf, hf_dir, _ = family
+    prompts = _prompts()
+    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=8, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for ids, out in zip(prompts, outputs):
+        want, want_logits = hf_greedy(hf, ids, 24)
+        result = compare_greedy(out.outputs[0].token_ids, want, lambda pos: top2_gap(want_logits[pos]), name)
+        assert result.equal, result.excused
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_registry_covers_gguf_names_and_refuses_unknown():
+    assert set(GGUF_ARCHITECTURES.values()) <= set(ARCHITECTURES)
+    with pytest.raises(UnsupportedModelError, match="supported: .*Qwen3ForCausalLM"):
+        ModelArchConfig.from_hf_config({"architectures": ["NopeForCausalLM"], "model_type": "nope"})
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'nope'"):
+        ModelArchConfig.from_gguf_metadata({"general.architecture": "nope"}, set())
+
+
+def test_olmo2_refuses_tensor_parallelism():
+    from pagoda.model.loader import _instantiate
+
+    arch = ModelArchConfig.from_hf_config(transformers.Olmo2Config(**_COMMON, num_hidden_layers=2).to_dict()
+                                          | {"architectures": ["Olmo2ForCausalLM"]})
+
+    class Two:
+        world_size = 2
+
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
+        _instantiate(arch, torch.float32, torch.device("cpu"), (Two(), 0))
