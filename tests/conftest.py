@@ -72,3 +72,17 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
         architectures=["Qwen2ForCausalLM"],
     )
     return _save_tiny(tmp_path_factory, "tiny-qwen2", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    """Qwen3: q/k RMSNorms per head, a head size (32) not hidden / heads (16)."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_theta=1000000.0, tie_word_embeddings=True, initializer_range=0.3,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-qwen3", config)

@@ -65,6 +65,12 @@ class ModelShape:
     tied: bool
     rope_theta: float
     qkv_bias: bool = False
+    head_dim: int | None = None   # None: hidden / heads
+    qk_norm: bool = False         # Qwen3's q/k RMSNorms per head
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 # Real models' shapes (their own vocabularies replaced by the bundled tokenizer's 49,152).
@@ -74,6 +80,10 @@ SHAPES: dict[str, ModelShape] = {
     "llama-3.2-1b": ModelShape("llama", 2048, 16, 32, 8, 8192, True, 500000.0),
     "llama-3.2-3b": ModelShape("llama", 3072, 28, 24, 8, 8192, True, 500000.0),
     "llama-3.1-8b": ModelShape("llama", 4096, 32, 32, 8, 14336, False, 500000.0),
+    "qwen3-0.6b": ModelShape("qwen3", 1024, 28, 16, 8, 3072, True, 1000000.0, head_dim=128, qk_norm=True),
+    "qwen3-1.7b": ModelShape("qwen3", 2048, 28, 16, 8, 6144, True, 1000000.0, head_dim=128, qk_norm=True),
+    "qwen3-4b": ModelShape("qwen3", 2560, 36, 32, 8, 9728, True, 1000000.0, head_dim=128, qk_norm=True),
+    "qwen3-8b": ModelShape("qwen3", 4096, 36, 32, 8, 12288, False, 1000000.0, head_dim=128, qk_norm=True),
 }
 # File types: F16, or llama.cpp's mixes written directly as random blocks.
 FILE_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")
@@ -107,7 +117,7 @@ def tensor_type(file_type: str, name: str, layer: int, layers: int, cols: int, t
 
 def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] | tuple[int], int]]:
     """(name, numpy shape, layer) of every tensor, in llama.cpp's order."""
-    h, hd = shape.hidden, shape.hidden // shape.heads
+    h, hd = shape.hidden, shape.head_size
     out: list = [("token_embd.weight", (vocab, h), -1)]
     for i in range(shape.layers):
         b = f"blk.{i}."
@@ -116,6 +126,8 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
         if shape.qkv_bias:
             out += [(b + "attn_q.bias", (shape.heads * hd,), i), (b + "attn_k.bias", (shape.kv_heads * hd,), i),
                     (b + "attn_v.bias", (shape.kv_heads * hd,), i)]
+        if shape.qk_norm:
+            out += [(b + "attn_q_norm.weight", (hd,), i), (b + "attn_k_norm.weight", (hd,), i)]
         out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + "ffn_norm.weight", (h,), i),
                 (b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
                 (b + "ffn_down.weight", (h, shape.ffn), i)]
@@ -159,7 +171,9 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_uint32(f"{a}.vocab_size", vocab)
-    w.add_uint32(f"{a}.rope.dimension_count", shape.hidden // shape.heads)
+    w.add_uint32(f"{a}.rope.dimension_count", shape.head_size)
+    w.add_uint32(f"{a}.attention.key_length", shape.head_size)
+    w.add_uint32(f"{a}.attention.value_length", shape.head_size)
     w.add_uint32("general.file_type", {"F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}[file_type])
     w.add_uint32("general.quantization_version", 2)
     for k, v in tok.items():

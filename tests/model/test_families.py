@@ -128,3 +128,28 @@ def test_olmo2_refuses_tensor_parallelism():
 
     with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
         _instantiate(arch, torch.float32, torch.device("cpu"), (Two(), 0))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "q4"])
+def test_quantized_modes_apply_to_every_family(family, mode):
+    """The quantized linear layers replace every family's projections through the shared
+    layers. bf16 stays near the float32 reference (tiny random models with large weights:
+    the real model's perplexity bounds are in test_quantization.py); q4 only has to run."""
+    from pagoda.model.layers.quantization import Bf16Linear, Q4Linear
+
+    name, hf, hf_dir, _ = family
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the quantized modes need pagoda's CPU kernels")
+    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, quantization=mode)
+    model = llm.engine.runner.model
+    kind = Bf16Linear if mode == "bf16" else Q4Linear
+    layers = model.config.num_hidden_layers
+    assert sum(isinstance(m, kind) for m in model.modules()) >= 4 * layers
+    ids = _prompts()[2]
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    got = pagoda_prompt_logits(model, ids, [len(ids)])
+    assert torch.isfinite(got).all()
+    if mode == "bf16":
+        assert ((got - want).abs().max() / want.abs().max()).item() < 0.1
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
