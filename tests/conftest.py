@@ -86,3 +86,17 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
         architectures=["Qwen3ForCausalLM"],
     )
     return _save_tiny(tmp_path_factory, "tiny-qwen3", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> str:
+    """Gemma 3: windowed (16) and global layers, sandwich norms, q/k norms per head."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=32,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=16,
+        query_pre_attn_scalar=32, tie_word_embeddings=True, initializer_range=0.3, pad_token_id=0,
+        architectures=["Gemma3ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-gemma3", config)

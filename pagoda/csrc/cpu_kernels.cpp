@@ -396,7 +396,7 @@ namespace {
 template <typename KV>
 void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t* tp, const int32_t* lp,
                       float* op, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
-                      float sc, const float* ks, const float* vs) {
+                      float sc, const float* ks, const float* vs, int64_t window) {
   const int64_t G = H / KVH;
   const bool vec = D % 8 == 0 && G >= 1 && G <= 8;
   // Work units: whole sequences (their K/V rows, all KV heads, are adjacent in the
@@ -408,24 +408,28 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
     std::vector<float> scores, buf(8 * KVH * D);  // buf: decode_heads' rows as float32
     std::vector<int64_t> rows, srows;  // srows[p]: position p's slot x KVH (an int8 cache's scales)
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / split, len = lp[b];
+      const int64_t b = w / split;
+      // A windowed layer reads positions [first, seq_len): the last `window` ones.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0, len = lp[b] - first;
       const int64_t kv0 = split == 1 ? 0 : w % split, kv1 = split == 1 ? KVH : kv0 + 1;
       const int64_t padded = (len + 7) / 8 * 8;
       scores.resize(H * padded);
       rows.resize(len);
       srows.resize(len);
       const int32_t* table = tp + b * max_blocks;
-      for (int64_t p = 0; p < len; ++p) {
-        srows[p] = (table[p / bs] * bs + p % bs) * KVH;
-        rows[p] = srows[p] * D;
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t p = first + i;
+        srows[i] = (table[p / bs] * bs + p % bs) * KVH;
+        rows[i] = srows[i] * D;
       }
       const float* qb = qp + b * H * D;
       float* ob = op + b * H * D;
       if (!vec) {
         for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
-          for (int64_t p = 0; p < len; ++p) {
-            srows[p] = (table[p / bs] * bs + p % bs) * KVH + kvh;
-            rows[p] = srows[p] * D;
+          for (int64_t i = 0; i < len; ++i) {
+            const int64_t p = first + i;
+            srows[i] = (table[p / bs] * bs + p % bs) * KVH + kvh;
+            rows[i] = srows[i] * D;
           }
           decode_head_generic<KV>(qb + kvh * G * D, kp, vp, rows.data(), len, D, G, sc, scores.data(),
                                   ob + kvh * G * D, ks, vs, srows.data());
@@ -455,7 +459,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
                                      torch::Tensor block_tables,  // [B, max_blocks] int32
                                      torch::Tensor seq_lens,      // [B] int32
                                      double scale,
-                                     c10::optional<torch::Tensor> kv_scales) {  // [2, blocks, bs, KVH] (int8)
+                                     c10::optional<torch::Tensor> kv_scales,  // [2, blocks, bs, KVH] (int8)
+                                     int64_t window) {  // > 0: attend to the last `window` positions only
   const auto kind = kv_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
               (kind == torch::kFloat32 || kind == torch::kFloat16 || kind == torch::kInt8),
@@ -493,7 +498,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
   const float sc = static_cast<float>(scale);
   auto run = [&](const auto* kp) {
     decode_attention(q.data_ptr<float>(), kp, kp + half_cache, tp, lp, out.data_ptr<float>(), B, H, KVH, D, bs,
-                     max_blocks, sc, ks, vs);
+                     max_blocks, sc, ks, vs, window);
   };
   if (kind == torch::kFloat16)
     run(reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::Half>()));
@@ -1274,5 +1279,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("kv_scales") = py::none());
+        py::arg("kv_scales") = py::none(), py::arg("window") = 0);
 }

@@ -102,9 +102,6 @@ class EngineCore:
         self.loaded = loaded
         arch = loaded.arch
         max_model_len = config.max_model_len or arch.max_position_embeddings
-        if arch.sliding_window is not None and max_model_len > arch.sliding_window:
-            logger.warning("capping max_model_len at the sliding window (%d)", arch.sliding_window)
-            max_model_len = arch.sliding_window
         self.max_model_len = max_model_len
 
         if self.tp_driver is not None:

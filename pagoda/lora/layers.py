@@ -108,6 +108,10 @@ for _proj, (_module, _index) in TARGET_MODULES.items():
 def apply_lora(model: nn.Module, max_loras: int, max_rank: int, batch: LoRABatch) -> dict[tuple[int, str], LoRALinear]:
     """Wrap every layer's qkv/o/gate_up/down projection in a LoRALinear, in place.
     Returns (layer index, pagoda module name) -> the wrapper."""
+    if not getattr(model, "lora", True):
+        from pagoda.lora.errors import LoRAAdapterError
+
+        raise LoRAAdapterError(f"LoRA adapters are not supported for {type(model).__name__}")
     wrapped: dict[tuple[int, str], LoRALinear] = {}
     param = next(model.parameters())
     for i, layer in enumerate(model.model.layers):

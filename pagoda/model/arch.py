@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.model.layers.rotary import SUPPORTED_ROPE_SCALING, rope_kind
+
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 from pagoda.model.models import GGUF_ARCHITECTURES, hf_architectures, model_class
 
 
@@ -38,7 +40,21 @@ class ModelArchConfig:
     # Family options (their defaults are Llama's).
     qk_norm: str | None = None               # "head" (per head) | "full" (whole projection) | None
     rope_layers: tuple[bool, ...] | None = None  # per layer whether it applies RoPE (None: all do)
-    norm_placement: str = "pre"              # "pre" | "post" (OLMo 2)
+    # "pre" (before attention and MLP) | "post" (of their outputs: OLMo 2) | "sandwich" (both: Gemma)
+    norm_placement: str = "pre"
+    hidden_act: str = "silu"                 # the gated MLP's: "silu" | "gelu_pytorch_tanh"
+    # Per layer "full_attention" | "sliding_attention" (None: every layer is windowed when
+    # sliding_window is set, else none is).
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None    # RoPE base of the windowed layers (Gemma 3), unscaled
+    final_logit_softcapping: float | None = None
+    # Mixture of experts: num_experts > 0 replaces the MLP of the layers moe_layers marks
+    # (None: every layer) by a router over experts of moe_intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True              # renormalise the chosen experts' weights to sum 1
+    moe_layers: tuple[bool, ...] | None = None
     embedding_multiplier: float = 1.0        # Granite's multipliers
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None   # the attention scale (None: 1 / sqrt(head_dim))
@@ -60,18 +76,41 @@ class ModelArchConfig:
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
         if self.qk_norm not in (None, "head", "full"):
             raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
-        if self.norm_placement not in ("pre", "post"):
-            raise ValueError(f"norm_placement must be 'pre' or 'post', got {self.norm_placement!r}")
+        if self.norm_placement not in ("pre", "post", "sandwich"):
+            raise ValueError(f"norm_placement must be 'pre', 'post' or 'sandwich', got {self.norm_placement!r}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                                        f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if unknown:
+                raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a sliding_window")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_hidden_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
 
     def sliding_window_of(self, layer: int) -> int | None:
-        """The attention window of a layer (None: it sees the whole context). No family
-        served today has windowed layers (their windows are refused at parsing)."""
-        return None
+        """The attention window of a layer: a query at position i sees keys j with
+        i - window < j <= i (None: the whole context)."""
+        if self.layer_types is not None:
+            return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.sliding_window
+
+    def rope_table_of(self, layer: int) -> str:
+        """Which rotary table a layer uses: "local" (windowed layers of a family with a
+        base of their own) or "global"."""
+        return "local" if self.local_rope_theta is not None and self.sliding_window_of(layer) else "global"
 
     @property
     def num_params(self) -> int:
@@ -110,19 +149,33 @@ class ModelArchConfig:
     def hf_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
         """The fields every decoder's config.json holds, checked for what the shared
         layers cannot do."""
-        if config.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported")
-        if config.get("use_sliding_window"):
-            raise UnsupportedModelError("sliding-window attention is not supported")
         heads = config["num_attention_heads"]
         rope_scaling = config.get("rope_scaling")
         rope_theta = config.get("rope_theta")
-        # transformers 5 moved rope settings into "rope_parameters".
+        local_theta = config.get("rope_local_base_freq")
+        # transformers 5 moved rope settings into "rope_parameters" (per layer type for
+        # families whose windowed layers have their own).
         params = config.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:
+            local = params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"rope scaling {local['rope_type']!r} of windowed layers is not supported")
+            local_theta = local.get("rope_theta", local_theta)
+            params = params["full_attention"]
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        # Qwen2/3 write a window they do not use unless use_sliding_window.
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        layer_types = config.get("layer_types")
+        if window and layer_types is None and config.get("use_sliding_window"):
+            # Qwen2's rule when the config predates layer_types: layers from max_window_layers on.
+            first = config.get("max_window_layers", 0)
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(config["num_hidden_layers"])]
+        if not window:
+            layer_types = None
         return dict(
             architecture=architecture,
             vocab_size=config["vocab_size"],
@@ -138,7 +191,10 @@ class ModelArchConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias")),
             rope_scaling=rope_scaling,
-            sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+            sliding_window=window or None,
+            layer_types=tuple(layer_types) if layer_types else None,
+            local_rope_theta=float(local_theta) if local_theta is not None and window else None,
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "silu",
         )
 
     @staticmethod
@@ -153,8 +209,6 @@ class ModelArchConfig:
             rope_scaling = {"rope_type": "linear", "factor": md[p + "rope.scaling.factor"]}
         elif md.get(p + "rope.scaling.type") not in (None, "none"):
             raise UnsupportedModelError(f"GGUF rope scaling {md[p + 'rope.scaling.type']!r} is not supported")
-        if md.get(p + "attention.sliding_window"):
-            raise UnsupportedModelError("sliding-window attention is not supported")
         return dict(
             architecture=architecture,
             vocab_size=vocab,
@@ -170,4 +224,5 @@ class ModelArchConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=rope_scaling,
+            sliding_window=md.get(p + "attention.sliding_window") or None,
         )

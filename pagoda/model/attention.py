@@ -15,6 +15,9 @@ step is computing.
   no K/V repeat is needed.
 - Prompt chunks: one SDPA per request over its gathered context, with a
   causal mask offset by the tokens already computed.
+- Sliding-window layers (``window``): a query at position i sees keys j with
+  i - window < j <= i. Prompt chunks read only the keys some query of theirs sees;
+  the decode kernel starts each sequence at its window.
 
 The gather index (slot of every context position) and masks are built once
 per step by ``AttentionMetadata`` and shared by every layer.
@@ -22,7 +25,7 @@ per step by ``AttentionMetadata`` and shared by every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,22 @@ class PrefillChunk:
     context_len: int            # tokens before this chunk (prefix hit + earlier chunks)
     gather_slots: torch.Tensor  # [context_len + query_len] slot of every position
     mask: torch.Tensor | None   # [query_len, seq_len] bool, None = plain causal
+    # window -> (first key position read, mask over keys from there), built on first use
+    windows: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def window_view(self, window: int) -> tuple[int, torch.Tensor] | None:
+        """For a windowed layer: (first key position any query sees, [query_len, keys]
+        mask), or None when the window covers the whole context."""
+        seq = self.context_len + self.query_len
+        if seq <= window:
+            return None
+        if window not in self.windows:
+            start = max(0, self.context_len - window + 1)
+            keys = torch.arange(start, seq)[None, :]
+            queries = torch.arange(self.context_len, seq)[:, None]
+            mask = (keys <= queries) & (keys > queries - window)
+            self.windows[window] = (start, mask.to(self.gather_slots.device))
+        return self.windows[window]
 
 
 @dataclass
@@ -50,6 +69,18 @@ class AttentionMetadata:
     # For the in-place decode kernel (None when the gather path is used):
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int32
     decode_seq_lens: torch.Tensor | None = None      # [D] int32, context + 1
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The gather path's decode mask, narrowed to a window."""
+        if window is None or self.decode_mask is None:
+            return self.decode_mask
+        if window not in self.decode_window_masks:
+            length = self.decode_mask.shape[-1]
+            seq = self.decode_mask[:, 0, 0, :].sum(-1, keepdim=True)
+            p = torch.arange(length, device=self.decode_mask.device)[None, :]
+            self.decode_window_masks[window] = (self.decode_mask & (p >= seq - window)[:, None, None, :])
+        return self.decode_window_masks[window]
 
     @classmethod
     def build(
@@ -138,6 +169,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kv_written: bool = False,  # the caller already wrote k and v to their slots
+    window: int | None = None,  # a sliding-window layer's window
 ) -> torch.Tensor:            # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -163,7 +195,7 @@ def paged_attention(
     def decode_kernel(queries: torch.Tensor) -> torch.Tensor:
         cache, scales = kernel_cache(kv_cache)
         return cpu_kernels.kernels().paged_decode_attention(
-            queries, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, scales
+            queries, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, scales, window or 0
         )
 
     if nd == num_tokens and meta.decode_block_tables is not None:
@@ -176,23 +208,25 @@ def paged_attention(
         ks = read(0, meta.decode_gather_slots).transpose(1, 2)
         vs = read(1, meta.decode_gather_slots).transpose(1, 2)
         qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask_for(window), scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
     for chunk in meta.prefills:
         start, end = chunk.token_start, chunk.token_start + chunk.query_len
+        view = chunk.window_view(window) if window is not None else None
+        first, mask = view if view is not None else (0, chunk.mask)
         if chunk.context_len == 0 and not isinstance(kv_cache, QuantizedKVCache):
             # No cached prefix: the chunk's keys are its own k and v, rounded as the cache
             # holds them (the values a read-back would give, without the gather).
-            ks = k[start:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
-            vs = v[start:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
+            ks = k[start + first:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
+            vs = v[start + first:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
         else:
-            ks = read(0, chunk.gather_slots).transpose(0, 1)[None]   # [1, KVH, S, hd]
-            vs = read(1, chunk.gather_slots).transpose(0, 1)[None]
+            ks = read(0, chunk.gather_slots[first:]).transpose(0, 1)[None]   # [1, KVH, S, hd]
+            vs = read(1, chunk.gather_slots[first:]).transpose(0, 1)[None]
         qs = q[start:end].transpose(0, 1)[None]                              # [1, H, Q, hd]
         o = F.scaled_dot_product_attention(
             qs, ks, vs,
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=group > 1,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -120,7 +121,7 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
         with torch.device("meta"):
             plan.apply(model, group)
     model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = cls.rope_inv_freq(arch).to(device)  # buffers are not loaded from checkpoints
+    model.init_rope(device)  # buffers are not loaded from checkpoints
     model.eval().requires_grad_(False)
     return model, plan
 
@@ -140,7 +141,7 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice | None]:
     for i, part in enumerate(parts):
         if part in packed:
             stacked, shard = packed[part]
-            start, end = model.shard_rows(stacked, shard)
+            start, end = model.shard_rows(".".join(parts[:i] + [stacked]), shard)
             return ".".join(parts[:i] + [stacked] + parts[i + 1:]), slice(start, end)
     return name, None
 
@@ -175,7 +176,8 @@ def _fill(
     for n in params:
         stacked = n.split(".")[-2]
         if stacked in mapping:
-            expected.update((n, model.shard_rows(stacked, shard)) for shard in range(len(mapping[stacked])))
+            module = n.rpartition(".")[0]
+            expected.update((n, model.shard_rows(module, shard)) for shard in range(len(mapping[stacked])))
         else:
             expected.add((n, None))
     loaded: set = set()
@@ -229,6 +231,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
     model, plan = _instantiate(arch, dtype, device, tp)
+    model_cls = type(model)
 
     handles = [safe_open(str(f), framework="pt") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
@@ -236,7 +239,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield model_cls.hf_name(name), model_cls.hf_tensor(name, handle.get_tensor(name))
 
     _fill(model, tensors(), total, path, show_progress, plan)
     return LoadedModel(model, arch, path, shard=plan)
@@ -245,11 +248,13 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
 # ---- GGUF --------------------------------------------------------------------
 
 
-def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str]:
+def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
     """GGUF tensor name -> HF checkpoint name, for every tensor of the family's checkpoints:
     the ``gguf`` library's own table of llama.cpp's names (``TensorNameMap``) asked for each
     HF name the model has (so one HF name maps as llama.cpp maps it for this architecture:
-    Llama's post_attention_layernorm is ``ffn_norm``, OLMo 2's ``post_attention_norm``)."""
+    Llama's post_attention_layernorm is ``ffn_norm``, OLMo 2's ``post_attention_norm``).
+    llama.cpp stacks a layer's experts into one 3-D tensor (``ffn_gate_exps``: [experts,
+    rows, columns]): its entry is the list of the experts' HF names, in expert order."""
     from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
     from gguf.tensor_mapping import get_tensor_name_map
 
@@ -258,14 +263,21 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str]:
     if arch is None or arch not in MODEL_ARCH:
         raise UnsupportedModelError(f"the gguf library does not know the architecture {gguf_arch!r}")
     table = get_tensor_name_map(arch, model.config.num_hidden_layers)
-    names = {}
+    names: dict[str, str | list[str]] = {}
     for hf_name in checkpoint_names(model):
         module, _, leaf = hf_name.rpartition(".")
-        gguf = table.get_name(module)
+        expert = _EXPERT.search(module)
+        gguf = table.get_name(_EXPERT.sub(".experts.", module) if expert else module)
         if gguf is None:
             raise UnsupportedModelError(f"llama.cpp has no name for {module} in {gguf_arch} files")
-        names[f"{gguf}.{leaf}"] = hf_name
+        if expert:
+            names.setdefault(f"{gguf}.{leaf}", []).append(hf_name)   # experts come in order
+        else:
+            names[f"{gguf}.{leaf}"] = hf_name
     return names
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -319,6 +331,10 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
                 yield gguf_name, torch.empty(0)
                 continue
             t = gf.load_tensor(gguf_name, dtype=torch.float32)
+            if isinstance(hf_name, list):   # a layer's experts, stacked
+                _check_experts(path, gguf_name, tuple(t.shape), len(hf_name))
+                yield from ((n, t[e].to(dtype)) for e, n in enumerate(hf_name))
+                continue
             proj = hf_name.split(".")[-2]
             if proj in heads:
                 t = unpermute_rope(t, heads[proj])
@@ -369,14 +385,19 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
         if hf_name is None:
             unexpected.append(gguf_name)
             continue
+        if isinstance(hf_name, list):   # a layer's experts, stacked: one view of rows each
+            _check_experts(path, gguf_name, info.shape, len(hf_name))
+            _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
+            rows, data = info.shape[1], gf.tensor_rows(gguf_name)
+            for e, n in enumerate(hf_name):
+                module, shard = slots[n]
+                blocks.setdefault(module, {})[shard] = BlockWeight(data[e * rows:(e + 1) * rows], info.ggml_type,
+                                                                   info.shape[2], True)
+            continue
         proj = hf_name.split(".")[-2] if "." in hf_name else ""
         slot = slots.get(hf_name) if len(info.shape) == 2 else None
         if slot is not None:
-            if info.ggml_type not in BLOCK_TYPES:
-                raise ModelLoadError(
-                    f"{path}: tensor {gguf_name} has type {info.ggml_type.name}, which pagoda cannot read "
-                    f"(supported: {', '.join(sorted(t.name for t in BLOCK_TYPES))})"
-                )
+            _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
             mapped = proj not in heads
             data = gf.tensor_rows(gguf_name) if mapped else unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
             blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight(data, info.ggml_type, info.shape[1], mapped)
@@ -391,6 +412,17 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
         raise ModelLoadError(f"{path}: tensors pagoda does not know: {unexpected[:8]}")
     _kept_weights_model(model, blocks, floats, path, device)
     return LoadedModel(model, arch, path, gguf_metadata=md)
+
+
+def _check_experts(path: str, name: str, shape: tuple[int, ...], experts: int) -> None:
+    if len(shape) != 3 or shape[0] != experts:
+        raise ModelLoadError(f"{path}: tensor {name} has shape {shape}, expected [{experts} experts, rows, columns]")
+
+
+def _check_block_type(path: str, name: str, ggml_type, supported) -> None:
+    if ggml_type not in supported:
+        raise ModelLoadError(f"{path}: tensor {name} has type {ggml_type.name}, which pagoda cannot read "
+                             f"(supported: {', '.join(sorted(t.name for t in supported))})")
 
 
 def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> LoadedModel | None:
@@ -412,8 +444,9 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
         model = model_class(arch.architecture)(arch)
     slots = kept_weight_slots(model)
     handles = [safe_open(str(f), framework="pt") for f in files]
+    cls = type(model)
     dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
-              if n in slots and len(h.get_slice(n).get_shape()) == 2}
+              if cls.hf_name(n) in slots and len(h.get_slice(n).get_shape()) == 2}
     if not dtypes or not dtypes <= {"BF16", "F16"}:
         return None
     blocks: dict[str, dict[int, BlockWeight]] = {}
@@ -421,7 +454,8 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
     for handle in handles:
         for name in tqdm(list(handle.keys()), desc="Loading weights", unit="tensor", disable=not show_progress,
                          leave=False):
-            t = handle.get_tensor(name)
+            t = cls.hf_tensor(name, handle.get_tensor(name))
+            name = cls.hf_name(name)
             slot = slots.get(name) if t.dim() == 2 else None
             if slot is not None and t.dtype in TORCH_DTYPE_TYPES:
                 blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight.from_tensor(t)
@@ -440,7 +474,7 @@ def _kept_weights_model(model: CausalLM, blocks: dict, floats: dict[str, torch.T
     if "lm_head" not in blocks and arch.tie_word_embeddings and "model.embed_tokens" in blocks:
         blocks["lm_head"] = blocks["model.embed_tokens"]
     _assemble_blocks(model, blocks, floats, path, BlocksLinear, BlocksEmbedding)
-    model.inv_freq = type(model).rope_inv_freq(arch).to(device)
+    model.init_rope(device)
     model.eval().requires_grad_(False)
 
 

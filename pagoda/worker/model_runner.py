@@ -42,8 +42,9 @@ class CachedRequestState:
 
 def local_kv_heads(model: CausalLM) -> int:
     """KV heads this process holds per layer (a tensor-parallel rank holds only its share).
-    Every layer's cache has the same shape (the families served have no windowed layers)."""
-    specs = {(s.num_kv_heads, s.head_dim, s.sliding_window) for s in model.kv_specs()}
+    Every layer's cache has the same shape (windowed layers keep every block too, and
+    attend to their window)."""
+    specs = {(s.num_kv_heads, s.head_dim) for s in model.kv_specs()}
     if len(specs) != 1:
         raise NotImplementedError(f"layers with different KV caches {sorted(specs, key=str)} are not supported")
     return next(iter(specs))[0]

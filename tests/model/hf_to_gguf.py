@@ -5,6 +5,8 @@ that pagoda's GGUF path can be compared with transformers on the very same weigh
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 from gguf import GGUFWriter
@@ -20,8 +22,10 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: str, gguf_arch: str) -> str:
-    """``model``: a transformers causal LM (float32). Returns ``path``."""
+def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
+    """``model``: a transformers causal LM (float32), saved in ``hf_dir`` (whose tensors,
+    in the checkpoint's own names, are the ones written). Returns ``path``."""
+    from safetensors.torch import load_file
     c = model.config
     arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == gguf_arch)
     table = get_tensor_name_map(arch, c.num_hidden_layers)
@@ -38,27 +42,61 @@ def write_gguf(model, path: str, gguf_arch: str) -> str:
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)   # per layer type (Gemma 3): the global layers'
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
     w.add_vocab_size(c.vocab_size)
+    if "sliding_attention" in (getattr(c, "layer_types", None) or ()):
+        w.add_sliding_window(c.sliding_window)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None) and gguf_arch != "llama":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if gguf_arch == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
         w.add_attention_scale(c.attention_multiplier)
         w.add_logit_scale(c.logits_scaling)
-    state = model.state_dict()
+    state = {}
+    for f in sorted(__import__("pathlib").Path(hf_dir).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    state = _stack_experts(state)
     tied = bool(getattr(c, "tie_word_embeddings", False))
     for name, t in state.items():
         if name == "lm_head.weight" and tied:
             continue
         module, _, leaf = name.rpartition(".")
         t = t.detach().float()
+        if gguf_arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0   # llama.cpp's Gemma converters store Gemma's 1 + w
         if gguf_arch in PERMUTED and module.endswith("q_proj"):
             t = _permute(t, heads)
         elif gguf_arch in PERMUTED and module.endswith("k_proj"):
             t = _permute(t, kv)
-        w.add_tensor(f"{table.get_name(module)}.{leaf}", np.ascontiguousarray(t.numpy()))
+        gguf_name = table.get_name(module)
+        assert gguf_name is not None, f"no GGUF name for {module}"
+        w.add_tensor(f"{gguf_name}.{leaf}", np.ascontiguousarray(t.numpy()))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _stack_experts(state: dict) -> dict:
+    """Each layer's experts stacked into one [experts, rows, columns] tensor per
+    projection, named without the expert index, as llama.cpp's converter merges them."""
+    out, stacks = {}, {}
+    for name, t in state.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = t
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out

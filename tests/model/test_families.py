@@ -40,17 +40,39 @@ def _configs():
         "olmo2": (t.Olmo2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "olmo2"),
         # q/k/v and gate/up stacked in the checkpoint itself.
         "phi3": (t.Phi3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "phi3"),
+        # Five windowed layers (window 16, RoPE base 10^4) to one global (10^6); the
+        # prompts run past the window. llama.cpp's files keep no query_pre_attn_scalar:
+        # it is the head size here, as in every Gemma 3 but the 27B.
+        "gemma3": (t.Gemma3TextConfig(**_COMMON, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
+                                      sliding_window=16, tie_word_embeddings=True,
+                                      architectures=["Gemma3ForCausalLM"]), "gemma3"),
+        # Top-2 of 4 experts; llama.cpp writes Mixtral as a llama file with experts.
+        "mixtral": (t.MixtralConfig(**_COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                    tie_word_embeddings=False), "llama"),
+        # Top-2 of 6 small experts, renormalised.
+        "qwen3moe": (t.Qwen3MoeConfig(**_COMMON, num_hidden_layers=2, head_dim=32, num_experts=6,
+                                      num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                                      tie_word_embeddings=False), "qwen3moe"),
+        # Layer 1 a dense MLP, weights not renormalised (llama.cpp's qwen3moe files have
+        # no dense layers: HF only).
+        "qwen3moe-mixed": (t.Qwen3MoeConfig(**_COMMON, num_hidden_layers=2, head_dim=32, num_experts=6,
+                                            num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=False,
+                                            mlp_only_layers=[1], tie_word_embeddings=False), None),
+        # Every layer windowed (llama.cpp's files carry no Mistral window: HF only).
+        "mistral": (t.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=16,
+                                    tie_word_embeddings=False), None),
     }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "smollm3", "granite", "olmo2", "phi3"])
+@pytest.fixture(scope="module", params=["qwen3", "smollm3", "granite", "olmo2", "phi3", "gemma3", "mistral", "mixtral", "qwen3moe",
+                                                 "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
     config, gguf_arch = _configs()[request.param]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path / "hf", safe_serialization=True)
-    gguf_path = write_gguf(hf, str(path / "model.gguf"), gguf_arch)
+    gguf_path = write_gguf(hf, str(path / "model.gguf"), gguf_arch, str(path / "hf")) if gguf_arch else None
     return request.param, hf, str(path / "hf"), gguf_path
 
 
@@ -63,6 +85,8 @@ def _prompts() -> list[list[int]]:
 def test_family_matches_transformers(family, source):
     name, hf, hf_dir, gguf_path = family
     path = hf_dir if source == "hf" else gguf_path
+    if source == "gguf" and path is None:
+        pytest.skip(f"no GGUF {name} file to compare")
     if source == "gguf" and cpu_kernels.kernels() is None:
         pytest.skip("GGUF files are served from their blocks by pagoda's CPU kernels")
     prompts = _prompts()

@@ -100,13 +100,13 @@ def test_q4_linear_checks_shapes():
         ops.q4_linear(torch.randn(2, 96), q.qweight, q.scales, q.mins, None)
 
 
-def _reference_decode(q, cache, tables, lens, scale):
+def _reference_decode(q, cache, tables, lens, scale, window=0):
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     bs = cache.shape[2]
     out = []
     for b in range(q.shape[0]):
         n = int(lens[b])
-        p = torch.arange(n)
+        p = torch.arange(max(0, n - window) if window else 0, n)
         slots = tables[b].long()[p // bs] * bs + p % bs
         k = cache[0].reshape(-1, kv_heads, head_dim)[slots].transpose(0, 1)
         v = cache[1].reshape(-1, kv_heads, head_dim)[slots].transpose(0, 1)
@@ -132,6 +132,25 @@ def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim):
     for b in (0, 3, 6):
         alone = ops.paged_decode_attention(q[b:b + 1], cache, tables[b:b + 1], lens[b:b + 1], 0.17)
         assert torch.equal(alone[0], out[b])
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (10, 1, 16)])
+def test_paged_decode_attention_window(heads, kv_heads, head_dim):
+    """A sliding-window layer's decode reads the last `window` positions only (vector and
+    generic paths; windows shorter and longer than the sequences, across block edges)."""
+    torch.manual_seed(7)
+    cache = torch.randn(2, 40, 16, kv_heads, head_dim) * 3
+    lens = torch.tensor([1, 16, 17, 100, 5, 40], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(40)[:7] for _ in range(6)]).int()
+    q = torch.randn(6, heads, head_dim)
+    for window in (1, 7, 16, 33, 200):
+        out = ops.paged_decode_attention(q, cache, tables, lens, 0.17, None, window)
+        want = _reference_decode(q, cache, tables, lens, 0.17, window)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    full = ops.paged_decode_attention(q, cache, tables, lens, 0.17)
+    assert torch.equal(ops.paged_decode_attention(q, cache, tables, lens, 0.17, None, 200), full)
+    assert not torch.allclose(ops.paged_decode_attention(q, cache, tables, lens, 0.17, None, 7)[3], full[3])
 
 
 @needs_kernels

@@ -49,6 +49,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
         self.use_rope = config.uses_rope(layer_idx)
+        self.rope_table = config.rope_table_of(layer_idx)
+        self.window = config.sliding_window_of(layer_idx)
         # q/k RMSNorm before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
         self.qk_norm = config.qk_norm
         if self.qk_norm == "head":
@@ -89,50 +91,93 @@ class Attention(nn.Module):
             in_place = cache is not None
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                                    cache, meta.slot_mapping if in_place else None, scales)
-            o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place)
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place, window=self.window)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(t, self.num_heads, self.head_dim)
             k = k.reshape(t, self.num_kv_heads, self.head_dim)
             if self.use_rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
+            o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale,
+                                window=self.window)
         return self.o_proj(o.reshape(t, -1))
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.intermediate_size = i
         # gate and up in one GEMM (rows [0, i) and [i, 2i)).
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.act == "gelu_pytorch_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         ops = fused_ops(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.shape[1] % 64 == 0:
             # One pass, the same bits as the line below (torch's own SLEEF exp).
             return self.down_proj(ops.silu_mul(gate_up.contiguous()))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoeBlock(nn.Module):
+    """Mixture of experts: a router (``gate``) scores every expert per token; the top
+    ``num_experts_per_tok`` by softmax probability (renormalised to sum 1 when
+    ``norm_topk_prob``) weigh their experts' outputs. Tokens are grouped by expert: one
+    product per active expert over its tokens, the weighted outputs added in expert order
+    (transformers' order, so its float32 sums are matched)."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) per token."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            tokens, slot = torch.where(ids == e)
+            y = self.experts[e](x[tokens]) * weights[tokens, slot, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+        return out
 
 
 class DecoderLayer(nn.Module):
     """A transformer block. ``config.norm_placement``: "pre" (Llama: norm before attention
-    and before the MLP) or "post" (OLMo 2: norm of each block's output, before the add).
+    and before the MLP), "post" (OLMo 2: norm of each block's output, before the add) or
+    "sandwich" (Gemma: both).
     The residual stream is carried separately, so each "add, then norm" is one fused op:
     forward returns (this layer's output, the stream before it), their sum the stream."""
 
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = GatedMLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
         self.post_norm = config.norm_placement == "post"
+        self.sandwich = config.norm_placement == "sandwich"
         h, eps = config.hidden_size, config.rms_norm_eps
         if self.post_norm:
             self.post_attention_layernorm = RMSNorm(h, eps)
+            self.post_feedforward_layernorm = RMSNorm(h, eps)
+        elif self.sandwich:
+            self.input_layernorm = RMSNorm(h, eps)
+            self.post_attention_layernorm = RMSNorm(h, eps)
+            self.pre_feedforward_layernorm = RMSNorm(h, eps)
             self.post_feedforward_layernorm = RMSNorm(h, eps)
         else:
             self.input_layernorm = RMSNorm(h, eps)
@@ -150,6 +195,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
         h, residual = self.post_attention_layernorm(h, residual)
@@ -185,6 +233,11 @@ class CausalLM(nn.Module):
     gguf_qk_permuted: ClassVar[bool] = False
     # Whether tensor parallelism (pagoda.model.layers.parallel.ShardPlan) applies.
     tensor_parallel: ClassVar[bool] = True
+    # Whether LoRA adapters apply (their projections: q/k/v/o, gate/up/down of dense MLPs).
+    lora: ClassVar[bool] = True
+    # Modules (name suffixes) the quantized modes leave in float: MoE routers, whose
+    # choice of experts a rounding would change.
+    unquantized_modules: ClassVar[tuple[str, ...]] = ()
     layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
 
     def __init__(self, config: ModelArchConfig) -> None:
@@ -192,7 +245,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, self.layer_cls)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", self.rope_inv_freq(config), persistent=False)
+        self.init_rope(torch.device("cpu"))
 
     # ---- the family's declarations ---------------------------------------------------
 
@@ -206,24 +259,44 @@ class CausalLM(nn.Module):
         """The hyper-parameters of a GGUF file's metadata of this family."""
         return ModelArchConfig(**ModelArchConfig.gguf_fields(md, tensor_names, architecture))
 
-    @staticmethod
-    def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
-        return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    @classmethod
+    def hf_name(cls, name: str) -> str:
+        """A tensor name of an HF checkpoint as this model names it (Mixtral's
+        block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj)."""
+        return name
+
+    @classmethod
+    def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of an HF checkpoint as the model holds it (Gemma's norms: 1 + w)."""
+        return tensor
+
+    def init_rope(self, device: torch.device) -> None:
+        """The rotary tables' inverse frequencies (buffers: checkpoints do not hold them):
+        ``inv_freq`` for every layer, ``inv_freq_local`` for windowed layers with a base
+        of their own (Gemma 3)."""
+        c = self.config
+        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device),
+                             persistent=False)
+        if c.local_rope_theta is not None:
+            self.register_buffer("inv_freq_local", rope_inv_freq(c.head_dim, c.local_rope_theta, None).to(device),
+                                 persistent=False)
 
     def kv_specs(self) -> list[KVSpec]:
         """Per layer: the KV heads this process holds, their size, and the window."""
         return [KVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, self.config.sliding_window_of(i))
                 for i, layer in enumerate(self.model.layers)]
 
-    def shard_rows(self, stacked: str, shard: int) -> tuple[int, int]:
-        """Row range [start, end) of a shard inside a stacked projection (read from
-        the layers, which hold only a rank's heads under tensor parallelism)."""
-        layer = self.model.layers[0]
+    def shard_rows(self, module_path: str, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of a shard inside the stacked projection at
+        ``module_path`` (read from its parent module, which holds only a rank's heads
+        under tensor parallelism, and an expert's own intermediate size)."""
+        parent_path, _, stacked = module_path.rpartition(".")
+        parent = self.get_submodule(parent_path)
         if stacked == "qkv_proj":
-            q, kv = layer.self_attn.q_size, layer.self_attn.kv_size
+            q, kv = parent.q_size, parent.kv_size
             bounds = [0, q, q + kv, q + 2 * kv]
         elif stacked == "gate_up_proj":
-            i = layer.mlp.intermediate_size
+            i = parent.intermediate_size
             bounds = [0, i, 2 * i]
         else:
             raise KeyError(f"{stacked} is not a stacked projection of {type(self).__name__}")
@@ -246,15 +319,21 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        tables = {"global": rope_cos_sin(positions, self.inv_freq, x.dtype)}
+        if self.config.local_rope_theta is not None:
+            tables["local"] = rope_cos_sin(positions, self.inv_freq_local, x.dtype)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         residual = None
         for layer, kv_cache in zip(layers, kv_caches):
+            cos, sin = tables[layer.self_attn.rope_table]
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        if self.config.logits_divisor != 1.0:
-            logits = logits / self.config.logits_divisor
+        c = self.config
+        if c.logits_divisor != 1.0:
+            logits = logits / c.logits_divisor
+        if c.final_logit_softcapping:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits.float()

@@ -19,6 +19,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 # GGUF `general.architecture` -> HF architecture name.
@@ -31,6 +34,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",   # Mixtral files are "llama" files with experts
 }
 
 
