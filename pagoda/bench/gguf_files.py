@@ -67,6 +67,9 @@ class ModelShape:
     qkv_bias: bool = False
     head_dim: int | None = None   # None: hidden / heads
     qk_norm: bool = False         # Qwen3's q/k RMSNorms per head
+    experts: int = 0              # a mixture of experts in every layer: how many,
+    experts_used: int = 0         # how many per token,
+    expert_ffn: int = 0           # and each one's intermediate size
 
     @property
     def head_size(self) -> int:
@@ -84,6 +87,10 @@ SHAPES: dict[str, ModelShape] = {
     "qwen3-1.7b": ModelShape("qwen3", 2048, 28, 16, 8, 6144, True, 1000000.0, head_dim=128, qk_norm=True),
     "qwen3-4b": ModelShape("qwen3", 2560, 36, 32, 8, 9728, True, 1000000.0, head_dim=128, qk_norm=True),
     "qwen3-8b": ModelShape("qwen3", 4096, 36, 32, 8, 12288, False, 1000000.0, head_dim=128, qk_norm=True),
+    # Qwen3-30B-A3B's structure (128-wide heads, 4 KV heads, top-8 of many small experts)
+    # at a size this machine holds twice over: 1.6B parameters, 0.34B active per token.
+    "qwen3-moe-1.6b-a0.3b": ModelShape("qwen3moe", 1024, 16, 16, 4, 3072, True, 1000000.0, head_dim=128,
+                                       qk_norm=True, experts=64, experts_used=8, expert_ffn=512),
 }
 # File types: F16, or llama.cpp's mixes written directly as random blocks.
 FILE_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")
@@ -98,6 +105,8 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 def tensor_type(file_type: str, name: str, layer: int, layers: int, cols: int, tied: bool) -> GGMLQuantizationType:
     """The type a ``file_type`` file stores tensor ``name`` (llama.cpp's Q4_K_M recipe)."""
+    if name.endswith("ffn_gate_inp.weight"):
+        return _Q.F32   # MoE routers stay float32 in llama.cpp's files
     if file_type == "F16":
         return _Q.F16
     if file_type in ("Q8_0", "Q4_0"):
@@ -108,7 +117,7 @@ def tensor_type(file_type: str, name: str, layer: int, layers: int, cols: int, t
     t = _Q.Q4_K
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         t = _Q.Q6_K
-    elif name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(layer, layers):
+    elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _use_more_bits(layer, layers):
         t = _Q.Q6_K
     if cols % 256:
         t = _FALLBACK.get(t, t)
@@ -128,9 +137,14 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
                     (b + "attn_v.bias", (shape.kv_heads * hd,), i)]
         if shape.qk_norm:
             out += [(b + "attn_q_norm.weight", (hd,), i), (b + "attn_k_norm.weight", (hd,), i)]
-        out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + "ffn_norm.weight", (h,), i),
-                (b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
-                (b + "ffn_down.weight", (h, shape.ffn), i)]
+        out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + "ffn_norm.weight", (h,), i)]
+        if shape.experts:
+            e, f = shape.experts, shape.expert_ffn
+            out += [(b + "ffn_gate_inp.weight", (e, h), i), (b + "ffn_gate_exps.weight", (e, f, h), i),
+                    (b + "ffn_up_exps.weight", (e, f, h), i), (b + "ffn_down_exps.weight", (e, h, f), i)]
+        else:
+            out += [(b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
+                    (b + "ffn_down.weight", (h, shape.ffn), i)]
     out.append(("output_norm.weight", (h,), -1))
     if not shape.tied:
         out.append(("output.weight", (vocab, h), -1))
@@ -174,6 +188,10 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w.add_uint32(f"{a}.rope.dimension_count", shape.head_size)
     w.add_uint32(f"{a}.attention.key_length", shape.head_size)
     w.add_uint32(f"{a}.attention.value_length", shape.head_size)
+    if shape.experts:
+        w.add_uint32(f"{a}.expert_count", shape.experts)
+        w.add_uint32(f"{a}.expert_used_count", shape.experts_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", shape.expert_ffn)
     w.add_uint32("general.file_type", {"F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}[file_type])
     w.add_uint32("general.quantization_version", 2)
     for k, v in tok.items():
@@ -192,11 +210,12 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
             plan.append((name, np_shape, _Q.F32))
             w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * np_shape[0])
             continue
-        t = overrides.get(name) or tensor_type(file_type, name, layer, shape.layers, np_shape[1], shape.tied)
+        t = overrides.get(name) or tensor_type(file_type, name, layer, shape.layers, np_shape[-1], shape.tied)
         plan.append((name, np_shape, t))
         block, nbytes = GGML_QUANT_SIZES[t]
-        row_bytes = np_shape[1] // block * nbytes
-        w.add_tensor_info(name, (np_shape[0], row_bytes), np.dtype(np.uint8), np_shape[0] * row_bytes, raw_dtype=t)
+        row_bytes = np_shape[-1] // block * nbytes
+        byte_shape = (*np_shape[:-1], row_bytes)
+        w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -205,10 +224,11 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
             data = (np.ones(np_shape, np.float32) if name.endswith("norm.weight")
                     else rng.standard_normal(np_shape, dtype=np.float32) * np.float32(0.02))
         elif t in QUANTIZABLE or t in FP16_FIELDS:
-            data = random_blocks(t, np_shape[0], np_shape[1], rng, reference_quantizer=False)
+            rows = int(np.prod(np_shape[:-1]))
+            data = random_blocks(t, rows, np_shape[-1], rng, reference_quantizer=False).reshape(*np_shape[:-1], -1)
         else:
             block, nbytes = GGML_QUANT_SIZES[t]
-            data = np.zeros((np_shape[0], np_shape[1] // block * nbytes), np.uint8)
+            data = np.zeros((*np_shape[:-1], np_shape[-1] // block * nbytes), np.uint8)
         w.write_tensor_data(data)
     w.close()
     return path

@@ -125,3 +125,34 @@ def test_loader_memory_stays_near_the_file_size(tmp_path):
     before, after_load, after_run = map(int, out)
     assert after_load - before < 0.25 * size + (32 << 20)    # mapped, not read
     assert after_run - before < size + (64 << 20), (after_run - before, size)
+
+
+# Qwen3-MoE-like: 4 experts of 256 (2 per token) stacked per layer as llama.cpp writes them
+# ([experts, rows, columns] Q4_K / Q6_K tensors), a float32 router.
+MOE = ModelShape("qwen3moe", 256, 2, 4, 2, 512, True, 1000000.0, head_dim=64, qk_norm=True,
+                 experts=4, experts_used=2, expert_ffn=256)
+
+
+def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
+    from pagoda.model.layers.decoder import SparseMoeBlock
+
+    path = write_model(str(tmp_path / "moe.gguf"), MOE, "Q4_K_M", show_progress=False)
+    info = GGUFFile(path).tensors
+    assert info["blk.0.ffn_gate_exps.weight"].shape == (4, 256, 256) and info["blk.0.ffn_gate_inp.weight"].ggml_type == Q.F32
+    model = load_model(path, show_progress=False).model
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoeBlock) and len(moe.experts) == 4 and moe.top_k == 2
+    # Each expert's gate/up/down: row views into the file's stacked tensors, one after another.
+    gate = [e.gate_up_proj.parts[0] for e in moe.experts]
+    assert all(g.file_mapped and g.out_features == 256 for g in gate)
+    assert gate[1].data.data_ptr() - gate[0].data.data_ptr() == gate[0].nbytes
+    reference = _load_gguf(path, torch.float32, torch.device("cpu"), False)
+    for chunks in ([len(PROMPT)], [1] * len(PROMPT)):
+        got = pagoda_prompt_logits(model, PROMPT, chunks)
+        ref = pagoda_prompt_logits(reference.model, PROMPT, [len(PROMPT)])
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (got - ref).abs().max()
+    # The gguf mode: int8 activations for the experts, the router left in float32.
+    fast = load_model(path, show_progress=False, quantization="gguf").model
+    layer = fast.model.layers[0].mlp
+    assert not layer.gate.int8_activations and all(e.down_proj.int8_activations for e in layer.experts)
+    assert torch.isfinite(pagoda_prompt_logits(fast, PROMPT, [len(PROMPT)])).all()

@@ -149,10 +149,28 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        weights = weights.to(x.dtype)
+        if x.shape[0] == 1:
+            # One token (a single-stream decode): its experts in index order, no grouping.
+            out = torch.zeros_like(x)
+            chosen = sorted(zip(ids[0].tolist(), range(self.top_k)))
+            for e, slot in chosen:
+                out += self.experts[e](x) * weights[:, slot:slot + 1]
+            return out
+        # Group the (token, slot) pairs by expert once: a stable sort keeps each expert's
+        # tokens in order.
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens_all, slots_all = order // self.top_k, order % self.top_k
         out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tokens, slot = torch.where(ids == e)
-            y = self.experts[e](x[tokens]) * weights[tokens, slot, None].to(x.dtype)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens, slot = tokens_all[start:start + n], slots_all[start:start + n]
+            start += n
+            y = self.experts[e](x[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y)
         return out
 
