@@ -13,6 +13,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The block id a request's table shows for a block released outside its sliding window:
+# any valid id (the window's attention never reads it, nothing writes it).
+RELEASED_BLOCK_ID = 0
+
+
 class KVCacheManager:
     """Owns every request's block table.
 
@@ -20,13 +25,25 @@ class KVCacheManager:
     already cached (``get_computed_blocks``), room for the tokens a step will
     compute (``allocate_slots``, None when the pool is full) and to give a
     request's blocks back (``free``).
+
+    ``sliding_window`` (a model whose every layer attends to at most that many
+    positions): once a request's next position is past a block's last key any query
+    can see, the block goes back to the pool (keeping its prefix-cache hash) and the
+    table holds None there. E.g. window 4, blocks of 2, computing position 9: keys
+    from 6 on are needed, so blocks 0-2 (positions 0-5) are released.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # Leading blocks of each request released outside the window (None in its table).
+        self.num_released: dict[str, int] = {}
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request were offered to the prefix map.
@@ -117,7 +134,21 @@ class KVCacheManager:
             # tokens count: slots for speculative drafts beyond num_tokens are
             # unverified and never registered.
             self._cache_full_blocks(request, min(num_total, request.num_tokens))
+        if self.sliding_window is not None:
+            self._release_outside_window(request.request_id, num_computed)
         return new_blocks
+
+    def _release_outside_window(self, rid: str, first_query: int) -> None:
+        """Blocks wholly before the first key the step's first query sees (position
+        first_query - window + 1) go back to the pool; they are full, so already cached."""
+        blocks = self.req_to_blocks[rid]
+        start = self.num_released.get(rid, 0)
+        end = min(max(0, first_query - self.sliding_window + 1) // self.block_size, len(blocks))
+        if end <= start:
+            return
+        self.pool.free_blocks(reversed(blocks[start:end]))
+        blocks[start:end] = [None] * (end - start)
+        self.num_released[rid] = end
 
     def trim(self, request: Request) -> int:
         """Free the blocks past the request's computed tokens (slots of rejected
@@ -151,11 +182,12 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed([b for b in blocks if b is not None]))
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_released.pop(request.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        return [RELEASED_BLOCK_ID if b is None else b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -163,7 +195,10 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         ref_counts: dict[int, int] = {}
         for rid, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
+            released = self.num_released.get(rid, 0)
+            if any(b is None for b in blocks[released:]) or any(b is not None for b in blocks[:released]):
+                raise AssertionError(f"request {rid}: released blocks are not its first {released}")
+            ids = [b.block_id for b in blocks[released:]]
             if len(ids) != len(set(ids)):
                 raise AssertionError(f"request {rid} holds a block twice")
             for block_id in ids:
@@ -172,3 +207,5 @@ class KVCacheManager:
         for rid, n in self.num_cached_blocks.items():
             if n > len(self.req_to_blocks.get(rid, [])):
                 raise AssertionError(f"request {rid} cached more blocks than it holds")
+        if set(self.num_released) - set(self.req_to_blocks):
+            raise AssertionError("released-block counts of requests without blocks")

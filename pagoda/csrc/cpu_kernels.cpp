@@ -1014,6 +1014,15 @@ void silu_mul_rows256(const float* gu, float* out, int64_t M, int64_t I) {
 
 }  // namespace
 
+// SiLU(gate) x up for M rows of [gate | up] (width 2I, I a multiple of 32), the bits of
+// silu_mul (used by the MoE kernel in gguf_blocks.cpp).
+void pagoda_silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I) {
+  if (use_avx512())
+    silu_mul_rows512(gu, out, M, I);
+  else
+    silu_mul_rows256(gu, out, M, I);
+}
+
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous(),
               "gate_up must be a contiguous 2-D float32 tensor");
@@ -1253,6 +1262,9 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
                           c10::optional<torch::Tensor> bias);
 torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                                c10::optional<torch::Tensor> bias);
+torch::Tensor gguf_moe_int8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                            std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
+                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
@@ -1277,6 +1289,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_int8", &gguf_linear_int8, "x @ W^T (+ bias) with x quantized to int8 per 32 and W's GGUF blocks "
         "as integers (llama.cpp's arithmetic)",
         py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
+  m.def("gguf_moe_int8", &gguf_moe_int8, "a mixture-of-experts layer in the gguf mode: tokens grouped by expert, "
+        "each expert's gate/up, SiLU x up and down as gguf_linear_int8 computes them, weighted sums in expert order",
+        py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("gate_up_types"),
+        py::arg("down"), py::arg("down_types"));
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("kv_scales") = py::none(), py::arg("window") = 0);

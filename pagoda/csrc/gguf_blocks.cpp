@@ -39,6 +39,9 @@
 
 #include "f32_tiles.h"
 
+// SiLU(gate) x up over rows of [gate | up] (cpu_kernels.cpp: silu_mul's own bits).
+void pagoda_silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I);
+
 namespace {
 
 using pagoda::f32_all_rows;
@@ -985,6 +988,34 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
   return y;
 }
 
+namespace {
+
+// One tile of gguf_linear_int8: channels [tile.n0, tile.n1) of part w for rows [m0, m1).
+void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m1, int64_t K, const Part& w,
+               const Tile& tile, const float* bp, float* yp, int64_t N, DecodedRows& dr) {
+  if (has_k_kernel(w.type)) {  // one stream of rows, which the hardware prefetchers follow
+    k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
+    return;
+  }
+  prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
+  with_block_type(w.type, [&](auto tt) {
+    constexpr int T = decltype(tt)::value;
+    const int nc = static_cast<int>(tile.n1 - tile.n0);
+    decode_rows<T>(w, tile.n0, nc, K, dr);
+    auto dot = [&](auto mr, auto ncc) {
+      return [&, mr, ncc](int64_t r, int c) {
+        int8_dot<T, decltype(mr)::value, decltype(ncc)::value>(xq, K, r, dr, c, w, tile.n0, bp, yp, N);
+      };
+    };
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
+    using I4 = std::integral_constant<int, 4>;
+    for_row_channel_blocks(m0, m1, nc, dot(I1{}, I4{}), dot(I1{}, I1{}), dot(I2{}, I2{}), dot(I2{}, I1{}));
+  });
+}
+
+}  // namespace
+
 torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                                c10::optional<torch::Tensor> bias) {
   const LinearCall call = check_linear(x_in, weights, types, bias, 32);
@@ -1007,30 +1038,110 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
     const int64_t m1 = std::min(M, m0 + kRowChunk);
     at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
       DecodedRows dr;
-      for (int64_t t = t0; t < t1; ++t) {
-        const Tile& tile = tiles[t];
-        const Part& w = parts[tile.part];
-        if (has_k_kernel(w.type)) {  // one stream of rows, which the hardware prefetchers follow
-          k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
-          continue;
-        }
-        prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
-        with_block_type(w.type, [&](auto tt) {
-          constexpr int T = decltype(tt)::value;
-          const int nc = static_cast<int>(tile.n1 - tile.n0);
-          decode_rows<T>(w, tile.n0, nc, K, dr);
-          auto dot = [&](auto mr, auto ncc) {
-            return [&, mr, ncc](int64_t r, int c) {
-              int8_dot<T, decltype(mr)::value, decltype(ncc)::value>(xq, K, r, dr, c, w, tile.n0, bp, yp, N);
-            };
-          };
-          using I1 = std::integral_constant<int, 1>;
-          using I2 = std::integral_constant<int, 2>;
-          using I4 = std::integral_constant<int, 4>;
-          for_row_channel_blocks(m0, m1, nc, dot(I1{}, I4{}), dot(I1{}, I1{}), dot(I2{}, I2{}), dot(I2{}, I1{}));
-        });
-      }
+      for (int64_t t = t0; t < t1; ++t)
+        int8_tile(xq, xk, m0, m1, K, parts[tiles[t].part], tiles[t], bp, yp, N, dr);
     });
   }
   return y;
+}
+
+// ---- mixture of experts, gguf mode: every active expert in one call -----------------
+// Tokens are grouped by expert; each expert's rows are quantized and multiplied as
+// gguf_linear_int8 multiplies them (gate/up, then SiLU(gate) x up, then down), the work
+// units of all experts sharing one parallel region per projection. Each token's output
+// is the sum over its experts in expert order of weight x expert output, rounded as
+// transformers (and pagoda's per-expert path) round it.
+
+torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
+                            std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
+                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  const torch::Tensor x = x_in.contiguous();
+  const torch::Tensor ids = ids_in.to(torch::kInt64).contiguous();
+  const torch::Tensor wts = weights_in.to(torch::kFloat32).contiguous();
+  const int64_t T = x.size(0), H = x.size(1), E = static_cast<int64_t>(down.size());
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && wts.sizes() == ids.sizes(), "ids and weights must be [T, k]");
+  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == 2 * E && gate_up_types.size() == gate_up.size() &&
+              static_cast<int64_t>(down_types.size()) == E, "two gate/up parts and one down part per expert");
+  TORCH_CHECK(H % 256 == 0 || H % 32 == 0, "hidden size must be a multiple of 32");
+  const int64_t k = ids.size(1), I = gate_up[0].size(0);
+  TORCH_CHECK(I % 32 == 0, "the experts' intermediate size must be a multiple of 32");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* wp = wts.data_ptr<float>();
+  // Each expert's (token, slot) pairs, tokens in order.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ip[t * k + j];
+      TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
+      rows[e].push_back({t, j});
+    }
+  struct Active {
+    int64_t e, n;
+    std::vector<Part> gu, dn;
+    std::vector<float> xe, ge, he, ye;
+    QuantizedX xq, xk, hq, hk;
+  };
+  std::vector<Active> act;
+  const float* xp = x.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    if (rows[e].empty()) continue;
+    Active a;
+    a.e = e;
+    a.n = static_cast<int64_t>(rows[e].size());
+    a.gu = check_parts({gate_up[2 * e], gate_up[2 * e + 1]}, {gate_up_types[2 * e], gate_up_types[2 * e + 1]}, H);
+    a.dn = check_parts({down[e]}, {down_types[e]}, I);
+    TORCH_CHECK(a.gu[0].rows == I && a.gu[1].rows == I && a.dn[0].rows == H, "expert ", e, " has the wrong shape");
+    for (const Part& p : a.gu) TORCH_CHECK(!is_float_type(p.type), "the int8 product needs quantized blocks");
+    TORCH_CHECK(!is_float_type(a.dn[0].type), "the int8 product needs quantized blocks");
+    a.xe.resize(a.n * H);
+    for (int64_t r = 0; r < a.n; ++r) std::memcpy(&a.xe[r * H], xp + rows[e][r].first * H, H * sizeof(float));
+    act.push_back(std::move(a));
+  }
+  // Runs every (expert, tile) unit of one projection in one parallel region.
+  auto project = [&](bool first) {
+    std::vector<std::pair<int64_t, Tile>> units;
+    for (int64_t a = 0; a < static_cast<int64_t>(act.size()); ++a) {
+      Active& s = act[a];
+      const std::vector<Part>& parts = first ? s.gu : s.dn;
+      const int64_t K = first ? H : I;
+      const float* in = first ? s.xe.data() : s.he.data();
+      bool kp = false, other = false;
+      for (const Part& p : parts) (has_k_kernel(p.type) ? kp : other) = true;
+      QuantizedX& q = first ? s.xq : s.hq;
+      QuantizedX& qk = first ? s.xk : s.hk;
+      if (other) q = quantize_x(in, s.n, K);
+      if (kp) qk = quantize_x(in, s.n, K, 256);
+      (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
+      for (const Tile& t : tiles_of(parts, kChannels)) units.push_back({a, t});
+    }
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
+      DecodedRows dr;
+      for (int64_t u = u0; u < u1; ++u) {
+        Active& s = act[units[u].first];
+        const Tile& t = units[u].second;
+        if (first)
+          int8_tile(s.xq, s.xk, 0, s.n, H, s.gu[t.part], t, nullptr, s.ge.data(), 2 * I, dr);
+        else
+          int8_tile(s.hq, s.hk, 0, s.n, I, s.dn[t.part], t, nullptr, s.ye.data(), H, dr);
+      }
+    });
+  };
+  project(true);
+  for (Active& s : act) {
+    s.he.resize(s.n * I);
+    pagoda_silu_mul_rows(s.ge.data(), s.he.data(), s.n, I);
+  }
+  project(false);
+  auto out = torch::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>();
+  for (const Active& s : act)  // experts in order: each token's sum in transformers' order
+    for (int64_t r = 0; r < s.n; ++r) {
+      const auto [t, j] = rows[s.e][r];
+      const float w = wp[t * k + j];
+      const float* y = &s.ye[r * H];
+      float* o = op + t * H;
+      for (int64_t h = 0; h < H; ++h) o[h] += y[h] * w;
+    }
+  return out;
 }

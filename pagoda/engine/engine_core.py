@@ -144,7 +144,11 @@ class EngineCore:
         if config.preemption_mode != "recompute" and num_host_blocks < 1:
             raise ValueError(f"--swap-space {config.swap_space} bytes holds no KV block ({per_block} bytes each)")
         self.num_host_blocks = num_host_blocks
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # A model whose every layer is windowed gives back the blocks that slide out of
+        # the window (the largest, when layers differ); mixed models keep them all.
+        windows = {arch.sliding_window_of(i) for i in range(arch.num_hidden_layers)}
+        window = None if None in windows else max(windows)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,

@@ -69,18 +69,23 @@ class AttentionMetadata:
     # For the in-place decode kernel (None when the gather path is used):
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int32
     decode_seq_lens: torch.Tensor | None = None      # [D] int32, context + 1
-    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode_windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
-        """The gather path's decode mask, narrowed to a window."""
+    def decode_view(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gather path's decode (slots, mask), narrowed to a window: positions before
+        it re-read the last position (a written slot, as padding does: their blocks may
+        have been released and reused) and are masked out."""
         if window is None or self.decode_mask is None:
-            return self.decode_mask
-        if window not in self.decode_window_masks:
-            length = self.decode_mask.shape[-1]
+            return self.decode_gather_slots, self.decode_mask
+        if window not in self.decode_windows:
+            slots = self.decode_gather_slots
             seq = self.decode_mask[:, 0, 0, :].sum(-1, keepdim=True)
-            p = torch.arange(length, device=self.decode_mask.device)[None, :]
-            self.decode_window_masks[window] = (self.decode_mask & (p >= seq - window)[:, None, None, :])
-        return self.decode_window_masks[window]
+            p = torch.arange(slots.shape[1], device=slots.device)[None, :]
+            inside = p >= seq - window
+            last = slots.gather(1, seq - 1)
+            self.decode_windows[window] = (torch.where(inside, slots, last),
+                                           self.decode_mask & inside[:, None, None, :])
+        return self.decode_windows[window]
 
     @classmethod
     def build(
@@ -205,10 +210,11 @@ def paged_attention(
         out[:nd] = decode_kernel(q[:nd])
     elif nd:
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
-        ks = read(0, meta.decode_gather_slots).transpose(1, 2)
-        vs = read(1, meta.decode_gather_slots).transpose(1, 2)
+        slots, mask = meta.decode_view(window)
+        ks = read(0, slots).transpose(1, 2)
+        vs = read(1, slots).transpose(1, 2)
         qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask_for(window), scale=scale)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
     for chunk in meta.prefills:
         start, end = chunk.token_start, chunk.token_start + chunk.query_len

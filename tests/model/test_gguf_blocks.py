@@ -155,4 +155,14 @@ def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
     fast = load_model(path, show_progress=False, quantization="gguf").model
     layer = fast.model.layers[0].mlp
     assert not layer.gate.int8_activations and all(e.down_proj.int8_activations for e in layer.experts)
-    assert torch.isfinite(pagoda_prompt_logits(fast, PROMPT, [len(PROMPT)])).all()
+    # One kernel call per layer (gguf_moe_int8), the per-expert path's very numbers, at
+    # every step size (one token, a prompt).
+    assert layer._fused_args()
+    for chunks in ([len(PROMPT)], [1] * len(PROMPT)):
+        fused = pagoda_prompt_logits(fast, PROMPT, chunks)
+        for block in (lyr.mlp for lyr in fast.model.layers):
+            block._fused = False
+        per_expert = pagoda_prompt_logits(fast, PROMPT, chunks)
+        for block in (lyr.mlp for lyr in fast.model.layers):
+            block._fused = None
+        assert torch.isfinite(fused).all() and torch.equal(fused, per_expert)

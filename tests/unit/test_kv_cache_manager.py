@@ -513,3 +513,49 @@ class KVStateMachine(RuleBasedStateMachine):
 
 KVStateMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVStateMachine = KVStateMachine.TestCase
+
+
+def test_sliding_window_releases_blocks_behind_the_window() -> None:
+    """Window 20, blocks of 16: computing position p needs keys from p - 19 on, so block
+    b goes back once p - 19 >= 16 (b + 1). Released blocks keep their hash (another
+    request's prefix hit revives them), the table shows them as None, and freeing the
+    request returns the rest."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS, sliding_window=20)
+    req = make_req("a", list(range(40)))
+    admit(kv, req, 40)                      # positions 0-39: the first query is 0, nothing released
+    assert kv.num_free_blocks == 10 - 3 and kv.req_to_blocks["a"][0] is not None
+    first_block = kv.req_to_blocks["a"][0]
+    for token in range(100, 131):           # decode positions 40-70
+        decode(kv, req, token)
+        kv.check_integrity()
+        first_needed = req.num_computed_tokens - 1 - 20 + 1
+        blocks = kv.req_to_blocks["a"]
+        assert all(b is None for b in blocks[: first_needed // BS])
+        assert all(b is not None for b in blocks[first_needed // BS:])
+    # Position 70 needs keys from 51: blocks 0-2 (positions 0-47) released, 3-4 held.
+    assert [b is None for b in kv.req_to_blocks["a"]] == [True, True, True, False, False]
+    assert kv.num_free_blocks == 10 - 2
+    assert kv.get_block_ids("a")[:3] == [0, 0, 0]
+    # A new request with the same first 16 tokens revives the released first block.
+    other = make_req("b", list(range(20)))
+    hits, num_hit, _ = admit(kv, other)
+    assert hits == [first_block.block_id] and num_hit == BS
+    kv.check_integrity()
+    kv.free(req)
+    kv.free(other)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 10 and not kv.num_released
+
+
+def test_sliding_window_prompt_chunks_release_as_they_advance() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=BS, sliding_window=16)
+    req = make_req("a", list(range(100)))
+    for _ in range(4):                      # chunks of 25 tokens
+        assert kv.allocate_slots(req, 25) is not None
+        first = req.num_computed_tokens       # this chunk's first query
+        req.num_computed_tokens += 25
+        assert kv.num_released.get("a", 0) == max(0, first - 16 + 1) // BS
+        kv.check_integrity()
+    assert sum(b is not None for b in kv.req_to_blocks["a"]) <= cdiv(16 + 25, BS) + 1
+    kv.free(req)
+    assert kv.num_free_blocks == 8

@@ -24,6 +24,7 @@ from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
 from pagoda.model.layers.norm import RMSNorm, fused_ops
 from pagoda.model.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from pagoda.ops import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,24 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self._fused: tuple | bool | None = None   # the gguf mode's one-call arguments, found on first use
+
+    def _fused_args(self) -> tuple | bool:
+        """(gate/up parts, their types, down parts, their types) when every expert multiplies
+        GGUF blocks with int8 activations (the gguf mode): then one kernel call runs the
+        layer (``gguf_moe_int8``: the same numbers as the per-expert path). False otherwise."""
+        if self._fused is None:
+            from pagoda.model.layers.blocks import BlocksLinear
+
+            layers = [(e.gate_up_proj, e.down_proj) for e in self.experts]
+            ok = (cpu_kernels.kernels() is not None and self.experts[0].act == "silu" and all(
+                isinstance(m, BlocksLinear) and m.int8_activations and m.bias is None for pair in layers for m in pair)
+                and all(len(g.parts) == 2 and len(d.parts) == 1 for g, d in layers))
+            self._fused = (
+                [p.data for g, _ in layers for p in g.parts], [int(p.ggml_type) for g, _ in layers for p in g.parts],
+                [d.parts[0].data for _, d in layers], [int(d.parts[0].ggml_type) for _, d in layers],
+            ) if ok else False
+        return self._fused
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) per token."""
@@ -150,6 +169,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         weights = weights.to(x.dtype)
+        fused = self._fused_args() if x.dtype == torch.float32 and x.device.type == "cpu" else False
+        if fused:
+            return cpu_kernels.kernels().gguf_moe_int8(x, ids, weights, *fused)
         if x.shape[0] == 1:
             # One token (a single-stream decode): its experts in index order, no grouping.
             out = torch.zeros_like(x)
