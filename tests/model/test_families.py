@@ -122,7 +122,11 @@ def test_family_under_preemption(family):
     produce transformers' tokens."""
     name, hf, hf_dir, _ = family
     prompts = _prompts()
-    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=8, block_size=16)
+    # A windowed model gives back the blocks behind its window: a smaller pool and
+    # chunked prompts still run out.
+    windowed = name == "mistral"
+    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=7 if windowed else 8,
+              block_size=16, max_num_batched_tokens=32 if windowed else 512)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -177,3 +181,36 @@ def test_quantized_modes_apply_to_every_family(family, mode):
     if mode == "bf16":
         assert ((got - want).abs().max() / want.abs().max()).item() < 0.1
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
+
+
+def test_windowed_model_releases_blocks_behind_the_window(tmp_path):
+    """Every layer windowed (16 positions, blocks of 16): a request holds only the blocks
+    its window and current chunk need, the rest go back to the pool as it advances,
+    and its tokens are still transformers'."""
+    from pagoda.engine.protocol import EngineCoreRequest
+
+    config, _ = _configs()["mistral"]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32)
+    core = llm.engine
+    assert core.kv_manager.sliding_window == 16
+    prompt = _prompts()[3]                              # 70 tokens: chunks of 32, 32, 6
+    core.add_request(EngineCoreRequest(request_id="w", prompt_token_ids=prompt,
+                                       sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    tokens, most_held, released = [], 0, 0
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens += out.new_token_ids
+        blocks = core.kv_manager.req_to_blocks.get("w", [])
+        most_held = max(most_held, sum(b is not None for b in blocks))
+        released = max(released, core.kv_manager.num_released.get("w", 0))
+        core.check_integrity()
+    # A window of 16 plus a 32-token chunk spans at most 4 blocks of 16 (6 without release).
+    assert most_held <= 4 and released >= 5
+    want, want_logits = hf_greedy(hf, prompt, 40)
+    result = compare_greedy(tokens, want, lambda pos: top2_gap(want_logits[pos]), "mistral window")
+    assert result.equal, result.excused
+    assert core.kv_manager.num_free_blocks == core.num_blocks
