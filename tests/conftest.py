@@ -74,29 +74,27 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory, "tiny-qwen2", config)
 
 
+def _tiny_family(tmp_path_factory, name: str, config_class: str, **fields) -> str:
+    """A tiny float32 checkpoint of a family: 4 heads of 32, 2 KV heads, vocabulary 512."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=32, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=True,
+        **fields)
+    return _save_tiny(tmp_path_factory, name, config)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> str:
     """Qwen3: q/k RMSNorms per head, a head size (32) not hidden / heads (16)."""
-    from transformers import Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rope_theta=1000000.0, tie_word_embeddings=True, initializer_range=0.3,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    return _save_tiny(tmp_path_factory, "tiny-qwen3", config)
+    return _tiny_family(tmp_path_factory, "tiny-qwen3", "Qwen3Config", num_hidden_layers=2, rope_theta=1e6,
+                        architectures=["Qwen3ForCausalLM"])
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory) -> str:
     """Gemma 3: windowed (16) and global layers, sandwich norms, q/k norms per head."""
-    from transformers import Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=32,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=16,
-        query_pre_attn_scalar=32, tie_word_embeddings=True, initializer_range=0.3, pad_token_id=0,
-        architectures=["Gemma3ForCausalLM"],
-    )
-    return _save_tiny(tmp_path_factory, "tiny-gemma3", config)
+    return _tiny_family(tmp_path_factory, "tiny-gemma3", "Gemma3TextConfig", num_hidden_layers=6,
+                        sliding_window=16, query_pre_attn_scalar=32, pad_token_id=0,
+                        architectures=["Gemma3ForCausalLM"])

@@ -14,7 +14,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.models import ARCHITECTURES, GGUF_ARCHITECTURES, model_class
 from pagoda.ops import cpu_kernels
-from tests.model.helpers import compare_greedy, hf_greedy, logprob_gap, top2_gap
+from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, top2_gap
 from tests.model.hf_to_gguf import write_gguf
 from tests.model.test_reference import pagoda_prompt_logits
 
@@ -105,14 +105,7 @@ def test_family_matches_transformers(family, source):
     # The same prompts twice: the second pass hits the prefix cache.
     for _ in range(2):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for i, (ids, out) in enumerate(zip(prompts, outputs)):
-            want_tokens, want_logits = hf_greedy(hf, ids, 24)
-            result = compare_greedy(
-                out.outputs[0].token_ids, want_tokens,
-                lambda pos: min(top2_gap(want_logits[pos]), logprob_gap(out.outputs[0], pos)),
-                f"{name} {source} prompt {i}",
-            )
-            assert result.equal, result.excused
+        assert_greedy_matches_hf(hf, prompts, outputs, 24, f"{name} {source}")
     llm.engine.check_integrity()
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 

@@ -10,7 +10,7 @@ import torch
 from pagoda import SamplingParams
 from pagoda.model.attention import AttentionMetadata
 from pagoda.ops import cpu_kernels
-from tests.model.helpers import compare_greedy, hf_greedy, logprob_gap, top2_gap
+from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, logprob_gap, top2_gap
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -116,13 +116,6 @@ def test_tiny_random_models_match_transformers(fixture, request):
         assert (got_logits - want_logits).abs().max().item() < 1e-3
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for i, (ids, out) in enumerate(zip(prompts, outputs)):
-        want, want_logits = hf_greedy(hf, ids, 32)
-        result = compare_greedy(
-            out.outputs[0].token_ids, want,
-            lambda pos: min(top2_gap(want_logits[pos]), logprob_gap(out.outputs[0], pos)),
-            f"{fixture} prompt {i}",
-        )
-        assert result.equal, result.excused
+    assert_greedy_matches_hf(hf, prompts, outputs, 32, fixture)
     llm.engine.check_integrity()
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
