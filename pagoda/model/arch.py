@@ -48,6 +48,7 @@ class ModelArchConfig:
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None    # RoPE base of the windowed layers (Gemma 3), unscaled
     final_logit_softcapping: float | None = None
+    rotary_dim: int | None = None            # partial rotary: the first rotary_dim of each head (None: all)
     # Mixture of experts: num_experts > 0 replaces the MLP of the layers moe_layers marks
     # (None: every layer) by a router over experts of moe_intermediate_size.
     num_experts: int = 0
@@ -89,6 +90,15 @@ class ModelArchConfig:
                 raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a sliding_window")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise UnsupportedModelError(f"rotary_dim {self.rotary_dim} for heads of {self.head_dim}")
+        if kind == "longrope":
+            half = (self.rotary_dim or self.head_dim) // 2
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling.get(key) or ()) != half:
+                    raise UnsupportedModelError(f"LongRoPE {key} must have {half} entries")
+            if not self.rope_scaling.get("original_max_position_embeddings"):
+                raise UnsupportedModelError("LongRoPE needs original_max_position_embeddings")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:

@@ -40,6 +40,12 @@ def _configs():
         "olmo2": (t.Olmo2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "olmo2"),
         # q/k/v and gate/up stacked in the checkpoint itself.
         "phi3": (t.Phi3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "phi3"),
+        # Phi-4-mini's rotary: 12 of 16 dimensions, LongRoPE factors (the sequences here
+        # stay within the original 128 positions: the short factors, x attention factor).
+        "phi4mini": (t.Phi3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True, partial_rotary_factor=0.75,
+                                  original_max_position_embeddings=128,
+                                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}), None),
         # Five windowed layers (window 16, RoPE base 10^4) to one global (10^6); the
         # prompts run past the window. llama.cpp's files keep no query_pre_attn_scalar:
         # it is the head size here, as in every Gemma 3 but the 27B.
@@ -64,7 +70,7 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "smollm3", "granite", "olmo2", "phi3", "gemma3", "mistral", "mixtral", "qwen3moe",
+@pytest.fixture(scope="module", params=["qwen3", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma3", "mistral", "mixtral", "qwen3moe",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
     config, gguf_arch = _configs()[request.param]
@@ -207,3 +213,44 @@ def test_windowed_model_releases_blocks_behind_the_window(tmp_path):
     result = compare_greedy(tokens, want, lambda pos: top2_gap(want_logits[pos]), "mistral window")
     assert result.equal, result.excused
     assert core.kv_manager.num_free_blocks == core.num_blocks
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (language_model.* beside a
+    vision tower, a text_config that leaves out its defaults): pagoda serves the language
+    model, as transformers computes it for text."""
+    tc = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=32,
+              num_attention_heads=4, num_key_value_heads=2, sliding_window=16, query_pre_attn_scalar=32,
+              initializer_range=0.3)
+    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
+    config = transformers.Gemma3Config(text_config=tc, vision_config=vc, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=32, block_size=16)
+    model = llm.engine.runner.model
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration" and model.config.num_hidden_layers == 6
+    assert not any("vision" in n for n, _ in model.named_parameters())
+    for ids in _prompts()[1:]:
+        with torch.inference_mode():
+            want = hf(input_ids=torch.tensor([ids])).logits[0].float()
+        got = pagoda_prompt_logits(model, ids, [len(ids)])
+        assert (got - want).abs().max().item() < 1e-3
+
+
+def test_longrope_takes_the_long_factors_past_the_original_context():
+    """Positions from original_max_position_embeddings on rotate with the long factors
+    (and the same attention factor); below it, with the short ones."""
+    config, _ = _configs()["phi4mini"]
+    arch = ModelArchConfig.from_hf_config(config.to_dict() | {"architectures": ["Phi3ForCausalLM"]})
+    assert arch.rotary_dim == 12 and arch.rope_scaling["original_max_position_embeddings"] == 128
+    model = model_class("Phi3ForCausalLM")(arch)
+    cos, sin = model._rope_tables(torch.tensor([5, 127, 128, 500]), torch.float32)
+    attention = (1 + torch.log(torch.tensor(1024 / 128.0)) / torch.log(torch.tensor(128.0))).sqrt()
+    base = 1.0 / (10000.0 ** (torch.arange(0, 12, 2, dtype=torch.float64) / 12))
+    for row, pos, factors in ((0, 5, "short_factor"), (1, 127, "short_factor"), (2, 128, "long_factor"),
+                              (3, 500, "long_factor")):
+        freqs = (pos * (base / torch.tensor(arch.rope_scaling[factors], dtype=torch.float64))).float()
+        want = torch.cat((freqs, freqs)).cos() * attention
+        torch.testing.assert_close(cos[row, 0], want, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,7 @@ from torch import nn
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
 from pagoda.model.layers.norm import RMSNorm, fused_ops
-from pagoda.model.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from pagoda.model.layers.rotary import apply_rope, longrope_tables, rope_cos_sin, rope_inv_freq, rope_kind
 from pagoda.ops import cpu_kernels
 
 
@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
         self.use_rope = config.uses_rope(layer_idx)
+        self.rotary_dim = config.rotary_dim or self.head_dim
         self.rope_table = config.rope_table_of(layer_idx)
         self.window = config.sliding_window_of(layer_idx)
         # q/k RMSNorm before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         if self.qk_norm is not None:
             qkv = self._norm_qk(qkv)
         ops = fused_ops(qkv)
-        if ops is not None:
+        if ops is not None and self.rotary_dim == self.head_dim:   # (partial rotary: the torch path)
             if not self.use_rope:  # the identity rotation, exactly: q * 1 + rotated * 0
                 cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
             # One op: rotary q and k, and (a cache the kernels write) k and v into their slots.
@@ -300,9 +301,10 @@ class CausalLM(nn.Module):
         return ModelArchConfig(**ModelArchConfig.gguf_fields(md, tensor_names, architecture))
 
     @classmethod
-    def hf_name(cls, name: str) -> str:
+    def hf_name(cls, name: str) -> str | None:
         """A tensor name of an HF checkpoint as this model names it (Mixtral's
-        block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj)."""
+        block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj), or None for a tensor
+        the model does not use (a multimodal checkpoint's vision tower)."""
         return name
 
     @classmethod
@@ -313,12 +315,18 @@ class CausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         """The rotary tables' inverse frequencies (buffers: checkpoints do not hold them):
         ``inv_freq`` for every layer, ``inv_freq_local`` for windowed layers with a base
-        of their own (Gemma 3)."""
+        of their own (Gemma 3), ``inv_freq_long`` past LongRoPE's original context."""
         c = self.config
-        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device),
+        dim = c.rotary_dim or c.head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(dim, c.rope_theta, c.rope_scaling).to(device),
                              persistent=False)
+        self.longrope = None
+        if rope_kind(c.rope_scaling) == "longrope":
+            long, original, attention = longrope_tables(dim, c.rope_theta, c.rope_scaling)
+            self.register_buffer("inv_freq_long", long.to(device), persistent=False)
+            self.longrope = (original, attention)
         if c.local_rope_theta is not None:
-            self.register_buffer("inv_freq_local", rope_inv_freq(c.head_dim, c.local_rope_theta, None).to(device),
+            self.register_buffer("inv_freq_local", rope_inv_freq(dim, c.local_rope_theta, None).to(device),
                                  persistent=False)
 
     def kv_specs(self) -> list[KVSpec]:
@@ -359,7 +367,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
-        tables = {"global": rope_cos_sin(positions, self.inv_freq, x.dtype)}
+        tables = {"global": self._rope_tables(positions, x.dtype)}
         if self.config.local_rope_theta is not None:
             tables["local"] = rope_cos_sin(positions, self.inv_freq_local, x.dtype)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
@@ -368,6 +376,15 @@ class CausalLM(nn.Module):
             cos, sin = tables[layer.self_attn.rope_table]
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.model.norm(x, residual)[0]
+
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.longrope is None:
+            return rope_cos_sin(positions, self.inv_freq, dtype)
+        original, attention = self.longrope
+        short, long = rope_cos_sin(positions, self.inv_freq, torch.float32), rope_cos_sin(positions, self.inv_freq_long,
+                                                                                           torch.float32)
+        past = (positions >= original)[:, None, None]
+        return tuple((torch.where(past, lt, st) * attention).to(dtype) for st, lt in zip(short, long))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope")
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -34,9 +34,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
         inv_freq = scaled
+    elif kind == "longrope":
+        # The short factors: positions below the original context (longrope_tables).
+        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64, device="cpu")
     elif kind != "default":
         raise ValueError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
     return inv_freq.float()
+
+
+def longrope_tables(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, int, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): (the long factors' inverse frequencies, the original
+    context length from which they apply, the factor on cos and sin). Below the original
+    context the short factors apply (``rope_inv_freq``): transformers' numbers for every
+    sequence that fits it; past it each position takes the long factors (transformers
+    switches a whole sequence once it is longer, its earlier keys cached as they were)."""
+    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    long = (base / torch.tensor(scaling["long_factor"], dtype=torch.float64, device="cpu")).float()
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return long, original, float(attention)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +66,11 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x [T, heads, D]; cos/sin [T, 1, D]."""
+    """Rotate-half RoPE (HF layout). x [T, heads, D]; cos/sin [T, 1, R]: the first R <= D
+    dimensions rotate (partial rotary), the rest pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -13,6 +13,16 @@ import torch
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.layers.decoder import CausalLM
 
+# transformers' Gemma3TextConfig defaults: a checkpoint's config.json leaves out the fields
+# that keep them (the multimodal checkpoints' text_config most of all).
+TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_local_base_freq": 10000.0,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True,
+}
+
 # llama.cpp's constants for Gemma 3 files (their metadata carries neither).
 GGUF_WINDOW_PATTERN = 6          # every sixth layer global
 GGUF_LOCAL_ROPE_THETA = 10000.0
@@ -33,6 +43,7 @@ class Gemma3ForCausalLM(CausalLM):
             raise UnsupportedModelError("attention logit soft-capping is not supported")
         if config.get("use_bidirectional_attention"):
             raise UnsupportedModelError("bidirectional attention is not supported")
+        config = {**TEXT_DEFAULTS, **config}
         fields = ModelArchConfig.hf_fields(config, architecture)
         if config.get("layer_types") is None and fields["sliding_window"]:
             fields["layer_types"] = _pattern_layers(fields["num_hidden_layers"], config.get("sliding_window_pattern", 6))
@@ -62,3 +73,27 @@ class Gemma3ForCausalLM(CausalLM):
             embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
             final_logit_softcapping=md.get("gemma3.final_logit_softcapping") or None,
         )
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 4B / 12B / 27B as published (with a vision tower): the language model is
+    served, text in and text out; the vision tower's and projector's tensors are not
+    loaded (images are refused by the API, which takes text only)."""
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        for prefix, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(prefix):
+                return new + name[len(prefix):]
+        return None if name.startswith(_VISION) else name
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        text = dict(config.get("text_config") or {})
+        if "tie_word_embeddings" in config:
+            text.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
+        return super().arch_from_hf(text, architecture)
+
+
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")

@@ -1,8 +1,10 @@
 """Phi-3 and Phi-4: Llama's decoder, with q/k/v and gate/up stored already stacked in the
 checkpoint (``qkv_proj``, ``gate_up_proj``: gate rows first, as pagoda stacks them) and in
-llama.cpp's files (``attn_qkv``; ``ffn_up`` holding gate and up). LongRoPE scaling and
-partial rotary (Phi-3.5 / Phi-4-mini) are refused, as is tensor parallelism (the stacked
-tensors would be split by part, not yet done)."""
+llama.cpp's files (``attn_qkv``; ``ffn_up`` holding gate and up). Phi-3.5 and Phi-4-mini
+add partial rotary (``partial_rotary_factor``) and LongRoPE scaling (short factors within
+the original context, long ones past it: pagoda.model.layers.rotary.longrope_tables);
+LongRoPE GGUF files (``rope_factors_long``) are refused, as is tensor parallelism (the
+stacked tensors would be split by part, not yet done)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.layers.decoder import CausalLM
+from pagoda.model.layers.rotary import rope_kind
 
 
 class Phi3ForCausalLM(CausalLM):
@@ -19,17 +22,22 @@ class Phi3ForCausalLM(CausalLM):
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
         params = config.get("rope_parameters") or {}
-        partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported")
-        return ModelArchConfig(**ModelArchConfig.hf_fields(config, architecture))
+        partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0
+        fields = ModelArchConfig.hf_fields(config, architecture)
+        scaling = fields["rope_scaling"]
+        if scaling and rope_kind(scaling) == "longrope":
+            fields["rope_scaling"] = {
+                **scaling, "rope_type": "longrope",
+                "original_max_position_embeddings": scaling.get("original_max_position_embeddings")
+                or config.get("original_max_position_embeddings"),
+                "max_position_embeddings": fields["max_position_embeddings"]}
+        rotary = int(fields["head_dim"] * partial)
+        return ModelArchConfig(**fields, rotary_dim=None if rotary == fields["head_dim"] else rotary)
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
         fields = ModelArchConfig.gguf_fields(md, tensor_names, architecture)
         rot = md.get("phi3.rope.dimension_count")
-        if rot is not None and rot != fields["head_dim"]:
-            raise UnsupportedModelError(f"partial rotary ({rot} of {fields['head_dim']} dimensions) is not supported")
         if "rope_factors_long.weight" in tensor_names:
-            raise UnsupportedModelError("LongRoPE scaling (rope_factors_long) is not supported")
-        return ModelArchConfig(**fields)
+            raise UnsupportedModelError("LongRoPE scaling in GGUF files (rope_factors_long) is not supported")
+        return ModelArchConfig(**fields, rotary_dim=None if rot in (None, fields["head_dim"]) else rot)
