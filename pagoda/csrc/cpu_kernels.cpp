@@ -250,10 +250,15 @@ inline __m256 hsum8x8(const __m256 a[8]) {
 // An int8 cache (ks, vs non-null): K of position p and KV head h is ks[srows[p] + h] times
 // its int8 values (V likewise with vs); the K scale multiplies the score, the V scale
 // the softmax weight.
+// Attention logit soft-capping: s -> cap * tanh(s / cap), as transformers rounds it.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  for (int64_t p = 0; p < n; ++p) s[p] = cap * std::tanh(s[p] / cap);
+}
+
 template <int G, typename KV>
 void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len, int64_t D,
                   int64_t kv0, int64_t kv1, float sc, float* scores, float* ob, const float* ks,
-                  const float* vs, const int64_t* srows, float* buf) {
+                  const float* vs, const int64_t* srows, float* buf, float softcap) {
   const int64_t padded = (len + 7) / 8 * 8;
   // Eight positions' K (then V) rows, heads kv0..kv1, copied as float32 into buf (room for
   // 8 x (kv1 - kv0) x D) one row after another: read in address order, the cache streams
@@ -292,6 +297,7 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
   // set to 0 so they add nothing).
   for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
     float* sg = scores + h * padded;
+    if (softcap > 0.f) soft_cap(sg, padded, softcap);
     // The maximum over the padding too: its lanes repeat the last position's score.
     __m256 vmx = _mm256_loadu_ps(sg);
     for (int64_t p0 = 8; p0 < padded; p0 += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + p0));
@@ -364,7 +370,7 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
 template <typename KV>
 void decode_head_generic(const float* qh, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                          int64_t D, int64_t G, float sc, float* scores, float* out, const float* ks,
-                         const float* vs, const int64_t* srows) {
+                         const float* vs, const int64_t* srows, float softcap) {
   auto row = [&](const KV* base, int64_t p) { return base + rows[p]; };
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
@@ -374,6 +380,7 @@ void decode_head_generic(const float* qh, const KV* kp, const KV* vp, const int6
       for (int64_t i = 0; i < D; ++i) s += qh[g * D + i] * to_float(kk[i]);
       sg[p] = ks ? s * (sc * ks[srows[p]]) : s * sc;
     }
+    if (softcap > 0.f) soft_cap(sg, len, softcap);
     const float mx = *std::max_element(sg, sg + len);
     float total = 0.f;
     for (int64_t p = 0; p < len; ++p) total += (sg[p] = std::exp(sg[p] - mx));
@@ -396,7 +403,7 @@ namespace {
 template <typename KV>
 void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t* tp, const int32_t* lp,
                       float* op, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
-                      float sc, const float* ks, const float* vs, int64_t window) {
+                      float sc, const float* ks, const float* vs, int64_t window, float softcap) {
   const int64_t G = H / KVH;
   const bool vec = D % 8 == 0 && G >= 1 && G <= 8;
   // Work units: whole sequences (their K/V rows, all KV heads, are adjacent in the
@@ -432,11 +439,11 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
             rows[i] = srows[i] * D;
           }
           decode_head_generic<KV>(qb + kvh * G * D, kp, vp, rows.data(), len, D, G, sc, scores.data(),
-                                  ob + kvh * G * D, ks, vs, srows.data());
+                                  ob + kvh * G * D, ks, vs, srows.data(), softcap);
         }
         continue;
       }
-#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, ks, vs, srows.data(), buf.data()); break;
+#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, ks, vs, srows.data(), buf.data(), softcap); break;
       switch (G) {
         case 1: PAGODA_HEADS(1)
         case 2: PAGODA_HEADS(2)
@@ -460,7 +467,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
                                      torch::Tensor seq_lens,      // [B] int32
                                      double scale,
                                      c10::optional<torch::Tensor> kv_scales,  // [2, blocks, bs, KVH] (int8)
-                                     int64_t window) {  // > 0: attend to the last `window` positions only
+                                     int64_t window,    // > 0: attend to the last `window` positions only
+                                     double softcap) {  // > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2)
   const auto kind = kv_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
               (kind == torch::kFloat32 || kind == torch::kFloat16 || kind == torch::kInt8),
@@ -498,7 +506,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
   const float sc = static_cast<float>(scale);
   auto run = [&](const auto* kp) {
     decode_attention(q.data_ptr<float>(), kp, kp + half_cache, tp, lp, out.data_ptr<float>(), B, H, KVH, D, bs,
-                     max_blocks, sc, ks, vs, window);
+                     max_blocks, sc, ks, vs, window, static_cast<float>(softcap));
   };
   if (kind == torch::kFloat16)
     run(reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::Half>()));
@@ -1295,5 +1303,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("down"), py::arg("down_types"));
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("kv_scales") = py::none(), py::arg("window") = 0);
+        py::arg("kv_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
 }

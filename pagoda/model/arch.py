@@ -47,6 +47,7 @@ class ModelArchConfig:
     # sliding_window is set, else none is).
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None    # RoPE base of the windowed layers (Gemma 3), unscaled
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None
     rotary_dim: int | None = None            # partial rotary: the first rotary_dim of each head (None: all)
     # Mixture of experts: num_experts > 0 replaces the MLP of the layers moe_layers marks

@@ -270,6 +270,8 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
         module, _, leaf = hf_name.rpartition(".")
         expert = _EXPERT.search(module)
         gguf = table.get_name(_EXPERT.sub(".experts.", module) if expert else module)
+        if gguf is None and module == "lm_head" and model.config.tie_word_embeddings:
+            continue   # an architecture whose files always tie it (Gemma 2)
         if gguf is None:
             raise UnsupportedModelError(f"llama.cpp has no name for {module} in {gguf_arch} files")
         if expert:

@@ -53,6 +53,10 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
         w.add_expert_used_count(c.num_experts_per_tok)
         if getattr(c, "moe_intermediate_size", None) and gguf_arch != "llama":
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if getattr(c, "attn_logit_softcapping", None):
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if getattr(c, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     if gguf_arch == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
@@ -68,7 +72,7 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
             continue
         module, _, leaf = name.rpartition(".")
         t = t.detach().float()
-        if gguf_arch == "gemma3" and name.endswith("norm.weight"):
+        if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1.0   # llama.cpp's Gemma converters store Gemma's 1 + w
         if gguf_arch in PERMUTED and module.endswith("q_proj"):
             t = _permute(t, heads)

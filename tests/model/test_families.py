@@ -64,13 +64,16 @@ def _configs():
         "qwen3moe-mixed": (t.Qwen3MoeConfig(**_COMMON, num_hidden_layers=2, head_dim=32, num_experts=6,
                                             num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=False,
                                             mlp_only_layers=[1], tie_word_embeddings=False), None),
+        # Alternating windowed / global layers, attention logits capped at 50, final at 30.
+        "gemma2": (t.Gemma2Config(**_COMMON, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=32,
+                                  sliding_window=16, tie_word_embeddings=True), "gemma2"),
         # Every layer windowed (llama.cpp's files carry no Mistral window: HF only).
         "mistral": (t.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=16,
                                     tie_word_embeddings=False), None),
     }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma3", "mistral", "mixtral", "qwen3moe",
+@pytest.fixture(scope="module", params=["qwen3", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
     config, gguf_arch = _configs()[request.param]

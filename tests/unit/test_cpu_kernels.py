@@ -100,7 +100,7 @@ def test_q4_linear_checks_shapes():
         ops.q4_linear(torch.randn(2, 96), q.qweight, q.scales, q.mins, None)
 
 
-def _reference_decode(q, cache, tables, lens, scale, window=0):
+def _reference_decode(q, cache, tables, lens, scale, window=0, softcap=0.0):
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     bs = cache.shape[2]
     out = []
@@ -111,7 +111,10 @@ def _reference_decode(q, cache, tables, lens, scale, window=0):
         k = cache[0].reshape(-1, kv_heads, head_dim)[slots].transpose(0, 1)
         v = cache[1].reshape(-1, kv_heads, head_dim)[slots].transpose(0, 1)
         qq = q[b].view(kv_heads, -1, head_dim)
-        out.append((torch.softmax(qq @ k.transpose(1, 2) * scale, -1) @ v).reshape(-1, head_dim))
+        scores = qq @ k.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out.append((torch.softmax(scores, -1) @ v).reshape(-1, head_dim))
     return torch.stack(out)
 
 
@@ -151,6 +154,24 @@ def test_paged_decode_attention_window(heads, kv_heads, head_dim):
     full = ops.paged_decode_attention(q, cache, tables, lens, 0.17)
     assert torch.equal(ops.paged_decode_attention(q, cache, tables, lens, 0.17, None, 200), full)
     assert not torch.allclose(ops.paged_decode_attention(q, cache, tables, lens, 0.17, None, 7)[3], full[3])
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (10, 1, 16)])
+def test_paged_decode_attention_softcap(heads, kv_heads, head_dim):
+    """Gemma 2's capped scores (cap x tanh(s / cap)) on the vector and generic paths, with
+    and without a window."""
+    torch.manual_seed(8)
+    cache = torch.randn(2, 40, 16, kv_heads, head_dim) * 3
+    lens = torch.tensor([1, 17, 100, 40], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(40)[:7] for _ in range(4)]).int()
+    q = torch.randn(4, heads, head_dim) * 2
+    for window, cap in ((0, 5.0), (20, 5.0), (0, 50.0)):
+        out = ops.paged_decode_attention(q, cache, tables, lens, 0.5, None, window, cap)
+        want = _reference_decode(q, cache, tables, lens, 0.5, window, cap)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)   # tanh and exp: a few ulps apart
+    uncapped = ops.paged_decode_attention(q, cache, tables, lens, 0.5)
+    assert not torch.allclose(ops.paged_decode_attention(q, cache, tables, lens, 0.5, None, 0, 5.0), uncapped)
 
 
 @needs_kernels

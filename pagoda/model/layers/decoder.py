@@ -53,6 +53,7 @@ class Attention(nn.Module):
         self.rotary_dim = config.rotary_dim or self.head_dim
         self.rope_table = config.rope_table_of(layer_idx)
         self.window = config.sliding_window_of(layer_idx)
+        self.softcap = config.attn_logit_softcapping
         # q/k RMSNorm before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
         self.qk_norm = config.qk_norm
         if self.qk_norm == "head":
@@ -93,7 +94,8 @@ class Attention(nn.Module):
             in_place = cache is not None
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                                    cache, meta.slot_mapping if in_place else None, scales)
-            o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place, window=self.window)
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place, window=self.window,
+                                softcap=self.softcap)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(t, self.num_heads, self.head_dim)
@@ -101,7 +103,7 @@ class Attention(nn.Module):
             if self.use_rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale,
-                                window=self.window)
+                                window=self.window, softcap=self.softcap)
         return self.o_proj(o.reshape(t, -1))
 
 

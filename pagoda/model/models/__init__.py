@@ -19,6 +19,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
@@ -35,6 +36,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",   # Mixtral files are "llama" files with experts
 }

@@ -39,8 +39,6 @@ class Gemma3ForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        if config.get("attn_logit_softcapping"):
-            raise UnsupportedModelError("attention logit soft-capping is not supported")
         if config.get("use_bidirectional_attention"):
             raise UnsupportedModelError("bidirectional attention is not supported")
         config = {**TEXT_DEFAULTS, **config}
@@ -53,6 +51,7 @@ class Gemma3ForCausalLM(CausalLM):
             norm_placement="sandwich",
             attention_multiplier=float(config.get("query_pre_attn_scalar") or fields["head_dim"]) ** -0.5,
             embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
+            attn_logit_softcapping=config.get("attn_logit_softcapping") or None,
             final_logit_softcapping=config.get("final_logit_softcapping") or None,
         )
 
