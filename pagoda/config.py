@@ -37,6 +37,9 @@ class EngineConfig:
     num_threads: int | None = None        # torch threads of the engine; None = the thread governor (engine/cpu_threads.py)
     # Parallel runtime (docs/parallel.md).
     tensor_parallel_size: int = 1
+    # MoE models under tensor parallelism: each rank holds a share of every layer's experts
+    # (whole experts; their outputs summed over ranks).
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     distributed_init_method: str | None = None  # tcp://host:port or env://; None = local, automatic
     nnodes: int = 1                       # nodes the tensor-parallel group spans
@@ -103,6 +106,9 @@ class EngineConfig:
                              f"nnodes={self.nnodes} (the same number of ranks on every node)")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("--enable-expert-parallel splits experts over tensor-parallel ranks: "
+                             "it needs --tensor-parallel-size > 1")
         if self.tensor_parallel_size > 1 and self.quantization != "none":
             raise ValueError(f"--quantization {self.quantization} is not supported with --tensor-parallel-size > 1")
         if self.nnodes > 1 and self.distributed_init_method is None:

@@ -98,3 +98,18 @@ def tiny_gemma3_dir(tmp_path_factory) -> str:
     return _tiny_family(tmp_path_factory, "tiny-gemma3", "Gemma3TextConfig", num_hidden_layers=6,
                         sliding_window=16, query_pre_attn_scalar=32, pad_token_id=0,
                         architectures=["Gemma3ForCausalLM"])
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> str:
+    """Mixtral: top-2 of 4 experts in every layer."""
+    return _tiny_family(tmp_path_factory, "tiny-mixtral", "MixtralConfig", num_hidden_layers=2, num_local_experts=4,
+                        num_experts_per_tok=2, architectures=["MixtralForCausalLM"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3moe_dir(tmp_path_factory) -> str:
+    """Qwen3-MoE: top-2 of 6 small experts, renormalised, q/k norms."""
+    return _tiny_family(tmp_path_factory, "tiny-qwen3moe", "Qwen3MoeConfig", num_hidden_layers=2, num_experts=6,
+                        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, rope_theta=1e6,
+                        architectures=["Qwen3MoeForCausalLM"])

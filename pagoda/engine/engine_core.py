@@ -74,7 +74,8 @@ class EngineCore:
             self.tp_driver, device = start_driver(config)
             try:
                 loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
-                                    tp_group=self.tp_driver.group, tp_rank=0)
+                                    tp_group=self.tp_driver.group, tp_rank=0,
+                                    expert_parallel=config.enable_expert_parallel)
                 self._init_rest(config, loaded, device, dtype, collect_stats)
             except BaseException:
                 # The workers may be waiting in a collective: stop them, do not talk to them.

@@ -113,6 +113,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     par = p.add_argument_group("parallelism (docs/parallel.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="MoE models: split each layer's experts over the tensor-parallel ranks")
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="engine replicas behind one server, with prefix-aware routing (serve only)")
     par.add_argument("--nnodes", type=int, default=1, help="nodes the tensor-parallel group spans")
@@ -147,6 +149,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         raise ValueError("--data-parallel-size applies to `pagoda serve` (and bench serve) only")
     parallel = {
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+        "enable_expert_parallel": getattr(args, "enable_expert_parallel", False),
         "data_parallel_size": getattr(args, "data_parallel_size", 1),
         "nnodes": getattr(args, "nnodes", 1),
         "node_rank": getattr(args, "node_rank", 0),

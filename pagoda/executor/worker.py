@@ -34,7 +34,8 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: st
     dtype = parse_dtype(config.dtype)
     store = rendezvous_store(init_method, rank, world, config.distributed_timeout)
     group = TPGroup(store, rank, world, device, config.distributed_timeout)
-    loaded = load_model(config.model, dtype, device, show_progress=False, tp_group=group, tp_rank=rank)
+    loaded = load_model(config.model, dtype, device, show_progress=False, tp_group=group, tp_rank=rank,
+                        expert_parallel=config.enable_expert_parallel)
     gather_weight_bytes(group, loaded.model)
     num_blocks = group.all_reduce_min(kv_blocks_for(config, loaded.model, device, dtype))
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed, samples=False)

@@ -65,6 +65,7 @@ def load_model(
     quantization: str = "none",
     tp_group: Collectives | None = None,
     tp_rank: int = 0,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
     code itself never branches on quantization). On the CPU in float32, a GGUF
@@ -77,7 +78,7 @@ def load_model(
 
     path = resolve_model_path(model)
     device = torch.device(device)
-    tp = None if tp_group is None else (tp_group, tp_rank)
+    tp = None if tp_group is None else (tp_group, tp_rank, expert_parallel)
     if tp is not None and quantization != "none":
         raise ValueError("quantization is not supported with tensor parallelism")
     # Weights stay as stored (GGUF blocks, float16/bfloat16) where pagoda's CPU kernels
@@ -106,18 +107,21 @@ def _has_gguf_magic(path: str) -> bool:
 
 
 def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 tp: tuple[Collectives, int] | None = None) -> tuple[CausalLM, ShardPlan | None]:
+                 tp: tuple[Collectives, int, bool] | None = None) -> tuple[CausalLM, ShardPlan | None]:
     cls = model_class(arch.architecture)
     if tp is not None and not cls.tensor_parallel:
         raise UnsupportedModelError(f"{arch.architecture} cannot be served with tensor parallelism")
+    if tp is not None and arch.num_experts and not tp[2]:
+        raise UnsupportedModelError(f"{arch.architecture} is a mixture of experts: under tensor parallelism it "
+                                    "needs --enable-expert-parallel (each rank holds whole experts)")
     # Build on the meta device: no time spent on random init of weights we overwrite,
     # and a tensor-parallel rank allocates only its shard.
     with torch.device("meta"):
         model = cls(arch)
     plan = None
     if tp is not None:
-        group, rank = tp
-        plan = ShardPlan.build(arch, rank, group.world_size)
+        group, rank, expert_parallel = tp
+        plan = ShardPlan.build(arch, rank, group.world_size, expert_parallel)
         with torch.device("meta"):
             plan.apply(model, group)
     model = model.to_empty(device=device).to(dtype)
@@ -188,6 +192,8 @@ def _fill(
             bar.update(1)
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue
+            if plan is not None and not plan.holds(name):
+                continue   # another rank's expert
             target, rows = _target(model, name)
             param = params.get(target)
             if param is None:
@@ -218,7 +224,7 @@ def _fill(
 
 
 def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-                    tp: tuple[Collectives, int] | None = None) -> LoadedModel:
+                    tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     config_file = os.path.join(path, "config.json")
@@ -323,7 +329,7 @@ def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-               tp: tuple[Collectives, int] | None = None) -> LoadedModel:
+               tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
     gf, arch, names, cls = _read_gguf(path)
     heads = _qk_heads(arch, cls)
     model, plan = _instantiate(arch, dtype, device, tp)

@@ -143,6 +143,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self._fused: tuple | bool | None = None   # the gguf mode's one-call arguments, found on first use
+        # Expert parallelism (ShardPlan.apply): the experts this rank holds, and its group.
+        self.local_experts = range(config.num_experts)
+        self.comm = None
 
     def _fused_args(self) -> tuple | bool:
         """(gate/up parts, their types, down parts, their types) when every expert multiplies
@@ -172,6 +175,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         weights = weights.to(x.dtype)
+        if self.comm is not None:
+            return self._forward_expert_parallel(x, weights, ids)
         fused = self._fused_args() if x.dtype == torch.float32 and x.device.type == "cpu" else False
         if fused:
             return cpu_kernels.kernels().gguf_moe_int8(x, ids, weights, *fused)
@@ -198,6 +203,16 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[e](x[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y)
         return out
+
+
+    def _forward_expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' weighted outputs, in expert order, summed over ranks."""
+        out = torch.zeros_like(x)
+        for e in self.local_experts:
+            tokens, slot = torch.where(ids == e)
+            if tokens.numel():
+                out.index_add_(0, tokens, self.experts[e](x[tokens]) * weights[tokens, slot, None])
+        return self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

@@ -12,6 +12,9 @@ code itself never mentions parallelism (as in gpt-fast).
 - embedding: vocab-parallel; each rank looks up the ids in its vocab range,
   zeros for the rest, then all-reduce.
 - LM head: vocab-parallel; each rank computes its logits, then all-gather.
+- MoE layers (expert parallelism): every rank routes every token (the router is
+  replicated) and holds whole experts, a contiguous share of each layer's; it adds up its
+  experts' weighted outputs and the partial sums are all-reduced.
 
 Heads are split by KV group, so that every rank keeps whole GQA groups, and
 shares need not be equal: E.g. 6 query heads, 3 KV heads (groups of 2) on
@@ -23,6 +26,7 @@ heads, 1 KV head on 2 ranks -> both hold KV head 0, with query heads 0-1 and 2-3
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 class Collectives(Protocol):
@@ -59,9 +66,10 @@ class ShardPlan:
     vocab_per_rank: int            # padded rows per rank (all ranks equal, for all-gather)
     head_dim: int
     vocab_size: int
+    experts: tuple[int, int] = (0, 0)  # [start, end) of each MoE layer's experts this rank holds
 
     @classmethod
-    def build(cls, arch: ModelArchConfig, rank: int, world_size: int) -> ShardPlan:
+    def build(cls, arch: ModelArchConfig, rank: int, world_size: int, expert_parallel: bool = False) -> ShardPlan:
         heads, kv = arch.num_attention_heads, arch.num_key_value_heads
         group = heads // kv
         if heads < world_size:
@@ -83,8 +91,15 @@ class ShardPlan:
             q_range = (head * group + sub[0], head * group + sub[1])
         per = -(-arch.vocab_size // world_size)
         vocab = (min(rank * per, arch.vocab_size), min((rank + 1) * per, arch.vocab_size))
+        experts = (0, 0)
+        if arch.num_experts:
+            if not expert_parallel:
+                raise ValueError("a mixture of experts is split over ranks by expert: --enable-expert-parallel")
+            if arch.num_experts < world_size:
+                raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's {arch.num_experts} experts")
+            experts = split_range(arch.num_experts, world_size, rank)
         return cls(rank, world_size, q_range, kv_range, split_range(arch.intermediate_size, world_size, rank),
-                   vocab, per, arch.head_dim, arch.vocab_size)
+                   vocab, per, arch.head_dim, arch.vocab_size, experts)
 
     @property
     def num_heads(self) -> int:
@@ -107,6 +122,13 @@ class ShardPlan:
             bias = attn.qkv_proj.bias is not None
             attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_size + 2 * attn.kv_size, bias=bias)
             attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, comm)
+            if hasattr(mlp, "experts"):   # a MoE layer: whole experts, this rank's share
+                e0, e1 = self.experts
+                for e in range(len(mlp.experts)):
+                    if not e0 <= e < e1:
+                        mlp.experts[e] = nn.Identity()   # held by another rank
+                mlp.local_experts, mlp.comm = range(e0, e1), comm
+                continue
             mlp.intermediate_size = i1 - i0
             mlp.gate_up_proj = nn.Linear(mlp.gate_up_proj.in_features, 2 * (i1 - i0), bias=False)
             mlp.down_proj = RowParallelLinear(i1 - i0, mlp.down_proj.out_features, comm)
@@ -116,8 +138,16 @@ class ShardPlan:
 
     # ---- sharding the checkpoint's tensors as they are read ---------------------------
 
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds (a part of) checkpoint tensor ``name``: all but other
+        ranks' experts."""
+        expert = _EXPERT.search(name)
+        return expert is None or self.experts[0] <= int(expert[1]) < self.experts[1]
+
     def narrow(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``name`` (HF naming)."""
+        if _EXPERT.search(name):
+            return t   # a whole expert
         d = self.head_dim
         kind = name.split(".")[-2] if "." in name else name
         if kind == "q_proj":

@@ -27,7 +27,6 @@ def gguf_moe_layers(tensor_names: set[str], layers: int) -> tuple[bool, ...] | N
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    tensor_parallel = False   # experts are not sharded over ranks yet
     lora = False
     unquantized_modules = (".mlp.gate",)
 
