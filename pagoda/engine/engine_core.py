@@ -33,6 +33,7 @@ from pagoda.request import Request, RequestStatus
 from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage
 
 logger = logging.getLogger(__name__)
+EXPERT_LOAD_INTERVAL_S = 1.0   # how often a MoE model's expert load goes to the API process
 
 # Default KV budget on CPU: this share of available memory, at most this much.
 _CPU_KV_FRACTION = 0.25
@@ -102,6 +103,8 @@ class EngineCore:
                    collect_stats: bool) -> None:
         self.loaded = loaded
         arch = loaded.arch
+        self._moe = arch.num_experts > 0
+        self._last_expert_load = float("-inf")
         max_model_len = config.max_model_len or arch.max_position_embeddings
         self.max_model_len = max_model_len
 
@@ -328,7 +331,15 @@ class EngineCore:
                 record.duration = end - start
             out.step = record
             out.kv_block_map = collector.maybe_block_map(self.kv_manager.pool, end)
+        out.expert_load = self._maybe_expert_load(end)
         return out
+
+    def _maybe_expert_load(self, now: float) -> list[list[int]] | None:
+        """The experts' load for /metrics, at most once a second (MoE models only)."""
+        if not self._moe or now - self._last_expert_load < EXPERT_LOAD_INTERVAL_S:
+            return None
+        self._last_expert_load = now
+        return self.runner.model.expert_load()
 
     def idle_stats(self) -> EngineCoreOutputs:
         """Stats alone (no step), for the heartbeat the core sends while idle."""
@@ -336,6 +347,7 @@ class EngineCore:
         out = EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=now)
         if self.step_stats is not None:
             out.kv_block_map = self.step_stats.maybe_block_map(self.kv_manager.pool, now)
+        out.expert_load = self._maybe_expert_load(now)
         return out
 
     def check_integrity(self) -> None:

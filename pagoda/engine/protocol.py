@@ -103,3 +103,5 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     # A sampled picture of the KV block pool, sent about once a second: one char per
     # sampled block, "u" in use, "c" free but still holding a cached prefix, "." free.
     kv_block_map: str | None = None
+    # MoE models, about once a second: per MoE layer, tokens routed to each expert since start.
+    expert_load: list[list[int]] | None = None

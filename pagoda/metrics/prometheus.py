@@ -145,6 +145,15 @@ def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | No
     yield success
     yield counter("request_aborted", "Requests aborted (client gone, timeout, shutdown).",
                   lambda m: m.request_aborted, "metrics")
+    if any(metrics.expert_load for _, metrics, _ in parts):
+        load = CounterMetricFamily("pagoda:moe_expert_tokens",
+                                   "MoE models: tokens routed to each expert (top-k picks), by MoE layer.",
+                                   labels=labels + ["layer", "expert"])
+        for value, metrics, _ in parts:
+            for layer, counts in enumerate(metrics.expert_load or ()):
+                for expert, n in enumerate(counts):
+                    load.add_metric(value + [str(layer), str(expert)], n)
+        yield load
     yield counter("engine_steps", "Engine steps that computed tokens.", lambda m: m.num_steps, "metrics")
     yield counter("engine_step_seconds", "Time spent in engine steps; divide the estimates by it.",
                   lambda m: m.step_seconds, "metrics")

@@ -142,6 +142,7 @@ class EngineMetrics:
         self.steps: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self.series: deque[tuple[float, int, int, float]] = deque(maxlen=SERIES_LEN)
         self.kv_block_map: str | None = None
+        self.expert_load: list[list[int]] | None = None   # MoE models: the latest the core sent
         self.recent_ttft = WindowedSamples()
         self.recent_itl = WindowedSamples()
         self.recent_e2e = WindowedSamples()
@@ -173,6 +174,8 @@ class EngineMetrics:
                 self.series.append((now, stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage))
         if msg.kv_block_map is not None:
             self.kv_block_map = msg.kv_block_map
+        if msg.expert_load is not None:
+            self.expert_load = msg.expert_load
         step = msg.step
         if step is not None:
             self.steps.append(step)

@@ -257,3 +257,18 @@ def test_longrope_takes_the_long_factors_past_the_original_context():
         freqs = (pos * (base / torch.tensor(arch.rope_scaling[factors], dtype=torch.float64))).float()
         want = torch.cat((freqs, freqs)).cos() * attention
         torch.testing.assert_close(cos[row, 0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_expert_load_counts_every_routed_token(tiny_mixtral_dir):
+    """Each MoE layer counts top-k picks per expert: tokens computed x experts per token,
+    sent to the API process at most once a second."""
+    llm = LLM(tiny_mixtral_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=32, block_size=16)
+    core = llm.engine
+    assert core.runner.model.expert_load() == [[0] * 4, [0] * 4]
+    llm.generate([{"prompt_token_ids": list(range(3, 8))}, {"prompt_token_ids": list(range(10, 19))}],
+                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    load = core.runner.model.expert_load()
+    computed = 5 + 9 + 2 * 2          # prompts, then each request's two decode steps
+    assert [sum(layer) for layer in load] == [2 * computed] * 2 and all(len(layer) == 4 for layer in load)
+    core._last_expert_load = float("-inf")
+    assert core._maybe_expert_load(100.0) == load and core._maybe_expert_load(100.5) is None

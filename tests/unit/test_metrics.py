@@ -234,3 +234,15 @@ def test_request_log_line(caplog: pytest.LogCaptureFixture) -> None:
     assert "prompt_tokens=12 cached_tokens=8 generation_tokens=30 preemptions=1" in msg
     log_request(RequestTrace("req-2", "abort", time.monotonic(), None, None, 0.5, 3, 0, 0, 0))
     assert "queue=- ttft=- e2e=0.500s" in caplog.records[-1].getMessage()
+
+
+def test_moe_expert_load_is_exported_per_layer_and_expert() -> None:
+    m = EngineMetrics(64, 8, 32)
+    f = _families(render(make_registry(_FakeEngine(m, SchedulerStats()), "m")).decode())
+    assert "pagoda:moe_expert_tokens_total" not in f          # a dense model: no such series
+    m.on_engine_outputs(EngineCoreOutputs(expert_load=[[3, 1, 0], [0, 2, 2]]), 0.0)
+    m.on_engine_outputs(EngineCoreOutputs(), 0.1)             # a message without it keeps the last
+    f = _families(render(make_registry(_FakeEngine(m, SchedulerStats()), "m")).decode())
+    load = f["pagoda:moe_expert_tokens_total"]
+    assert load[(("expert", "0"), ("layer", "0"))] == 3 and load[(("expert", "2"), ("layer", "1"))] == 2
+    assert len(load) == 6

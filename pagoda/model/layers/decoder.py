@@ -146,6 +146,8 @@ class SparseMoeBlock(nn.Module):
         # Expert parallelism (ShardPlan.apply): the experts this rank holds, and its group.
         self.local_experts = range(config.num_experts)
         self.comm = None
+        # Tokens routed to each expert since start (top-k picks), for /metrics.
+        self.expert_tokens: torch.Tensor | None = None
 
     def _fused_args(self) -> tuple | bool:
         """(gate/up parts, their types, down parts, their types) when every expert multiplies
@@ -165,11 +167,13 @@ class SparseMoeBlock(nn.Module):
         return self._fused
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]) per token."""
+        """(weights [T, k] float32, expert ids [T, k]) per token; counts the picks."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        picks = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        self.expert_tokens = picks if self.expert_tokens is None else self.expert_tokens + picks
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -345,6 +349,14 @@ class CausalLM(nn.Module):
         if c.local_rope_theta is not None:
             self.register_buffer("inv_freq_local", rope_inv_freq(dim, c.local_rope_theta, None).to(device),
                                  persistent=False)
+
+    def expert_load(self) -> list[list[int]] | None:
+        """Per MoE layer (in order), the tokens routed to each expert since start; None
+        for a model without experts."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        if not blocks:
+            return None
+        return [[0] * b.num_experts if b.expert_tokens is None else b.expert_tokens.tolist() for b in blocks]
 
     def kv_specs(self) -> list[KVSpec]:
         """Per layer: the KV heads this process holds, their size, and the window."""
