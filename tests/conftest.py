@@ -113,3 +113,10 @@ def tiny_qwen3moe_dir(tmp_path_factory) -> str:
     return _tiny_family(tmp_path_factory, "tiny-qwen3moe", "Qwen3MoeConfig", num_hidden_layers=2, num_experts=6,
                         num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, rope_theta=1e6,
                         architectures=["Qwen3MoeForCausalLM"])
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> str:
+    """Phi-3: q/k/v and gate/up stacked in the checkpoint itself."""
+    return _tiny_family(tmp_path_factory, "tiny-phi3", "Phi3Config", num_hidden_layers=2, pad_token_id=0,
+                        architectures=["Phi3ForCausalLM"])

@@ -67,6 +67,10 @@ class ShardPlan:
     head_dim: int
     vocab_size: int
     experts: tuple[int, int] = (0, 0)  # [start, end) of each MoE layer's experts this rank holds
+    # The model's totals, to split tensors a checkpoint stores stacked (Phi-3's qkv_proj, gate_up_proj).
+    total_heads: int = 0
+    total_kv_heads: int = 0
+    total_intermediate: int = 0
 
     @classmethod
     def build(cls, arch: ModelArchConfig, rank: int, world_size: int, expert_parallel: bool = False) -> ShardPlan:
@@ -99,7 +103,7 @@ class ShardPlan:
                 raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's {arch.num_experts} experts")
             experts = split_range(arch.num_experts, world_size, rank)
         return cls(rank, world_size, q_range, kv_range, split_range(arch.intermediate_size, world_size, rank),
-                   vocab, per, arch.head_dim, arch.vocab_size, experts)
+                   vocab, per, arch.head_dim, arch.vocab_size, experts, heads, kv, arch.intermediate_size)
 
     @property
     def num_heads(self) -> int:
@@ -150,6 +154,14 @@ class ShardPlan:
             return t   # a whole expert
         d = self.head_dim
         kind = name.split(".")[-2] if "." in name else name
+        if kind == "qkv_proj":   # stacked in the checkpoint: each part's rows of this rank
+            q, k, v = t.split([self.total_heads * d, self.total_kv_heads * d, self.total_kv_heads * d])
+            kv = slice(self.kv_heads[0] * d, self.kv_heads[1] * d)
+            return torch.cat([q[self.q_heads[0] * d:self.q_heads[1] * d], k[kv], v[kv]])
+        if kind == "gate_up_proj":
+            gate, up = t.split([self.total_intermediate] * 2)
+            rows = slice(*self.intermediate)
+            return torch.cat([gate[rows], up[rows]])
         if kind == "q_proj":
             return t[self.q_heads[0] * d:self.q_heads[1] * d]
         if kind in ("k_proj", "v_proj"):

@@ -3,8 +3,8 @@ checkpoint (``qkv_proj``, ``gate_up_proj``: gate rows first, as pagoda stacks th
 llama.cpp's files (``attn_qkv``; ``ffn_up`` holding gate and up). Phi-3.5 and Phi-4-mini
 add partial rotary (``partial_rotary_factor``) and LongRoPE scaling (short factors within
 the original context, long ones past it: pagoda.model.layers.rotary.longrope_tables);
-LongRoPE GGUF files (``rope_factors_long``) are refused, as is tensor parallelism (the
-stacked tensors would be split by part, not yet done)."""
+LongRoPE GGUF files (``rope_factors_long``) are refused. Under tensor parallelism the
+stacked tensors are split part by part (ShardPlan.narrow)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pagoda.model.layers.rotary import rope_kind
 
 class Phi3ForCausalLM(CausalLM):
     packed_modules_mapping = {}   # the checkpoint's own tensors are the stacked projections
-    tensor_parallel = False
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
