@@ -1273,6 +1273,9 @@ torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weigh
 torch::Tensor gguf_moe_int8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                             std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
                             std::vector<torch::Tensor> down, std::vector<int64_t> down_types);
+torch::Tensor gguf_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                       std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
@@ -1301,6 +1304,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each expert's gate/up, SiLU x up and down as gguf_linear_int8 computes them, weighted sums in expert order",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("gate_up_types"),
         py::arg("down"), py::arg("down_types"));
+  m.def("gguf_moe", &gguf_moe, "a mixture-of-experts layer in the exact mode: gguf_moe_int8's grouping with "
+        "gguf_linear's float32 products", py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"),
+        py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"));
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("kv_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);

@@ -922,6 +922,39 @@ LinearCall check_linear(torch::Tensor x, const std::vector<torch::Tensor>& weigh
 
 }  // namespace
 
+namespace {
+
+// gguf_linear's small steps (M <= kSmallSteps rows): tiles of output channels, and the
+// rows of one tile kept per thread.
+std::vector<Tile> small_step_tiles(const std::vector<Part>& parts, int64_t M, int64_t K, int64_t* per_tile) {
+  *per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
+  std::vector<Tile> tiles;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const int64_t step = is_float_type(parts[p].type) || M > kDirectRows ? *per_tile : 8;
+    for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
+      tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
+  }
+  return tiles;
+}
+
+// One such tile: block types up to kDirectRows rows multiply from decoded rows (xs: the
+// sums of x per 16, group_sums16), otherwise the tile's rows are dequantized to float32
+// (about 24 KiB) for the float32 micro-kernel.
+void small_step_tile(const float* xp, int64_t M, int64_t K, const Part& w, const Tile& tile, const float* xs,
+                     const float* bp, float* yp, int64_t N, int64_t per_tile, DecodedRows& dr, std::vector<float>& buf) {
+  prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
+  if (!is_float_type(w.type) && M <= kDirectRows) {
+    direct_tile(xp, M, K, w, tile.n0, tile.n1, xs, bp, yp, N, dr);
+    return;
+  }
+  buf.resize(per_tile * K);
+  for (int64_t n = tile.n0; n < tile.n1; ++n)
+    dequantize_row(w.type, w.data + n * w.row_bytes, K, buf.data() + (n - tile.n0) * K);
+  f32_all_rows(xp, M, K, buf.data(), bp ? bp + w.col : nullptr, yp + w.col, N, tile.n0, tile.n1);
+}
+
+}  // namespace
+
 torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                           c10::optional<torch::Tensor> bias) {
   const LinearCall call = check_linear(x_in, weights, types, bias, 8);
@@ -938,29 +971,13 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
     // float32 micro-kernel.
     // Sums of x per 16 inputs: only the decoded-row products use them.
     const std::vector<float> xs = M <= kDirectRows ? group_sums16(xp, M, K) : std::vector<float>{};
-    const int64_t per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
-    std::vector<Tile> tiles;
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const int64_t step = is_float_type(parts[p].type) || M > kDirectRows ? per_tile : 8;
-      for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
-        tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
-    }
+    int64_t per_tile;
+    const std::vector<Tile> tiles = small_step_tiles(parts, M, K, &per_tile);
     at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> buf;
       DecodedRows dr;
-      for (int64_t t = t0; t < t1; ++t) {
-        const Tile& tile = tiles[t];
-        const Part& w = parts[tile.part];
-        prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
-        if (!is_float_type(w.type) && M <= kDirectRows) {
-          direct_tile(xp, M, K, w, tile.n0, tile.n1, xs.data(), bp, yp, N, dr);
-          continue;
-        }
-        buf.resize(per_tile * K);
-        for (int64_t n = tile.n0; n < tile.n1; ++n)
-          dequantize_row(w.type, w.data + n * w.row_bytes, K, buf.data() + (n - tile.n0) * K);
-        f32_all_rows(xp, M, K, buf.data(), bp ? bp + w.col : nullptr, yp + w.col, N, tile.n0, tile.n1);
-      }
+      for (int64_t t = t0; t < t1; ++t)
+        small_step_tile(xp, M, K, parts[tiles[t].part], tiles[t], xs.data(), bp, yp, N, per_tile, dr, buf);
     });
     return y;
   }
@@ -1140,6 +1157,108 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
       const auto [t, j] = rows[s.e][r];
       const float w = wp[t * k + j];
       const float* y = &s.ye[r * H];
+      float* o = op + t * H;
+      for (int64_t h = 0; h < H; ++h) o[h] += y[h] * w;
+    }
+  return out;
+}
+
+// The exact mode's MoE layer: as gguf_moe_int8, with gguf_linear's float32 products (the
+// blocks' dequantized values, float32 sums): an expert with at most kSmallSteps rows runs
+// its tiles in the layer's shared parallel region, one with more (a long prompt's popular
+// expert) gguf_linear's BLAS panels on its own. Bit for bit the per-expert path.
+torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
+                       std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  const torch::Tensor x = x_in.contiguous();
+  const torch::Tensor ids = ids_in.to(torch::kInt64).contiguous();
+  const torch::Tensor wts = weights_in.to(torch::kFloat32).contiguous();
+  const int64_t T = x.size(0), H = x.size(1), E = static_cast<int64_t>(down.size());
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && wts.sizes() == ids.sizes(), "ids and weights must be [T, k]");
+  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == 2 * E && gate_up_types.size() == gate_up.size() &&
+              static_cast<int64_t>(down_types.size()) == E, "two gate/up parts and one down part per expert");
+  const int64_t k = ids.size(1), I = gate_up[0].size(0);
+  TORCH_CHECK(H % 8 == 0 && I % 32 == 0, "hidden size a multiple of 8, intermediate of 32");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* wp = wts.data_ptr<float>();
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ip[t * k + j];
+      TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
+      rows[e].push_back({t, j});
+    }
+  struct Active {
+    int64_t e, n;
+    std::vector<Part> gu, dn;
+    torch::Tensor xe, ge, he, ye;  // [n, H], [n, 2I], [n, I], [n, H]
+  };
+  std::vector<Active> act;
+  const float* xp = x.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    if (rows[e].empty()) continue;
+    Active a;
+    a.e = e;
+    a.n = static_cast<int64_t>(rows[e].size());
+    a.gu = check_parts({gate_up[2 * e], gate_up[2 * e + 1]}, {gate_up_types[2 * e], gate_up_types[2 * e + 1]}, H);
+    a.dn = check_parts({down[e]}, {down_types[e]}, I);
+    TORCH_CHECK(a.gu[0].rows == I && a.gu[1].rows == I && a.dn[0].rows == H, "expert ", e, " has the wrong shape");
+    a.xe = torch::empty({a.n, H}, x.options());
+    float* xe = a.xe.data_ptr<float>();
+    for (int64_t r = 0; r < a.n; ++r) std::memcpy(xe + r * H, xp + rows[e][r].first * H, H * sizeof(float));
+    act.push_back(std::move(a));
+  }
+  auto project = [&](bool first) {
+    std::vector<std::pair<int64_t, Tile>> units;
+    std::vector<std::vector<float>> sums(act.size());
+    std::vector<int64_t> per_tile(act.size());
+    for (int64_t a = 0; a < static_cast<int64_t>(act.size()); ++a) {
+      Active& s = act[a];
+      const std::vector<Part>& parts = first ? s.gu : s.dn;
+      const torch::Tensor& in = first ? s.xe : s.he;
+      const int64_t K = first ? H : I;
+      if (s.n > kSmallSteps) {  // gguf_linear's large-step path, on its own
+        std::vector<torch::Tensor> ws;
+        std::vector<int64_t> ts;
+        for (const Part& p : parts) ts.push_back(p.type);
+        if (first) ws = {gate_up[2 * s.e], gate_up[2 * s.e + 1]}; else ws = {down[s.e]};
+        (first ? s.ge : s.ye) = gguf_linear(in, ws, ts, c10::nullopt);
+        continue;
+      }
+      (first ? s.ge : s.ye) = torch::empty({s.n, first ? 2 * I : H}, x.options());
+      if (s.n <= kDirectRows) sums[a] = group_sums16(in.data_ptr<float>(), s.n, K);
+      for (const Tile& t : small_step_tiles(parts, s.n, K, &per_tile[a])) units.push_back({a, t});
+    }
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
+      std::vector<float> buf;
+      DecodedRows dr;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t a = units[u].first;
+        Active& s = act[a];
+        const Tile& t = units[u].second;
+        if (first)
+          small_step_tile(s.xe.data_ptr<float>(), s.n, H, s.gu[t.part], t, sums[a].data(), nullptr,
+                          s.ge.data_ptr<float>(), 2 * I, per_tile[a], dr, buf);
+        else
+          small_step_tile(s.he.data_ptr<float>(), s.n, I, s.dn[t.part], t, sums[a].data(), nullptr,
+                          s.ye.data_ptr<float>(), H, per_tile[a], dr, buf);
+      }
+    });
+  };
+  project(true);
+  for (Active& s : act) {
+    s.he = torch::empty({s.n, I}, x.options());
+    pagoda_silu_mul_rows(s.ge.data_ptr<float>(), s.he.data_ptr<float>(), s.n, I);
+  }
+  project(false);
+  auto out = torch::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>();
+  for (const Active& s : act)
+    for (int64_t r = 0; r < s.n; ++r) {
+      const auto [t, j] = rows[s.e][r];
+      const float w = wp[t * k + j];
+      const float* y = s.ye.data_ptr<float>() + r * H;
       float* o = op + t * H;
       for (int64_t h = 0; h < H; ++h) o[h] += y[h] * w;
     }

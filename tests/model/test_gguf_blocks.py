@@ -147,10 +147,18 @@ def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
     assert all(g.file_mapped and g.out_features == 256 for g in gate)
     assert gate[1].data.data_ptr() - gate[0].data.data_ptr() == gate[0].nbytes
     reference = _load_gguf(path, torch.float32, torch.device("cpu"), False)
-    for chunks in ([len(PROMPT)], [1] * len(PROMPT)):
-        got = pagoda_prompt_logits(model, PROMPT, chunks)
-        ref = pagoda_prompt_logits(reference.model, PROMPT, [len(PROMPT)])
+    assert moe._fused_args()[0] is cpu_kernels.kernels().gguf_moe   # the exact mode's one-call layer
+    long_prompt = PROMPT * 7                 # 70 tokens: some expert gets more than 16 rows
+    for prompt, chunks in ((PROMPT, [len(PROMPT)]), (PROMPT, [1] * len(PROMPT)), (long_prompt, [len(long_prompt)])):
+        got = pagoda_prompt_logits(model, prompt, chunks)
+        ref = pagoda_prompt_logits(reference.model, prompt, [len(prompt)])
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (got - ref).abs().max()
+        # The per-expert path's very numbers.
+        for block in (lyr.mlp for lyr in model.model.layers):
+            block._fused = False
+        assert torch.equal(pagoda_prompt_logits(model, prompt, chunks), got)
+        for block in (lyr.mlp for lyr in model.model.layers):
+            block._fused = None
     # The gguf mode: int8 activations for the experts, the router left in float32.
     fast = load_model(path, show_progress=False, quantization="gguf").model
     layer = fast.model.layers[0].mlp

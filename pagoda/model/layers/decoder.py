@@ -150,17 +150,23 @@ class SparseMoeBlock(nn.Module):
         self.expert_tokens: torch.Tensor | None = None
 
     def _fused_args(self) -> tuple | bool:
-        """(gate/up parts, their types, down parts, their types) when every expert multiplies
-        GGUF blocks with int8 activations (the gguf mode): then one kernel call runs the
-        layer (``gguf_moe_int8``: the same numbers as the per-expert path). False otherwise."""
+        """(kernel, gate/up parts, their types, down parts, their types) when every expert's
+        weights are kept as blocks (GGUF, or an HF checkpoint's bfloat16/float16): one kernel
+        call then runs the layer, ``gguf_moe_int8`` in the gguf mode (int8 activations),
+        ``gguf_moe`` in the exact mode, the same numbers as the per-expert path. False
+        otherwise (nn.Linear experts, int8 / q4 / bf16 modes)."""
         if self._fused is None:
             from pagoda.model.layers.blocks import BlocksLinear
 
             layers = [(e.gate_up_proj, e.down_proj) for e in self.experts]
-            ok = (cpu_kernels.kernels() is not None and self.experts[0].act == "silu" and all(
-                isinstance(m, BlocksLinear) and m.int8_activations and m.bias is None for pair in layers for m in pair)
-                and all(len(g.parts) == 2 and len(d.parts) == 1 for g, d in layers))
+            modules = [m for pair in layers for m in pair]
+            ops = cpu_kernels.kernels()
+            ok = (ops is not None and self.experts[0].act == "silu"
+                  and all(isinstance(m, BlocksLinear) and m.bias is None for m in modules)
+                  and all(len(g.parts) == 2 and len(d.parts) == 1 for g, d in layers)
+                  and len({m.int8_activations for m in modules}) == 1)
             self._fused = (
+                ops.gguf_moe_int8 if modules[0].int8_activations else ops.gguf_moe,
                 [p.data for g, _ in layers for p in g.parts], [int(p.ggml_type) for g, _ in layers for p in g.parts],
                 [d.parts[0].data for _, d in layers], [int(d.parts[0].ggml_type) for _, d in layers],
             ) if ok else False
@@ -183,7 +189,8 @@ class SparseMoeBlock(nn.Module):
             return self._forward_expert_parallel(x, weights, ids)
         fused = self._fused_args() if x.dtype == torch.float32 and x.device.type == "cpu" else False
         if fused:
-            return cpu_kernels.kernels().gguf_moe_int8(x, ids, weights, *fused)
+            kernel, *args = fused
+            return kernel(x, ids, weights, *args)
         if x.shape[0] == 1:
             # One token (a single-stream decode): its experts in index order, no grouping.
             out = torch.zeros_like(x)
