@@ -308,13 +308,22 @@ def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def _read_gguf(path: str):
     """(the open file, its architecture, its GGUF -> HF names, the family's class, whether
     Q/K rows are permuted) for a GGUF model file."""
     from pagoda.model.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
-    arch = ModelArchConfig.from_gguf_metadata(gf.metadata, set(gf.tensors))
+    # Tensors that are configuration (LongRoPE's factors): read into the metadata the
+    # family's parser sees, not loaded as weights.
+    md = dict(gf.metadata)
+    for name in CONFIG_TENSORS:
+        if name in gf.tensors:
+            md[name] = gf.load_tensor(name, dtype=torch.float32).flatten().tolist()
+    arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         names = gguf_names(gf.metadata["general.architecture"], cls(arch))
@@ -336,6 +345,8 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name in gf.tensors:
+            if gguf_name in CONFIG_TENSORS:
+                continue
             hf_name = names.get(gguf_name)
             if hf_name is None:
                 yield gguf_name, torch.empty(0)
@@ -391,6 +402,8 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
     bar = tqdm(total=len(gf.tensors), desc="Mapping weights", unit="tensor", disable=not show_progress, leave=False)
     for gguf_name, info in gf.tensors.items():
         bar.update(1)
+        if gguf_name in CONFIG_TENSORS:
+            continue
         hf_name = names.get(gguf_name)
         if hf_name is None:
             unexpected.append(gguf_name)

@@ -5,6 +5,7 @@ that pagoda's GGUF path can be compared with transformers on the very same weigh
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -57,6 +58,17 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
         w.add_final_logit_softcapping(c.final_logit_softcapping)
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if gguf_arch == "phi3":
+        rotary = int(head_dim * rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0) or 1.0))
+        w.add_rope_dimension_count(rotary)
+    if rope_type == "longrope":   # llama.cpp's Phi-3 converter: factors as tensors, the rest as keys
+        original = rope.get("original_max_position_embeddings") or c.original_max_position_embeddings
+        factor = c.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     if gguf_arch == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)

@@ -45,7 +45,7 @@ def _configs():
         "phi4mini": (t.Phi3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True, partial_rotary_factor=0.75,
                                   original_max_position_embeddings=128,
                                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-                                                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}), None),
+                                                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}), "phi3"),
         # Five windowed layers (window 16, RoPE base 10^4) to one global (10^6); the
         # prompts run past the window. llama.cpp's files keep no query_pre_attn_scalar:
         # it is the head size here, as in every Gemma 3 but the 27B.

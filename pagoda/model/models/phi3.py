@@ -3,7 +3,8 @@ checkpoint (``qkv_proj``, ``gate_up_proj``: gate rows first, as pagoda stacks th
 llama.cpp's files (``attn_qkv``; ``ffn_up`` holding gate and up). Phi-3.5 and Phi-4-mini
 add partial rotary (``partial_rotary_factor``) and LongRoPE scaling (short factors within
 the original context, long ones past it: pagoda.model.layers.rotary.longrope_tables);
-LongRoPE GGUF files (``rope_factors_long``) are refused. Under tensor parallelism the
+llama.cpp's LongRoPE files keep the factors as tensors (``rope_factors_long`` /
+``rope_factors_short``), read as configuration. Under tensor parallelism the
 stacked tensors are split part by part (ShardPlan.narrow)."""
 
 from __future__ import annotations
@@ -38,5 +39,15 @@ class Phi3ForCausalLM(CausalLM):
         fields = ModelArchConfig.gguf_fields(md, tensor_names, architecture)
         rot = md.get("phi3.rope.dimension_count")
         if "rope_factors_long.weight" in tensor_names:
-            raise UnsupportedModelError("LongRoPE scaling in GGUF files (rope_factors_long) is not supported")
+            # llama.cpp's LongRoPE: the factors as tensors (the loader reads them into md),
+            # the original context and the attention factor as keys.
+            original = md.get("phi3.rope.scaling.original_context_length")
+            if original is None or "rope_factors_short.weight" not in md:
+                raise UnsupportedModelError("a LongRoPE GGUF file needs rope_factors_short and "
+                                            "phi3.rope.scaling.original_context_length")
+            fields["rope_scaling"] = {
+                "rope_type": "longrope", "long_factor": md["rope_factors_long.weight"],
+                "short_factor": md["rope_factors_short.weight"], "original_max_position_embeddings": int(original),
+                "max_position_embeddings": fields["max_position_embeddings"],
+                "attention_factor": md.get("phi3.rope.scaling.attn_factor")}
         return ModelArchConfig(**fields, rotary_dim=None if rot in (None, fields["head_dim"]) else rot)
