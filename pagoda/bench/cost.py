@@ -12,6 +12,11 @@ number the roofline literature uses, and what an optimised engine could reach.
 Counted: the linear layers (q/k/v, o, gate/up, down, LM head on the sampled rows) and
 attention's two matmuls (QK^T and PV) over each query's causal context. Left out: norms,
 RoPE, SiLU, softmax and residual adds; a few FLOPs per element, well under 1 % of a step.
+
+Families (pagoda.model.arch): a MoE layer computes its router and num_experts_per_tok
+experts per token, and reads the experts its tokens pick (expected count under uniform
+routing: E (1 - (1 - k/E)^T) for T tokens); a windowed layer attends to at most its
+window and reads only that much K/V.
 """
 
 from __future__ import annotations
@@ -49,6 +54,25 @@ def linear_params_per_layer(arch: ArchLike) -> int:
     return h * (q + 2 * kv) + q * h + h * 2 * i + i * h
 
 
+def _layer_kinds(arch: ArchLike) -> list[tuple[bool, int | None]]:
+    """Per layer: (a MoE layer, its attention window or None)."""
+    moe = getattr(arch, "is_moe_layer", None)
+    window = getattr(arch, "sliding_window_of", None)
+    return [(bool(moe and moe(i)), window(i) if window else None) for i in range(arch.num_hidden_layers)]
+
+
+def _attended(q_lens: Sequence[int], context_lens: Sequence[int], window: int | None) -> int:
+    """Keys attended over all queries: query j of a request with c cached tokens sees
+    c + j + 1 keys (causal), at most ``window``."""
+    total = 0
+    for q, c in zip(q_lens, context_lens):
+        if window is None or c + q <= window:
+            total += q * c + q * (q + 1) // 2
+        else:
+            total += sum(min(c + j + 1, window) for j in range(q))
+    return total
+
+
 def step_cost_breakdown(
     arch: ArchLike,
     num_tokens: int,
@@ -79,21 +103,32 @@ def step_cost_breakdown(
     q_dim = arch.num_attention_heads * arch.head_dim
     kv_dim = arch.num_key_value_heads * arch.head_dim
     p_lin = linear_params_per_layer(arch)
+    p_attn = h * (q_dim + 2 * kv_dim) + q_dim * h
+    experts, per_token = getattr(arch, "num_experts", 0), getattr(arch, "num_experts_per_tok", 0)
+    p_expert = 3 * h * getattr(arch, "moe_intermediate_size", 0)
+    # A MoE layer: the router and k experts per token; the experts its tokens pick, read once.
+    p_moe_per_token = p_attn + h * experts + per_token * p_expert
+    picked = experts * (1 - (1 - per_token / experts) ** num_tokens) if experts else 0.0
+    p_moe_read = p_attn + h * experts + picked * p_expert
+    kinds = _layer_kinds(arch)
+    n_moe = sum(m for m, _ in kinds)
 
-    # Query j of a request with c cached tokens attends to c + j + 1 keys (causal).
-    attended = sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, context_lens))
-    flops_linear = 2.0 * num_tokens * p_lin * layers
-    flops_attn = 4.0 * arch.num_attention_heads * arch.head_dim * attended * layers
+    flops_linear = 2.0 * num_tokens * (p_lin * (layers - n_moe) + p_moe_per_token * n_moe)
+    attended = {w: _attended(q_lens, context_lens, w) for w in {w for _, w in kinds}}
+    flops_attn = 4.0 * arch.num_attention_heads * arch.head_dim * sum(attended[w] for _, w in kinds)
     flops_lm_head = 2.0 * n_logits * h * v
 
-    bytes_weights = (p_lin * layers + (v * h if n_logits else 0)) * weight_bytes
+    bytes_weights = (p_lin * (layers - n_moe) + p_moe_read * n_moe + (v * h if n_logits else 0)) * weight_bytes
     bytes_weights += (num_tokens * h + (2 * layers + 1) * h) * weight_bytes   # embedding rows, norm weights
-    seq_total = sum(c + q for q, c in zip(q_lens, context_lens))
-    bytes_kv = layers * 2 * kv_dim * (seq_total + num_tokens) * kv_bytes    # read all K/V, write the new
+    # Read the K/V each layer's queries see (all, or its window's), write the new.
+    keys_read = sum(sum(min(c + q, w) if w else c + q for q, c in zip(q_lens, context_lens)) for _, w in kinds)
+    bytes_kv = 2 * kv_dim * (keys_read + layers * num_tokens) * kv_bytes
     # Per token and layer: each linear's input and output, attention's q in and out, and
     # the hidden state read and written by the two norms and two residual adds.
-    act_per_token = (h + q_dim + 2 * kv_dim) + (q_dim + h) + (h + 2 * i) + (i + h) + 2 * q_dim + 8 * h
-    bytes_act = layers * num_tokens * act_per_token * act_bytes + n_logits * v * 4.0   # fp32 logits out
+    i_moe = per_token * getattr(arch, "moe_intermediate_size", 0)
+    act_attn = (h + q_dim + 2 * kv_dim) + (q_dim + h) + 2 * q_dim + 8 * h
+    act_per_token = act_attn * layers + (h + 2 * i + i + h) * (layers - n_moe) + (h + 3 * i_moe + h) * n_moe
+    bytes_act = num_tokens * act_per_token * act_bytes + n_logits * v * 4.0   # fp32 logits out
 
     flops = flops_linear + flops_attn + flops_lm_head
     nbytes = bytes_weights + bytes_kv + bytes_act

@@ -307,3 +307,25 @@ def test_roofline_counts_the_int8_weights_a_step_reads_once():
     model = torch.nn.Sequential(Int8Linear(torch.nn.Linear(576, 128), outliers=torch.arange(16)))
     per_weight = linear_weight_bytes_per_element(model)
     assert 1.0 <= per_weight < 1.2, per_weight
+
+
+def test_step_cost_of_moe_and_windowed_layers():
+    """A MoE layer costs its router and k experts per token and reads the experts its tokens
+    pick; a windowed layer attends to at most its window."""
+    import dataclasses
+
+    moe = dataclasses.replace(ARCH, architecture="Qwen3MoeForCausalLM", num_hidden_layers=2, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=256, qk_norm="head")
+    h, q, kv = 576, 9 * 64, 3 * 64
+    p_attn = h * (q + 2 * kv) + q * h
+    one = step_cost_breakdown(moe, 1, [10])
+    assert one["flops_linear"] == 2 * 2 * (p_attn + h * 8 + 2 * 3 * h * 256)
+    # One token reads its 2 experts of 8 per layer; 64 tokens read (nearly) all 8.
+    dense_reads = (2 * p_attn + 2 * h * 8) * 4 + (h + 5 * h) * 4    # and the embedding row, 5 norms
+    assert one["bytes_weights"] - dense_reads - 49152 * h * 4 == pytest.approx(2 * 2 * 3 * h * 256 * 4, rel=1e-3)
+    many = step_cost_breakdown(moe, 64, [0] * 64)
+    assert many["bytes_weights"] > one["bytes_weights"] + 2 * 5.9 * 3 * h * 256 * 4
+    windowed = dataclasses.replace(ARCH, architecture="MistralForCausalLM", num_hidden_layers=1, sliding_window=4)
+    # A 10-token prompt: queries see 1, 2, 3, 4, 4, ... 4 keys.
+    assert step_cost_breakdown(windowed, 10, [0])["flops_attention"] == 4 * 9 * 64 * (1 + 2 + 3 + 4 * 7)
+    assert step_cost_breakdown(windowed, 1, [100])["flops_attention"] == 4 * 9 * 64 * 4
