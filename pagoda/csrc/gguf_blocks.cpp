@@ -1062,57 +1062,103 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   return y;
 }
 
-// ---- mixture of experts, gguf mode: every active expert in one call -----------------
-// Tokens are grouped by expert; each expert's rows are quantized and multiplied as
-// gguf_linear_int8 multiplies them (gate/up, then SiLU(gate) x up, then down), the work
-// units of all experts sharing one parallel region per projection. Each token's output
-// is the sum over its experts in expert order of weight x expert output, rounded as
-// transformers (and pagoda's per-expert path) round it.
+// ---- mixture of experts: every active expert of a layer in one call -------------------
+// Tokens are grouped by expert; each expert's rows are multiplied as gguf_linear_int8 (the
+// gguf mode) or gguf_linear (the exact mode) multiplies them (gate/up, then SiLU(gate) x up,
+// then down), the work units of all experts sharing one parallel region per projection.
+// Each token's output is the sum over its experts in expert order of weight x expert
+// output, rounded as transformers (and pagoda's per-expert path) round it.
+
+namespace {
+
+// A MoE layer's call, checked, its tokens grouped by expert.
+struct MoeCall {
+  torch::Tensor x, ids, wts;
+  int64_t T, H, E, k, I;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows;  // per expert: (token, slot), tokens in order
+  const std::vector<torch::Tensor>& gate_up;
+  const std::vector<int64_t>& gate_up_types;
+  const std::vector<torch::Tensor>& down;
+  const std::vector<int64_t>& down_types;
+
+  MoeCall(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in, const std::vector<torch::Tensor>& gu,
+          const std::vector<int64_t>& gut, const std::vector<torch::Tensor>& dn, const std::vector<int64_t>& dnt)
+      : gate_up(gu), gate_up_types(gut), down(dn), down_types(dnt) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+    x = x_in.contiguous();
+    ids = ids_in.to(torch::kInt64).contiguous();
+    wts = weights_in.to(torch::kFloat32).contiguous();
+    T = x.size(0), H = x.size(1), E = static_cast<int64_t>(dn.size());
+    TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && wts.sizes() == ids.sizes(), "ids and weights must be [T, k]");
+    TORCH_CHECK(static_cast<int64_t>(gu.size()) == 2 * E && gut.size() == gu.size() &&
+                static_cast<int64_t>(dnt.size()) == E && E > 0, "two gate/up parts and one down part per expert");
+    k = ids.size(1), I = gu[0].size(0);
+    TORCH_CHECK(H % 32 == 0 && I % 32 == 0, "hidden and intermediate sizes must be multiples of 32");
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    rows.resize(E);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = ip[t * k + j];
+        TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
+        rows[e].push_back({t, j});
+      }
+  }
+
+  std::vector<Part> gate_up_parts(int64_t e) const {
+    auto parts = check_parts({gate_up[2 * e], gate_up[2 * e + 1]}, {gate_up_types[2 * e], gate_up_types[2 * e + 1]}, H);
+    TORCH_CHECK(parts[0].rows == I && parts[1].rows == I, "expert ", e, "'s gate/up has the wrong shape");
+    return parts;
+  }
+
+  std::vector<Part> down_parts(int64_t e) const {
+    auto parts = check_parts({down[e]}, {down_types[e]}, I);
+    TORCH_CHECK(parts[0].rows == H, "expert ", e, "'s down projection has the wrong shape");
+    return parts;
+  }
+
+  // Expert e's rows of x, [n, H].
+  torch::Tensor gather(int64_t e) const {
+    const int64_t n = static_cast<int64_t>(rows[e].size());
+    auto xe = torch::empty({n, H}, x.options());
+    const float* xp = x.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(xe.data_ptr<float>() + r * H, xp + rows[e][r].first * H, H * sizeof(float));
+    return xe;
+  }
+
+  // out[t] += weight x y[r] for expert e's (token t, slot) = rows[e][r].
+  void add_weighted(int64_t e, const float* y, float* out) const {
+    const float* wp = wts.data_ptr<float>();
+    for (size_t r = 0; r < rows[e].size(); ++r) {
+      const auto [t, j] = rows[e][r];
+      const float w = wp[t * k + j];
+      const float* yr = y + r * H;
+      float* o = out + t * H;
+      for (int64_t h = 0; h < H; ++h) o[h] += yr[h] * w;
+    }
+  }
+};
+
+}  // namespace
 
 torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
                             std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
                             std::vector<torch::Tensor> down, std::vector<int64_t> down_types) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  const torch::Tensor x = x_in.contiguous();
-  const torch::Tensor ids = ids_in.to(torch::kInt64).contiguous();
-  const torch::Tensor wts = weights_in.to(torch::kFloat32).contiguous();
-  const int64_t T = x.size(0), H = x.size(1), E = static_cast<int64_t>(down.size());
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && wts.sizes() == ids.sizes(), "ids and weights must be [T, k]");
-  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == 2 * E && gate_up_types.size() == gate_up.size() &&
-              static_cast<int64_t>(down_types.size()) == E, "two gate/up parts and one down part per expert");
-  TORCH_CHECK(H % 256 == 0 || H % 32 == 0, "hidden size must be a multiple of 32");
-  const int64_t k = ids.size(1), I = gate_up[0].size(0);
-  TORCH_CHECK(I % 32 == 0, "the experts' intermediate size must be a multiple of 32");
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  const float* wp = wts.data_ptr<float>();
-  // Each expert's (token, slot) pairs, tokens in order.
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(E);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = ip[t * k + j];
-      TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
-      rows[e].push_back({t, j});
-    }
+  const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
+  const int64_t H = c.H, I = c.I;
   struct Active {
     int64_t e, n;
     std::vector<Part> gu, dn;
-    std::vector<float> xe, ge, he, ye;
+    torch::Tensor xe;
+    std::vector<float> ge, he, ye;
     QuantizedX xq, xk, hq, hk;
   };
   std::vector<Active> act;
-  const float* xp = x.data_ptr<float>();
-  for (int64_t e = 0; e < E; ++e) {
-    if (rows[e].empty()) continue;
-    Active a;
-    a.e = e;
-    a.n = static_cast<int64_t>(rows[e].size());
-    a.gu = check_parts({gate_up[2 * e], gate_up[2 * e + 1]}, {gate_up_types[2 * e], gate_up_types[2 * e + 1]}, H);
-    a.dn = check_parts({down[e]}, {down_types[e]}, I);
-    TORCH_CHECK(a.gu[0].rows == I && a.gu[1].rows == I && a.dn[0].rows == H, "expert ", e, " has the wrong shape");
+  for (int64_t e = 0; e < c.E; ++e) {
+    if (c.rows[e].empty()) continue;
+    Active a{e, static_cast<int64_t>(c.rows[e].size()), c.gate_up_parts(e), c.down_parts(e), c.gather(e)};
     for (const Part& p : a.gu) TORCH_CHECK(!is_float_type(p.type), "the int8 product needs quantized blocks");
     TORCH_CHECK(!is_float_type(a.dn[0].type), "the int8 product needs quantized blocks");
-    a.xe.resize(a.n * H);
-    for (int64_t r = 0; r < a.n; ++r) std::memcpy(&a.xe[r * H], xp + rows[e][r].first * H, H * sizeof(float));
     act.push_back(std::move(a));
   }
   // Runs every (expert, tile) unit of one projection in one parallel region.
@@ -1122,13 +1168,11 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
       Active& s = act[a];
       const std::vector<Part>& parts = first ? s.gu : s.dn;
       const int64_t K = first ? H : I;
-      const float* in = first ? s.xe.data() : s.he.data();
+      const float* in = first ? s.xe.data_ptr<float>() : s.he.data();
       bool kp = false, other = false;
       for (const Part& p : parts) (has_k_kernel(p.type) ? kp : other) = true;
-      QuantizedX& q = first ? s.xq : s.hq;
-      QuantizedX& qk = first ? s.xk : s.hk;
-      if (other) q = quantize_x(in, s.n, K);
-      if (kp) qk = quantize_x(in, s.n, K, 256);
+      if (other) (first ? s.xq : s.hq) = quantize_x(in, s.n, K);
+      if (kp) (first ? s.xk : s.hk) = quantize_x(in, s.n, K, 256);
       (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
       for (const Tile& t : tiles_of(parts, kChannels)) units.push_back({a, t});
     }
@@ -1150,65 +1194,29 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
     pagoda_silu_mul_rows(s.ge.data(), s.he.data(), s.n, I);
   }
   project(false);
-  auto out = torch::zeros({T, H}, x.options());
-  float* op = out.data_ptr<float>();
-  for (const Active& s : act)  // experts in order: each token's sum in transformers' order
-    for (int64_t r = 0; r < s.n; ++r) {
-      const auto [t, j] = rows[s.e][r];
-      const float w = wp[t * k + j];
-      const float* y = &s.ye[r * H];
-      float* o = op + t * H;
-      for (int64_t h = 0; h < H; ++h) o[h] += y[h] * w;
-    }
+  auto out = torch::zeros({c.T, H}, c.x.options());
+  for (const Active& s : act) c.add_weighted(s.e, s.ye.data(), out.data_ptr<float>());  // experts in order
   return out;
 }
 
-// The exact mode's MoE layer: as gguf_moe_int8, with gguf_linear's float32 products (the
-// blocks' dequantized values, float32 sums): an expert with at most kSmallSteps rows runs
-// its tiles in the layer's shared parallel region, one with more (a long prompt's popular
-// expert) gguf_linear's BLAS panels on its own. Bit for bit the per-expert path.
+// The exact mode's MoE layer: gguf_linear's float32 products (the blocks' dequantized
+// values, float32 sums). An expert with at most kSmallSteps rows runs its tiles in the
+// layer's shared parallel region, one with more (a long prompt's popular expert)
+// gguf_linear's BLAS panels on its own. Bit for bit the per-expert path.
 torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
                        std::vector<torch::Tensor> down, std::vector<int64_t> down_types) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  const torch::Tensor x = x_in.contiguous();
-  const torch::Tensor ids = ids_in.to(torch::kInt64).contiguous();
-  const torch::Tensor wts = weights_in.to(torch::kFloat32).contiguous();
-  const int64_t T = x.size(0), H = x.size(1), E = static_cast<int64_t>(down.size());
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && wts.sizes() == ids.sizes(), "ids and weights must be [T, k]");
-  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == 2 * E && gate_up_types.size() == gate_up.size() &&
-              static_cast<int64_t>(down_types.size()) == E, "two gate/up parts and one down part per expert");
-  const int64_t k = ids.size(1), I = gate_up[0].size(0);
-  TORCH_CHECK(H % 8 == 0 && I % 32 == 0, "hidden size a multiple of 8, intermediate of 32");
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  const float* wp = wts.data_ptr<float>();
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(E);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = ip[t * k + j];
-      TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
-      rows[e].push_back({t, j});
-    }
+  const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
+  const int64_t H = c.H, I = c.I;
   struct Active {
     int64_t e, n;
     std::vector<Part> gu, dn;
     torch::Tensor xe, ge, he, ye;  // [n, H], [n, 2I], [n, I], [n, H]
   };
   std::vector<Active> act;
-  const float* xp = x.data_ptr<float>();
-  for (int64_t e = 0; e < E; ++e) {
-    if (rows[e].empty()) continue;
-    Active a;
-    a.e = e;
-    a.n = static_cast<int64_t>(rows[e].size());
-    a.gu = check_parts({gate_up[2 * e], gate_up[2 * e + 1]}, {gate_up_types[2 * e], gate_up_types[2 * e + 1]}, H);
-    a.dn = check_parts({down[e]}, {down_types[e]}, I);
-    TORCH_CHECK(a.gu[0].rows == I && a.gu[1].rows == I && a.dn[0].rows == H, "expert ", e, " has the wrong shape");
-    a.xe = torch::empty({a.n, H}, x.options());
-    float* xe = a.xe.data_ptr<float>();
-    for (int64_t r = 0; r < a.n; ++r) std::memcpy(xe + r * H, xp + rows[e][r].first * H, H * sizeof(float));
-    act.push_back(std::move(a));
-  }
+  for (int64_t e = 0; e < c.E; ++e)
+    if (!c.rows[e].empty())
+      act.push_back({e, static_cast<int64_t>(c.rows[e].size()), c.gate_up_parts(e), c.down_parts(e), c.gather(e)});
   auto project = [&](bool first) {
     std::vector<std::pair<int64_t, Tile>> units;
     std::vector<std::vector<float>> sums(act.size());
@@ -1219,14 +1227,14 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
       const torch::Tensor& in = first ? s.xe : s.he;
       const int64_t K = first ? H : I;
       if (s.n > kSmallSteps) {  // gguf_linear's large-step path, on its own
-        std::vector<torch::Tensor> ws;
+        std::vector<torch::Tensor> ws = first ? std::vector<torch::Tensor>{c.gate_up[2 * s.e], c.gate_up[2 * s.e + 1]}
+                                              : std::vector<torch::Tensor>{c.down[s.e]};
         std::vector<int64_t> ts;
         for (const Part& p : parts) ts.push_back(p.type);
-        if (first) ws = {gate_up[2 * s.e], gate_up[2 * s.e + 1]}; else ws = {down[s.e]};
         (first ? s.ge : s.ye) = gguf_linear(in, ws, ts, c10::nullopt);
         continue;
       }
-      (first ? s.ge : s.ye) = torch::empty({s.n, first ? 2 * I : H}, x.options());
+      (first ? s.ge : s.ye) = torch::empty({s.n, first ? 2 * I : H}, c.x.options());
       if (s.n <= kDirectRows) sums[a] = group_sums16(in.data_ptr<float>(), s.n, K);
       for (const Tile& t : small_step_tiles(parts, s.n, K, &per_tile[a])) units.push_back({a, t});
     }
@@ -1248,19 +1256,11 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
   };
   project(true);
   for (Active& s : act) {
-    s.he = torch::empty({s.n, I}, x.options());
+    s.he = torch::empty({s.n, I}, c.x.options());
     pagoda_silu_mul_rows(s.ge.data_ptr<float>(), s.he.data_ptr<float>(), s.n, I);
   }
   project(false);
-  auto out = torch::zeros({T, H}, x.options());
-  float* op = out.data_ptr<float>();
-  for (const Active& s : act)
-    for (int64_t r = 0; r < s.n; ++r) {
-      const auto [t, j] = rows[s.e][r];
-      const float w = wp[t * k + j];
-      const float* y = s.ye.data_ptr<float>() + r * H;
-      float* o = op + t * H;
-      for (int64_t h = 0; h < H; ++h) o[h] += y[h] * w;
-    }
+  auto out = torch::zeros({c.T, H}, c.x.options());
+  for (const Active& s : act) c.add_weighted(s.e, s.ye.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
