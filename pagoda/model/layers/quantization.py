@@ -385,9 +385,10 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     if not layers:
         raise ValueError("--quantization gguf needs a GGUF file on the CPU in float32 (its weights kept in "
                          "their blocks); for other checkpoints use int8 or q4")
-    keep = tuple(m for n, m in model.named_modules() if n.endswith(getattr(model, "unquantized_modules", ()) or ("\0",)))
+    suffixes = tuple(getattr(model, "unquantized_modules", ()))   # MoE routers stay in float
+    keep = {id(m) for n, m in model.named_modules() if n.endswith(suffixes)}
     for layer in layers:
-        if layer.quantized_parts and not any(layer is m for m in keep):
+        if layer.quantized_parts and id(layer) not in keep:
             layer.int8_activations = True
     return model
 
@@ -435,10 +436,10 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         return _int8_activations(model)
     if device.type != "cpu":
         raise ValueError(f"--quantization {mode} runs on the CPU only; use --quantization none on {device}")
-    keep = getattr(model, "unquantized_modules", ())
+    keep = tuple(getattr(model, "unquantized_modules", ()))   # MoE routers stay in float
     targets = [
         (name, module) for name, module in model.named_modules()
-        if isinstance(module, (nn.Linear, BlocksLinear)) and not name.endswith(keep or ("\0",))
+        if isinstance(module, (nn.Linear, BlocksLinear)) and not name.endswith(keep)
     ]
     bf16_path = bf16_gemm_path() if mode == "bf16" else None   # the same for every layer
     _log_gemm_paths(mode, bf16_path)
