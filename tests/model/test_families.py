@@ -272,3 +272,25 @@ def test_moe_expert_load_counts_every_routed_token(tiny_mixtral_dir):
     assert [sum(layer) for layer in load] == [2 * computed] * 2 and all(len(layer) == 4 for layer in load)
     core._last_expert_load = float("-inf")
     assert core._maybe_expert_load(100.0) == load and core._maybe_expert_load(100.5) is None
+
+
+def test_speculative_decoding_keeps_each_familys_tokens(family):
+    """Drafts (the model's first layer: a layer-skip draft proposes at every step) verified
+    several tokens at a time, through windows, soft-capping, experts, released blocks and
+    rejected drafts' trimmed slots, leave the greedy tokens unchanged."""
+    name, hf, hf_dir, _ = family
+    method = "layer_skip"
+    prompts = [p * 3 for p in (_prompts()[0], _prompts()[1][:9])]
+    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=32, block_size=16,
+              speculative_config={"method": method, "num_speculative_tokens": 3, "num_layers": 1})
+    # No logprobs: a request that asks for them is not drafted for.
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.make_stats().spec_num_draft_tokens > 0
+    for ids, out in zip(prompts, outputs):
+        want, want_logits = hf_greedy(hf, ids, 20)
+        result = compare_greedy(out.outputs[0].token_ids, want, lambda pos: top2_gap(want_logits[pos]),
+                                f"{name} {method}")
+        assert result.equal, result.excused
+    llm.engine.check_integrity()
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
