@@ -36,6 +36,14 @@ TARGET_MODULES: dict[str, tuple[str, int]] = {
     "down_proj": ("down_proj", 0),
 }
 
+# Targets a checkpoint stores stacked (Phi-3): one adapter on the stacked output, split
+# into its projections' row ranges (the same A for each, B's rows).
+STACKED_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+_MLP_TARGETS = {"gate_proj", "up_proj", "down_proj", "gate_up_proj"}
+
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
 
 
@@ -101,10 +109,10 @@ def _check_config(config: dict, path: str) -> None:
     if isinstance(targets, (list, tuple)):
         for target in targets:
             module = str(target).rsplit(".", 1)[-1]
-            if module not in TARGET_MODULES:
+            if module not in TARGET_MODULES and module not in STACKED_TARGETS:
                 raise LoRAAdapterError(
                     f"LoRA adapter {path}: unsupported target module {module!r}; "
-                    f"supported: {', '.join(TARGET_MODULES)}"
+                    f"supported: {', '.join([*TARGET_MODULES, *STACKED_TARGETS])}"
                 )
     for key in ("lora_alpha", "r"):
         value = config.get(key)
@@ -154,11 +162,15 @@ def load_adapter(
                         f"supported: {', '.join(TARGET_MODULES)}"
                     )
                 layer, _, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-                if module not in TARGET_MODULES:
+                if module not in TARGET_MODULES and module not in STACKED_TARGETS:
                     raise LoRAAdapterError(
                         f"LoRA adapter {path}: unsupported target module {module!r} (tensor {name}); "
-                        f"supported: {', '.join(TARGET_MODULES)}"
+                        f"supported: {', '.join([*TARGET_MODULES, *STACKED_TARGETS])}"
                     )
+                if module in _MLP_TARGETS and arch.is_moe_layer(layer):
+                    raise LoRAAdapterError(
+                        f"LoRA adapter {path}: layers.{layer}.{module}: adapters on a mixture of experts' "
+                        "projections are not supported (attention projections are)")
                 if layer >= arch.num_hidden_layers:
                     raise LoRAAdapterError(
                         f"LoRA adapter {path}: module layers.{layer}.{module} does not exist "
@@ -170,6 +182,17 @@ def load_adapter(
     if not raw:
         raise LoRAAdapterError(f"LoRA adapter {path}: adapter_model.safetensors holds no LoRA weights")
 
+    for (layer, module) in [key for key in raw if key[1] in STACKED_TARGETS]:
+        pair = raw.pop((layer, module))
+        parts = STACKED_TARGETS[module]
+        if any((layer, p) in raw for p in parts):
+            raise LoRAAdapterError(f"LoRA adapter {path}: layers.{layer} has both {module} and its parts")
+        if set(pair) == {"A", "B"} and pair["B"].dim() == 2 and pair["B"].shape[0] == sum(shapes[p][1] for p in parts):
+            rows = pair["B"].split([shapes[p][1] for p in parts])
+            for p, b in zip(parts, rows):
+                raw[(layer, p)] = {"A": pair["A"], "B": b}
+        else:   # the checks below name what is wrong, on the first part
+            raw[(layer, parts[0])] = pair
     modules: dict[tuple[int, str], LoRAModuleWeights] = {}
     for (layer, module), pair in sorted(raw.items()):
         label = f"layers.{layer}.{module}"

@@ -108,15 +108,13 @@ for _proj, (_module, _index) in TARGET_MODULES.items():
 def apply_lora(model: nn.Module, max_loras: int, max_rank: int, batch: LoRABatch) -> dict[tuple[int, str], LoRALinear]:
     """Wrap every layer's qkv/o/gate_up/down projection in a LoRALinear, in place.
     Returns (layer index, pagoda module name) -> the wrapper."""
-    if not getattr(model, "lora", True):
-        from pagoda.lora.errors import LoRAAdapterError
-
-        raise LoRAAdapterError(f"LoRA adapters are not supported for {type(model).__name__}")
     wrapped: dict[tuple[int, str], LoRALinear] = {}
     param = next(model.parameters())
     for i, layer in enumerate(model.model.layers):
         for module_name, projections in _SLICES.items():
             parent = layer.self_attn if module_name in ("qkv_proj", "o_proj") else layer.mlp
+            if not hasattr(parent, module_name):
+                continue   # a MoE layer's MLP: adapters there are refused when loaded
             base = getattr(parent, module_name)
             if module_name == "qkv_proj":
                 sizes = [parent.q_size, parent.kv_size, parent.kv_size]

@@ -177,3 +177,53 @@ def test_default_model_mixed_batch_equals_alone(default_llm, default_adapters, c
     assert len({tuple(o.outputs[0].token_ids) for o in batch}) == 4
     default_llm.engine.check_integrity()
     assert default_llm.engine.kv_manager.num_free_blocks == default_llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("fixture,targets", [
+    # Phi-3's adapters name the checkpoint's stacked projections: split row-wise on load.
+    ("tiny_phi3_dir", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    # A MoE model: adapters on its attention (its experts' projections are refused).
+    ("tiny_mixtral_dir", ("q_proj", "k_proj", "v_proj", "o_proj")),
+])
+def test_family_adapters_match_peft(fixture, targets, request, tmp_path):
+    import transformers
+
+    from pagoda import LLM
+    from tests.lora.helpers import make_adapter
+
+    path = request.getfixturevalue(fixture)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    adapter = make_adapter(hf, str(tmp_path / "adapter"), seed=3, targets=targets)
+    llm = LLM(path, enable_lora=True, max_lora_rank=16, skip_tokenizer_init=True, show_progress=False,
+              num_kv_blocks=64, max_model_len=256)
+    lora = LoRARequest("a", 1, adapter)
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    got = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+    with with_adapter(hf, adapter) as reference:
+        want = [hf_greedy(reference, p, 32) for p in TINY_PROMPTS]
+    _assert_matches(got, want, fixture)
+    base = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in base] != [o.outputs[0].token_ids for o in got], "adapter changed nothing"
+
+
+def test_adapter_on_experts_is_refused(tiny_mixtral_dir, tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pagoda import LLM
+    from pagoda.lora.errors import LoRAAdapterError
+
+    adapter = tmp_path / "experts"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                             "target_modules": ["gate_proj"]}))
+    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(128, 4)},
+              str(adapter / "adapter_model.safetensors"))
+    llm = LLM(tiny_mixtral_dir, enable_lora=True, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=32)
+    with pytest.raises(LoRAAdapterError, match="mixture of experts"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("experts", 1, str(adapter)))
+    assert llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -302,8 +302,6 @@ class CausalLM(nn.Module):
     gguf_qk_permuted: ClassVar[bool] = False
     # Whether tensor parallelism (pagoda.model.layers.parallel.ShardPlan) applies.
     tensor_parallel: ClassVar[bool] = True
-    # Whether LoRA adapters apply (their projections: q/k/v/o, gate/up/down of dense MLPs).
-    lora: ClassVar[bool] = True
     # Modules (name suffixes) the quantized modes leave in float: MoE routers, whose
     # choice of experts a rounding would change.
     unquantized_modules: ClassVar[tuple[str, ...]] = ()

@@ -27,7 +27,6 @@ def gguf_moe_layers(tensor_names: set[str], layers: int) -> tuple[bool, ...] | N
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    lora = False
     unquantized_modules = (".mlp.gate",)
 
     @classmethod

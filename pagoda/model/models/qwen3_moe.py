@@ -12,7 +12,6 @@ from pagoda.model.models.mixtral import gguf_moe_layers, moe_fields
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    lora = False
     unquantized_modules = (".mlp.gate",)
 
     @classmethod
