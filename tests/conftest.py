@@ -120,3 +120,14 @@ def tiny_phi3_dir(tmp_path_factory) -> str:
     """Phi-3: q/k/v and gate/up stacked in the checkpoint itself."""
     return _tiny_family(tmp_path_factory, "tiny-phi3", "Phi3Config", num_hidden_layers=2, pad_token_id=0,
                         architectures=["Phi3ForCausalLM"])
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2_dir(tmp_path_factory) -> str:
+    """OLMo 2: whole-width q/k norms, post-norms; one KV head (replicated under TP=2)."""
+    from transformers import Olmo2Config
+
+    config = Olmo2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+                         initializer_range=0.3, pad_token_id=0, architectures=["Olmo2ForCausalLM"])
+    return _save_tiny(tmp_path_factory, "tiny-olmo2", config)

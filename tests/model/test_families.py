@@ -147,19 +147,6 @@ def test_registry_covers_gguf_names_and_refuses_unknown():
         ModelArchConfig.from_gguf_metadata({"general.architecture": "nope"}, set())
 
 
-def test_olmo2_refuses_tensor_parallelism():
-    from pagoda.model.loader import _instantiate
-
-    arch = ModelArchConfig.from_hf_config(transformers.Olmo2Config(**_COMMON, num_hidden_layers=2).to_dict()
-                                          | {"architectures": ["Olmo2ForCausalLM"]})
-
-    class Two:
-        world_size = 2
-
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
-        _instantiate(arch, torch.float32, torch.device("cpu"), (Two(), 0))
-
-
 @pytest.mark.parametrize("mode", ["bf16", "q4"])
 def test_quantized_modes_apply_to_every_family(family, mode):
     """The quantized linear layers replace every family's projections through the shared

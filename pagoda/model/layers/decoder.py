@@ -62,6 +62,8 @@ class Attention(nn.Module):
         elif self.qk_norm == "full":
             self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+        # Tensor parallelism with whole-width q/k norms: the ranks' sums of squares (ShardPlan.apply).
+        self.qk_comm = None
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         t = qkv.shape[0]
@@ -69,9 +71,20 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q = self.q_norm.rows(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, -1)
             k = self.k_norm.rows(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, -1)
+        elif self.qk_comm is not None:
+            q, k = self._sharded_norm(q, self.q_norm), self._sharded_norm(k, self.k_norm)
         else:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         return torch.cat((q, k, v), dim=-1)
+
+    def _sharded_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """A whole-width RMSNorm of a projection split over ranks: the mean square from
+        every rank's sum of squares and width (a KV head held by several ranks counts in
+        both as often, so the mean stays its own)."""
+        x32 = x.float()
+        stats = torch.cat((x32.pow(2).sum(-1, keepdim=True), torch.full_like(x32[:, :1], x.shape[-1])), dim=-1)
+        stats = self.qk_comm.all_reduce(stats)
+        return norm.weight * (x32 * torch.rsqrt(stats[:, :1] / stats[:, 1:] + norm.eps)).to(x.dtype)
 
     def forward(
         self,

@@ -126,6 +126,10 @@ class ShardPlan:
             bias = attn.qkv_proj.bias is not None
             attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_size + 2 * attn.kv_size, bias=bias)
             attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, comm)
+            if getattr(attn, "qk_norm", None) == "full":   # OLMo 2: each rank's rows of the norms
+                attn.q_norm = type(attn.q_norm)(attn.q_size, attn.q_norm.eps)
+                attn.k_norm = type(attn.k_norm)(attn.kv_size, attn.k_norm.eps)
+                attn.qk_comm = comm
             if hasattr(mlp, "experts"):   # a MoE layer: whole experts, this rank's share
                 e0, e1 = self.experts
                 for e in range(len(mlp.experts)):
@@ -162,6 +166,10 @@ class ShardPlan:
             gate, up = t.split([self.total_intermediate] * 2)
             rows = slice(*self.intermediate)
             return torch.cat([gate[rows], up[rows]])
+        if kind == "q_norm" and t.shape[0] == self.total_heads * d:     # whole-width (OLMo 2)
+            return t[self.q_heads[0] * d:self.q_heads[1] * d]
+        if kind == "k_norm" and t.shape[0] == self.total_kv_heads * d:
+            return t[self.kv_heads[0] * d:self.kv_heads[1] * d]
         if kind == "q_proj":
             return t[self.q_heads[0] * d:self.q_heads[1] * d]
         if kind in ("k_proj", "v_proj"):

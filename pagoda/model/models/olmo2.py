@@ -1,7 +1,6 @@
 """OLMo 2: norms after each block (of its output, before the residual add) instead of
-before it, and RMSNorms over the whole q and k projections before RoPE. The q/k norms
-span every head, so a tensor-parallel rank could not compute them from its own heads:
-tensor parallelism is refused for this family."""
+before it, and RMSNorms over the whole q and k projections before RoPE (under tensor
+parallelism each rank's mean square comes from every rank's sums: Attention._sharded_norm)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ _OPTIONS = {"qk_norm": "full", "norm_placement": "post"}
 
 
 class Olmo2ForCausalLM(CausalLM):
-    tensor_parallel = False
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
