@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.model.arch import ModelArchConfig
-from pagoda.model.models.gemma3 import Gemma3ForCausalLM
+from pagoda.model.models.gemma3 import Gemma3ForCausalLM, gguf_layer_types
+
+GGUF_WINDOW = 4096   # llama.cpp's Gemma 2 window when a file states none
 
 # transformers' Gemma2Config defaults, for the fields a config.json leaves out.
 TEXT_DEFAULTS: dict[str, Any] = {
@@ -46,9 +48,12 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
         n = fields["num_hidden_layers"]
         # llama.cpp scales by 1 / sqrt(head size), except the 27B (46 layers): 1 / sqrt(hidden / heads).
         scalar = fields["hidden_size"] / fields["num_attention_heads"] if n == 46 else fields["head_dim"]
-        window = fields["sliding_window"]
+        window = fields["sliding_window"] or GGUF_WINDOW   # llama.cpp's default when the key is absent
+        swa_theta = md.get(p + "rope.freq_base_swa")
         return ModelArchConfig(
-            **{**fields, "hidden_act": "gelu_pytorch_tanh", "layer_types": _alternating(n) if window else None},
+            **{**fields, "hidden_act": "gelu_pytorch_tanh", "sliding_window": window,
+               "layer_types": gguf_layer_types(md, n, 2),
+               "local_rope_theta": float(swa_theta) if swa_theta is not None else None},
             norm_placement="sandwich",
             attention_multiplier=float(scalar) ** -0.5,
             embedding_multiplier=float(fields["hidden_size"]) ** 0.5,

@@ -32,6 +32,17 @@ def _pattern_layers(n: int, pattern: int) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n))
 
 
+def gguf_layer_types(md: dict[str, Any], n: int, default_pattern: int) -> tuple[str, ...]:
+    """llama.cpp's windowed layers: ``attention.sliding_window_pattern`` as one flag per
+    layer or as a period (every period-th layer global), else the architecture's period."""
+    pattern = md.get(f"{md['general.architecture']}.attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) < n:
+            raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        return tuple("sliding_attention" if flag else "full_attention" for flag in pattern[:n])
+    return _pattern_layers(n, int(pattern))
+
+
 class Gemma3ForCausalLM(CausalLM):
     @classmethod
     def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -62,10 +73,11 @@ class Gemma3ForCausalLM(CausalLM):
         # llama.cpp scales by 1 / sqrt(head size), except the 27B (62 layers): 1 / sqrt(hidden / heads).
         scalar = fields["hidden_size"] / fields["num_attention_heads"] if n == 62 else fields["head_dim"]
         window = fields["sliding_window"]
+        local_theta = md.get(f"{md['general.architecture']}.rope.freq_base_swa", GGUF_LOCAL_ROPE_THETA)
         return ModelArchConfig(
             **{**fields, "hidden_act": "gelu_pytorch_tanh",
-               "layer_types": _pattern_layers(n, GGUF_WINDOW_PATTERN) if window else None,
-               "local_rope_theta": GGUF_LOCAL_ROPE_THETA if window else None},
+               "layer_types": gguf_layer_types(md, n, GGUF_WINDOW_PATTERN) if window else None,
+               "local_rope_theta": float(local_theta) if window else None},
             qk_norm="head",
             norm_placement="sandwich",
             attention_multiplier=float(scalar) ** -0.5,

@@ -5,7 +5,8 @@ add partial rotary (``partial_rotary_factor``) and LongRoPE scaling (short facto
 the original context, long ones past it: pagoda.model.layers.rotary.longrope_tables);
 llama.cpp's LongRoPE files keep the factors as tensors (``rope_factors_long`` /
 ``rope_factors_short``), read as configuration. Under tensor parallelism the
-stacked tensors are split part by part (ShardPlan.narrow)."""
+stacked tensors are split part by part (ShardPlan.narrow). Phi-3-mini's window (2047) is
+honoured from GGUF files too, as transformers honours it (llama.cpp disables Phi's SWA)."""
 
 from __future__ import annotations
 
