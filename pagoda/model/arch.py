@@ -93,6 +93,9 @@ class ModelArchConfig:
                 raise ValueError("sliding_attention layers need a sliding_window")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise UnsupportedModelError(f"rotary_dim {self.rotary_dim} for heads of {self.head_dim}")
+        if kind == "freq_factors" and len(self.rope_scaling["factors"]) != (self.rotary_dim or self.head_dim) // 2:
+            raise UnsupportedModelError(f"rope_freqs has {len(self.rope_scaling['factors'])} entries for "
+                                        f"{(self.rotary_dim or self.head_dim) // 2} frequencies")
         if kind == "longrope":
             half = (self.rotary_dim or self.head_dim) // 2
             for key in ("short_factor", "long_factor"):
@@ -220,6 +223,10 @@ class ModelArchConfig:
             rope_scaling = {"rope_type": "linear", "factor": md[p + "rope.scaling.factor"]}
         elif md.get(p + "rope.scaling.type") not in (None, "none"):
             raise UnsupportedModelError(f"GGUF rope scaling {md[p + 'rope.scaling.type']!r} is not supported")
+        if "rope_freqs.weight" in md:   # the tensor's values, read by the loader (Llama 3.1's scaling)
+            if rope_scaling is not None:
+                raise UnsupportedModelError("a GGUF file with both rope_freqs and rope scaling")
+            rope_scaling = {"rope_type": "freq_factors", "factors": md["rope_freqs.weight"]}
         return dict(
             architecture=architecture,
             vocab_size=vocab,

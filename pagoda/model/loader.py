@@ -308,7 +308,7 @@ def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _read_gguf(path: str):
@@ -327,8 +327,6 @@ def _read_gguf(path: str):
     cls = model_class(arch.architecture)
     with torch.device("meta"):
         names = gguf_names(gf.metadata["general.architecture"], cls(arch))
-    if "rope_freqs.weight" in gf.tensors:
-        raise UnsupportedModelError(f"{path}: GGUF rope_freqs tensors are not supported")
     return gf, arch, names, cls
 
 

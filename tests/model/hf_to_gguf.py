@@ -62,6 +62,8 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
     if gguf_arch == "phi3":
         rotary = int(head_dim * rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0) or 1.0))
         w.add_rope_dimension_count(rotary)
+    if rope_type == "llama3":   # llama.cpp's Llama converter: the scaling as per-frequency divisors
+        w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
     if rope_type == "longrope":   # llama.cpp's Phi-3 converter: factors as tensors, the rest as keys
         original = rope.get("original_max_position_embeddings") or c.original_max_position_embeddings
         factor = c.max_position_embeddings / original
@@ -116,3 +118,22 @@ def _stack_experts(state: dict) -> dict:
     for name, parts in stacks.items():
         out[name] = torch.stack([parts[e] for e in sorted(parts)])
     return out
+
+
+def _llama3_factors(rope: dict, dim: int) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3.1's scaling."""
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope", "freq_factors")
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -34,6 +34,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
         inv_freq = scaled
+    elif kind == "freq_factors":
+        # llama.cpp's rope_freqs tensor (its Llama 3.1 files): a divisor per frequency, the
+        # llama3 scaling's factors as its converter computed them.
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
     elif kind == "longrope":
         # The short factors: positions below the original context (longrope_tables).
         inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64, device="cpu")
