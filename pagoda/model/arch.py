@@ -131,9 +131,11 @@ class ModelArchConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        attention = h * (q + 2 * kv) + q * h + 2 * h
+        experts = h * self.num_experts + self.num_experts * 3 * h * self.moe_intermediate_size
+        mlps = sum(experts if self.is_moe_layer(n) else 3 * h * i for n in range(self.num_hidden_layers))
         lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + lm_head
+        return v * h + self.num_hidden_layers * attention + mlps + h + lm_head
 
     # ---- parsing ------------------------------------------------------------------
 
