@@ -21,6 +21,7 @@ window and reads only that much K/V.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Protocol, Sequence
 
 
@@ -66,10 +67,13 @@ def _attended(q_lens: Sequence[int], context_lens: Sequence[int], window: int | 
     c + j + 1 keys (causal), at most ``window``."""
     total = 0
     for q, c in zip(q_lens, context_lens):
-        if window is None or c + q <= window:
-            total += q * c + q * (q + 1) // 2
-        else:
-            total += sum(min(c + j + 1, window) for j in range(q))
+        first, last = c + 1, c + q               # keys seen by the first and the last query
+        if window is None or last <= window:
+            total += (first + last) * q // 2
+        elif first > window:
+            total += q * window
+        else:                                     # growing up to the window, then capped
+            total += (first + window) * (window - first + 1) // 2 + (last - window) * window
     return total
 
 
@@ -112,16 +116,18 @@ def step_cost_breakdown(
     p_moe_read = p_attn + h * experts + picked * p_expert
     kinds = _layer_kinds(arch)
     n_moe = sum(m for m, _ in kinds)
+    windows = Counter(w for _, w in kinds)   # layers per attention window (None: whole context)
 
     flops_linear = 2.0 * num_tokens * (p_lin * (layers - n_moe) + p_moe_per_token * n_moe)
-    attended = {w: _attended(q_lens, context_lens, w) for w in {w for _, w in kinds}}
-    flops_attn = 4.0 * arch.num_attention_heads * arch.head_dim * sum(attended[w] for _, w in kinds)
+    attended = sum(n * _attended(q_lens, context_lens, w) for w, n in windows.items())
+    flops_attn = 4.0 * arch.num_attention_heads * arch.head_dim * attended
     flops_lm_head = 2.0 * n_logits * h * v
 
     bytes_weights = (p_lin * (layers - n_moe) + p_moe_read * n_moe + (v * h if n_logits else 0)) * weight_bytes
     bytes_weights += (num_tokens * h + (2 * layers + 1) * h) * weight_bytes   # embedding rows, norm weights
     # Read the K/V each layer's queries see (all, or its window's), write the new.
-    keys_read = sum(sum(min(c + q, w) if w else c + q for q, c in zip(q_lens, context_lens)) for _, w in kinds)
+    keys_read = sum(n * sum(min(c + q, w) if w else c + q for q, c in zip(q_lens, context_lens))
+                    for w, n in windows.items())
     bytes_kv = 2 * kv_dim * (keys_read + layers * num_tokens) * kv_bytes
     # Per token and layer: each linear's input and output, attention's q in and out, and
     # the hidden state read and written by the two norms and two residual adds.

@@ -111,9 +111,6 @@ class ModelArchConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
-    def uses_rope(self, layer: int) -> bool:
-        return self.rope_layers is None or self.rope_layers[layer]
-
     def sliding_window_of(self, layer: int) -> int | None:
         """The attention window of a layer: a query at position i sees keys j with
         i - window < j <= i (None: the whole context)."""
@@ -122,8 +119,10 @@ class ModelArchConfig:
         return self.sliding_window
 
     def rope_table_of(self, layer: int) -> str:
-        """Which rotary table a layer uses: "local" (windowed layers of a family with a
-        base of their own) or "global"."""
+        """Which rotary table a layer uses: "none" (no RoPE: SmolLM3's every fourth layer),
+        "local" (windowed layers of a family with a base of their own) or "global"."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return "none"
         return "local" if self.local_rope_theta is not None and self.sliding_window_of(layer) else "global"
 
     @property

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -15,7 +14,7 @@ from tqdm import tqdm
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.layers.decoder import CausalLM
-from pagoda.model.layers.parallel import Collectives, ShardPlan
+from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan
 from pagoda.model.models import model_class
 from pagoda.model.paths import ModelLoadError, default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from pagoda.ops import cpu_kernels
@@ -274,8 +273,8 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
     names: dict[str, str | list[str]] = {}
     for hf_name in checkpoint_names(model):
         module, _, leaf = hf_name.rpartition(".")
-        expert = _EXPERT.search(module)
-        gguf = table.get_name(_EXPERT.sub(".experts.", module) if expert else module)
+        expert = EXPERT_NAME.search(module)
+        gguf = table.get_name(EXPERT_NAME.sub(".experts.", module) if expert else module)
         if gguf is None and module == "lm_head" and model.config.tie_word_embeddings:
             continue   # an architecture whose files always tie it (Gemma 2)
         if gguf is None:
@@ -286,8 +285,6 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
             names[f"{gguf}.{leaf}"] = hf_name
     return names
 
-
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -312,8 +309,8 @@ CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors
 
 
 def _read_gguf(path: str):
-    """(the open file, its architecture, its GGUF -> HF names, the family's class, whether
-    Q/K rows are permuted) for a GGUF model file."""
+    """(the open file, its architecture, its GGUF -> HF names, the family's model built on
+    the meta device) for a GGUF model file."""
     from pagoda.model.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
@@ -324,10 +321,9 @@ def _read_gguf(path: str):
         if name in gf.tensors:
             md[name] = gf.load_tensor(name, dtype=torch.float32).flatten().tolist()
     arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
-    cls = model_class(arch.architecture)
     with torch.device("meta"):
-        names = gguf_names(gf.metadata["general.architecture"], cls(arch))
-    return gf, arch, names, cls
+        model = model_class(arch.architecture)(arch)
+    return gf, arch, gguf_names(gf.metadata["general.architecture"], model), model
 
 
 def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
@@ -337,8 +333,8 @@ def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
                tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
-    gf, arch, names, cls = _read_gguf(path)
-    heads = _qk_heads(arch, cls)
+    gf, arch, names, meta_model = _read_gguf(path)
+    heads = _qk_heads(arch, type(meta_model))
     model, plan = _instantiate(arch, dtype, device, tp)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -387,11 +383,9 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
     Q and K of Llama-converted files, whose rows are put back in HF order (a copy)."""
     from pagoda.model.layers.blocks import BLOCK_TYPES, BlockWeight
 
-    gf, arch, names, cls = _read_gguf(path)
+    gf, arch, names, model = _read_gguf(path)
     md = gf.metadata
-    heads = _qk_heads(arch, cls)
-    with torch.device("meta"):
-        model = cls(arch)
+    heads = _qk_heads(arch, type(model))
     slots = kept_weight_slots(model)
 
     blocks: dict[str, dict[int, BlockWeight]] = {}   # module path -> shard -> weight

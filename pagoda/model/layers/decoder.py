@@ -49,7 +49,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
-        self.use_rope = config.uses_rope(layer_idx)
         self.rotary_dim = config.rotary_dim or self.head_dim
         self.rope_table = config.rope_table_of(layer_idx)
         self.window = config.sliding_window_of(layer_idx)
@@ -100,8 +99,6 @@ class Attention(nn.Module):
             qkv = self._norm_qk(qkv)
         ops = fused_ops(qkv)
         if ops is not None and self.rotary_dim == self.head_dim:   # (partial rotary: the torch path)
-            if not self.use_rope:  # the identity rotation, exactly: q * 1 + rotated * 0
-                cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
             # One op: rotary q and k, and (a cache the kernels write) k and v into their slots.
             cache, scales = kernel_cache(kv_cache) or (None, None)
             in_place = cache is not None
@@ -113,7 +110,7 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(t, self.num_heads, self.head_dim)
             k = k.reshape(t, self.num_kv_heads, self.head_dim)
-            if self.use_rope:
+            if self.rope_table != "none":
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale,
                                 window=self.window, softcap=self.softcap)
@@ -185,58 +182,55 @@ class SparseMoeBlock(nn.Module):
             ) if ok else False
         return self._fused
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]) per token; counts the picks."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k], picks per expert [E]) per step; the
+        picks also add to the counts /metrics reports."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         picks = torch.bincount(ids.flatten(), minlength=self.num_experts)
-        self.expert_tokens = picks if self.expert_tokens is None else self.expert_tokens + picks
-        return weights, ids
+        if self.expert_tokens is None:
+            self.expert_tokens = picks.clone()
+        else:
+            self.expert_tokens.add_(picks)
+        return weights, ids, picks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        weights, ids, picks = self.route(x)
         weights = weights.to(x.dtype)
-        if self.comm is not None:
-            return self._forward_expert_parallel(x, weights, ids)
-        fused = self._fused_args() if x.dtype == torch.float32 and x.device.type == "cpu" else False
-        if fused:
-            kernel, *args = fused
-            return kernel(x, ids, weights, *args)
+        if self.comm is None and x.dtype == torch.float32 and x.device.type == "cpu":
+            fused = self._fused_args()
+            if fused:
+                kernel, *args = fused
+                return kernel(x, ids, weights, *args)
+        out = self._experts_sum(x, weights, ids, picks)
+        # Expert parallelism: this rank's experts' share, summed over ranks.
+        return out if self.comm is None else self.comm.all_reduce(out)
+
+    def _experts_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     picks: torch.Tensor) -> torch.Tensor:
+        """The weighted outputs of this process's experts (``local_experts``), added per
+        token in expert order."""
+        out = torch.zeros_like(x)
+        local = self.local_experts
         if x.shape[0] == 1:
             # One token (a single-stream decode): its experts in index order, no grouping.
-            out = torch.zeros_like(x)
-            chosen = sorted(zip(ids[0].tolist(), range(self.top_k)))
-            for e, slot in chosen:
-                out += self.experts[e](x) * weights[:, slot:slot + 1]
+            for e, slot in sorted(zip(ids[0].tolist(), range(self.top_k))):
+                if e in local:
+                    out += self.experts[e](x) * weights[:, slot:slot + 1]
             return out
-        # Group the (token, slot) pairs by expert once: a stable sort keeps each expert's
-        # tokens in order.
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        # The (token, slot) pairs grouped by expert once: a stable sort keeps each
+        # expert's tokens in order.
+        order = torch.argsort(ids.flatten(), stable=True)
         tokens_all, slots_all = order // self.top_k, order % self.top_k
-        out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
+        for e, n in enumerate(picks.tolist()):
             tokens, slot = tokens_all[start:start + n], slots_all[start:start + n]
             start += n
-            y = self.experts[e](x[tokens]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y)
-        return out
-
-
-    def _forward_expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's experts' weighted outputs, in expert order, summed over ranks."""
-        out = torch.zeros_like(x)
-        for e in self.local_experts:
-            tokens, slot = torch.where(ids == e)
-            if tokens.numel():
+            if n and e in local:
                 out.index_add_(0, tokens, self.experts[e](x[tokens]) * weights[tokens, slot, None])
-        return self.comm.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -417,6 +411,11 @@ class CausalLM(nn.Module):
         tables = {"global": self._rope_tables(positions, x.dtype)}
         if self.config.local_rope_theta is not None:
             tables["local"] = rope_cos_sin(positions, self.inv_freq_local, x.dtype)
+        if self.config.rope_layers is not None:
+            # Layers without RoPE: the identity rotation, exactly (q * 1 + rotated * 0), so
+            # the fused rotary op serves them too.
+            cos = tables["global"][0]
+            tables["none"] = (torch.ones_like(cos), torch.zeros_like(cos))
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         residual = None
         for layer, kv_cache in zip(layers, kv_caches):

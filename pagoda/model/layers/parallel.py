@@ -37,7 +37,8 @@ from torch import nn
 from pagoda.model.arch import ModelArchConfig
 
 
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# An expert's tensor or module in a checkpoint name: ``...mlp.experts.{index}.gate_proj...``.
+EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 
 class Collectives(Protocol):
@@ -149,12 +150,12 @@ class ShardPlan:
     def holds(self, name: str) -> bool:
         """Whether this rank holds (a part of) checkpoint tensor ``name``: all but other
         ranks' experts."""
-        expert = _EXPERT.search(name)
+        expert = EXPERT_NAME.search(name)
         return expert is None or self.experts[0] <= int(expert[1]) < self.experts[1]
 
     def narrow(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``name`` (HF naming)."""
-        if _EXPERT.search(name):
+        if EXPERT_NAME.search(name):
             return t   # a whole expert
         d = self.head_dim
         kind = name.split(".")[-2] if "." in name else name

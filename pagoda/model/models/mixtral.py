@@ -5,14 +5,12 @@ llama.cpp writes Mixtral as a ``llama`` file with ``llama.expert_count`` set."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.models.llama import LlamaForCausalLM
 
 _RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
-_EXPERT_TENSOR = re.compile(r"\.block_sparse_moe\.")
 
 
 def moe_fields(experts: int, per_token: int, intermediate: int, norm_topk_prob: bool) -> dict[str, Any]:
@@ -31,7 +29,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str:
-        if not _EXPERT_TENSOR.search(name):
+        if ".block_sparse_moe." not in name:
             return name
         for old, new in _RENAMES:
             name = name.replace(old, new)
