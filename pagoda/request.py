@@ -76,8 +76,10 @@ class Request:
         # Long-prefill fairness: the token count at which this request's prefill ends
         # while it counts as a long prefill in progress (0: not a long prefill).
         self.long_prefill_end = 0
-        # Swap preemption: the host blocks holding this request's KV while it waits.
+        # Swap preemption: the host blocks holding this request's KV while it waits, and
+        # where each came from: (KV group, table index).
         self.host_block_ids: list[int] = []
+        self.host_block_places: list[tuple[int, int]] = []
         self.lora_request = lora_request
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -108,7 +108,7 @@ class StepTimer:
         from pagoda.config import keep_freed_memory
         from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
         from pagoda.model.loader import load_model, parse_dtype
-        from pagoda.worker.model_runner import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_storage
+        from pagoda.worker.model_runner import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_storage, kv_layout
 
         if torch.device(config.device).type == "cpu":
             keep_freed_memory()   # as the engine does
@@ -135,7 +135,7 @@ class StepTimer:
                 c.zero_()
         self.kv_dtype = kv_dtype if kv_quant == "auto" else storage_dtype(kv_quant)
         self.kv_bytes_per_element = (kv_cache_bytes_per_block(self.model, 1, kv_dtype, kv_quant)
-                                     / (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim))
+                                     / (2 * kv_layout(self.model).num_buffers * a.num_key_value_heads * a.head_dim))
         self.decode_kernel = cpu_kernels.use_decode_kernel(self.device, self.kv_dtype, self.dtype)
         self.num_blocks = num_blocks
 

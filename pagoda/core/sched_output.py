@@ -17,7 +17,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]     # non-empty when resumed after preemption
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]      # its block table per KV group (pagoda/core/kv_layout.py)
     num_computed_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     lora_int_id: int = 0            # 0 = the base model
@@ -26,7 +26,7 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV group, the entries appended to its table
     num_computed_tokens: int
 
 

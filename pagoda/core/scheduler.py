@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from pagoda.core.host_pool import HostBlockPool
-from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_manager import KVCacheManager, block_ids_of
 from pagoda.core.sched_policy import POLICIES, FairShare, enqueue, queue_key, tenant_of
 from pagoda.core.sched_output import (
     CachedRequestData,
@@ -172,6 +172,7 @@ class Scheduler:
         if request.host_block_ids:
             self.host.free(request.host_block_ids)
             request.host_block_ids = []
+            request.host_block_places = []
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.fair.on_finish(tenant_of(request))
@@ -184,11 +185,14 @@ class Scheduler:
         """``request`` has already left ``running``. Swap its KV out to the host pool
         (keeping its progress) or drop it to be recomputed, per the preemption mode."""
         self.fair.on_stop_running(tenant_of(request))
-        host = self._swap_space_for(request)
+        # The blocks of its computed tokens it still holds (a windowed group gave back
+        # those behind its window): (group, table index, block id).
+        live = self.kv.live_blocks(request.request_id, -(-request.num_computed_tokens // self.kv.block_size))
+        host = self._swap_space_for(request, len(live))
         if host is not None:
-            device = self.kv.get_block_ids(request.request_id)[: len(host)]
-            step.swap_out.extend(zip(device, host))
+            step.swap_out.extend(zip([b for _, _, b in live], host))
             request.host_block_ids = host
+            request.host_block_places = [(g, i) for g, i, _ in live]
             self.host.num_swapped_out += len(host)
             self.num_swap_preemptions += 1
         else:
@@ -200,15 +204,15 @@ class Scheduler:
         self.num_preemptions += 1
         enqueue(self.waiting, request, self.policy, front=True)
 
-    def _swap_space_for(self, request: Request) -> list[int] | None:
-        """Host blocks for the victim's computed KV, or None to recompute it."""
+    def _swap_space_for(self, request: Request, num_blocks: int) -> list[int] | None:
+        """``num_blocks`` host blocks for the victim's computed KV, or None to recompute it."""
         mode = self.config.preemption_mode
         computed = request.num_computed_tokens
         if mode == "recompute" or computed == 0:
             return None
         if mode == "auto" and computed < self.config.auto_swap_min_tokens:
             return None
-        return self.host.allocate(-(-computed // self.kv.block_size))
+        return self.host.allocate(num_blocks)
 
     def _pick_victim(self) -> Request:
         """The running request to preempt: the most recently admitted one, or under
@@ -301,7 +305,7 @@ class Scheduler:
                 num_new += spec
             step.num_scheduled[request.request_id] = num_new
             step.cached[request.request_id] = CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
+                request.request_id, block_ids_of(new_blocks), request.num_computed_tokens
             )
             step.charge(request, num_new, capped=capped)
             i += 1
@@ -447,11 +451,16 @@ class Scheduler:
             if not (priority and self._preempt_lower(request, step)):
                 return False
         if swapped:
-            device = self.kv.get_block_ids(request.request_id)
-            step.swap_in.extend(zip(request.host_block_ids, device))
-            self.host.num_swapped_in += len(request.host_block_ids)
+            # Back into the blocks its tables hold now: a windowed group may hold fewer
+            # than it swapped out (never more: the window has not moved back).
+            for host, (g, i) in zip(request.host_block_ids, request.host_block_places):
+                device = self.kv.block_at(request.request_id, g, i)
+                if device is not None:
+                    step.swap_in.append((host, device))
+                    self.host.num_swapped_in += 1
             self._host_release.extend(request.host_block_ids)
             request.host_block_ids = []
+            request.host_block_places = []
         else:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
         request.status = RequestStatus.RUNNING
@@ -560,7 +569,8 @@ class Scheduler:
             step.num_scheduled[rid] = done + extra
             step.budget -= extra
             if rid in step.cached:
-                step.cached[rid].new_block_ids.extend(b.block_id for b in new_blocks)
+                for ids, new in zip(step.cached[rid].new_block_ids, block_ids_of(new_blocks)):
+                    ids.extend(new)
 
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
@@ -686,7 +696,7 @@ class Scheduler:
         if set(self.kv.req_to_blocks) - {r.request_id for r in self.running}:
             raise AssertionError("a request that is not running holds blocks")
         for request in self.running:
-            held = len(self.kv.req_to_blocks.get(request.request_id, []))
+            held = self.kv.num_table_blocks(request.request_id)
             if held * self.kv.block_size < request.num_computed_tokens:
                 raise AssertionError(f"{request} holds {held} blocks, too few for its computed tokens")
             if request.host_block_ids:

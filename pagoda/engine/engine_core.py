@@ -30,7 +30,7 @@ from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
 from pagoda.request import Request, RequestStatus
-from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage
+from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage, kv_layout
 
 logger = logging.getLogger(__name__)
 EXPERT_LOAD_INTERVAL_S = 1.0   # how often a MoE model's expert load goes to the API process
@@ -130,29 +130,34 @@ class EngineCore:
         if self.tp_driver is not None:
             # Every rank sizes its own pool (its own heads, its own memory); the smallest wins.
             num_blocks = self.tp_driver.group.all_reduce_min(num_blocks)
+        # Layers of different attention types (windows) keep separate block tables (KV
+        # groups) over one pool: the longest request the pool holds counts each group's blocks.
+        layout = kv_layout(loaded.model)
+        step_tokens = min(config.max_num_batched_tokens, max_model_len)
         capacity = num_blocks * config.block_size
-        if capacity < max_model_len:
+        longest = layout.max_tokens(num_blocks, config.block_size, step_tokens)
+        if longest < max_model_len:
             if config.max_model_len is not None or num_blocks < 1:
                 raise ValueError(
                     f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
-                    f"{config.block_size}), fewer than max_model_len={max_model_len}; "
+                    f"{config.block_size}), fewer than max_model_len={max_model_len} needs"
+                    f"{f' in {layout.num_groups} KV groups' if layout.num_groups > 1 else ''}; "
                     f"raise --kv-cache-memory or lower --max-model-len"
                 )
-            max_model_len = self.max_model_len = capacity
+            max_model_len = self.max_model_len = longest
         self.num_blocks = num_blocks
-        logger.info("memory plan: weights %.2f GiB, KV cache %.2f GiB (%d blocks of %d tokens: up to %d "
-                    "tokens in flight, %d per request)", parameter_bytes(loaded.model) / 2**30,
-                    num_blocks * per_block / 2**30, num_blocks, config.block_size, capacity, max_model_len)
+        logger.info("memory plan: weights %.2f GiB, KV cache %.2f GiB (%d blocks of %d tokens in %d KV group(s) "
+                    "of %d layers: %d block-tokens, %d per request)", parameter_bytes(loaded.model) / 2**30,
+                    num_blocks * per_block / 2**30, num_blocks, config.block_size, layout.num_groups,
+                    layout.num_buffers, capacity, max_model_len)
 
         num_host_blocks = config.swap_space // per_block if config.preemption_mode != "recompute" else 0
         if config.preemption_mode != "recompute" and num_host_blocks < 1:
             raise ValueError(f"--swap-space {config.swap_space} bytes holds no KV block ({per_block} bytes each)")
         self.num_host_blocks = num_host_blocks
-        # A model whose every layer is windowed gives back the blocks that slide out of
-        # the window (the largest, when layers differ); mixed models keep them all.
-        windows = {arch.sliding_window_of(i) for i in range(arch.num_hidden_layers)}
-        window = None if None in windows else max(windows)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
+        # Windowed groups give back the blocks that slide out of their window.
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         group_windows=layout.group_windows)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -186,7 +191,7 @@ class EngineCore:
 
             caches = None if draft is None else draft_kv_caches(draft, num_blocks, config.block_size, dtype, device)
             self.runner.proposer = build_proposer(spec, loaded.model, self.runner.kv_caches, config.block_size,
-                                                  device, draft, caches)
+                                                  device, draft, caches, self.runner.layout.layer_group)
         self.vocab_size = arch.vocab_size
         self.shared_prefixes = None
         if config.shared_prefix_file is not None:

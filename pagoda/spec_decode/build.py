@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -50,13 +50,16 @@ def build_proposer(
     device: torch.device,
     draft: LoadedModel | None = None,
     draft_caches: list[torch.Tensor] | None = None,
+    target_layer_group: Sequence[int] | None = None,
 ) -> Proposer:
+    """``target_layer_group``: the KV group of each target layer (one group if None)."""
     if spec.method == "ngram":
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "layer_skip":
         # Shares the target's weights and the K/V of its first num_layers layers.
+        groups = tuple(target_layer_group or (0,) * len(target_kv_caches))
         return ModelDraftProposer(target_model, target_kv_caches[: spec.num_layers], block_size, device,
-                                  num_layers=spec.num_layers)
+                                  num_layers=spec.num_layers, layer_group=groups[: spec.num_layers])
     assert draft is not None and draft_caches is not None
     return ModelDraftProposer(draft.model, draft_caches, block_size, device, needs_sync=True)

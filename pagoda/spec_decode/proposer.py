@@ -13,7 +13,7 @@ the draft token; the verifier's rejection sampling is exact for that q.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from pagoda.model.attention import AttentionMetadata
 class DraftRequest:
     token_ids: list[int]    # prompt + output; the last one is not computed yet
     num_drafts: int         # propose at most this many
-    block_ids: list[int]    # the request's block table (slots for all 1 + num_drafts positions)
+    block_ids: list[list[int]]  # per KV group, the request's block table (slots for all 1 + num_drafts positions)
 
 
 class Proposer(Protocol):
@@ -34,7 +34,8 @@ class Proposer(Protocol):
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]: ...
 
-    def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None: ...
+    def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata]) -> None:
+        """See the step's batch; ``metas``: its attention metadata per KV group."""
 
 
 class ModelDraftProposer:
@@ -50,9 +51,12 @@ class ModelDraftProposer:
     of them (all layers write a step's new K/V before attention reads), and slots of
     rejected drafts are rewritten when real tokens reach those positions.
 
+    ``layer_group``: the KV group of each of those layers (their block tables).
+
     draft_model: a separate model with caches of its own over the same block ids;
     ``sync`` runs it on every step's batch so its cache holds every computed position,
     prefix-cache hits included (a cached block was computed, and synced, by some step).
+    It reads the target's first KV group's tables (a global group, if the target has one).
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class ModelDraftProposer:
         device: torch.device,
         num_layers: int | None = None,
         needs_sync: bool = False,
+        layer_group: Sequence[int] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -70,8 +75,11 @@ class ModelDraftProposer:
         self.device = device
         self.num_layers = num_layers
         self.needs_sync = needs_sync
+        self.layer_group = tuple(layer_group) if layer_group is not None else None
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metas: Sequence[AttentionMetadata]) -> torch.Tensor:  # fmt: skip
+        meta = metas[0] if self.layer_group is None else [metas[g] for g in self.layer_group]
         return self.model(input_ids, positions, self.kv_caches, meta, num_layers=self.num_layers)
 
     @torch.inference_mode()
@@ -82,13 +90,13 @@ class ModelDraftProposer:
             active = [i for i, r in enumerate(requests) if r.num_drafts > j]
             # Request i's input at step j sits at position len(tokens) - 1 + j.
             ctx = [len(requests[i].token_ids) - 1 + j for i in active]
-            meta = AttentionMetadata.build(
-                [1] * len(active), ctx, [requests[i].block_ids for i in active], self.block_size, self.device
-            )
+            groups = range(max(self.layer_group or (0,)) + 1)
+            metas = [AttentionMetadata.build([1] * len(active), ctx, [requests[i].block_ids[g] for i in active],
+                                             self.block_size, self.device) for g in groups]  # fmt: skip
             hidden = self._forward(
                 torch.tensor([last[i] for i in active], dtype=torch.long, device=self.device),
                 torch.tensor(ctx, dtype=torch.long, device=self.device),
-                meta,
+                metas,
             )
             next_ids = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
             for i, token in zip(active, next_ids):
@@ -97,6 +105,6 @@ class ModelDraftProposer:
         return drafts
 
     @torch.inference_mode()
-    def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata]) -> None:
         if self.needs_sync:
-            self._forward(input_ids, positions, meta)
+            self._forward(input_ids, positions, metas)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.core.kv_layout import KVLayout
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionMetadata
@@ -30,7 +31,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]      # per KV group, its block table
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
     lora_int_id: int = 0
@@ -40,10 +41,14 @@ class CachedRequestState:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
 
+def kv_layout(model: CausalLM) -> KVLayout:
+    """How the model's layers share block tables and cache buffers (by their windows)."""
+    return KVLayout.plan([s.sliding_window for s in model.kv_specs()])
+
+
 def local_kv_heads(model: CausalLM) -> int:
     """KV heads this process holds per layer (a tensor-parallel rank holds only its share).
-    Every layer's cache has the same shape (windowed layers keep every block too, and
-    attend to their window)."""
+    Every layer's cache has the same shape (layers of different KV groups share buffers)."""
     specs = {(s.num_kv_heads, s.head_dim) for s in model.kv_specs()}
     if len(specs) != 1:
         raise NotImplementedError(f"layers with different KV caches {sorted(specs, key=str)} are not supported")
@@ -52,11 +57,14 @@ def local_kv_heads(model: CausalLM) -> int:
 
 def kv_cache_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype,
                              kv_cache_dtype: str = "auto") -> int:  # fmt: skip
+    """A block is a page of every cache buffer (one per layer, unless layers of different
+    KV groups share buffers)."""
     c = model.config
+    num_buffers = kv_layout(model).num_buffers
     if storage_dtype(kv_cache_dtype) is not None:
-        return c.num_hidden_layers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim)
+        return num_buffers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim)
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * c.num_hidden_layers * block_size * local_kv_heads(model) * c.head_dim * elem
+    return 2 * num_buffers * block_size * local_kv_heads(model) * c.head_dim * elem
 
 
 def kv_cache_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, str]:
@@ -119,10 +127,13 @@ class ModelRunner:
         def cache(n: int, on: torch.device | str, pin: bool = False) -> torch.Tensor | QuantizedKVCache:
             return allocate_kv_cache(model, n, block_size, kv_dtype, kv_cache_dtype, on, pin)
 
-        self.kv_caches = [cache(num_blocks, device) for _ in range(c.num_hidden_layers)]
+        self.layout = kv_layout(model)
+        self.kv_buffers = [cache(num_blocks, device) for _ in range(self.layout.num_buffers)]
+        # Per layer, its buffer (layers of different KV groups share one).
+        self.kv_caches = [self.kv_buffers[b] for b in self.layout.layer_buffer]
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
-        self.host_kv_caches = [cache(num_host_blocks, "cpu", device.type == "cuda")
-                               for _ in range(c.num_hidden_layers)] if num_host_blocks else []  # fmt: skip
+        self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda")
+                                for _ in range(self.layout.num_buffers)] if num_host_blocks else []  # fmt: skip
         # Decode attention in place through the block tables (pagoda/csrc), where
         # the kernels build: CPU, float32 queries, float32/float16/int8 KV.
         self.decode_kernel = cpu_kernels.use_decode_kernel(
@@ -163,12 +174,13 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens, new.eos_token_ids,
+                new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
                 new.lora_int_id,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, ids in zip(state.block_ids, cached.new_block_ids):
+                table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -177,12 +189,12 @@ class ModelRunner:
         if swap_out:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])
-            for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+            for kv, host_kv in zip(self.kv_buffers, self.host_kv_buffers):
                 _copy_blocks(kv, host_kv, dev, host)
         if swap_in:
             host = torch.tensor([h for h, _ in swap_in])
             dev = torch.tensor([d for _, d in swap_in], device=self.device)
-            for kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+            for kv, host_kv in zip(self.kv_buffers, self.host_kv_buffers):
                 _copy_blocks(host_kv, kv, host, dev)
 
     @torch.inference_mode()
@@ -208,7 +220,7 @@ class ModelRunner:
         positions: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[list[list[int]]] = []   # per request, per KV group
         sample_rows: list[int] = []       # index into `order` of requests that sample
         logits_indices: list[int] = []
         spec_rows: list[int] = []         # ... of requests verifying drafts
@@ -235,9 +247,11 @@ class ModelRunner:
                 sample_rows.append(i)
                 logits_indices.append(offset - 1)
 
-        meta = AttentionMetadata.build(
-            query_lens, context_lens, tables, self.block_size, self.device, self.decode_kernel
-        )
+        # One metadata per KV group; each layer reads its group's.
+        metas = [AttentionMetadata.build(query_lens, context_lens,
+                                          [t[g] for t in tables], self.block_size, self.device, self.decode_kernel)
+                 for g in range(self.layout.num_groups)]  # fmt: skip
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
         if self.lora is not None:
             token_loras: list[int] = []
             for rid, n in zip(order, query_lens):
@@ -247,7 +261,7 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if self.proposer is not None and self.proposer.needs_sync:
-            self.proposer.sync(ids_t, pos_t, meta)
+            self.proposer.sync(ids_t, pos_t, metas)
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list = [None for _ in order]
         if spec_rows:
@@ -303,7 +317,8 @@ class ModelRunner:
                 # computed yet, and blocks past the computed tokens are freed.
                 state.num_computed_tokens = len(state.all_token_ids) - 1
                 num_kept = (state.num_computed_tokens + self.block_size - 1) // self.block_size
-                del state.block_ids[num_kept:]
+                for table in state.block_ids:
+                    del table[num_kept:]
         return ModelRunnerOutput(
             order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d}
         )

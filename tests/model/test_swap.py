@@ -14,7 +14,7 @@ from tests.model.helpers import compare_greedy
 def poison(core: EngineCore) -> EngineCore:
     """Fill the KV pools with NaN, as uninitialized memory may be: only slots that were
     written may ever influence an output (padded decode positions read unwritten ones)."""
-    for kv in core.runner.kv_caches + core.runner.host_kv_caches:
+    for kv in core.runner.kv_buffers + core.runner.host_kv_buffers:
         if isinstance(kv, torch.Tensor):
             kv.fill_(float("nan"))
         else:

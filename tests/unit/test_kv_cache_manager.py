@@ -29,7 +29,7 @@ def admit(kv: KVCacheManager, req: Request, num_new: int | None = None):
     if new is None:
         return None
     req.num_computed_tokens = num_hit + num_new
-    return [b.block_id for b in hits], num_hit, [b.block_id for b in new]
+    return [b.block_id for b in hits[0]], num_hit, [b.block_id for b in new[0]]
 
 
 def decode(kv: KVCacheManager, req: Request, token: int):
@@ -61,7 +61,7 @@ def test_exact_block_ids_and_prefix_hit() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     a = make_req("a", A_TOKENS)
     assert admit(kv, a) == ([], 0, [0, 1, 2])
-    assert kv.get_block_ids("a") == [0, 1, 2]
+    assert kv.get_block_ids("a")[0] == [0, 1, 2]
     assert a.num_computed_tokens == 40
     # The two full blocks are registered, the partial third is not.
     assert kv.pool.blocks[0].block_hash is not None
@@ -71,11 +71,11 @@ def test_exact_block_ids_and_prefix_hit() -> None:
 
     b = make_req("b", A_TOKENS[:32] + [7] * 8)
     hits, num_hit = kv.get_computed_blocks(b)
-    assert [x.block_id for x in hits] == [0, 1]
+    assert [x.block_id for x in hits[0]] == [0, 1]
     assert num_hit == 32
     new = kv.allocate_slots(b, b.num_tokens - num_hit, hits, num_hit)
-    assert [x.block_id for x in new] == [3]
-    assert kv.get_block_ids("b") == [0, 1, 3]
+    assert [x.block_id for x in new[0]] == [3]
+    assert kv.get_block_ids("b")[0] == [0, 1, 3]
     assert ref_counts(kv)[:4] == [2, 2, 1, 1]
     assert kv.num_free_blocks == 6
     kv.check_integrity()
@@ -83,16 +83,16 @@ def test_exact_block_ids_and_prefix_hit() -> None:
     # Only FULL blocks hit: sharing 40 tokens with A still hits 2 blocks,
     # since A's third block holds only 8 tokens.
     c = make_req("c", A_TOKENS + [1] * 8)
-    assert [x.block_id for x in kv.get_computed_blocks(c)[0]] == [0, 1]
+    assert [x.block_id for x in kv.get_computed_blocks(c)[0][0]] == [0, 1]
 
     # Sharing only 20 tokens: one block.
     d = make_req("d", A_TOKENS[:20] + [5] * 20)
     hits, num_hit = kv.get_computed_blocks(d)
-    assert [x.block_id for x in hits] == [0] and num_hit == 16
+    assert [x.block_id for x in hits[0]] == [0] and num_hit == 16
 
     # A difference in the first block: nothing, even though block 2 matches.
     e = make_req("e", [0] + A_TOKENS[1:])
-    assert kv.get_computed_blocks(e) == ([], 0)
+    assert kv.get_computed_blocks(e) == ([[]], 0)
 
     for r in (a, b):
         kv.free(r)
@@ -107,7 +107,7 @@ def test_at_least_one_token_left_to_compute() -> None:
 
     same = make_req("same", A_TOKENS[:32])
     hits, num_hit = kv.get_computed_blocks(same)
-    assert [x.block_id for x in hits] == [0]
+    assert [x.block_id for x in hits[0]] == [0]
     assert num_hit == 16
     assert admit(kv, same) == ([0], 16, [2])
 
@@ -117,7 +117,7 @@ def test_at_least_one_token_left_to_compute() -> None:
 
     # A one-block prompt never hits.
     tiny = make_req("tiny", A_TOKENS[:16])
-    assert kv.get_computed_blocks(tiny) == ([], 0)
+    assert kv.get_computed_blocks(tiny) == ([[]], 0)
     kv.check_integrity()
 
 
@@ -125,11 +125,11 @@ def test_cache_salt_isolates() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     admit(kv, make_req("a", A_TOKENS))
     salted = make_req("s1", A_TOKENS, salt="tenant-1")
-    assert kv.get_computed_blocks(salted) == ([], 0)
+    assert kv.get_computed_blocks(salted) == ([[]], 0)
     assert admit(kv, salted) == ([], 0, [3, 4, 5])
     # Same salt hits the salted copy, another salt does not.
-    assert [x.block_id for x in kv.get_computed_blocks(make_req("s2", A_TOKENS, salt="tenant-1"))[0]] == [3, 4]
-    assert kv.get_computed_blocks(make_req("s3", A_TOKENS, salt="tenant-2")) == ([], 0)
+    assert [x.block_id for x in kv.get_computed_blocks(make_req("s2", A_TOKENS, salt="tenant-1"))[0][0]] == [3, 4]
+    assert kv.get_computed_blocks(make_req("s3", A_TOKENS, salt="tenant-2")) == ([[]], 0)
     kv.check_integrity()
 
 
@@ -141,9 +141,9 @@ def test_decode_fills_and_registers_blocks() -> None:
     for i, t in enumerate(outs):
         new = decode(kv, a, t)
         # Token 48 (the 9th output, at position 48) needs a 4th block.
-        assert [x.block_id for x in new] == ([3] if i == 8 else [])
+        assert [x.block_id for x in new[0]] == ([3] if i == 8 else [])
     assert a.num_computed_tokens == 49
-    assert kv.get_block_ids("a") == [0, 1, 2, 3]
+    assert kv.get_block_ids("a")[0] == [0, 1, 2, 3]
     assert kv.pool.blocks[2].block_hash is not None
     # A request continuing A's generated text hits all three full blocks.
     f = make_req("f", a.all_token_ids + [1])
@@ -164,19 +164,19 @@ def test_freed_blocks_stay_reusable_until_evicted_lru() -> None:
 
     # Freed but still cached: a later request with A's prompt revives them.
     probe = make_req("probe", A_TOKENS + list(range(200, 208)) + [3])
-    assert [x.block_id for x in kv.get_computed_blocks(probe)[0]] == [0, 1, 2]
+    assert [x.block_id for x in kv.get_computed_blocks(probe)[0][0]] == [0, 1, 2]
 
     # New allocations evict in LRU order: the unused block 5, then A's tail.
     c = make_req("c", [2] * 16)
     assert admit(kv, c) == ([], 0, [5])
-    assert [x.block_id for x in kv.get_computed_blocks(probe)[0]] == [0, 1, 2]
+    assert [x.block_id for x in kv.get_computed_blocks(probe)[0][0]] == [0, 1, 2]
     d = make_req("d", [3] * 16)
     assert admit(kv, d) == ([], 0, [2])
-    assert [x.block_id for x in kv.get_computed_blocks(probe)[0]] == [0, 1]
+    assert [x.block_id for x in kv.get_computed_blocks(probe)[0][0]] == [0, 1]
     assert kv.pool.num_evictions == 1
     e = make_req("e", [4] * 16)
     assert admit(kv, e) == ([], 0, [1])
-    assert [x.block_id for x in kv.get_computed_blocks(probe)[0]] == [0]
+    assert [x.block_id for x in kv.get_computed_blocks(probe)[0][0]] == [0]
     kv.check_integrity()
 
     # Only block 0 is free: it is the hit, so nothing is left for the new token.
@@ -227,7 +227,7 @@ def test_allocation_failure_keeps_existing_table() -> None:
     admit(kv, a)
     assert kv.num_free_blocks == 0
     assert decode(kv, a, 9) is None
-    assert kv.get_block_ids("a") == [0, 1]
+    assert kv.get_block_ids("a")[0] == [0, 1]
     assert a.num_computed_tokens == 8
     kv.check_integrity()
     kv.free(a)
@@ -253,7 +253,7 @@ def test_allocate_slots_argument_errors() -> None:
 def test_caching_disabled_never_hits() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=False)
     admit(kv, make_req("a", A_TOKENS))
-    assert kv.get_computed_blocks(make_req("b", A_TOKENS)) == ([], 0)
+    assert kv.get_computed_blocks(make_req("b", A_TOKENS)) == ([[]], 0)
     assert kv.pool.cached_blocks == {}
     kv.check_integrity()
 
@@ -283,15 +283,15 @@ def test_check_integrity_catches_table_corruption() -> None:
     a = make_req("a", list(range(10)))
     admit(kv, a)
     kv.check_integrity()
-    kv.req_to_blocks["a"].append(kv.req_to_blocks["a"][0])
+    kv.req_to_blocks["a"][0].append(kv.req_to_blocks["a"][0][0])
     with pytest.raises(AssertionError):
         kv.check_integrity()
-    kv.req_to_blocks["a"].pop()
+    kv.req_to_blocks["a"][0].pop()
     kv.check_integrity()
-    kv.req_to_blocks["a"].append(kv.pool.blocks[5])  # held but ref 0 and free
+    kv.req_to_blocks["a"][0].append(kv.pool.blocks[5])  # held but ref 0 and free
     with pytest.raises(AssertionError):
         kv.check_integrity()
-    kv.req_to_blocks["a"].pop()
+    kv.req_to_blocks["a"][0].pop()
     kv.num_cached_blocks["a"] = 9
     with pytest.raises(AssertionError):
         kv.check_integrity()
@@ -380,14 +380,14 @@ class KVStateMachine(RuleBasedStateMachine):
             [b.block_id for b in self.kv.pool.free_queue],
             [b.ref_cnt for b in self.kv.pool.blocks],
             {k: b.block_id for k, b in self.kv.pool.cached_blocks.items()},
-            {rid: list(self.kv.get_block_ids(rid)) for rid in self.kv.req_to_blocks},
+            {rid: list(self.kv.get_block_ids(rid)[0]) for rid in self.kv.req_to_blocks},
             dict(self.kv.num_cached_blocks),
         )
 
     def _admit(self, req: Request, chunk: int) -> None:
         hits, num_hit = self.kv.get_computed_blocks(req)
         expect_hits = self.model.hits(req)
-        assert [b.block_id for b in hits] == expect_hits
+        assert [b.block_id for b in hits[0]] == expect_hits
         assert num_hit == len(expect_hits) * self.bs
         assert num_hit < req.num_tokens
         num_new = 1 + chunk % (req.num_tokens - num_hit)
@@ -399,7 +399,7 @@ class KVStateMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         assert new is not None
-        assert [b.block_id for b in new] == expect_new
+        assert [b.block_id for b in new[0]] == expect_new
         req.num_computed_tokens = num_hit + num_new
         self.live[req.request_id] = req
 
@@ -431,7 +431,7 @@ class KVStateMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         assert new is not None
-        assert [b.block_id for b in new] == expect_new
+        assert [b.block_id for b in new[0]] == expect_new
         req.num_computed_tokens += num_new
 
     @precondition(lambda self: self.live)
@@ -444,12 +444,12 @@ class KVStateMachine(RuleBasedStateMachine):
             cache_salt=parent.cache_salt,
         )
         # The parent's leading computed full blocks that carry a hash must hit.
-        parent_blocks = self.kv.req_to_blocks[rid]
+        parent_blocks = self.kv.req_to_blocks[rid][0]
         k = 0
         limit = min(parent.num_computed_tokens // self.bs, (child.num_tokens - 1) // self.bs)
         while k < limit and parent_blocks[k].block_hash is not None:
             k += 1
-        hits, _ = self.kv.get_computed_blocks(child)
+        hits = self.kv.get_computed_blocks(child)[0][0]
         assert len(hits) >= k
         assert hits[:k] == parent_blocks[:k]
         self._admit(child, chunk)
@@ -489,7 +489,7 @@ class KVStateMachine(RuleBasedStateMachine):
         assert [b.block_id for b in self.kv.pool.free_queue] == m.free
         assert self.kv.num_free_blocks == len(m.free)
         assert [b.ref_cnt for b in self.kv.pool.blocks] == m.ref
-        assert {rid: self.kv.get_block_ids(rid) for rid in self.kv.req_to_blocks} == m.tables
+        assert {rid: self.kv.get_block_ids(rid)[0] for rid in self.kv.req_to_blocks} == m.tables
         assert set(self.kv.req_to_blocks) == set(self.live)
         assert {b.block_id for b in self.kv.pool.cached_blocks.values()} == set(m.key_of)
         for b, key in m.key_of.items():
@@ -497,7 +497,7 @@ class KVStateMachine(RuleBasedStateMachine):
             assert blk.block_hash is not None
             assert blk.block_hash.token_ids == key[1][-self.bs:]
         for rid, req in self.live.items():
-            assert len(self.kv.get_block_ids(rid)) == cdiv(req.num_computed_tokens, self.bs)
+            assert len(self.kv.get_block_ids(rid)[0]) == cdiv(req.num_computed_tokens, self.bs)
 
     def teardown(self) -> None:
         if not hasattr(self, "kv"):
@@ -523,19 +523,19 @@ def test_sliding_window_releases_blocks_behind_the_window() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS, sliding_window=20)
     req = make_req("a", list(range(40)))
     admit(kv, req, 40)                      # positions 0-39: the first query is 0, nothing released
-    assert kv.num_free_blocks == 10 - 3 and kv.req_to_blocks["a"][0] is not None
-    first_block = kv.req_to_blocks["a"][0]
+    assert kv.num_free_blocks == 10 - 3 and kv.req_to_blocks["a"][0][0] is not None
+    first_block = kv.req_to_blocks["a"][0][0]
     for token in range(100, 131):           # decode positions 40-70
         decode(kv, req, token)
         kv.check_integrity()
         first_needed = req.num_computed_tokens - 1 - 20 + 1
-        blocks = kv.req_to_blocks["a"]
+        blocks = kv.req_to_blocks["a"][0]
         assert all(b is None for b in blocks[: first_needed // BS])
         assert all(b is not None for b in blocks[first_needed // BS:])
     # Position 70 needs keys from 51: blocks 0-2 (positions 0-47) released, 3-4 held.
-    assert [b is None for b in kv.req_to_blocks["a"]] == [True, True, True, False, False]
+    assert [b is None for b in kv.req_to_blocks["a"][0]] == [True, True, True, False, False]
     assert kv.num_free_blocks == 10 - 2
-    assert kv.get_block_ids("a")[:3] == [0, 0, 0]
+    assert kv.get_block_ids("a")[0][:3] == [0, 0, 0]
     # A new request with the same first 16 tokens revives the released first block.
     other = make_req("b", list(range(20)))
     hits, num_hit, _ = admit(kv, other)
@@ -554,8 +554,8 @@ def test_sliding_window_prompt_chunks_release_as_they_advance() -> None:
         assert kv.allocate_slots(req, 25) is not None
         first = req.num_computed_tokens       # this chunk's first query
         req.num_computed_tokens += 25
-        assert kv.num_released.get("a", 0) == max(0, first - 16 + 1) // BS
+        assert kv.num_released.get("a", [0])[0] == max(0, first - 16 + 1) // BS
         kv.check_integrity()
-    assert sum(b is not None for b in kv.req_to_blocks["a"]) <= cdiv(16 + 25, BS) + 1
+    assert sum(b is not None for b in kv.req_to_blocks["a"][0]) <= cdiv(16 + 25, BS) + 1
     kv.free(req)
     assert kv.num_free_blocks == 8

@@ -49,7 +49,7 @@ def step(sched: Scheduler) -> tuple[SchedulerOutput, dict[str, int]]:
     assert not set(so.num_scheduled_tokens) & so.preempted_req_ids
     for rid in so.num_scheduled_tokens:
         req = sched.requests[rid]
-        assert len(sched.kv.get_block_ids(rid)) * sched.kv.block_size >= req.num_computed_tokens
+        assert len(sched.kv.get_block_ids(rid)[0]) * sched.kv.block_size >= req.num_computed_tokens
     tokens = [[7] if sched.requests[r].num_computed_tokens == sched.requests[r].num_tokens else []
               for r in so.num_scheduled_tokens]  # fmt: skip
     sched.update_from_output(so, ModelRunnerOutput(list(so.num_scheduled_tokens), tokens))
@@ -156,7 +156,7 @@ def test_waiting_high_priority_preempts_lowest_priority_for_a_seat() -> None:
     assert [n.req_id for n in so.scheduled_new_reqs] == ["hi"]
     assert "a" in so.num_scheduled_tokens
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert sched.kv.get_block_ids("b") == []
+    assert sched.kv.get_block_ids("b")[0] == []
     # b goes back ahead of c (priority 3 before 9).
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
     out_b = list(b.output_token_ids)
@@ -240,7 +240,7 @@ def test_long_prefill_alone_uses_the_whole_budget() -> None:
     so, _ = step(sched)
     # Held to 16 first, then topped up with what nobody else wanted.
     assert so.num_scheduled_tokens == {"long": 32}
-    assert len(sched.kv.get_block_ids("long")) == 8
+    assert len(sched.kv.get_block_ids("long")[0]) == 8
     drain(sched)
 
 
@@ -374,13 +374,13 @@ def test_swap_preemption_keeps_progress_and_moves_blocks_both_ways() -> None:
             assert so.preempted_req_ids == {"b"}
             # b keeps what it computed, holds host blocks and no device blocks.
             assert b.num_computed_tokens > 0 and len(b.host_block_ids) == -(-b.num_computed_tokens // 4)
-            assert sched.kv.get_block_ids("b") == []
+            assert sched.kv.get_block_ids("b")[0] == []
             swapped_progress = b.num_computed_tokens
         if so.swap_in:
             new = {n.req_id: n for n in so.scheduled_new_reqs}
             # Resumed where it stopped, not recomputed from scratch.
             assert new["b"].num_computed_tokens == swapped_progress
-            assert [d for _, d in so.swap_in] == new["b"].block_ids[: len(so.swap_in)]
+            assert [d for _, d in so.swap_in] == new["b"].block_ids[0][: len(so.swap_in)]
     assert swaps_out and len(swaps_in) == len(swaps_out)
     assert sorted(h for h, _ in swaps_in) == sorted(h for _, h in swaps_out)
     assert a.num_output_tokens == 6 and b.num_output_tokens == 6 and b.num_preemptions >= 1

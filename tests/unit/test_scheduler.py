@@ -79,7 +79,7 @@ def step(
             assert victim.status == RequestStatus.PREEMPTED
             assert victim.num_computed_tokens == 0
             assert rid not in so.num_scheduled_tokens
-            assert sched.kv.get_block_ids(rid) == []
+            assert sched.kv.get_block_ids(rid)[0] == []
     # Running requests are served oldest first; one is skipped only when the
     # budget ran out or it was preempted.
     kept = [r.request_id for r in running_before if r.request_id not in so.preempted_req_ids]
@@ -93,7 +93,7 @@ def step(
     for rid in so.num_scheduled_tokens:
         req = sched.requests[rid]
         assert req.num_computed_tokens <= req.num_tokens
-        assert len(sched.kv.get_block_ids(rid)) * sched.kv.block_size >= req.num_computed_tokens
+        assert len(sched.kv.get_block_ids(rid)[0]) * sched.kv.block_size >= req.num_computed_tokens
         if req.num_computed_tokens == req.num_tokens:
             t = token_fn(req)
             sampled[rid] = [t]
@@ -175,7 +175,7 @@ def test_simple_request_lifecycle() -> None:
     assert [n.req_id for n in so.scheduled_new_reqs] == ["a"]
     new = so.scheduled_new_reqs[0]
     assert new.num_computed_tokens == 0 and new.output_token_ids == []
-    assert new.block_ids == [0, 1, 2]
+    assert new.block_ids[0] == [0, 1, 2]
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in out] == [("a", [10], None)]
     so, out, _ = step(sched)
     assert so.num_scheduled_tokens == {"a": 1}
@@ -518,11 +518,11 @@ def test_abort_running_request_frees_blocks() -> None:
     make_req(sched, "b", 6, max_tokens=10)
     step(sched)
     step(sched)
-    assert sched.kv.get_block_ids("a") == [0, 1, 2]
+    assert sched.kv.get_block_ids("a")[0] == [0, 1, 2]
     free_before = sched.kv.num_free_blocks
     ended = sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert ended == [a] and a.status == RequestStatus.FINISHED_ABORTED
-    assert sched.kv.get_block_ids("a") == []
+    assert sched.kv.get_block_ids("a")[0] == []
     assert sched.kv.num_free_blocks == free_before + 3
     assert [r.request_id for r in sched.running] == ["b"]
     sched.check_integrity()
@@ -590,7 +590,7 @@ def test_prefix_hit_reported_in_output() -> None:
     so, out, _ = step(sched)
     assert so.num_scheduled_tokens == {"b": 8}
     assert so.scheduled_new_reqs[0].num_computed_tokens == 32
-    assert so.scheduled_new_reqs[0].block_ids[:2] == [0, 1]
+    assert so.scheduled_new_reqs[0].block_ids[0][:2] == [0, 1]
     assert out[0].num_cached_tokens == 32
     assert b.num_cached_tokens == 32
     outputs, _ = run_to_completion(sched)
@@ -608,8 +608,8 @@ def test_identical_prompts_in_one_step_share_blocks() -> None:
     make_req(sched, "b", prompt, max_tokens=3)
     so, out, _ = step(sched)
     assert so.num_scheduled_tokens == {"a": 40, "b": 8}
-    a_ids = so.scheduled_new_reqs[0].block_ids
-    b_ids = so.scheduled_new_reqs[1].block_ids
+    a_ids = so.scheduled_new_reqs[0].block_ids[0]
+    b_ids = so.scheduled_new_reqs[1].block_ids[0]
     assert b_ids[:2] == a_ids[:2] and b_ids[2] != a_ids[2]
     assert {o.request_id: o.num_cached_tokens for o in out} == {"a": 0, "b": 32}
     run_to_completion(sched)
@@ -672,7 +672,7 @@ def test_random_workload(num_blocks, block_size, budget, max_seqs, caching, reqs
                 aborted.add(rid)
                 done[rid] = live.pop(rid)
                 expect_finished.add(rid)
-                assert sched.kv.get_block_ids(rid) == []
+                assert sched.kv.get_block_ids(rid)[0] == []
         if not sched.has_unfinished_requests() and not pending:
             break
         so, out, _ = step(sched, lambda r: (r.num_output_tokens * 7 + len(r.request_id)) % 3)

@@ -86,7 +86,7 @@ def run(sched: Scheduler, runner: FakeSpecRunner, max_steps: int = 500) -> tuple
             assert 1 <= k <= sched.config.num_speculative_tokens
             assert so.num_scheduled_tokens[rid] == 1 + k
             # Slots for the known token and every draft.
-            assert len(sched.kv.get_block_ids(rid)) * sched.kv.block_size >= req.num_computed_tokens
+            assert len(sched.kv.get_block_ids(rid)[0]) * sched.kv.block_size >= req.num_computed_tokens
         outs = sched.update_from_output(so, runner.execute(sched, so))
         sched.check_integrity()
         for req in sched.running:
@@ -96,7 +96,7 @@ def run(sched: Scheduler, runner: FakeSpecRunner, max_steps: int = 500) -> tuple
             # Rolled back: exactly the blocks its computed tokens need.
             if req.request_id in so.num_spec_tokens:
                 assert req.num_computed_tokens == req.num_tokens - 1
-                assert len(kv.get_block_ids(req.request_id)) == -(-req.num_computed_tokens // kv.block_size)
+                assert len(kv.get_block_ids(req.request_id)[0]) == -(-req.num_computed_tokens // kv.block_size)
         for o in outs:
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         steps.append(so)
@@ -195,13 +195,13 @@ def test_rollback_frees_fully_rejected_blocks():
     runner = FakeSpecRunner(good=0)
     sched.update_from_output(so := sched.schedule(), runner.execute(sched, so))   # prefill
     req = sched.requests["a"]
-    assert (req.num_tokens, req.num_computed_tokens, len(sched.kv.get_block_ids("a"))) == (4, 3, 2)
+    assert (req.num_tokens, req.num_computed_tokens, len(sched.kv.get_block_ids("a")[0])) == (4, 3, 2)
     so = sched.schedule()
     # Position 3 plus 3 drafts (positions 4..6): 4 blocks of 2.
-    assert so.num_spec_tokens == {"a": 3} and len(sched.kv.get_block_ids("a")) == 4
+    assert so.num_spec_tokens == {"a": 3} and len(sched.kv.get_block_ids("a")[0]) == 4
     free_before = sched.kv.num_free_blocks
     sched.update_from_output(so, runner.execute(sched, so))
     # Nothing accepted: 5 tokens, 4 computed, 2 blocks; the two draft-only blocks are back.
-    assert (req.num_tokens, req.num_computed_tokens, len(sched.kv.get_block_ids("a"))) == (5, 4, 2)
+    assert (req.num_tokens, req.num_computed_tokens, len(sched.kv.get_block_ids("a")[0])) == (5, 4, 2)
     assert sched.kv.num_free_blocks == free_before + 2
     sched.check_integrity()

@@ -13,8 +13,9 @@ of scheduling or parallelism.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -402,7 +403,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,        # [T]
         positions: torch.Tensor,        # [T]
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],  # one for all layers, or one per layer
         num_layers: int | None = None,  # run only the first num_layers (a layer-skip draft)
     ) -> torch.Tensor:                  # hidden states [T, hidden]
         x = self.model.embed_tokens(input_ids)
@@ -418,9 +419,10 @@ class CausalLM(nn.Module):
             tables["none"] = (torch.ones_like(cos), torch.zeros_like(cos))
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         residual = None
-        for layer, kv_cache in zip(layers, kv_caches):
+        metas = itertools.repeat(meta) if isinstance(meta, AttentionMetadata) else meta
+        for layer, kv_cache, layer_meta in zip(layers, kv_caches, metas):
             cos, sin = tables[layer.self_attn.rope_table]
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta)
         return self.model.norm(x, residual)[0]
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
