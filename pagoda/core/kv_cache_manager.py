@@ -201,9 +201,11 @@ class KVCacheManager:
             return None
         self.req_to_blocks[rid] = tables
         released = self.num_released.setdefault(rid, [0] * self.num_groups)
+        # Every group's hits leave the free queue before any group takes new blocks from it.
+        for hit in hits:
+            self.pool.touch(b for b in hit if b is not None)
         new: list[Table] = []
         for g, (table, hit, add, skip) in enumerate(zip(tables, hits, adds, skips)):
-            self.pool.touch(b for b in hit if b is not None)
             table.extend(hit)
             entries: Table = [None] * skip
             entries.extend(self.pool.get_new_blocks(add - skip))

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.core.kv_layout import KVLayout
+from pagoda.engine.protocol import EngineCoreRequest
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.models import ARCHITECTURES, GGUF_ARCHITECTURES, model_class
 from pagoda.ops import cpu_kernels
+from pagoda.worker.model_runner import kv_cache_bytes_per_block
 from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, top2_gap
 from tests.model.hf_to_gguf import write_gguf
 from tests.model.test_reference import pagoda_prompt_logits
@@ -90,6 +93,14 @@ def family(request, tmp_path_factory):
     return request.param, hf, str(path / "hf"), gguf_path
 
 
+def _kv_layout(config) -> KVLayout:
+    """The KV groups pagoda forms for a transformers config's layer types."""
+    config = getattr(config, "text_config", config)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return KVLayout.plan([window if t == "sliding_attention" else None for t in types])
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 33, 70)]
@@ -129,11 +140,13 @@ def test_family_under_preemption(family):
     produce transformers' tokens."""
     name, hf, hf_dir, _ = family
     prompts = _prompts()
-    # A windowed model gives back the blocks behind its window: a smaller pool and
-    # chunked prompts still run out.
-    windowed = name == "mistral"
-    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=7 if windowed else 8,
-              block_size=16, max_num_batched_tokens=32 if windowed else 512)
+    # One block more than the longest request (70 + 24 tokens) holds at once: a windowed
+    # model gives back the blocks behind its window, so it gets chunked prompts (its
+    # windowed KV groups then hold a window and a chunk) and still runs out.
+    layout = _kv_layout(hf.config)
+    chunk = 512 if set(layout.group_windows) == {None} else 32
+    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, block_size=16, max_num_batched_tokens=chunk,
+              num_kv_blocks=layout.blocks_for(94, 16, chunk) + 1)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -198,9 +211,9 @@ def test_windowed_model_releases_blocks_behind_the_window(tmp_path):
     while core.has_unfinished_requests():
         for out in core.step().outputs:
             tokens += out.new_token_ids
-        blocks = core.kv_manager.req_to_blocks.get("w", [])
+        blocks = core.kv_manager.req_to_blocks.get("w", [[]])[0]
         most_held = max(most_held, sum(b is not None for b in blocks))
-        released = max(released, core.kv_manager.num_released.get("w", 0))
+        released = max(released, core.kv_manager.num_released.get("w", [0])[0])
         core.check_integrity()
     # A window of 16 plus a 32-token chunk spans at most 4 blocks of 16 (6 without release).
     assert most_held <= 4 and released >= 5
@@ -208,6 +221,75 @@ def test_windowed_model_releases_blocks_behind_the_window(tmp_path):
     result = compare_greedy(tokens, want, lambda pos: top2_gap(want_logits[pos]), "mistral window")
     assert result.equal, result.excused
     assert core.kv_manager.num_free_blocks == core.num_blocks
+
+
+def _saved(name: str, path) -> transformers.PreTrainedModel:
+    config, _ = _configs()[name]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+def test_mixed_windows_keep_a_block_table_per_kv_group(tmp_path):
+    """Gemma 3 (five windowed layers to one global): the global KV group keeps every block
+    of a request, the five windowed groups give back what leaves their window, a block is
+    one layer's K/V (the groups share one buffer), and the tokens stay transformers'."""
+    hf = _saved("gemma3", tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32)
+    core = llm.engine
+    kv = core.kv_manager
+    assert kv.group_windows == (None, 16, 16, 16, 16, 16)
+    assert core.runner.layout.num_buffers == 1 and len({id(c) for c in core.runner.kv_caches}) == 1
+    c = hf.config
+    assert kv_cache_bytes_per_block(core.runner.model, 16, torch.float32) == 2 * 16 * c.num_key_value_heads * 32 * 4
+    prompt = _prompts()[3]                              # 70 tokens: chunks of 32, 32, 6
+    core.add_request(EngineCoreRequest(request_id="w", prompt_token_ids=prompt,
+                                       sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    tokens, most_global, most_windowed = [], 0, 0
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens += out.new_token_ids
+        tables = kv.req_to_blocks.get("w")
+        if tables:
+            assert None not in tables[0]
+            most_global = max(most_global, len(tables[0]))
+            most_windowed = max(most_windowed, *(sum(b is not None for b in t) for t in tables[1:]))
+        core.check_integrity()
+    # 109 computed positions: 7 global blocks; a window of 16 plus a 32-token chunk spans
+    # at most 4 blocks in each windowed group.
+    assert most_global == 7 and most_windowed <= 4
+    want, want_logits = hf_greedy(hf, prompt, 40)
+    result = compare_greedy(tokens, want, lambda pos: top2_gap(want_logits[pos]), "gemma3 kv groups")
+    assert result.equal, result.excused
+    assert kv.num_free_blocks == core.num_blocks
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_mixed_windows_under_swap_preemption(tmp_path, caching):
+    """Gemma 2 (alternating windowed / global layers) in a pool too small for the batch:
+    victims' held blocks go to the host pool and back (caches poisoned with NaN, so a block
+    restored to the wrong place would show), with and without prefix caching."""
+    from pagoda.config import EngineConfig
+    from pagoda.engine.engine_core import EngineCore
+    from tests.model.test_swap import _run, poison
+
+    hf = _saved("gemma2", tmp_path)
+    prompts = _prompts()
+    prompts.append(prompts[3][:40] + prompts[1])       # shares 32 tokens with the longest
+    layout = _kv_layout(hf.config)
+    base = dict(model=str(tmp_path), show_progress=False, block_size=16, max_num_batched_tokens=32,
+                enable_prefix_caching=caching)  # fmt: skip
+    tight = poison(EngineCore(EngineConfig(**base, num_kv_blocks=layout.blocks_for(94, 16, 32) + 2,
+                                           preemption_mode="swap", swap_space=1 << 22), collect_stats=False))
+    got, gaps = _run(tight, prompts, 24)
+    stats = tight.scheduler.make_stats()
+    assert stats.num_swap_preemptions > 0 and 0 < stats.num_swapped_in_blocks <= stats.num_swapped_out_blocks
+    for i, ids in enumerate(prompts):
+        want, want_logits = hf_greedy(hf, ids, 24)
+        result = compare_greedy(got[f"r{i}"], want, lambda pos: top2_gap(want_logits[pos]), f"gemma2 r{i}")
+        assert result.equal, result.excused
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
