@@ -96,6 +96,9 @@ class ModelArchConfig:
         if kind == "freq_factors" and len(self.rope_scaling["factors"]) != (self.rotary_dim or self.head_dim) // 2:
             raise UnsupportedModelError(f"rope_freqs has {len(self.rope_scaling['factors'])} entries for "
                                         f"{(self.rotary_dim or self.head_dim) // 2} frequencies")
+        if kind == "yarn" and not (self.rope_scaling.get("factor") and
+                                   self.rope_scaling.get("original_max_position_embeddings")):
+            raise UnsupportedModelError("YaRN needs a factor and original_max_position_embeddings")
         if kind == "longrope":
             half = (self.rotary_dim or self.head_dim) // 2
             for key in ("short_factor", "long_factor"):
@@ -181,6 +184,9 @@ class ModelArchConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        if rope_kind(rope_scaling) == "yarn" and rope_scaling.get("original_max_position_embeddings") is None:
+            # transformers' default: the configured context is the original one.
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": config.get("max_position_embeddings")}
         # Qwen2/3 write a window they do not use unless use_sliding_window.
         window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
         layer_types = config.get("layer_types")
@@ -222,6 +228,12 @@ class ModelArchConfig:
         rope_scaling = None
         if md.get(p + "rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": md[p + "rope.scaling.factor"]}
+        elif md.get(p + "rope.scaling.type") == "yarn":
+            # llama.cpp's YaRN keys; its beta_fast / beta_slow defaults (32, 1) are YaRN's.
+            rope_scaling = {"rope_type": "yarn", "factor": md[p + "rope.scaling.factor"],
+                            "original_max_position_embeddings": md[p + "rope.scaling.original_context_length"]}
+            if md.get(p + "rope.scaling.yarn_log_multiplier"):
+                raise UnsupportedModelError("GGUF YaRN with a log multiplier (DeepSeek's mscale) is not supported")
         elif md.get(p + "rope.scaling.type") not in (None, "none"):
             raise UnsupportedModelError(f"GGUF rope scaling {md[p + 'rope.scaling.type']!r} is not supported")
         if "rope_freqs.weight" in md:   # the tensor's values, read by the loader (Llama 3.1's scaling)

@@ -55,6 +55,11 @@ def _configs():
         "gemma3": (t.Gemma3TextConfig(**_COMMON, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
                                       sliding_window=16, tie_word_embeddings=True,
                                       architectures=["Gemma3ForCausalLM"]), "gemma3"),
+        # YaRN past an original context of 32 (Qwen2.5/3's long-context setting; llama.cpp's
+        # files: its factor and original context as keys).
+        "qwen3-yarn": (t.Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True,
+                                     rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 32}), "qwen3"),
         # Llama 3.1's rope scaling (llama.cpp's files: a rope_freqs tensor of divisors).
         "llama31": (t.LlamaConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True,
                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -81,7 +86,7 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama31", "qwen3", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe",
+@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
     config, gguf_arch = _configs()[request.param]

@@ -24,7 +24,14 @@ from torch import nn
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
 from pagoda.model.layers.norm import RMSNorm, fused_ops
-from pagoda.model.layers.rotary import apply_rope, longrope_tables, rope_cos_sin, rope_inv_freq, rope_kind
+from pagoda.model.layers.rotary import (
+    apply_rope,
+    longrope_tables,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_kind,
+)
 from pagoda.ops import cpu_kernels
 
 
@@ -355,6 +362,7 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(dim, c.rope_theta, c.rope_scaling).to(device),
                              persistent=False)
         self.longrope = None
+        self.rope_scale = rope_attention_factor(c.rope_scaling)
         if rope_kind(c.rope_scaling) == "longrope":
             long, original, attention = longrope_tables(dim, c.rope_theta, c.rope_scaling)
             self.register_buffer("inv_freq_long", long.to(device), persistent=False)
@@ -427,7 +435,7 @@ class CausalLM(nn.Module):
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.longrope is None:
-            return rope_cos_sin(positions, self.inv_freq, dtype)
+            return rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
         original, attention = self.longrope
         short, long = rope_cos_sin(positions, self.inv_freq, torch.float32), rope_cos_sin(positions, self.inv_freq_long,
                                                                                            torch.float32)
