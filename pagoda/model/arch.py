@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.model.layers.rotary import SUPPORTED_ROPE_SCALING, rope_kind
 
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
 from pagoda.model.models import GGUF_ARCHITECTURES, hf_architectures, model_class
 
 
@@ -42,7 +42,11 @@ class ModelArchConfig:
     rope_layers: tuple[bool, ...] | None = None  # per layer whether it applies RoPE (None: all do)
     # "pre" (before attention and MLP) | "post" (of their outputs: OLMo 2) | "sandwich" (both: Gemma)
     norm_placement: str = "pre"
-    hidden_act: str = "silu"                 # the gated MLP's: "silu" | "gelu_pytorch_tanh"
+    # The gated MLP's: "silu" | "gelu_pytorch_tanh" | "swiglu_oai" (GPT-OSS: gate and up clamped
+    # to swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+    hidden_act: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     # Per layer "full_attention" | "sliding_attention" (None: every layer is windowed when
     # sliding_window is set, else none is).
     layer_types: tuple[str, ...] | None = None
@@ -61,6 +65,12 @@ class ModelArchConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None   # the attention scale (None: 1 / sqrt(head_dim))
     logits_divisor: float = 1.0
+    # GPT-OSS: a learned logit per query head that joins every softmax (a key with no value),
+    # biases on the output projection, the router and the experts' projections.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    router_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in hf_architectures():
