@@ -116,6 +116,14 @@ def tiny_qwen3moe_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gptoss_dir(tmp_path_factory) -> str:
+    """GPT-OSS: windowed (16) and global layers, sinks, biases, top-2 of 4 clamped-SwiGLU experts."""
+    return _tiny_family(tmp_path_factory, "tiny-gptoss", "GptOssConfig", num_hidden_layers=2, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=16,
+                        architectures=["GptOssForCausalLM"])
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tmp_path_factory) -> str:
     """Phi-3: q/k/v and gate/up stacked in the checkpoint itself."""
     return _tiny_family(tmp_path_factory, "tiny-phi3", "Phi3Config", num_hidden_layers=2, pad_token_id=0,

@@ -258,7 +258,7 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 template <int G, typename KV>
 void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len, int64_t D,
                   int64_t kv0, int64_t kv1, float sc, float* scores, float* ob, const float* ks,
-                  const float* vs, const int64_t* srows, float* buf, float softcap) {
+                  const float* vs, const int64_t* srows, float* buf, float softcap, const float* sinks) {
   const int64_t padded = (len + 7) / 8 * 8;
   // Eight positions' K (then V) rows, heads kv0..kv1, copied as float32 into buf (room for
   // 8 x (kv1 - kv0) x D) one row after another: read in address order, the cache streams
@@ -303,7 +303,9 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
     for (int64_t p0 = 8; p0 < padded; p0 += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + p0));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, vmx);
-    const float mx = *std::max_element(lanes, lanes + 8);
+    // A sink (GPT-OSS) is one more logit in the softmax, with no value.
+    const float mx = sinks ? std::max(*std::max_element(lanes, lanes + 8), sinks[h])
+                           : *std::max_element(lanes, lanes + 8);
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 tot = _mm256_setzero_ps();
     for (int64_t p0 = 0; p0 < padded; p0 += 8) {
@@ -316,7 +318,7 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
       _mm256_storeu_ps(sg + p0, e);
       tot = _mm256_add_ps(tot, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.f / hsum256(tot));
+    const __m256 inv = _mm256_set1_ps(1.f / (hsum256(tot) + (sinks ? std::exp(sinks[h] - mx) : 0.f)));
     for (int64_t p0 = 0; p0 < padded; p0 += 8) _mm256_storeu_ps(sg + p0, _mm256_mul_ps(_mm256_loadu_ps(sg + p0), inv));
     if (vs) {
       const int64_t kvh = h / G;
@@ -370,7 +372,7 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
 template <typename KV>
 void decode_head_generic(const float* qh, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                          int64_t D, int64_t G, float sc, float* scores, float* out, const float* ks,
-                         const float* vs, const int64_t* srows, float softcap) {
+                         const float* vs, const int64_t* srows, float softcap, const float* sinks) {
   auto row = [&](const KV* base, int64_t p) { return base + rows[p]; };
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
@@ -381,8 +383,8 @@ void decode_head_generic(const float* qh, const KV* kp, const KV* vp, const int6
       sg[p] = ks ? s * (sc * ks[srows[p]]) : s * sc;
     }
     if (softcap > 0.f) soft_cap(sg, len, softcap);
-    const float mx = *std::max_element(sg, sg + len);
-    float total = 0.f;
+    const float mx = sinks ? std::max(*std::max_element(sg, sg + len), sinks[g]) : *std::max_element(sg, sg + len);
+    float total = sinks ? std::exp(sinks[g] - mx) : 0.f;
     for (int64_t p = 0; p < len; ++p) total += (sg[p] = std::exp(sg[p] - mx));
     for (int64_t p = 0; p < len; ++p) sg[p] /= total;
     if (vs)
@@ -403,7 +405,8 @@ namespace {
 template <typename KV>
 void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t* tp, const int32_t* lp,
                       float* op, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
-                      float sc, const float* ks, const float* vs, int64_t window, float softcap) {
+                      float sc, const float* ks, const float* vs, int64_t window, float softcap,
+                      const float* sinks) {
   const int64_t G = H / KVH;
   const bool vec = D % 8 == 0 && G >= 1 && G <= 8;
   // Work units: whole sequences (their K/V rows, all KV heads, are adjacent in the
@@ -439,11 +442,11 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
             rows[i] = srows[i] * D;
           }
           decode_head_generic<KV>(qb + kvh * G * D, kp, vp, rows.data(), len, D, G, sc, scores.data(),
-                                  ob + kvh * G * D, ks, vs, srows.data(), softcap);
+                                  ob + kvh * G * D, ks, vs, srows.data(), softcap, sinks ? sinks + kvh * G : nullptr);
         }
         continue;
       }
-#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, ks, vs, srows.data(), buf.data(), softcap); break;
+#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, ks, vs, srows.data(), buf.data(), softcap, sinks); break;
       switch (G) {
         case 1: PAGODA_HEADS(1)
         case 2: PAGODA_HEADS(2)
@@ -468,7 +471,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
                                      double scale,
                                      c10::optional<torch::Tensor> kv_scales,  // [2, blocks, bs, KVH] (int8)
                                      int64_t window,    // > 0: attend to the last `window` positions only
-                                     double softcap) {  // > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2)
+                                     double softcap,  // > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2)
+                                     c10::optional<torch::Tensor> sinks) {  // [H] float32: GPT-OSS's sink logits
   const auto kind = kv_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
               (kind == torch::kFloat32 || kind == torch::kFloat16 || kind == torch::kInt8),
@@ -501,12 +505,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
     ks = scales.data_ptr<float>();
     vs = ks + num_blocks * bs * KVH;
   }
+  torch::Tensor sink_logits;
+  const float* sp = nullptr;
+  if (sinks.has_value() && sinks->defined()) {
+    sink_logits = sinks->contiguous();
+    TORCH_CHECK(sink_logits.scalar_type() == torch::kFloat32 && sink_logits.numel() == H,
+                "sinks must be float32 [num_heads]");
+    sp = sink_logits.data_ptr<float>();
+  }
   auto out = torch::empty_like(q);
   const int64_t half_cache = num_blocks * bs * KVH * D;  // V starts after K
   const float sc = static_cast<float>(scale);
   auto run = [&](const auto* kp) {
     decode_attention(q.data_ptr<float>(), kp, kp + half_cache, tp, lp, out.data_ptr<float>(), B, H, KVH, D, bs,
-                     max_blocks, sc, ks, vs, window, static_cast<float>(softcap));
+                     max_blocks, sc, ks, vs, window, static_cast<float>(softcap), sp);
   };
   if (kind == torch::kFloat16)
     run(reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::Half>()));
@@ -1309,5 +1321,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"));
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("kv_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("kv_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
 }

@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.model.layers.rotary import SUPPORTED_ROPE_SCALING, rope_kind
 
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
 from pagoda.model.models import GGUF_ARCHITECTURES, hf_architectures, model_class
 
 
@@ -42,7 +42,11 @@ class ModelArchConfig:
     rope_layers: tuple[bool, ...] | None = None  # per layer whether it applies RoPE (None: all do)
     # "pre" (before attention and MLP) | "post" (of their outputs: OLMo 2) | "sandwich" (both: Gemma)
     norm_placement: str = "pre"
-    hidden_act: str = "silu"                 # the gated MLP's: "silu" | "gelu_pytorch_tanh"
+    # The gated MLP's: "silu" | "gelu_pytorch_tanh" | "swiglu_oai" (GPT-OSS: gate and up clamped
+    # to swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+    hidden_act: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     # Per layer "full_attention" | "sliding_attention" (None: every layer is windowed when
     # sliding_window is set, else none is).
     layer_types: tuple[str, ...] | None = None
@@ -61,6 +65,12 @@ class ModelArchConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None   # the attention scale (None: 1 / sqrt(head_dim))
     logits_divisor: float = 1.0
+    # GPT-OSS: a learned logit per query head that joins every softmax (a key with no value),
+    # biases on the output projection, the router and the experts' projections.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    router_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in hf_architectures():
@@ -96,6 +106,9 @@ class ModelArchConfig:
         if kind == "freq_factors" and len(self.rope_scaling["factors"]) != (self.rotary_dim or self.head_dim) // 2:
             raise UnsupportedModelError(f"rope_freqs has {len(self.rope_scaling['factors'])} entries for "
                                         f"{(self.rotary_dim or self.head_dim) // 2} frequencies")
+        if kind == "yarn" and not (self.rope_scaling.get("factor") and
+                                   self.rope_scaling.get("original_max_position_embeddings")):
+            raise UnsupportedModelError("YaRN needs a factor and original_max_position_embeddings")
         if kind == "longrope":
             half = (self.rotary_dim or self.head_dim) // 2
             for key in ("short_factor", "long_factor"):
@@ -181,6 +194,9 @@ class ModelArchConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        if rope_kind(rope_scaling) == "yarn" and rope_scaling.get("original_max_position_embeddings") is None:
+            # transformers' default: the configured context is the original one.
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": config.get("max_position_embeddings")}
         # Qwen2/3 write a window they do not use unless use_sliding_window.
         window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
         layer_types = config.get("layer_types")
@@ -222,6 +238,12 @@ class ModelArchConfig:
         rope_scaling = None
         if md.get(p + "rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": md[p + "rope.scaling.factor"]}
+        elif md.get(p + "rope.scaling.type") == "yarn":
+            # llama.cpp's YaRN keys; its beta_fast / beta_slow defaults (32, 1) are YaRN's.
+            rope_scaling = {"rope_type": "yarn", "factor": md[p + "rope.scaling.factor"],
+                            "original_max_position_embeddings": md[p + "rope.scaling.original_context_length"]}
+            if md.get(p + "rope.scaling.yarn_log_multiplier"):
+                raise UnsupportedModelError("GGUF YaRN with a log multiplier (DeepSeek's mscale) is not supported")
         elif md.get(p + "rope.scaling.type") not in (None, "none"):
             raise UnsupportedModelError(f"GGUF rope scaling {md[p + 'rope.scaling.type']!r} is not supported")
         if "rope_freqs.weight" in md:   # the tensor's values, read by the loader (Llama 3.1's scaling)

@@ -176,6 +176,7 @@ def paged_attention(
     kv_written: bool = False,  # the caller already wrote k and v to their slots
     window: int | None = None,  # a sliding-window layer's window
     softcap: float | None = None,  # Gemma 2: scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [H] GPT-OSS: a logit per head in every softmax, with no value
 ) -> torch.Tensor:            # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -201,7 +202,8 @@ def paged_attention(
     def decode_kernel(queries: torch.Tensor) -> torch.Tensor:
         cache, scales = kernel_cache(kv_cache)
         return cpu_kernels.kernels().paged_decode_attention(
-            queries, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, scales, window or 0, softcap or 0.0
+            queries, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, scales, window or 0, softcap or 0.0,
+            None if sinks is None else sinks.float()
         )
 
     if nd == num_tokens and meta.decode_block_tables is not None:
@@ -215,7 +217,7 @@ def paged_attention(
         ks = read(0, slots).transpose(1, 2)
         vs = read(1, slots).transpose(1, 2)
         qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        o = _attend(qs, ks, vs, mask, scale, softcap)
+        o = _attend(qs, ks, vs, mask, scale, softcap, None if sinks is None else sinks.view(num_kv_heads, group, 1))
         out[:nd] = o.reshape(nd, num_heads, head_dim)
     for chunk in meta.prefills:
         start, end = chunk.token_start, chunk.token_start + chunk.query_len
@@ -230,11 +232,11 @@ def paged_attention(
             ks = read(0, chunk.gather_slots[first:]).transpose(0, 1)[None]   # [1, KVH, S, hd]
             vs = read(1, chunk.gather_slots[first:]).transpose(0, 1)[None]
         qs = q[start:end].transpose(0, 1)[None]                              # [1, H, Q, hd]
-        if softcap:
+        if softcap or sinks is not None:
             if mask is None:   # plain causal over the chunk's own keys
                 mask = torch.ones(qs.shape[2], ks.shape[2], dtype=torch.bool, device=qs.device).tril()
             o = _attend(qs, ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1), mask, scale,
-                        softcap)
+                        softcap, None if sinks is None else sinks.view(num_heads, 1, 1))
         else:
             o = F.scaled_dot_product_attention(
                 qs, ks, vs,
@@ -248,12 +250,19 @@ def paged_attention(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with its heads already matched (q [..., Q, hd] against k, v [..., S, hd]);
-    with ``softcap``, the scores are capped as transformers caps them (SDPA cannot)."""
-    if not softcap:
+    with ``softcap``, the scores are capped as transformers caps them, and with ``sinks``
+    (shaped to broadcast against the scores' [..., Q, 1]) each softmax takes one more logit
+    with no value (SDPA can do neither)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    scores = torch.cat((scores.float(), sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    return torch.softmax(scores, dim=-1)[..., :-1].to(q.dtype) @ v

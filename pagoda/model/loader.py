@@ -244,9 +244,8 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
-                ours = model_cls.hf_name(name)
-                if ours is not None:
-                    yield ours, model_cls.hf_tensor(name, handle.get_tensor(name))
+                if model_cls.hf_name(name) is not None:
+                    yield from model_cls.hf_tensors(name, handle.get_tensor(name))
 
     _fill(model, tensors(), total, path, show_progress, plan)
     return LoadedModel(model, arch, path, shard=plan)
@@ -469,16 +468,14 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
     for handle in handles:
         for name in tqdm(list(handle.keys()), desc="Loading weights", unit="tensor", disable=not show_progress,
                          leave=False):
-            ours = cls.hf_name(name)
-            if ours is None:
+            if cls.hf_name(name) is None:
                 continue
-            t = cls.hf_tensor(name, handle.get_tensor(name))
-            name = ours
-            slot = slots.get(name) if t.dim() == 2 else None
-            if slot is not None and t.dtype in TORCH_DTYPE_TYPES:
-                blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight.from_tensor(t)
-            elif "rotary_emb" not in name:
-                floats[name] = t.float()
+            for ours, t in cls.hf_tensors(name, handle.get_tensor(name)):
+                slot = slots.get(ours) if t.dim() == 2 else None
+                if slot is not None and t.dtype in TORCH_DTYPE_TYPES:
+                    blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight.from_tensor(t)
+                elif "rotary_emb" not in ours:
+                    floats[ours] = t.float()
     _kept_weights_model(model, blocks, floats, path, device)
     return LoadedModel(model, arch, path)
 

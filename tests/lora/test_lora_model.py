@@ -184,6 +184,8 @@ def test_default_model_mixed_batch_equals_alone(default_llm, default_adapters, c
     ("tiny_phi3_dir", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     # A MoE model: adapters on its attention (its experts' projections are refused).
     ("tiny_mixtral_dir", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    # GPT-OSS: biased projections, sinks, windowed and global layers.
+    ("tiny_gptoss_dir", ("q_proj", "k_proj", "v_proj", "o_proj")),
 ])
 def test_family_adapters_match_peft(fixture, targets, request, tmp_path):
     import transformers

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
 from gguf.tensor_mapping import get_tensor_name_map
 
@@ -71,6 +71,10 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
         w.add_rope_scaling_orig_ctx_len(original)
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if rope_type == "yarn":   # llama.cpp's converters: the factor and the original context as keys
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if gguf_arch == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)

@@ -202,3 +202,11 @@ def test_moe_under_tp_needs_expert_parallel(tiny_mixtral_dir):
         LLM(tiny_mixtral_dir, tensor_parallel_size=2, skip_tokenizer_init=True, show_progress=False)
     with pytest.raises(ValueError, match="needs --tensor-parallel-size > 1"):
         LLM(tiny_mixtral_dir, enable_expert_parallel=True, skip_tokenizer_init=True, show_progress=False)
+
+
+def test_attention_sinks_under_tp_are_refused(tiny_gptoss_dir):
+    """GPT-OSS's sinks are per query head; sharding them with the heads is not built: a
+    clear error, not a wrong answer."""
+    with pytest.raises(ValueError, match="GptOssForCausalLM.*tensor parallel"):
+        LLM(tiny_gptoss_dir, tensor_parallel_size=2, enable_expert_parallel=True, skip_tokenizer_init=True,
+            show_progress=False)

@@ -100,7 +100,7 @@ def test_q4_linear_checks_shapes():
         ops.q4_linear(torch.randn(2, 96), q.qweight, q.scales, q.mins, None)
 
 
-def _reference_decode(q, cache, tables, lens, scale, window=0, softcap=0.0):
+def _reference_decode(q, cache, tables, lens, scale, window=0, softcap=0.0, sinks=None):
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     bs = cache.shape[2]
     out = []
@@ -114,7 +114,12 @@ def _reference_decode(q, cache, tables, lens, scale, window=0, softcap=0.0):
         scores = qq @ k.transpose(1, 2) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        out.append((torch.softmax(scores, -1) @ v).reshape(-1, head_dim))
+        if sinks is not None:   # one more logit per head, with no value (transformers' GPT-OSS)
+            sink = sinks.view(kv_heads, -1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, -1)
+        out.append((probs @ v).reshape(-1, head_dim))
     return torch.stack(out)
 
 
@@ -175,6 +180,27 @@ def test_paged_decode_attention_softcap(heads, kv_heads, head_dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (10, 1, 16)])
+def test_paged_decode_attention_sinks(heads, kv_heads, head_dim):
+    """GPT-OSS's sinks (a logit per query head joining the softmax) on the vector and
+    generic paths, with and without a window, sinks below and above the scores."""
+    torch.manual_seed(9)
+    cache = torch.randn(2, 40, 16, kv_heads, head_dim) * 3
+    lens = torch.tensor([1, 17, 100, 40], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(40)[:7] for _ in range(4)]).int()
+    q = torch.randn(4, heads, head_dim) * 2
+    for window, sinks in ((0, torch.randn(heads)), (20, torch.randn(heads) * 5), (0, torch.full((heads,), 30.0))):
+        out = ops.paged_decode_attention(q, cache, tables, lens, 0.5, None, window, 0.0, sinks)
+        want = _reference_decode(q, cache, tables, lens, 0.5, window, sinks=sinks)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    plain = ops.paged_decode_attention(q, cache, tables, lens, 0.5)
+    assert not torch.allclose(ops.paged_decode_attention(q, cache, tables, lens, 0.5, None, 0, 0.0,
+                                                         torch.zeros(heads)), plain)
+    with pytest.raises(RuntimeError, match="sinks"):
+        ops.paged_decode_attention(q, cache, tables, lens, 0.5, None, 0, 0.0, torch.zeros(heads + 1))
+
+
+@needs_kernels
 def test_paged_decode_attention_rejects_bad_lengths():
     cache = torch.randn(2, 4, 16, 1, 8)
     tables = torch.zeros(1, 2, dtype=torch.int32)
@@ -193,13 +219,16 @@ def test_paged_decode_attention_rejects_bad_block_ids():
 
 
 @needs_kernels
-def test_metadata_decode_kernel_path_equals_gather_path():
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_metadata_decode_kernel_path_equals_gather_path(with_sinks):
     """paged_attention with the in-place kernel and with the padded gather give
-    the same outputs for a mixed batch (two decodes, one prompt chunk)."""
+    the same outputs for a mixed batch (two decodes, one prompt chunk), with and without
+    GPT-OSS's sinks (which also change the result)."""
     torch.manual_seed(3)
     heads, kv_heads, d, bs = 6, 2, 16, 4
     query_lens, context_lens = [1, 1, 3], [6, 2, 5]
     tables = [[3, 1], [0], [2, 5]]
+    sinks = torch.randn(heads) if with_sinks else None
     results = []
     for use_kernel in (False, True):
         cache = torch.zeros(2, 8, bs, kv_heads, d)
@@ -209,7 +238,10 @@ def test_metadata_decode_kernel_path_equals_gather_path():
         assert (meta.decode_block_tables is not None) == use_kernel
         t = sum(query_lens)
         q, k, v = torch.randn(t, heads, d), torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
-        results.append((paged_attention(q, k, v, cache, meta, d ** -0.5), cache))
+        results.append((paged_attention(q, k, v, cache, meta, d ** -0.5, sinks=sinks), cache))
+        if with_sinks:
+            plain = paged_attention(q, k, v, cache, meta, d ** -0.5, kv_written=True)
+            assert not torch.allclose(plain, results[-1][0])
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(results[0][1], results[1][1])
 

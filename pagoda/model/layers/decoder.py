@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,14 @@ from torch import nn
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
 from pagoda.model.layers.norm import RMSNorm, fused_ops
-from pagoda.model.layers.rotary import apply_rope, longrope_tables, rope_cos_sin, rope_inv_freq, rope_kind
+from pagoda.model.layers.rotary import (
+    apply_rope,
+    longrope_tables,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_kind,
+)
 from pagoda.ops import cpu_kernels
 
 
@@ -48,7 +55,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one GEMM (the loader fills the three row ranges).
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias)
+        # GPT-OSS: per query head, a logit in every softmax's denominator (no value).
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
         self.scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim ** -0.5
         self.rotary_dim = config.rotary_dim or self.head_dim
         self.rope_table = config.rope_table_of(layer_idx)
@@ -106,7 +115,7 @@ class Attention(nn.Module):
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                                    cache, meta.slot_mapping if in_place else None, scales)
             o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place, window=self.window,
-                                softcap=self.softcap)
+                                softcap=self.softcap, sinks=self.sinks)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(t, self.num_heads, self.head_dim)
@@ -114,7 +123,7 @@ class Attention(nn.Module):
             if self.rope_table != "none":
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale,
-                                window=self.window, softcap=self.softcap)
+                                window=self.window, softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -124,15 +133,19 @@ class GatedMLP(nn.Module):
         h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.intermediate_size = i
         # gate and up in one GEMM (rows [0, i) and [i, 2i)).
-        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
         self.act = config.hidden_act
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.act == "gelu_pytorch_tanh":
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        if self.act == "swiglu_oai":
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         ops = fused_ops(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.shape[1] % 64 == 0:
             # One pass, the same bits as the line below (torch's own SLEEF exp).
@@ -151,7 +164,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = nn.ModuleList(GatedMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self._fused: tuple | bool | None = None   # the gguf mode's one-call arguments, found on first use
         # Expert parallelism (ShardPlan.apply): the experts this rank holds, and its group.
@@ -346,6 +359,15 @@ class CausalLM(nn.Module):
         """A tensor of an HF checkpoint as the model holds it (Gemma's norms: 1 + w)."""
         return tensor
 
+    @classmethod
+    def hf_tensors(cls, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every model tensor one HF checkpoint tensor holds: itself,
+        renamed and converted (``hf_name`` / ``hf_tensor``), or none; a family whose
+        checkpoints stack several tensors in one (GPT-OSS's experts) splits them here."""
+        ours = cls.hf_name(name)
+        if ours is not None:
+            yield ours, cls.hf_tensor(name, tensor)
+
     def init_rope(self, device: torch.device) -> None:
         """The rotary tables' inverse frequencies (buffers: checkpoints do not hold them):
         ``inv_freq`` for every layer, ``inv_freq_local`` for windowed layers with a base
@@ -355,6 +377,7 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(dim, c.rope_theta, c.rope_scaling).to(device),
                              persistent=False)
         self.longrope = None
+        self.rope_scale = rope_attention_factor(c.rope_scaling)
         if rope_kind(c.rope_scaling) == "longrope":
             long, original, attention = longrope_tables(dim, c.rope_theta, c.rope_scaling)
             self.register_buffer("inv_freq_long", long.to(device), persistent=False)
@@ -427,7 +450,7 @@ class CausalLM(nn.Module):
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.longrope is None:
-            return rope_cos_sin(positions, self.inv_freq, dtype)
+            return rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
         original, attention = self.longrope
         short, long = rope_cos_sin(positions, self.inv_freq, torch.float32), rope_cos_sin(positions, self.inv_freq_long,
                                                                                            torch.float32)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope", "freq_factors")
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope", "freq_factors", "yarn")
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -41,9 +41,53 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     elif kind == "longrope":
         # The short factors: positions below the original context (longrope_tables).
         inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64, device="cpu")
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     elif kind != "default":
         raise ValueError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
     return inv_freq.float()
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (Qwen2.5/3 long context, GPT-OSS, DeepSeek): frequencies that turn fewer than
+    beta_slow times over the original context are interpolated (divided by ``factor``),
+    those that turn more than beta_fast times kept, and the band between ramps linearly
+    from one to the other over the dimension index."""
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:   # the dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp   # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor on cos and sin a scaling asks for (YaRN's attention temperature:
+    1 + 0.1 ln(factor), or its ratio of mscales, or the configured ``attention_factor``);
+    1.0 for the others (LongRoPE's applies per position: ``longrope_tables``)."""
+    if rope_kind(scaling) != "yarn":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 def longrope_tables(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, int, float]:
@@ -62,10 +106,14 @@ def longrope_tables(head_dim: int, theta: float, scaling: dict) -> tuple[torch.T
     return long, original, float(attention)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, 1, head_dim] (each frequency twice: the rotate-half layout)."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """cos and sin [T, 1, head_dim] (each frequency twice: the rotate-half layout), times
+    ``scale`` (a scaling's attention factor)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
