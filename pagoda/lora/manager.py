@@ -24,6 +24,8 @@ from pagoda.model.arch import ModelArchConfig
 
 class LoRAManager:
     def __init__(self, model: nn.Module, arch: ModelArchConfig, max_loras: int, max_rank: int) -> None:
+        if not getattr(type(model), "lora", True):
+            raise ValueError(f"LoRA adapters are not supported for {arch.architecture}")
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank

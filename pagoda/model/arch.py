@@ -61,6 +61,25 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True              # renormalise the chosen experts' weights to sum 1
     moe_layers: tuple[bool, ...] | None = None
+    routed_scaling_factor: float = 1.0       # DeepSeek: the routed experts' weights x this
+    num_shared_experts: int = 0              # DeepSeek: an MLP of that many experts' width, every token
+    # Group-limited routing: (groups, groups kept per token), experts only from the kept
+    # groups, ranked by their best expert ("max": DeepSeek-V2) or their best two's sum
+    # ("top2": V3); None: all experts compete.
+    expert_groups: tuple[int, int] | None = None
+    expert_group_score: str = "max"
+    # The router's scores: "softmax" (most) or "sigmoid" (DeepSeek-V3, whose per-expert
+    # bias, expert_score_bias, moves the choice of experts but not their weights).
+    expert_scoring: str = "softmax"
+    expert_score_bias: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank > 0): K and V are one
+    # compressed latent of kv_lora_rank per token plus a shared rotary key of
+    # qk_rope_head_dim; head_dim is then the cached width (their sum), rotary_dim the latter.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_rope_interleaved: bool = True        # the rotary dimensions as pairs (transformers' DeepSeek)
     embedding_multiplier: float = 1.0        # Granite's multipliers
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None   # the attention scale (None: 1 / sqrt(head_dim))
@@ -116,6 +135,12 @@ class ModelArchConfig:
                     raise UnsupportedModelError(f"LongRoPE {key} must have {half} entries")
             if not self.rope_scaling.get("original_max_position_embeddings"):
                 raise UnsupportedModelError("LongRoPE needs original_max_position_embeddings")
+        if self.expert_scoring not in ("softmax", "sigmoid") or self.expert_group_score not in ("max", "top2"):
+            raise UnsupportedModelError(f"expert scoring {self.expert_scoring!r} / {self.expert_group_score!r}")
+        if self.expert_groups is not None:
+            groups, kept = self.expert_groups
+            if not (0 < kept <= groups and self.num_experts % groups == 0):
+                raise UnsupportedModelError(f"{self.num_experts} experts in {groups} groups, {kept} kept")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
@@ -144,7 +169,13 @@ class ModelArchConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         attention = h * (q + 2 * kv) + q * h + 2 * h
-        experts = h * self.num_experts + self.num_experts * 3 * h * self.moe_intermediate_size
+        if self.kv_lora_rank:   # MLA: queries, the latent and its expansion, the output
+            heads, rope = self.num_attention_heads, self.rotary_dim or 0
+            q_out = heads * (self.qk_nope_head_dim + rope)
+            queries = h * q_out if self.q_lora_rank is None else self.q_lora_rank * (h + q_out)
+            attention = (queries + h * (self.kv_lora_rank + rope) + self.kv_lora_rank * heads * (
+                self.qk_nope_head_dim + self.v_head_dim) + heads * self.v_head_dim * h + 2 * h)
+        experts = h * self.num_experts + (self.num_experts + self.num_shared_experts) * 3 * h * self.moe_intermediate_size
         mlps = sum(experts if self.is_moe_layer(n) else 3 * h * i for n in range(self.num_hidden_layers))
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * attention + mlps + h + lm_head

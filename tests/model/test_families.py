@@ -89,18 +89,50 @@ def _configs():
                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                                                    "original_max_position_embeddings": 64}), None),
+        # Multi-head latent attention (a latent of 32 + a rotary key of 8 cached per token),
+        # a dense first layer, then top-2 of 4 experts (x 2.0) plus a shared expert (HF only).
+        "deepseekv2": (t.DeepseekV2Config(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=3,
+                                          kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                                          qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                          first_k_dense_replace=1, routed_scaling_factor=2.0), None),
+        # DeepSeek-V2's full form: queries through their own low rank, experts limited to the
+        # best of 2 groups, YaRN with its mscale on the softmax scale.
+        "deepseekv2-full": (t.DeepseekV2Config(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2,
+                                               kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
+                                               qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                                               num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                                               first_k_dense_replace=0, topk_method="group_limited_greedy",
+                                               n_group=2, topk_group=1,
+                                               rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                                                "mscale_all_dim": 0.707, "rope_theta": 10000.0,
+                                                                "original_max_position_embeddings": 64,
+                                                                "beta_fast": 32, "beta_slow": 1}), None),
+        # DeepSeek-V3: sigmoid router with a choice bias (set random below), experts of the
+        # best of 2 groups by their best two, renormalised x 2.5.
+        "deepseekv3": (t.DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2,
+                                          kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
+                                          qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                          first_k_dense_replace=1, n_group=2, topk_group=1,
+                                          routed_scaling_factor=2.5, norm_topk_prob=True), None),
         # Every layer windowed (llama.cpp's files carry no Mistral window: HF only).
         "mistral": (t.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=16,
                                     tie_word_embeddings=False), None),
     }
 
 
-@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss",
+@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
+                                                 "deepseekv2-full", "deepseekv3",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
     config, gguf_arch = _configs()[request.param]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for m in hf.modules():
+            if hasattr(m, "e_score_correction_bias"):   # DeepSeek-V3's choice bias: zeros at init
+                m.e_score_correction_bias.normal_(0, 0.3)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path / "hf", safe_serialization=True)
     gguf_path = write_gguf(hf, str(path / "model.gguf"), gguf_arch, str(path / "hf")) if gguf_arch else None
@@ -179,6 +211,20 @@ def test_registry_covers_gguf_names_and_refuses_unknown():
         ModelArchConfig.from_gguf_metadata({"general.architecture": "nope"}, set())
 
 
+def _bf16_weights_error(hf, ids: list[int], want: torch.Tensor) -> float:
+    """transformers' relative logit error with its projections rounded to bfloat16 (the
+    routers and DeepSeek's kv_b_proj, which pagoda keeps in float, left alone)."""
+    import copy
+
+    rounded = copy.deepcopy(hf)
+    with torch.inference_mode():
+        for name, m in rounded.named_modules():
+            if isinstance(m, torch.nn.Linear) and not name.endswith(("mlp.gate", "router", "kv_b_proj")):
+                m.weight.copy_(m.weight.bfloat16().float())
+        got = rounded(torch.tensor([ids])).logits[0].float()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
 @pytest.mark.parametrize("mode", ["bf16", "q4"])
 def test_quantized_modes_apply_to_every_family(family, mode):
     """The quantized linear layers replace every family's projections through the shared
@@ -200,8 +246,12 @@ def test_quantized_modes_apply_to_every_family(family, mode):
     got = pagoda_prompt_logits(model, ids, [len(ids)])
     assert torch.isfinite(got).all()
     if mode == "bf16":
-        # GPT-OSS's (up + 1) and biases carry more of the rounding (0.108 measured).
-        assert ((got - want).abs().max() / want.abs().max()).item() < (0.15 if name == "gptoss" else 0.1)
+        # Within 0.1, or within a small multiple of what transformers gives with the same
+        # weights rounded to bfloat16 (the mode also rounds activations): tiny random
+        # models with large weights can be that sensitive (DeepSeek's routing flips: 0.19
+        # there, 0.21 here; GPT-OSS: 0.05 there, 0.11 here).
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        assert error < max(0.1, 2.5 * _bf16_weights_error(hf, ids, want) + 0.02)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
 
 
@@ -305,6 +355,19 @@ def test_mixed_windows_under_swap_preemption(tmp_path, caching):
         want, want_logits = hf_greedy(hf, ids, 24)
         result = compare_greedy(got[f"r{i}"], want, lambda pos: top2_gap(want_logits[pos]), f"gemma2 r{i}")
         assert result.equal, result.excused
+
+
+def test_mla_caches_one_latent_per_token_and_refuses_what_it_cannot(tmp_path):
+    """DeepSeek's latent attention caches [latent | rotary key] as one KV head (32 + 8 here,
+    576 for the real models); LoRA and tensor parallelism, not built for it, are refused."""
+    _saved("deepseekv2", tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=16)
+    assert all(tuple(c.shape) == (2, 16, 16, 1, 40) for c in llm.engine.runner.kv_caches)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for DeepseekV2ForCausalLM"):
+        LLM(str(tmp_path), enable_lora=True, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM cannot be served with tensor parallelism"):
+        LLM(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True, skip_tokenizer_init=True,
+            show_progress=False)
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):

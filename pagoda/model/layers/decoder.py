@@ -164,8 +164,17 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+        self.groups, self.group_score = config.expert_groups, config.expert_group_score
+        self.sigmoid = config.expert_scoring == "sigmoid"
+        # DeepSeek-V3: a per-expert bias on the scores that choose (not on the weights).
+        self.score_bias = (nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+                           if config.expert_score_bias else None)  # fmt: skip
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = nn.ModuleList(GatedMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        # DeepSeek: experts every token goes through (one MLP of their combined width).
+        self.shared_experts = (GatedMLP(config, config.moe_intermediate_size * config.num_shared_experts)
+                               if config.num_shared_experts else None)  # fmt: skip
         self._fused: tuple | bool | None = None   # the gguf mode's one-call arguments, found on first use
         # Expert parallelism (ShardPlan.apply): the experts this rank holds, and its group.
         self.local_experts = range(config.num_experts)
@@ -199,10 +208,25 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k], picks per expert [E]) per step; the
         picks also add to the counts /metrics reports."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        logits = self.gate(x).float()
+        probs = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        choice = probs if self.score_bias is None else probs + self.score_bias.float()
+        if self.groups is not None:
+            # Only the experts of the kept groups: those whose best expert (or best two)
+            # score highest; the others cannot be chosen.
+            groups, kept = self.groups
+            by_group = choice.view(choice.shape[0], groups, -1)
+            rank = by_group.amax(dim=-1) if self.group_score == "max" else by_group.topk(2, dim=-1).values.sum(-1)
+            best = torch.topk(rank, kept, dim=-1).indices
+            keep = torch.zeros(choice.shape[0], groups, 1, dtype=torch.bool, device=choice.device)
+            keep.scatter_(1, best[..., None], True)
+            choice = by_group.masked_fill(~keep, float("-inf")).view(choice.shape[0], -1)
+        ids = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = probs.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         picks = torch.bincount(ids.flatten(), minlength=self.num_experts)
         if self.expert_tokens is None:
             self.expert_tokens = picks.clone()
@@ -217,10 +241,14 @@ class SparseMoeBlock(nn.Module):
             fused = self._fused_args()
             if fused:
                 kernel, *args = fused
-                return kernel(x, ids, weights, *args)
+                return self._add_shared(kernel(x, ids, weights, *args), x)
         out = self._experts_sum(x, weights, ids, picks)
         # Expert parallelism: this rank's experts' share, summed over ranks.
-        return out if self.comm is None else self.comm.all_reduce(out)
+        return self._add_shared(out if self.comm is None else self.comm.all_reduce(out), x)
+
+    def _add_shared(self, routed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum plus the shared experts' output (transformers' order)."""
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def _experts_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                      picks: torch.Tensor) -> torch.Tensor:
@@ -254,9 +282,12 @@ class DecoderLayer(nn.Module):
     The residual stream is carried separately, so each "add, then norm" is one fused op:
     forward returns (this layer's output, the stream before it), their sum the stream."""
 
+    # The attention block (DeepSeek's latent attention replaces it).
+    attention_cls: ClassVar[type[nn.Module]] = Attention
+
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = self.attention_cls(config, layer_idx)
         self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
         self.post_norm = config.norm_placement == "post"
         self.sandwich = config.norm_placement == "sandwich"
@@ -323,6 +354,8 @@ class CausalLM(nn.Module):
     gguf_qk_permuted: ClassVar[bool] = False
     # Whether tensor parallelism (pagoda.model.layers.parallel.ShardPlan) applies.
     tensor_parallel: ClassVar[bool] = True
+    # Whether LoRA adapters (pagoda.lora: on qkv/o/gate_up/down) apply.
+    lora: ClassVar[bool] = True
     # Modules (name suffixes) the quantized modes leave in float: MoE routers, whose
     # choice of experts a rounding would change.
     unquantized_modules: ClassVar[tuple[str, ...]] = ()
