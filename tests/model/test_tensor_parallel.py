@@ -184,7 +184,7 @@ def test_tp_startup_error_stops_the_workers(tiny_llama_dir):
     assert _child_pids() - before == set()
 
 
-@pytest.mark.parametrize("model", ["tiny_mixtral_dir", "tiny_qwen3moe_dir"])
+@pytest.mark.parametrize("model", ["tiny_mixtral_dir", "tiny_qwen3moe_dir", "tiny_gptoss_dir"])
 def test_tp2_expert_parallel_matches_tp1(model, request):
     """--enable-expert-parallel: each rank holds half of every layer's experts (and its
     share of the attention heads); their weighted outputs, summed over ranks, give TP=1's
@@ -203,10 +203,3 @@ def test_moe_under_tp_needs_expert_parallel(tiny_mixtral_dir):
     with pytest.raises(ValueError, match="needs --tensor-parallel-size > 1"):
         LLM(tiny_mixtral_dir, enable_expert_parallel=True, skip_tokenizer_init=True, show_progress=False)
 
-
-def test_attention_sinks_under_tp_are_refused(tiny_gptoss_dir):
-    """GPT-OSS's sinks are per query head; sharding them with the heads is not built: a
-    clear error, not a wrong answer."""
-    with pytest.raises(ValueError, match="GptOssForCausalLM.*tensor parallel"):
-        LLM(tiny_gptoss_dir, tensor_parallel_size=2, enable_expert_parallel=True, skip_tokenizer_init=True,
-            show_progress=False)

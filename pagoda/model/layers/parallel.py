@@ -126,7 +126,10 @@ class ShardPlan:
             attn.q_size, attn.kv_size = self.num_heads * d, self.num_kv_heads * d
             bias = attn.qkv_proj.bias is not None
             attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_size + 2 * attn.kv_size, bias=bias)
-            attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, comm)
+            attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, comm,
+                                            bias=attn.o_proj.bias is not None)
+            if getattr(attn, "sinks", None) is not None:   # GPT-OSS: this rank's heads' sinks
+                attn.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
             if getattr(attn, "qk_norm", None) == "full":   # OLMo 2: each rank's rows of the norms
                 attn.q_norm = type(attn.q_norm)(attn.q_size, attn.q_norm.eps)
                 attn.k_norm = type(attn.k_norm)(attn.kv_size, attn.k_norm.eps)
@@ -173,6 +176,8 @@ class ShardPlan:
             return t[self.kv_heads[0] * d:self.kv_heads[1] * d]
         if kind == "q_proj":
             return t[self.q_heads[0] * d:self.q_heads[1] * d]
+        if name.endswith("self_attn.sinks"):
+            return t[self.q_heads[0]:self.q_heads[1]]
         if kind in ("k_proj", "v_proj"):
             return t[self.kv_heads[0] * d:self.kv_heads[1] * d]
         if kind in ("gate_proj", "up_proj"):
@@ -189,15 +194,18 @@ class ShardPlan:
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard @ W_shard^T): the input is split over ranks."""
+    """y = all_reduce(x_shard @ W_shard^T) (+ the whole bias, added once after the sum):
+    the input is split over ranks."""
 
-    def __init__(self, in_features_per_rank: int, out_features: int, comm: Collectives) -> None:
+    def __init__(self, in_features_per_rank: int, out_features: int, comm: Collectives, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features_per_rank))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -27,8 +27,6 @@ _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
 class GptOssForCausalLM(CausalLM):
     unquantized_modules = (".mlp.gate",)
-    # The sinks are per query head; sharding them with the heads is not built yet.
-    tensor_parallel = False
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
