@@ -110,9 +110,6 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
     cls = model_class(arch.architecture)
     if tp is not None and not cls.tensor_parallel:
         raise UnsupportedModelError(f"{arch.architecture} cannot be served with tensor parallelism")
-    if tp is not None and arch.num_experts and not tp[2]:
-        raise UnsupportedModelError(f"{arch.architecture} is a mixture of experts: under tensor parallelism it "
-                                    "needs --enable-expert-parallel (each rank holds whole experts)")
     # Build on the meta device: no time spent on random init of weights we overwrite,
     # and a tensor-parallel rank allocates only its shard.
     with torch.device("meta"):

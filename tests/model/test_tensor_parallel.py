@@ -184,22 +184,23 @@ def test_tp_startup_error_stops_the_workers(tiny_llama_dir):
     assert _child_pids() - before == set()
 
 
-@pytest.mark.parametrize("model", ["tiny_mixtral_dir", "tiny_qwen3moe_dir", "tiny_gptoss_dir"])
-def test_tp2_expert_parallel_matches_tp1(model, request):
-    """--enable-expert-parallel: each rank holds half of every layer's experts (and its
-    share of the attention heads); their weighted outputs, summed over ranks, give TP=1's
-    tokens (a near-tie excepted: the ranks' partial sums add in another order)."""
+@pytest.mark.parametrize("model,expert_parallel", [("tiny_mixtral_dir", True), ("tiny_qwen3moe_dir", True),
+                                                   ("tiny_gptoss_dir", True), ("tiny_mixtral_dir", False),
+                                                   ("tiny_gptoss_dir", False)])
+def test_tp2_moe_matches_tp1(model, expert_parallel, request):
+    """--enable-expert-parallel: each rank holds half of every layer's experts; without it
+    every expert is split by rows (gate/up rows, down columns, a down bias added once). With
+    the ranks' shares of the attention heads, their partial sums give TP=1's tokens (a
+    near-tie excepted: they add in another order)."""
     path = request.getfixturevalue(model)
     base, (full,) = _greedy(path, 1, max_num_batched_tokens=24)
-    tp2, per_rank = _greedy(path, 2, max_num_batched_tokens=24, enable_expert_parallel=True)
+    tp2, per_rank = _greedy(path, 2, max_num_batched_tokens=24, enable_expert_parallel=expert_parallel)
     _assert_same_greedy(base, tp2, model)
     for b in per_rank:
         assert 0.4 * full < b < 0.7 * full, (b, full)
 
 
-def test_moe_under_tp_needs_expert_parallel(tiny_mixtral_dir):
-    with pytest.raises(ValueError, match="enable-expert-parallel"):
-        LLM(tiny_mixtral_dir, tensor_parallel_size=2, skip_tokenizer_init=True, show_progress=False)
+def test_expert_parallel_needs_tensor_parallelism(tiny_mixtral_dir):
     with pytest.raises(ValueError, match="needs --tensor-parallel-size > 1"):
         LLM(tiny_mixtral_dir, enable_expert_parallel=True, skip_tokenizer_init=True, show_progress=False)
 

@@ -12,9 +12,11 @@ code itself never mentions parallelism (as in gpt-fast).
 - embedding: vocab-parallel; each rank looks up the ids in its vocab range,
   zeros for the rest, then all-reduce.
 - LM head: vocab-parallel; each rank computes its logits, then all-gather.
-- MoE layers (expert parallelism): every rank routes every token (the router is
-  replicated) and holds whole experts, a contiguous share of each layer's; it adds up its
-  experts' weighted outputs and the partial sums are all-reduced.
+- MoE layers: every rank routes every token (the router is replicated) and adds up its
+  experts' weighted outputs; the partial sums are all-reduced once per layer. With expert
+  parallelism (``--enable-expert-parallel``) a rank holds whole experts, a contiguous share
+  of each layer's; without it (vLLM's default), every expert split by rows as a dense MLP
+  is (gate/up rows, down columns; a down bias on rank 0 only, so it is added once).
 
 Heads are split by KV group, so that every rank keeps whole GQA groups, and
 shares need not be equal: E.g. 6 query heads, 3 KV heads (groups of 2) on
@@ -68,6 +70,9 @@ class ShardPlan:
     head_dim: int
     vocab_size: int
     experts: tuple[int, int] = (0, 0)  # [start, end) of each MoE layer's experts this rank holds
+    # Experts split by rows (no expert parallelism): [start, end) of each expert's
+    # intermediate dimension this rank holds; None: whole experts.
+    expert_rows: tuple[int, int] | None = None
     # The model's totals, to split tensors a checkpoint stores stacked (Phi-3's qkv_proj, gate_up_proj).
     total_heads: int = 0
     total_kv_heads: int = 0
@@ -96,15 +101,20 @@ class ShardPlan:
             q_range = (head * group + sub[0], head * group + sub[1])
         per = -(-arch.vocab_size // world_size)
         vocab = (min(rank * per, arch.vocab_size), min((rank + 1) * per, arch.vocab_size))
-        experts = (0, 0)
-        if arch.num_experts:
-            if not expert_parallel:
-                raise ValueError("a mixture of experts is split over ranks by expert: --enable-expert-parallel")
+        experts, expert_rows = (0, 0), None
+        if arch.num_experts and expert_parallel:
             if arch.num_experts < world_size:
                 raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's {arch.num_experts} experts")
             experts = split_range(arch.num_experts, world_size, rank)
+        elif arch.num_experts:
+            if arch.moe_intermediate_size < world_size:
+                raise ValueError(f"tensor_parallel_size={world_size} exceeds the experts' intermediate size "
+                                 f"{arch.moe_intermediate_size}")
+            experts = (0, arch.num_experts)
+            expert_rows = split_range(arch.moe_intermediate_size, world_size, rank)
         return cls(rank, world_size, q_range, kv_range, split_range(arch.intermediate_size, world_size, rank),
-                   vocab, per, arch.head_dim, arch.vocab_size, experts, heads, kv, arch.intermediate_size)
+                   vocab, per, arch.head_dim, arch.vocab_size, experts, expert_rows, heads, kv,
+                   arch.intermediate_size)
 
     @property
     def num_heads(self) -> int:
@@ -134,12 +144,21 @@ class ShardPlan:
                 attn.q_norm = type(attn.q_norm)(attn.q_size, attn.q_norm.eps)
                 attn.k_norm = type(attn.k_norm)(attn.kv_size, attn.k_norm.eps)
                 attn.qk_comm = comm
-            if hasattr(mlp, "experts"):   # a MoE layer: whole experts, this rank's share
+            if hasattr(mlp, "experts") and self.expert_rows is None:   # whole experts, this rank's share
                 e0, e1 = self.experts
                 for e in range(len(mlp.experts)):
                     if not e0 <= e < e1:
                         mlp.experts[e] = nn.Identity()   # held by another rank
                 mlp.local_experts, mlp.comm = range(e0, e1), comm
+                continue
+            if hasattr(mlp, "experts"):   # every expert, this rank's rows (the block all-reduces)
+                r0, r1 = self.expert_rows
+                for expert in mlp.experts:
+                    bias = expert.gate_up_proj.bias is not None
+                    expert.intermediate_size = r1 - r0
+                    expert.gate_up_proj = nn.Linear(expert.gate_up_proj.in_features, 2 * (r1 - r0), bias=bias)
+                    expert.down_proj = nn.Linear(r1 - r0, expert.down_proj.out_features, bias=bias)
+                mlp.comm = comm
                 continue
             mlp.intermediate_size = i1 - i0
             mlp.gate_up_proj = nn.Linear(mlp.gate_up_proj.in_features, 2 * (i1 - i0), bias=False)
@@ -159,7 +178,7 @@ class ShardPlan:
     def narrow(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``name`` (HF naming)."""
         if EXPERT_NAME.search(name):
-            return t   # a whole expert
+            return t if self.expert_rows is None else self._expert_rows(name, t)
         d = self.head_dim
         kind = name.split(".")[-2] if "." in name else name
         if kind == "qkv_proj":   # stacked in the checkpoint: each part's rows of this rank
@@ -191,6 +210,19 @@ class ShardPlan:
             pad = self.vocab_per_rank - rows.shape[0]
             return F.pad(rows, (0, 0, 0, pad)) if pad else rows
         return t
+
+
+    def _expert_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of an expert's tensor (experts split by rows)."""
+        kind = name.split(".")[-2]
+        rows = slice(*self.expert_rows)
+        if kind in ("gate_proj", "up_proj"):
+            return t[rows]
+        if kind == "down_proj" and name.endswith("weight"):
+            return t[:, rows]
+        if kind == "down_proj":   # a bias: added once, by rank 0
+            return t if self.rank == 0 else torch.zeros_like(t)
+        raise ValueError(f"cannot split expert tensor {name} by rows")
 
 
 class RowParallelLinear(nn.Module):
