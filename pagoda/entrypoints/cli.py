@@ -114,7 +114,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
     par.add_argument("--enable-expert-parallel", action="store_true",
-                     help="MoE models: each tensor-parallel rank holds whole experts (default: every expert split by rows)")
+                     help="MoE models: each tensor-parallel rank holds whole experts "
+                          "(default: every expert split by rows)")
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="engine replicas behind one server, with prefix-aware routing (serve only)")
     par.add_argument("--nnodes", type=int, default=1, help="nodes the tensor-parallel group spans")
