@@ -23,7 +23,7 @@ FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     _Q.Q2_K: (80, 82), _Q.Q3_K: (108,), _Q.Q4_K: (0, 2), _Q.Q5_K: (0, 2), _Q.Q6_K: (208,),
     _Q.IQ4_NL: (0,), _Q.IQ4_XS: (0,),
 }
-QUANTIZABLE = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1)
+QUANTIZABLE = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.MXFP4)
 
 
 def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,

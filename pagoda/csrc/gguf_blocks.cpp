@@ -27,6 +27,7 @@
 //   Q5_K  256: d, dmin, scales[12], qh[32], qs[128]   as Q4_K with a fifth bit
 //   Q6_K  256: ql[128], qh[64], scales[16] (int8), d  w = (d * sc) * (q - 32)
 //   IQ4_XS 256: d, scales_h (u16), scales_l[4], qs[128]   w = (d * (sc - 32)) * kvalues[nibble]
+//   MXFP4  32: e (E8M0), qs[16]          w = 2^(e - 128) * e2m1x2[nibble] (GPT-OSS's experts)
 // In a block of 32 with 16 bytes of nibbles, byte j holds weight j (low) and j + 16 (high).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -50,6 +51,7 @@ using pagoda::f32_all_rows;
 enum GgmlType : int {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30,
+  kMXFP4 = 39,
 };
 
 struct BlockFormat {
@@ -74,6 +76,7 @@ bool known_format(int type, BlockFormat* f) {
     case kQ5_K: *f = {256, 176}; return true;
     case kQ6_K: *f = {256, 210}; return true;
     case kIQ4_XS: *f = {256, 136}; return true;
+    case kMXFP4: *f = {32, 17}; return true;
     default: return false;
   }
 }
@@ -85,6 +88,16 @@ BlockFormat format_of(int64_t type) {
 }
 
 const int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's E2M1 values, doubled (the scale is halved to match: ggml's kvalues_mxfp4).
+const int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An E8M0 scale, halved: 2^(e - 128) (ggml_e8m0_to_fp32_half; e < 2 gives subnormals).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -210,6 +223,11 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       std::memcpy(q, p + 2, 32);
       d.a[0] = f16_at(p);
       break;
+    case kMXFP4:
+      split_nibbles16(p + 1, uq);
+      for (int j = 0; j < 32; ++j) q[j] = kMXFP4Values[uq[j]];
+      d.a[0] = e8m0_half(p[0]);
+      break;
     case kQ2_K: {
       const uint8_t* scales = p;
       const uint8_t* qs = p + 16;
@@ -334,6 +352,7 @@ void with_block_type(int type, F&& f) {
     PAGODA_BLOCK_TYPE(kQ4_0) PAGODA_BLOCK_TYPE(kQ4_1) PAGODA_BLOCK_TYPE(kQ5_0) PAGODA_BLOCK_TYPE(kQ5_1)
     PAGODA_BLOCK_TYPE(kQ8_0) PAGODA_BLOCK_TYPE(kIQ4_NL) PAGODA_BLOCK_TYPE(kQ2_K) PAGODA_BLOCK_TYPE(kQ3_K)
     PAGODA_BLOCK_TYPE(kQ4_K) PAGODA_BLOCK_TYPE(kQ5_K) PAGODA_BLOCK_TYPE(kQ6_K) PAGODA_BLOCK_TYPE(kIQ4_XS)
+    PAGODA_BLOCK_TYPE(kMXFP4)
 #undef PAGODA_BLOCK_TYPE
     default: TORCH_CHECK(false, "unsupported ggml type ", type);
   }
@@ -346,7 +365,7 @@ constexpr int sub_block_of(int type) {
 constexpr bool has_offset(int type) {
   return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K;
 }
-constexpr int block_of(int type) { return type >= kQ2_K && type != kIQ4_NL ? 256 : 32; }
+constexpr int block_of(int type) { return type >= kQ2_K && type != kIQ4_NL && type != kMXFP4 ? 256 : 32; }
 
 // One row of K weights of block type T at p -> y (the type dispatched once per row).
 template <int T>

@@ -273,6 +273,8 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
         gguf = table.get_name(EXPERT_NAME.sub(".experts.", module) if expert else module)
         if gguf is None and module == "lm_head" and model.config.tie_word_embeddings:
             continue   # an architecture whose files always tie it (Gemma 2)
+        if gguf is None and leaf not in ("weight", "bias") and table.get_name(hf_name) is not None:
+            gguf, leaf = table.get_name(hf_name), "weight"   # a bare parameter (GPT-OSS's sinks)
         if gguf is None:
             raise UnsupportedModelError(f"llama.cpp has no name for {module} in {gguf_arch} files")
         if expert:
@@ -398,6 +400,10 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
             continue
         if isinstance(hf_name, list):   # a layer's experts, stacked: one view of rows each
             _check_experts(path, gguf_name, info.shape, len(hf_name))
+            if len(info.shape) == 2:   # their biases (GPT-OSS): [experts, rows]
+                t = gf.load_tensor(gguf_name, dtype=torch.float32)
+                floats.update((n, t[e]) for e, n in enumerate(hf_name))
+                continue
             _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
             rows, data = info.shape[1], gf.tensor_rows(gguf_name)
             for e, n in enumerate(hf_name):
@@ -426,8 +432,11 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
 
 
 def _check_experts(path: str, name: str, shape: tuple[int, ...], experts: int) -> None:
-    if len(shape) != 3 or shape[0] != experts:
-        raise ModelLoadError(f"{path}: tensor {name} has shape {shape}, expected [{experts} experts, rows, columns]")
+    """A layer's experts' tensors stacked: [experts, rows, columns] (weights) or
+    [experts, rows] (biases)."""
+    if len(shape) != (2 if name.endswith(".bias") else 3) or shape[0] != experts:
+        raise ModelLoadError(f"{path}: tensor {name} has shape {shape}, expected [{experts} experts, rows"
+                             f"{'' if name.endswith('.bias') else ', columns'}]")
 
 
 def _check_block_type(path: str, name: str, ggml_type, supported) -> None:

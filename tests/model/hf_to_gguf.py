@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import torch
-from gguf import GGUFWriter, RopeScalingType
+from gguf import GGUFWriter, RopeScalingType, quants
 from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
 from gguf.tensor_mapping import get_tensor_name_map
 
@@ -23,9 +23,11 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
+def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) -> str:
     """``model``: a transformers causal LM (float32), saved in ``hf_dir`` (whose tensors,
-    in the checkpoint's own names, are the ones written). Returns ``path``."""
+    in the checkpoint's own names, are the ones written). ``expert_type``: a ggml type the
+    experts' weights are quantized to (the gguf library's quantizer; e.g. MXFP4, as
+    llama.cpp's GPT-OSS files hold them). Returns ``path``."""
     from safetensors.torch import load_file
     c = model.config
     arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == gguf_arch)
@@ -54,6 +56,8 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
         w.add_expert_used_count(c.num_experts_per_tok)
         if getattr(c, "moe_intermediate_size", None) and gguf_arch != "llama":
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if gguf_arch == "gpt-oss":
+            w.add_expert_feed_forward_length(c.intermediate_size)
     if getattr(c, "attn_logit_softcapping", None):
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):
@@ -83,7 +87,7 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
     state = {}
     for f in sorted(__import__("pathlib").Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    state = _stack_experts(state)
+    state = _split_gpt_oss(state) if gguf_arch == "gpt-oss" else _stack_experts(state)
     tied = bool(getattr(c, "tie_word_embeddings", False))
     for name, t in state.items():
         if name == "lm_head.weight" and tied:
@@ -97,8 +101,14 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
         elif gguf_arch in PERMUTED and module.endswith("k_proj"):
             t = _permute(t, kv)
         gguf_name = table.get_name(module)
+        if gguf_name is None and table.get_name(name) is not None:   # a bare parameter (sinks)
+            gguf_name, leaf = table.get_name(name), "weight"
         assert gguf_name is not None, f"no GGUF name for {module}"
-        w.add_tensor(f"{gguf_name}.{leaf}", np.ascontiguousarray(t.numpy()))
+        arr = np.ascontiguousarray(t.numpy())
+        if expert_type is not None and ".experts." in name and leaf == "weight":
+            w.add_tensor(f"{gguf_name}.{leaf}", quants.quantize(arr, expert_type), raw_dtype=expert_type)
+        else:
+            w.add_tensor(f"{gguf_name}.{leaf}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -107,6 +117,28 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str) -> str:
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _split_gpt_oss(state: dict) -> dict:
+    """GPT-OSS's stacked experts as llama.cpp's converter writes them: gate and up
+    de-interleaved into their own [experts, rows, columns] tensors (rows = outputs), down
+    transposed likewise, biases [experts, rows]; the router under its own name."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):        # [E, in, 2 x out], interleaved
+            base = name[: -len("gate_up_proj")]
+            out[base + "gate_proj.weight"] = t[..., 0::2].transpose(1, 2).contiguous()
+            out[base + "up_proj.weight"] = t[..., 1::2].transpose(1, 2).contiguous()
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            base = name[: -len("gate_up_proj_bias")]
+            out[base + "gate_proj.bias"], out[base + "up_proj.bias"] = t[..., 0::2], t[..., 1::2]
+        elif name.endswith("mlp.experts.down_proj"):         # [E, in, out]
+            out[name + ".weight"] = t.transpose(1, 2).contiguous()
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            out[name[: -len("_bias")] + ".bias"] = t
+        else:
+            out[name] = t
+    return out
 
 
 def _stack_experts(state: dict) -> dict:

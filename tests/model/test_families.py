@@ -370,6 +370,53 @@ def test_mla_caches_one_latent_per_token_and_refuses_what_it_cannot(tmp_path):
             show_progress=False)
 
 
+def _mxfp4_round_trip(t: torch.Tensor) -> torch.Tensor:
+    """Rows (last axis, blocks of 32) through MXFP4 and back: values MXFP4 holds exactly."""
+    from gguf import GGMLQuantizationType, quants
+
+    arr = t.detach().float().contiguous().numpy()
+    q = quants.quantize(arr, GGMLQuantizationType.MXFP4)
+    return torch.from_numpy(quants.dequantize(q, GGMLQuantizationType.MXFP4).reshape(arr.shape))
+
+
+def test_gpt_oss_gguf_serves_mxfp4_experts_from_their_blocks(tmp_path):
+    """llama.cpp's GPT-OSS files: experts in MXFP4 (read in place by the block kernels),
+    gate and up split, biases stacked per expert, sinks, even layers windowed, YaRN
+    truncated as llama.cpp's is: transformers' logits and tokens on the same weights (its
+    experts rounded through MXFP4 first)."""
+    from gguf import GGMLQuantizationType
+
+    from pagoda.model.layers.blocks import BlocksLinear
+
+    config, _ = _configs()["gptoss"]
+    config.rope_parameters = {**config.rope_parameters, "truncate": True}
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            e = layer.mlp.experts   # [E, in, out]: MXFP4 blocks run along the inputs
+            e.gate_up_proj.copy_(_mxfp4_round_trip(e.gate_up_proj.transpose(1, 2)).transpose(1, 2))
+            e.down_proj.copy_(_mxfp4_round_trip(e.down_proj.transpose(1, 2)).transpose(1, 2))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    path = write_gguf(hf, str(tmp_path / "model.gguf"), "gpt-oss", str(tmp_path / "hf"),
+                      expert_type=GGMLQuantizationType.MXFP4)
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    expert = model.model.layers[0].mlp.experts[0]
+    assert isinstance(expert.gate_up_proj, BlocksLinear)
+    assert {p.ggml_type for p in expert.gate_up_proj.parts} == {GGMLQuantizationType.MXFP4}
+    prompts = _prompts()
+    for ids in prompts:
+        with torch.inference_mode():
+            want = hf(torch.tensor([ids])).logits[0].float()
+        got = pagoda_prompt_logits(model, ids, [3, len(ids) - 3])
+        assert (got - want).abs().max().item() < 1e-3
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_greedy_matches_hf(hf, prompts, outputs, 24, "gpt-oss gguf")
+
+
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (language_model.* beside a
     vision tower, a text_config that leaves out its defaults): pagoda serves the language

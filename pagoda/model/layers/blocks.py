@@ -29,7 +29,7 @@ _Q = GGMLQuantizationType
 # The ggml types pagoda's kernels multiply in place (block layouts: gguf_blocks.cpp).
 BLOCK_TYPES: frozenset[GGMLQuantizationType] = frozenset({
     _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
-    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ4_NL, _Q.IQ4_XS,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4,
 })
 # torch dtypes stored as they are (HF checkpoints), as the ggml type of the same bits.
 TORCH_DTYPE_TYPES = {torch.float32: _Q.F32, torch.float16: _Q.F16, torch.bfloat16: _Q.BF16}

@@ -42,6 +42,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",   # Mixtral files are "llama" files with experts
+    "gpt-oss": "GptOssForCausalLM",
 }
 
 

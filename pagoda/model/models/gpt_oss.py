@@ -8,7 +8,8 @@ Checkpoints stack a layer's experts in two tensors, ``experts.gate_up_proj``
 [experts, hidden, 2 x intermediate] (gate and up columns interleaved) and
 ``experts.down_proj`` [experts, intermediate, hidden] (inputs first), with their biases:
 the loader takes each expert's rows from them (``hf_tensors``). The MXFP4 experts of the
-released checkpoints are refused with a clear error (no MXFP4 kernel yet).
+released HF checkpoints are refused with a clear error; llama.cpp's GGUF files (MXFP4
+experts too) are served from their blocks (``MXFP4`` in pagoda/csrc/gguf_blocks.cpp).
 """
 
 from __future__ import annotations
@@ -46,6 +47,25 @@ class GptOssForCausalLM(CausalLM):
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)), attention_sinks=True, o_proj_bias=bias,
             router_bias=True, mlp_bias=True,
             **moe_fields(config["num_local_experts"], config["num_experts_per_tok"], fields["intermediate_size"],
+                         True))  # fmt: skip
+
+    @classmethod
+    def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
+        """llama.cpp's ``gpt-oss`` files: even layers windowed (its pattern of 2), the clamp
+        and slope its kernels hard-code, gate and up as separate stacked tensors (its
+        converter splits the interleaved ones), experts usually MXFP4. Its YaRN truncates
+        the ramp's ends (transformers' GPT-OSS does not): pagoda follows the file's engine."""
+        p = f"{md['general.architecture']}."
+        fields = ModelArchConfig.gguf_fields(md, tensor_names, architecture)
+        layers = fields["num_hidden_layers"]
+        if fields["sliding_window"]:
+            fields["layer_types"] = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(layers))
+        fields["hidden_act"] = "swiglu_oai"
+        return ModelArchConfig(
+            **fields, attention_sinks=True, o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+            router_bias=True, mlp_bias=True,
+            **moe_fields(md[p + "expert_count"], md[p + "expert_used_count"], md[p + "expert_feed_forward_length"],
                          True))  # fmt: skip
 
     @classmethod
