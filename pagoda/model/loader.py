@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -219,9 +219,33 @@ def _fill(
 # ---- HF folders --------------------------------------------------------------
 
 
+def _dequantized(w) -> torch.Tensor:
+    """A ``BlockWeight`` as float32: pagoda's kernels where they build, else the gguf
+    library's reference dequantization (the same values)."""
+    if cpu_kernels.kernels() is not None:
+        return w.dequantize()
+    from gguf import quants
+
+    return torch.from_numpy(quants.dequantize(w.data.numpy(), w.ggml_type).reshape(w.out_features, w.in_features))
+
+
+def _checkpoint_reader(handles: list) -> Callable[[str], torch.Tensor]:
+    """name -> that tensor, from whichever of a checkpoint's files holds it."""
+    where = {name: handle for handle in handles for name in handle.keys()}
+
+    def read(name: str) -> torch.Tensor:
+        if name not in where:
+            raise ModelLoadError(f"the checkpoint has no tensor {name}")
+        return where[name].get_tensor(name)
+
+    return read
+
+
 def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
                     tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
     from safetensors import safe_open
+
+    from pagoda.model.layers.blocks import BlockWeight
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -237,12 +261,14 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
 
     handles = [safe_open(str(f), framework="pt") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
+    checkpoint = _checkpoint_reader(handles)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
                 if model_cls.hf_name(name) is not None:
-                    yield from model_cls.hf_tensors(name, handle.get_tensor(name))
+                    for ours, t in model_cls.hf_tensors(name, handle.get_tensor(name), checkpoint):
+                        yield ours, (_dequantized(t) if isinstance(t, BlockWeight) else t)
 
     _fill(model, tensors(), total, path, show_progress, plan)
     return LoadedModel(model, arch, path, shard=plan)
@@ -464,6 +490,7 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
         model = model_class(arch.architecture)(arch)
     slots = kept_weight_slots(model)
     handles = [safe_open(str(f), framework="pt") for f in files]
+    checkpoint = _checkpoint_reader(handles)
     cls = type(model)
     dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
               if cls.hf_name(n) in slots and len(h.get_slice(n).get_shape()) == 2}
@@ -476,7 +503,10 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
                          leave=False):
             if cls.hf_name(name) is None:
                 continue
-            for ours, t in cls.hf_tensors(name, handle.get_tensor(name)):
+            for ours, t in cls.hf_tensors(name, handle.get_tensor(name), checkpoint):
+                if isinstance(t, BlockWeight):   # kept in its blocks (MXFP4 experts)
+                    blocks.setdefault(slots[ours][0], {})[slots[ours][1]] = t
+                    continue
                 slot = slots.get(ours) if t.dim() == 2 else None
                 if slot is not None and t.dtype in TORCH_DTYPE_TYPES:
                     blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight.from_tensor(t)

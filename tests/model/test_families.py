@@ -417,6 +417,68 @@ def test_gpt_oss_gguf_serves_mxfp4_experts_from_their_blocks(tmp_path):
     assert_greedy_matches_hf(hf, prompts, outputs, 24, "gpt-oss gguf")
 
 
+def test_gpt_oss_mxfp4_checkpoint_is_served_from_its_blocks(tmp_path):
+    """The published GPT-OSS checkpoints: bfloat16 attention, experts in MXFP4 (``*_blocks``,
+    ``*_scales``, quantization_config mxfp4). pagoda repacks the experts into ggml's MXFP4
+    blocks and serves them in place: transformers' logits and tokens on the weights its own
+    MXFP4 reader (``convert_moe_packed_tensors``) gives."""
+    import json
+
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagoda.model.layers.blocks import BlocksLinear
+
+    config, _ = _configs()["gptoss"]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    gen = torch.Generator().manual_seed(5)
+    packed = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():   # what a bfloat16 checkpoint holds
+            p.copy_(p.bfloat16().float())
+        for i, layer in enumerate(hf.model.layers):
+            e = layer.mlp.experts
+            for proj in ("gate_up_proj", "down_proj"):
+                w = getattr(e, proj)                       # [E, in, out]
+                experts, width, rows = w.shape
+                blocks = torch.randint(0, 256, (experts, rows, width // 32, 16), dtype=torch.uint8, generator=gen)
+                scales = torch.randint(122, 126, (experts, rows, width // 32), dtype=torch.uint8, generator=gen)
+                w.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[f"model.layers.{i}.mlp.experts.{proj}_blocks"] = blocks
+                packed[f"model.layers.{i}.mlp.experts.{proj}_scales"] = scales
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    state = {k: v for k, v in load_file(str(tmp_path / "model.safetensors")).items()
+             if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    state = {k: (v if v.dtype != torch.float32 else v.bfloat16()) for k, v in state.items()}
+    state.update(packed)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    expert = model.model.layers[1].mlp.experts[3]
+    assert isinstance(expert.gate_up_proj, BlocksLinear) and isinstance(expert.down_proj, BlocksLinear)
+    assert {p.ggml_type for p in expert.gate_up_proj.parts} == {GGMLQuantizationType.MXFP4}
+    prompts = _prompts()
+    for ids in prompts:
+        with torch.inference_mode():
+            want = hf(torch.tensor([ids])).logits[0].float()
+        got = pagoda_prompt_logits(model, ids, [len(ids)])
+        assert (got - want).abs().max().item() < 1e-3
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_greedy_matches_hf(hf, prompts, outputs, 24, "gpt-oss mxfp4")
+    with pytest.raises(ValueError, match="quantized with 'awq' are not supported"):
+        cfg["quantization_config"] = {"quant_method": "awq"}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False)
+
+
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (language_model.* beside a
     vision tower, a text_config that leaves out its defaults): pagoda serves the language

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -393,10 +393,14 @@ class CausalLM(nn.Module):
         return tensor
 
     @classmethod
-    def hf_tensors(cls, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(cls, name: str, tensor: torch.Tensor,
+                   checkpoint: Callable[[str], torch.Tensor] | None = None) -> Iterator[tuple[str, Any]]:  # fmt: skip
         """(name, tensor) of every model tensor one HF checkpoint tensor holds: itself,
         renamed and converted (``hf_name`` / ``hf_tensor``), or none; a family whose
-        checkpoints stack several tensors in one (GPT-OSS's experts) splits them here."""
+        checkpoints stack several tensors in one (GPT-OSS's experts) splits them here.
+        ``checkpoint(name)`` reads another tensor of the checkpoint (MXFP4 blocks and
+        their scales are two); a weight may come as a ``BlockWeight`` (kept in its blocks
+        where the kernels read them, dequantized elsewhere)."""
         ours = cls.hf_name(name)
         if ours is not None:
             yield ours, cls.hf_tensor(name, tensor)

@@ -7,23 +7,38 @@ softmaxed) whose SwiGLU is clamped: (up + 1) * gate * sigmoid(1.702 gate), gate 
 Checkpoints stack a layer's experts in two tensors, ``experts.gate_up_proj``
 [experts, hidden, 2 x intermediate] (gate and up columns interleaved) and
 ``experts.down_proj`` [experts, intermediate, hidden] (inputs first), with their biases:
-the loader takes each expert's rows from them (``hf_tensors``). The MXFP4 experts of the
-released HF checkpoints are refused with a clear error; llama.cpp's GGUF files (MXFP4
-experts too) are served from their blocks (``MXFP4`` in pagoda/csrc/gguf_blocks.cpp).
+the loader takes each expert's rows from them (``hf_tensors``). The published checkpoints
+hold the experts in MXFP4 (``*_blocks`` and ``*_scales``): repacked into ggml's MXFP4 blocks
+at load (nibbles moved, nothing rounded), served from them by the block kernels
+(pagoda/csrc/gguf_blocks.cpp), as llama.cpp's GGUF files are.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.layers.blocks import BlockWeight
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.models.mixtral import moe_fields
 
-_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
+_MXFP4 = GGMLQuantizationType.MXFP4
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+
+
+def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An HF MXFP4 tensor (``*_blocks`` uint8 [..., groups, 16], two E2M1 codes a byte,
+    element 2i low and 2i + 1 high; ``*_scales`` uint8 [..., groups], E8M0) as ggml MXFP4
+    rows, uint8 [..., groups x 17]: per block the scale byte, then element j low and
+    j + 16 high. The codes and the scale byte mean the same in both (ggml doubles the
+    values and halves the scale), so this only moves nibbles."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)   # [..., groups, 32] in order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat((scales[..., None], packed), dim=-1).flatten(-2).contiguous()
 
 
 class GptOssForCausalLM(CausalLM):
@@ -32,9 +47,9 @@ class GptOssForCausalLM(CausalLM):
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
         quant = (config.get("quantization_config") or {}).get("quant_method")
-        if quant is not None:
-            raise UnsupportedModelError(f"GPT-OSS checkpoints quantized with {quant!r} are not supported (no MXFP4 "
-                                        "kernel yet); use a bfloat16 checkpoint")
+        if quant not in (None, "mxfp4"):
+            raise UnsupportedModelError(f"GPT-OSS checkpoints quantized with {quant!r} are not supported "
+                                        "(MXFP4 and unquantized ones are)")
         fields = ModelArchConfig.hf_fields(config, architecture)
         if fields["layer_types"] is None and fields["sliding_window"]:
             # transformers' default: even layers windowed, odd ones global.
@@ -73,12 +88,27 @@ class GptOssForCausalLM(CausalLM):
         return name.replace(".mlp.router.", ".mlp.gate.")
 
     @classmethod
-    def hf_tensors(cls, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(cls, name: str, tensor: torch.Tensor,
+                   checkpoint: Callable[[str], torch.Tensor] | None = None) -> Iterator[tuple[str, Any]]:  # fmt: skip
         m = _EXPERTS.match(name)
         if m is None:
-            yield from super().hf_tensors(name, tensor)
+            yield from super().hf_tensors(name, tensor, checkpoint)
             return
-        prefix, proj, bias = m.groups()
+        prefix, proj, suffix = m.groups()
+        if suffix == "_scales":
+            return   # read with their blocks
+        if suffix == "_blocks":   # MXFP4 (the published checkpoints): kept in ggml's blocks
+            assert checkpoint is not None
+            rows = mxfp4_blocks(tensor, checkpoint(f"{prefix}.{proj}_scales"))
+            width = tensor.shape[-2] * 32
+            for e in range(rows.shape[0]):
+                if proj == "down_proj":
+                    yield f"{prefix}.{e}.down_proj.weight", BlockWeight(rows[e], _MXFP4, width)
+                else:   # output rows interleaved: gate even, up odd
+                    yield f"{prefix}.{e}.gate_proj.weight", BlockWeight(rows[e, 0::2].contiguous(), _MXFP4, width)
+                    yield f"{prefix}.{e}.up_proj.weight", BlockWeight(rows[e, 1::2].contiguous(), _MXFP4, width)
+            return
+        bias = suffix == "_bias"
         leaf = "bias" if bias else "weight"
         for e in range(tensor.shape[0]):
             t = tensor[e]
