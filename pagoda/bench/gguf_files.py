@@ -24,6 +24,8 @@ FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     _Q.IQ4_NL: (0,), _Q.IQ4_XS: (0,),
 }
 QUANTIZABLE = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.MXFP4)
+# Byte offsets of E8M0 scales (a power of two each) inside one block.
+E8M0_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {_Q.MXFP4: (0,)}
 
 
 def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
@@ -38,6 +40,11 @@ def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng: np
         if ggml_type == _Q.F16:
             return w.astype(np.float16).view(np.uint8)
         return quants.quantize(w, ggml_type)
+    if ggml_type in E8M0_FIELDS:   # scales near std / 4 (codes up to 12 x a halved scale)
+        block, nbytes = GGML_QUANT_SIZES[ggml_type]
+        raw = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
+        raw[:, list(E8M0_FIELDS[ggml_type])] = np.uint8(round(127 + np.log2(std / 4)) + 1)
+        return raw.reshape(rows, cols // block * nbytes)
     if ggml_type not in FP16_FIELDS:
         raise ValueError(f"no random blocks for {ggml_type.name}")
     block, nbytes = GGML_QUANT_SIZES[ggml_type]
@@ -70,6 +77,12 @@ class ModelShape:
     experts: int = 0              # a mixture of experts in every layer: how many,
     experts_used: int = 0         # how many per token,
     expert_ffn: int = 0           # and each one's intermediate size
+    # GPT-OSS: biases on o_proj, the router and the experts, sink logits, a window on
+    # every other layer, YaRN (factor, original context), the MLP's norm named
+    # post_attention_norm.
+    gpt_oss: bool = False
+    sliding_window: int = 0
+    yarn: tuple[float, int] | None = None
 
     @property
     def head_size(self) -> int:
@@ -91,9 +104,13 @@ SHAPES: dict[str, ModelShape] = {
     # at a size this machine holds twice over: 1.6B parameters, 0.34B active per token.
     "qwen3-moe-1.6b-a0.3b": ModelShape("qwen3moe", 1024, 16, 16, 4, 3072, True, 1000000.0, head_dim=128,
                                        qk_norm=True, experts=64, experts_used=8, expert_ffn=512),
+    # gpt-oss-20b (21B parameters, 3.6B active: top-4 of 32 experts per layer).
+    "gpt-oss-20b": ModelShape("gpt-oss", 2880, 24, 64, 8, 2880, False, 150000.0, qkv_bias=True, head_dim=64,
+                              experts=32, experts_used=4, expert_ffn=2880, gpt_oss=True, sliding_window=128,
+                              yarn=(32.0, 4096)),
 }
 # File types: F16, or llama.cpp's mixes written directly as random blocks.
-FILE_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")
+FILE_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0", "MXFP4")
 # llama.cpp's fallback where a row is not whole 256-weight blocks.
 _FALLBACK = {_Q.Q4_K: _Q.Q5_0, _Q.Q5_K: _Q.Q5_1, _Q.Q6_K: _Q.Q8_0, _Q.Q2_K: _Q.IQ4_NL, _Q.Q3_K: _Q.IQ4_NL}
 
@@ -107,6 +124,8 @@ def tensor_type(file_type: str, name: str, layer: int, layers: int, cols: int, t
     """The type a ``file_type`` file stores tensor ``name`` (llama.cpp's Q4_K_M recipe)."""
     if name.endswith("ffn_gate_inp.weight"):
         return _Q.F32   # MoE routers stay float32 in llama.cpp's files
+    if file_type == "MXFP4":   # llama.cpp's GPT-OSS files: experts in MXFP4, the rest float16
+        return _Q.MXFP4 if name.endswith("_exps.weight") else _Q.F16
     if file_type == "F16":
         return _Q.F16
     if file_type in ("Q8_0", "Q4_0"):
@@ -137,11 +156,17 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
                     (b + "attn_v.bias", (shape.kv_heads * hd,), i)]
         if shape.qk_norm:
             out += [(b + "attn_q_norm.weight", (hd,), i), (b + "attn_k_norm.weight", (hd,), i)]
-        out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + "ffn_norm.weight", (h,), i)]
+        norm = "post_attention_norm" if shape.gpt_oss else "ffn_norm"
+        out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + f"{norm}.weight", (h,), i)]
+        if shape.gpt_oss:
+            out += [(b + "attn_output.bias", (h,), i), (b + "attn_sinks.weight", (shape.heads,), i)]
         if shape.experts:
             e, f = shape.experts, shape.expert_ffn
             out += [(b + "ffn_gate_inp.weight", (e, h), i), (b + "ffn_gate_exps.weight", (e, f, h), i),
                     (b + "ffn_up_exps.weight", (e, f, h), i), (b + "ffn_down_exps.weight", (e, h, f), i)]
+            if shape.gpt_oss:
+                out += [(b + "ffn_gate_inp.bias", (e,), i), (b + "ffn_gate_exps.bias", (e, f), i),
+                        (b + "ffn_up_exps.bias", (e, f), i), (b + "ffn_down_exps.bias", (e, h), i)]
         else:
             out += [(b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
                     (b + "ffn_down.weight", (h, shape.ffn), i)]
@@ -188,11 +213,17 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w.add_uint32(f"{a}.rope.dimension_count", shape.head_size)
     w.add_uint32(f"{a}.attention.key_length", shape.head_size)
     w.add_uint32(f"{a}.attention.value_length", shape.head_size)
+    if shape.sliding_window:
+        w.add_uint32(f"{a}.attention.sliding_window", shape.sliding_window)
+    if shape.yarn is not None:
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", shape.yarn[0])
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", shape.yarn[1])
     if shape.experts:
         w.add_uint32(f"{a}.expert_count", shape.experts)
         w.add_uint32(f"{a}.expert_used_count", shape.experts_used)
         w.add_uint32(f"{a}.expert_feed_forward_length", shape.expert_ffn)
-    w.add_uint32("general.file_type", {"F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}[file_type])
+    w.add_uint32("general.file_type", {"F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "MXFP4": 38}[file_type])
     w.add_uint32("general.quantization_version", 2)
     for k, v in tok.items():
         if isinstance(v, list):
@@ -206,9 +237,9 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     rng = np.random.default_rng(seed)
     plan = []
     for name, np_shape, layer in _tensors(shape, vocab):
-        if len(np_shape) == 1:
+        if len(np_shape) == 1 or name.endswith(".bias"):   # norms, biases (GPT-OSS's experts': 2-D)
             plan.append((name, np_shape, _Q.F32))
-            w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * np_shape[0])
+            w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * int(np.prod(np_shape)))
             continue
         t = overrides.get(name) or tensor_type(file_type, name, layer, shape.layers, np_shape[-1], shape.tied)
         plan.append((name, np_shape, t))
@@ -220,10 +251,10 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, np_shape, t in tqdm(plan, desc=f"writing {os.path.basename(path)}", disable=not show_progress):
-        if len(np_shape) == 1:
+        if t == _Q.F32 and name != "token_embd.weight":
             data = (np.ones(np_shape, np.float32) if name.endswith("norm.weight")
                     else rng.standard_normal(np_shape, dtype=np.float32) * np.float32(0.02))
-        elif t in QUANTIZABLE or t in FP16_FIELDS:
+        elif t in QUANTIZABLE or t in FP16_FIELDS or t in E8M0_FIELDS:
             rows = int(np.prod(np_shape[:-1]))
             data = random_blocks(t, rows, np_shape[-1], rng, reference_quantizer=False).reshape(*np_shape[:-1], -1)
         else:

@@ -45,7 +45,7 @@ _PLAIN_DTYPES: dict[GGMLQuantizationType, np.dtype[Any]] = {
 }
 # Block-quantized types (and BF16, which numpy has no dtype for) go through gguf.quants.
 _QUANTIZED_TYPES = frozenset(
-    {_Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+    {_Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.MXFP4}
 )
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_PLAIN_DTYPES) | _QUANTIZED_TYPES
 

@@ -174,3 +174,23 @@ def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
         for block in (lyr.mlp for lyr in fast.model.layers):
             block._fused = None
         assert torch.isfinite(fused).all() and torch.equal(fused, per_expert)
+
+
+# gpt-oss-20b's structure, small: sinks, biases everywhere, a window on even layers, YaRN,
+# top-2 of 4 experts in MXFP4 (llama.cpp's GPT-OSS files), the rest float16.
+GPT_OSS = ModelShape("gpt-oss", 256, 2, 4, 2, 256, False, 150000.0, qkv_bias=True, head_dim=64, experts=4,
+                     experts_used=2, expert_ffn=256, gpt_oss=True, sliding_window=4, yarn=(4.0, 64))
+
+
+def test_gpt_oss_mxfp4_file_from_its_blocks_equals_its_dequantized_model(tmp_path):
+    path = str(write_model(str(tmp_path / "gpt-oss.gguf"), GPT_OSS, "MXFP4", show_progress=False))
+    assert {t.ggml_type for t in GGUFFile(path).tensors.values()} == {Q.MXFP4, Q.F16, Q.F32}
+    loaded = load_model(path, show_progress=False)
+    expert = loaded.model.model.layers[1].mlp.experts[3]
+    assert isinstance(expert.down_proj, BlocksLinear) and expert.down_proj.parts[0].ggml_type == Q.MXFP4
+    assert loaded.arch.layer_types == ("sliding_attention", "full_attention")
+    reference = _load_gguf(path, torch.float32, torch.device("cpu"), False)  # dequantized by gguf's numpy code
+    ref = pagoda_prompt_logits(reference.model, PROMPT, [len(PROMPT)])
+    for chunks in ([len(PROMPT)], [1] * len(PROMPT), [3, 4, 3]):
+        got = pagoda_prompt_logits(loaded.model, PROMPT, chunks)
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (got - ref).abs().max()
