@@ -88,6 +88,8 @@ BlockFormat format_of(int64_t type) {
 }
 
 const int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// Q4_0's nibbles, centred.
+const int8_t kQ4_0Values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 // MXFP4's E2M1 values, doubled (the scale is halved to match: ggml's kvalues_mxfp4).
 const int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -127,6 +129,17 @@ inline void split_nibbles16(const uint8_t* p, uint8_t* q) {
   const __m128i mask = _mm_set1_epi8(0x0F);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_and_si128(b, mask));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+}
+
+// 16 bytes of nibbles -> 32 values of a 16-entry table (IQ4_NL, IQ4_XS, MXFP4): low nibbles
+// to q[0..15], high ones to q[16..31], one byte shuffle each.
+inline void lookup_nibbles16(const uint8_t* p, const int8_t* table, int8_t* q) {
+  const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(lut, _mm_and_si128(b, mask)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), mask)));
 }
 
 // 32 bytes -> 64 values: low nibbles to q[0..31], high nibbles to q[32..63].
@@ -188,8 +201,7 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
   d.offset = false;
   switch (type) {
     case kQ4_0:
-      split_nibbles16(p + 2, uq);
-      for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(uq[j] - 8);
+      lookup_nibbles16(p + 2, kQ4_0Values, q);
       d.a[0] = f16_at(p);
       break;
     case kQ4_1:
@@ -199,8 +211,7 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       d.offset = true;
       break;
     case kIQ4_NL:
-      split_nibbles16(p + 2, uq);
-      for (int j = 0; j < 32; ++j) q[j] = kIQ4Values[uq[j]];
+      lookup_nibbles16(p + 2, kIQ4Values, q);
       d.a[0] = f16_at(p);
       break;
     case kQ5_0:
@@ -224,8 +235,7 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       d.a[0] = f16_at(p);
       break;
     case kMXFP4:
-      split_nibbles16(p + 1, uq);
-      for (int j = 0; j < 32; ++j) q[j] = kMXFP4Values[uq[j]];
+      lookup_nibbles16(p + 1, kMXFP4Values, q);
       d.a[0] = e8m0_half(p[0]);
       break;
     case kQ2_K: {
@@ -332,8 +342,7 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       const uint8_t* qs = p + 8;
       d.nsub = 8;
       for (int ib = 0; ib < 8; ++ib) {
-        split_nibbles16(qs + 16 * ib, uq + 32 * ib);
-        for (int j = 0; j < 32; ++j) q[32 * ib + j] = kIQ4Values[uq[32 * ib + j]];
+        lookup_nibbles16(qs + 16 * ib, kIQ4Values, q + 32 * ib);
         const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
         d.a[ib] = dd * static_cast<float>(ls - 32);
       }
