@@ -22,3 +22,10 @@ $PY benchmarks/compare.py run --model "$M/qwen3-1.7b-q4_k_m.gguf" --threads 2 \
 $PY benchmarks/compare.py run --model "$M/qwen3-moe-1.6b-a0.3b-q4_k_m.gguf" --threads 2 \
   --engines pagoda-gguf,pagoda-int8,llama-server --concurrency 1,16 --num-prompts 2,16 \
   --input-len 128 --output-len 64 --out-dir "$OUT/qwen3-moe"
+# GPT-OSS-20B's structure (24 layers, 64 query / 8 KV heads of 64, sinks, biases, a window of
+# 128 on even layers, YaRN; top-4 of 32 experts of 2880) as llama.cpp's files hold it: experts
+# in MXFP4, the rest float16 (12.0 GB). pagoda exact and gguf modes against llama-server -t 2.
+[ -f "$M/gpt-oss-20b-mxfp4.gguf" ] || $PY -m pagoda.bench.gguf_files gpt-oss-20b "$M/gpt-oss-20b-mxfp4.gguf" --type MXFP4
+$PY benchmarks/compare.py run --model "$M/gpt-oss-20b-mxfp4.gguf" --threads 2 \
+  --engines pagoda,pagoda-gguf,llama-server --concurrency 1,16 --num-prompts 2,16 \
+  --input-len 128 --output-len 64 --out-dir "$OUT/gpt-oss-20b"

@@ -255,45 +255,51 @@ def test_quantized_modes_apply_to_every_family(family, mode):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
 
 
-def test_windowed_model_releases_blocks_behind_the_window(tmp_path):
-    """Every layer windowed (16 positions, blocks of 16): a request holds only the blocks
-    its window and current chunk need, the rest go back to the pool as it advances,
-    and its tokens are still transformers'."""
-    from pagoda.engine.protocol import EngineCoreRequest
-
-    config, _ = _configs()["mistral"]
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
-              max_num_batched_tokens=32)
-    core = llm.engine
-    assert core.kv_manager.sliding_window == 16
-    prompt = _prompts()[3]                              # 70 tokens: chunks of 32, 32, 6
-    core.add_request(EngineCoreRequest(request_id="w", prompt_token_ids=prompt,
-                                       sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
-    tokens, most_held, released = [], 0, 0
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens += out.new_token_ids
-        blocks = core.kv_manager.req_to_blocks.get("w", [[]])[0]
-        most_held = max(most_held, sum(b is not None for b in blocks))
-        released = max(released, core.kv_manager.num_released.get("w", [0])[0])
-        core.check_integrity()
-    # A window of 16 plus a 32-token chunk spans at most 4 blocks of 16 (6 without release).
-    assert most_held <= 4 and released >= 5
-    want, want_logits = hf_greedy(hf, prompt, 40)
-    result = compare_greedy(tokens, want, lambda pos: top2_gap(want_logits[pos]), "mistral window")
-    assert result.equal, result.excused
-    assert core.kv_manager.num_free_blocks == core.num_blocks
-
-
 def _saved(name: str, path) -> transformers.PreTrainedModel:
     config, _ = _configs()[name]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     hf.save_pretrained(path, safe_serialization=True)
     return hf
+
+
+def _generate_stepping(core, hf, prompt: list[int], max_tokens: int, after_step, label: str) -> None:
+    """One greedy request run step by step (``after_step()`` after each, then the integrity
+    check); its tokens must be transformers' and every block must come back."""
+    core.add_request(EngineCoreRequest(request_id="w", prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    tokens = []
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens += out.new_token_ids
+        after_step()
+        core.check_integrity()
+    want, want_logits = hf_greedy(hf, prompt, max_tokens)
+    result = compare_greedy(tokens, want, lambda pos: top2_gap(want_logits[pos]), label)
+    assert result.equal, result.excused
+    assert core.kv_manager.num_free_blocks == core.num_blocks
+
+
+def test_windowed_model_releases_blocks_behind_the_window(tmp_path):
+    """Every layer windowed (16 positions, blocks of 16): a request holds only the blocks
+    its window and current chunk need, the rest go back to the pool as it advances,
+    and its tokens are still transformers'."""
+    hf = _saved("mistral", tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32)
+    core = llm.engine
+    assert core.kv_manager.sliding_window == 16
+    seen = {"held": 0, "released": 0}
+
+    def after_step() -> None:
+        blocks = core.kv_manager.req_to_blocks.get("w", [[]])[0]
+        seen["held"] = max(seen["held"], sum(b is not None for b in blocks))
+        seen["released"] = max(seen["released"], core.kv_manager.num_released.get("w", [0])[0])
+
+    # 70 tokens: chunks of 32, 32, 6.
+    _generate_stepping(core, hf, _prompts()[3], 40, after_step, "mistral window")
+    # A window of 16 plus a 32-token chunk spans at most 4 blocks of 16 (6 without release).
+    assert seen["held"] <= 4 and seen["released"] >= 5
 
 
 def test_mixed_windows_keep_a_block_table_per_kv_group(tmp_path):
@@ -309,26 +315,19 @@ def test_mixed_windows_keep_a_block_table_per_kv_group(tmp_path):
     assert core.runner.layout.num_buffers == 1 and len({id(c) for c in core.runner.kv_caches}) == 1
     c = hf.config
     assert kv_cache_bytes_per_block(core.runner.model, 16, torch.float32) == 2 * 16 * c.num_key_value_heads * 32 * 4
-    prompt = _prompts()[3]                              # 70 tokens: chunks of 32, 32, 6
-    core.add_request(EngineCoreRequest(request_id="w", prompt_token_ids=prompt,
-                                       sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
-    tokens, most_global, most_windowed = [], 0, 0
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens += out.new_token_ids
+    seen = {"global": 0, "windowed": 0}
+
+    def after_step() -> None:
         tables = kv.req_to_blocks.get("w")
         if tables:
             assert None not in tables[0]
-            most_global = max(most_global, len(tables[0]))
-            most_windowed = max(most_windowed, *(sum(b is not None for b in t) for t in tables[1:]))
-        core.check_integrity()
+            seen["global"] = max(seen["global"], len(tables[0]))
+            seen["windowed"] = max(seen["windowed"], *(sum(b is not None for b in t) for t in tables[1:]))
+
+    _generate_stepping(core, hf, _prompts()[3], 40, after_step, "gemma3 kv groups")
     # 109 computed positions: 7 global blocks; a window of 16 plus a 32-token chunk spans
     # at most 4 blocks in each windowed group.
-    assert most_global == 7 and most_windowed <= 4
-    want, want_logits = hf_greedy(hf, prompt, 40)
-    result = compare_greedy(tokens, want, lambda pos: top2_gap(want_logits[pos]), "gemma3 kv groups")
-    assert result.equal, result.excused
-    assert kv.num_free_blocks == core.num_blocks
+    assert seen["global"] == 7 and seen["windowed"] <= 4
 
 
 @pytest.mark.parametrize("caching", [False, True])

@@ -21,6 +21,14 @@ def req(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tokens, SamplingParams(temperature=0, max_tokens=1000))
 
 
+def computed(kv: KVCacheManager, rid: str, n: int) -> Request:
+    """A request whose n prompt tokens were computed in one step."""
+    r = req(rid, list(range(n)))
+    assert kv.allocate_slots(r, n) is not None
+    r.num_computed_tokens = n
+    return r
+
+
 def test_layout_of_gemma3_1b_and_gemma2():
     # Gemma 3 1B: 26 layers, every sixth global -> 4 global, 22 windowed: groups of 4.
     windows = [None if i % 6 == 5 else 512 for i in range(26)]
@@ -87,10 +95,7 @@ def test_global_group_keeps_every_block_windowed_groups_release():
 
 def test_prefix_hit_needs_only_the_window_in_windowed_groups():
     kv = KVCacheManager(num_blocks=40, block_size=BS, group_windows=(None, 8))
-    a = req("a", list(range(33)))
-    kv.allocate_slots(a, 33)
-    a.num_computed_tokens = 33
-    kv.free(a)
+    kv.free(computed(kv, "a", 33))
     # All 8 full blocks of both groups stay cached (free, hashed).
     b = req("b", list(range(33)) + [7, 7])
     hits, n = kv.get_computed_blocks(b)
@@ -110,9 +115,7 @@ def test_prefix_hit_needs_only_the_window_in_windowed_groups():
 
 def test_prefix_hit_shrinks_to_what_every_group_holds():
     kv = KVCacheManager(num_blocks=40, block_size=BS, group_windows=(None, 8))
-    a = req("a", list(range(33)))
-    kv.allocate_slots(a, 33)
-    a.num_computed_tokens = 33
+    a = computed(kv, "a", 33)
     # Evict the windowed group's block 7 from the prefix map by hand (as eviction would).
     block7 = kv.req_to_blocks["a"][1][7]
     kv.free(a)
