@@ -20,6 +20,23 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+def periodic_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
+    """Windowed layers with every period-th one global: period 2 alternates, the first
+    windowed (Gemma 2, GPT-OSS); 6 is Gemma 3's five local to one global."""
+    return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers))
+
+
+def gguf_layer_types(md: dict[str, Any], n: int, default_pattern: int) -> tuple[str, ...]:
+    """llama.cpp's windowed layers: ``attention.sliding_window_pattern`` as one flag per
+    layer or as a period (every period-th layer global), else the architecture's period."""
+    pattern = md.get(f"{md['general.architecture']}.attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) < n:
+            raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        return tuple("sliding_attention" if flag else "full_attention" for flag in pattern[:n])
+    return periodic_layer_types(n, int(pattern))
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     architecture: str

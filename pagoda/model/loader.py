@@ -219,16 +219,6 @@ def _fill(
 # ---- HF folders --------------------------------------------------------------
 
 
-def _dequantized(w) -> torch.Tensor:
-    """A ``BlockWeight`` as float32: pagoda's kernels where they build, else the gguf
-    library's reference dequantization (the same values)."""
-    if cpu_kernels.kernels() is not None:
-        return w.dequantize()
-    from gguf import quants
-
-    return torch.from_numpy(quants.dequantize(w.data.numpy(), w.ggml_type).reshape(w.out_features, w.in_features))
-
-
 def _checkpoint_reader(handles: list) -> Callable[[str], torch.Tensor]:
     """name -> that tensor, from whichever of a checkpoint's files holds it."""
     where = {name: handle for handle in handles for name in handle.keys()}
@@ -268,7 +258,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
             for name in handle.keys():
                 if model_cls.hf_name(name) is not None:
                     for ours, t in model_cls.hf_tensors(name, handle.get_tensor(name), checkpoint):
-                        yield ours, (_dequantized(t) if isinstance(t, BlockWeight) else t)
+                        yield ours, (t.dequantize() if isinstance(t, BlockWeight) else t)
 
     _fill(model, tensors(), total, path, show_progress, plan)
     return LoadedModel(model, arch, path, shard=plan)

@@ -97,12 +97,17 @@ class BlockWeight:
         return self.data.numel()
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [out_features, in_features], or only the rows ``rows`` names."""
+        """float32 [out_features, in_features], or only the rows ``rows`` names: pagoda's
+        kernels where they build, else the gguf library's reference dequantization (the
+        same values)."""
         ops = cpu_kernels.kernels()
-        if ops is None:
-            raise RuntimeError(f"pagoda's CPU kernels are needed to read {self.ggml_type.name} weights "
-                               f"({cpu_kernels.error()})")
-        return ops.gguf_dequantize(self.data, int(self.ggml_type), self.in_features, rows)
+        if ops is not None:
+            return ops.gguf_dequantize(self.data, int(self.ggml_type), self.in_features, rows)
+        from gguf import quants
+
+        data = self.data if rows is None else self.data[rows]
+        values = quants.dequantize(data.numpy(), self.ggml_type).reshape(data.shape[0], self.in_features)
+        return torch.from_numpy(values.astype("float32", copy=False))
 
 
 class BlocksLinear(nn.Module):

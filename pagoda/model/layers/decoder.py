@@ -221,8 +221,11 @@ class SparseMoeBlock(nn.Module):
             keep = torch.zeros(choice.shape[0], groups, 1, dtype=torch.bool, device=choice.device)
             keep.scatter_(1, best[..., None], True)
             choice = by_group.masked_fill(~keep, float("-inf")).view(choice.shape[0], -1)
-        ids = torch.topk(choice, self.top_k, dim=-1).indices
-        weights = probs.gather(1, ids)
+        if choice is probs:
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:   # a bias or a group mask chose: the weights are the plain probabilities
+            ids = torch.topk(choice, self.top_k, dim=-1).indices
+            weights = probs.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scaling != 1.0:

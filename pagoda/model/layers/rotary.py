@@ -72,6 +72,11 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature for a context stretched by ``factor``: 1 + 0.1 mscale ln(factor)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_attention_factor(scaling: dict | None) -> float:
     """The factor on cos and sin a scaling asks for (YaRN's attention temperature:
     1 + 0.1 ln(factor), or its ratio of mscales, or the configured ``attention_factor``);
@@ -82,12 +87,8 @@ def rope_attention_factor(scaling: dict | None) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
-
-    def mscale(m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
     m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
+    return float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all else yarn_mscale(factor)
 
 
 def longrope_tables(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, int, float]:

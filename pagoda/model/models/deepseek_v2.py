@@ -35,7 +35,7 @@ from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.attention import AttentionMetadata, paged_attention
 from pagoda.model.layers.decoder import CausalLM, DecoderLayer
 from pagoda.model.layers.norm import RMSNorm
-from pagoda.model.layers.rotary import apply_rope, rope_kind
+from pagoda.model.layers.rotary import apply_rope, rope_kind, yarn_mscale
 from pagoda.model.models.mixtral import moe_fields
 
 
@@ -134,9 +134,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         scaling = fields["rope_scaling"]
         if rope_kind(scaling) == "yarn" and scaling.get("mscale_all_dim"):
             # transformers: the softmax scale takes YaRN's temperature squared.
-            factor, m = float(scaling["factor"]), float(scaling["mscale_all_dim"])
-            mscale = 1.0 if factor <= 1 else 0.1 * m * __import__("math").log(factor) + 1.0
-            scale *= mscale * mscale
+            scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
         layers = fields["num_hidden_layers"]
         first_dense = config.get("first_k_dense_replace", 0)
         groups = (config["n_group"], config["topk_group"]) if method == "group_limited_greedy" else None

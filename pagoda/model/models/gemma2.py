@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.model.arch import ModelArchConfig
-from pagoda.model.models.gemma3 import Gemma3ForCausalLM, gguf_layer_types
+from pagoda.model.arch import ModelArchConfig, gguf_layer_types, periodic_layer_types
+from pagoda.model.models.gemma3 import Gemma3ForCausalLM
 
 GGUF_WINDOW = 4096   # llama.cpp's Gemma 2 window when a file states none
 
@@ -21,17 +21,13 @@ TEXT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _alternating(n: int) -> tuple[str, ...]:
-    return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
-
-
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
         config = {**TEXT_DEFAULTS, **config}
         fields = ModelArchConfig.hf_fields(config, architecture)
         if config.get("layer_types") is None and fields["sliding_window"]:
-            fields["layer_types"] = _alternating(fields["num_hidden_layers"])
+            fields["layer_types"] = periodic_layer_types(fields["num_hidden_layers"], 2)
         return ModelArchConfig(
             **fields,
             norm_placement="sandwich",

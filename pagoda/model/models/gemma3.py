@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_layer_types, periodic_layer_types
 from pagoda.model.layers.decoder import CausalLM
 
 # transformers' Gemma3TextConfig defaults: a checkpoint's config.json leaves out the fields
@@ -28,21 +28,6 @@ GGUF_WINDOW_PATTERN = 6          # every sixth layer global
 GGUF_LOCAL_ROPE_THETA = 10000.0
 
 
-def _pattern_layers(n: int, pattern: int) -> tuple[str, ...]:
-    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n))
-
-
-def gguf_layer_types(md: dict[str, Any], n: int, default_pattern: int) -> tuple[str, ...]:
-    """llama.cpp's windowed layers: ``attention.sliding_window_pattern`` as one flag per
-    layer or as a period (every period-th layer global), else the architecture's period."""
-    pattern = md.get(f"{md['general.architecture']}.attention.sliding_window_pattern", default_pattern)
-    if isinstance(pattern, list):
-        if len(pattern) < n:
-            raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries for {n} layers")
-        return tuple("sliding_attention" if flag else "full_attention" for flag in pattern[:n])
-    return _pattern_layers(n, int(pattern))
-
-
 class Gemma3ForCausalLM(CausalLM):
     @classmethod
     def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -55,7 +40,8 @@ class Gemma3ForCausalLM(CausalLM):
         config = {**TEXT_DEFAULTS, **config}
         fields = ModelArchConfig.hf_fields(config, architecture)
         if config.get("layer_types") is None and fields["sliding_window"]:
-            fields["layer_types"] = _pattern_layers(fields["num_hidden_layers"], config.get("sliding_window_pattern", 6))
+            fields["layer_types"] = periodic_layer_types(fields["num_hidden_layers"],
+                                                         config.get("sliding_window_pattern", 6))
         return ModelArchConfig(
             **fields,
             qk_norm="head",

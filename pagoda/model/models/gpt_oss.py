@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 from gguf import GGMLQuantizationType
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_layer_types, periodic_layer_types
 from pagoda.model.layers.blocks import BlockWeight
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.models.mixtral import moe_fields
@@ -53,8 +53,7 @@ class GptOssForCausalLM(CausalLM):
         fields = ModelArchConfig.hf_fields(config, architecture)
         if fields["layer_types"] is None and fields["sliding_window"]:
             # transformers' default: even layers windowed, odd ones global.
-            fields["layer_types"] = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                                          for i in range(fields["num_hidden_layers"]))
+            fields["layer_types"] = periodic_layer_types(fields["num_hidden_layers"], 2)
         fields["hidden_act"] = "swiglu_oai"
         bias = fields["attention_bias"]
         return ModelArchConfig(
@@ -66,7 +65,7 @@ class GptOssForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        """llama.cpp's ``gpt-oss`` files: even layers windowed (its pattern of 2), the clamp
+        """llama.cpp's ``gpt-oss`` files: even layers windowed (its default pattern of 2), the clamp
         and slope its kernels hard-code, gate and up as separate stacked tensors (its
         converter splits the interleaved ones), experts usually MXFP4. Its YaRN truncates
         the ramp's ends (transformers' GPT-OSS does not): pagoda follows the file's engine."""
@@ -74,8 +73,7 @@ class GptOssForCausalLM(CausalLM):
         fields = ModelArchConfig.gguf_fields(md, tensor_names, architecture)
         layers = fields["num_hidden_layers"]
         if fields["sliding_window"]:
-            fields["layer_types"] = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                                          for i in range(layers))
+            fields["layer_types"] = gguf_layer_types(md, layers, 2)
         fields["hidden_act"] = "swiglu_oai"
         return ModelArchConfig(
             **fields, attention_sinks=True, o_proj_bias="blk.0.attn_output.bias" in tensor_names,
