@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -42,6 +43,8 @@
 
 // SiLU(gate) x up over rows of [gate | up] (cpu_kernels.cpp: silu_mul's own bits).
 void pagoda_silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I);
+// Whether the AVX-512 VNNI kernels run (cpu_kernels.cpp: the CPU has them, PAGODA_CPU_ISA is not avx2).
+bool use_avx512();
 
 namespace {
 
@@ -464,17 +467,39 @@ constexpr int64_t kSmallSteps = 16;
 // one thread: 145 ms from decoded rows, 97 ms from tiles.
 constexpr int64_t kDirectRows = 4;
 
+// Runs f(i, scratch) for i in [0, n) over the thread pool, each thread taking the next
+// few units as it finishes (an atomic counter) rather than a fixed half: a thread that
+// is slowed (its core shared, its memory channel busier) no longer leaves the other
+// waiting at the barrier. One Scratch per thread. Results do not depend on which thread
+// ran a unit.
+template <typename Scratch, typename F>
+void for_each_unit(int64_t n, F&& f) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t chunk = std::max<int64_t>(1, n / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i0; (i0 = next.fetch_add(chunk, std::memory_order_relaxed)) < n;)
+      for (int64_t i = i0; i < std::min(n, i0 + chunk); ++i) f(i, scratch);
+  });
+}
+
 // A unit of work: rows [n0, n1) of one part.
 struct Tile {
   int part;
   int64_t n0, n1;
 };
 
-std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile) {
+// Tiles of rows_per_tile rows (k_rows_per_tile for the Q4_K / Q6_K parts, if given).
+std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile, int64_t k_rows_per_tile = 0) {
   std::vector<Tile> tiles;
-  for (size_t p = 0; p < parts.size(); ++p)
-    for (int64_t n0 = 0; n0 < parts[p].rows; n0 += rows_per_tile)
-      tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + rows_per_tile)});
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const bool k = k_rows_per_tile > 0 && (parts[p].type == kQ4_K || parts[p].type == kQ6_K);
+    const int64_t step = k ? k_rows_per_tile : rows_per_tile;
+    for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
+      tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
+  }
   return tiles;
 }
 
@@ -648,6 +673,12 @@ struct QuantizedX {
   std::vector<int32_t> s16;  // [M, K / 16]
   std::vector<int16_t> h16;  // the same sums as int16 (|sum| <= 16 x 127)
   std::vector<int16_t> h32;  // sums per 32 as int16 (|sum| <= 32 x 127)
+  // For the VNNI K-quant kernels (pack_rows16): groups of 16 rows, a row in each int32
+  // lane; rows past M are zeros.
+  std::vector<int32_t> p4;   // [G][K / 4][16]: four consecutive int8 of the row
+  std::vector<float> pd;     // [G][K / 256][16]: the scales (groups of 256)
+  std::vector<int32_t> p32;  // [G][K / 64][16]: h32 in pairs (two int16)
+  std::vector<int32_t> p16;  // [G][K / 32][16]: h16 in pairs
 };
 
 // x quantized in groups of `group` inputs (32, or 256 for the K-quant kernels) with one
@@ -698,14 +729,41 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group = 32) 
   return out;
 }
 
+// xq (quantized in groups of 256) laid out for the VNNI K-quant kernels: 16 rows side by
+// side in every 64-byte vector.
+void pack_rows16(QuantizedX& xq, int64_t M, int64_t K) {
+  const int64_t G = (M + 15) / 16;
+  xq.p4.assign(G * (K / 4) * 16, 0);
+  xq.pd.assign(G * (K / 256) * 16, 0.f);
+  xq.p32.assign(G * (K / 64) * 16, 0);
+  xq.p16.assign(G * (K / 32) * 16, 0);
+  auto spread = [](const void* src, int64_t n, int32_t* dst) {  // n int32 of one row, 16 apart
+    const char* c = static_cast<const char*>(src);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * 16, c + 4 * i, 4);
+  };
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t g = m / 16, l = m % 16;
+      spread(xq.q.data() + m * K, K / 4, xq.p4.data() + g * (K / 4) * 16 + l);
+      spread(xq.h32.data() + m * (K / 32), K / 64, xq.p32.data() + g * (K / 64) * 16 + l);
+      spread(xq.h16.data() + m * (K / 16), K / 32, xq.p16.data() + g * (K / 32) * 16 + l);
+      for (int64_t b = 0; b < K / 256; ++b) xq.pd[(g * (K / 256) + b) * 16 + l] = xq.d[m * (K / 256) + b];
+    }
+  });
+}
+
 // ---- Q4_K and Q6_K against x in groups of 256 (llama.cpp's Q8_K) -------------------
-// The 4- or 6-bit values are unsigned (Q6_K's stored q + 32), so maddubs takes them
-// directly; each sub-block's integer scale multiplies its int16 pair sums (madd) and a
-// block's sums stay in int32: one float multiply-add per block of 256. The minimums
-// (Q4_K) and Q6_K's -32 come off through the sums of xq per sub-block. One output
-// channel at a time against MR rows of x: the weights are read once in a single stream,
-// the scales decoded in registers and shuffled by constant masks (pairs of channels at
-// a time, with the scales through memory, ran at half the speed).
+// The 4- or 6-bit values are unsigned (Q6_K's stored q + 32), so the integer products
+// take them directly. Per (row, channel) and block b of 256 inputs, the kernels compute
+// one exact integer I_b = sum_j sc_j * (sum over sub-block j of q xq), with Q6_K's -32
+// folded in (- 32 sum_j sc_j * sum(xq over sub-block j)), and for Q4_K the minimums'
+// M_b = sum_j mn_j * sum(xq over sub-block j); then, in float32 and in block order,
+//   acc = fma(d dx, I_b, acc);  acc = fma(-(dmin dx), M_b, acc)     (Q4_K)
+//   acc = fma(d dx, I_b, acc)                                     (Q6_K)
+// and y = acc (+ bias). The integers are exact however they are summed, so the AVX2
+// kernels below (one channel against 1-4 rows, maddubs/madd) and the AVX-512 VNNI ones
+// (16 rows in the lanes, vpdpbusd) give the same bits for every row: a row's result
+// does not depend on which kernel its batch size picked.
 
 // kScaleLanes[j]: a pshufb mask that puts int16 lane j (of each 128-bit half) in all 8
 // lanes of that half.
@@ -725,25 +783,65 @@ const ScaleLanes kScaleLanes;
 inline __m256i nibbles_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i nibbles_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 
+// Lane r (< MR) of the result: the sum of the eight int32 lanes of v[r].
+template <int MR>
+inline __m128i hsum_rows(const __m256i* v) {
+  __m256i h;
+  if constexpr (MR == 1) {
+    h = _mm256_hadd_epi32(v[0], v[0]);
+    h = _mm256_hadd_epi32(h, h);
+  } else if constexpr (MR == 2) {
+    h = _mm256_hadd_epi32(v[0], v[1]);
+    h = _mm256_hadd_epi32(h, h);  // [r0 r1 r0 r1 | r0 r1 r0 r1] partial sums per half
+  } else {
+    static_assert(MR == 4, "1, 2 or 4 rows");
+    h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  }
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// The same for 128-bit v[r] (four lanes).
+template <int MR>
+inline __m128i hsum_rows128(const __m128i* v) {
+  if constexpr (MR == 1) {
+    const __m128i h = _mm_hadd_epi32(v[0], v[0]);
+    return _mm_hadd_epi32(h, h);
+  } else if constexpr (MR == 2) {
+    const __m128i h = _mm_hadd_epi32(v[0], v[1]);
+    return _mm_hadd_epi32(h, h);
+  } else {
+    static_assert(MR == 4, "1, 2 or 4 rows");
+    return _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
+  }
+}
+
+// x's scales of block b for rows r0 .. r0 + MR - 1 (lanes past MR: 0).
+template <int MR>
+inline __m128 row_scales(const QuantizedX& xq, int64_t K, int64_t r0, int64_t b) {
+  alignas(16) float dx[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int r = 0; r < MR; ++r) dx[r] = xq.d[(r0 + r) * (K / 256) + b];
+  return _mm_load_ps(dx);
+}
+
+template <int MR>
+inline void store_rows(__m128 acc, const float* bias, float* y, int64_t r0, int64_t N, int64_t col) {
+  alignas(16) float v[4];
+  _mm_store_ps(v, acc);
+  for (int r = 0; r < MR; ++r) y[(r0 + r) * N + col] = bias ? v[r] + bias[col] : v[r];
+}
+
 // y[(r0 + r) * N + col] for r < MR: channel `row` of a Q4_K part.
 template <int MR>
 void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
               int64_t N, int64_t col) {
-  __m256 acc[MR];
-  __m128 accm[MR];
-  for (int r = 0; r < MR; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    accm[r] = _mm_setzero_ps();
-  }
+  __m128 acc = _mm_setzero_ps();  // lane r: row r0 + r
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p = row + b * 144;
     const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));  // scales: int16 lanes 0-7, minimums 8-15
     const __m128i sc = _mm256_castsi256_si128(sm), mins = _mm256_extracti128_si256(sm, 1);
     const __m256i scales = _mm256_set_m128i(sc, sc);
-    int32_t dd_bits;
-    std::memcpy(&dd_bits, p, 4);
-    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd_bits));  // d, dmin
     __m256i isum[MR];
+    __m128i msum[MR];
     for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // weights 64c .. 64c + 63: sub-blocks 2c (low nibbles), 2c + 1 (high)
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
@@ -758,19 +856,16 @@ void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
                                                              _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi)));
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      const __m128 ddx = _mm_mul_ps(dd, _mm_set1_ps(xq.d[(r0 + r) * (K / 256) + b]));  // d dx, dmin dx
-      const __m128i b32 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + (r0 + r) * (K / 32) + b * 8));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(ddx)), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-      // dmin dx sum_j min_j sum(xq over sub-block j): 4 lanes of pair sums, subtracted at the end.
-      accm[r] = _mm_fmadd_ps(_mm_shuffle_ps(ddx, ddx, 0x55), _mm_cvtepi32_ps(_mm_madd_epi16(mins, b32)), accm[r]);
-    }
+    for (int r = 0; r < MR; ++r)  // sum_j mn_j * sum(xq over sub-block j), as four lanes of pairs
+      msum[r] = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + (r0 + r) * (K / 32) + b * 8)));
+    int32_t dd_bits;
+    std::memcpy(&dd_bits, p, 4);
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd_bits));  // d, dmin
+    const __m128 dx = row_scales<MR>(xq, K, r0, b);
+    acc = _mm_fmadd_ps(_mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x00), dx), _mm_cvtepi32_ps(hsum_rows<MR>(isum)), acc);
+    acc = _mm_fnmadd_ps(_mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x55), dx), _mm_cvtepi32_ps(hsum_rows128<MR>(msum)), acc);
   }
-  for (int r = 0; r < MR; ++r) {
-    float v = pagoda::hsum256(_mm256_sub_ps(acc[r], _mm256_zextps128_ps256(accm[r])));
-    if (bias) v += bias[col];
-    y[(r0 + r) * N + col] = v;
-  }
+  store_rows<MR>(acc, bias, y, r0, N, col);
 }
 
 // The same for a Q6_K channel: q + 32 in maddubs, then - 32 sum_j scale_j sum(xq over
@@ -779,13 +874,11 @@ template <int MR>
 void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
               int64_t N, int64_t col) {
   const __m256i m2 = _mm256_set1_epi8(3);
-  __m256 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  __m128 acc = _mm_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p = row + b * 210;
     const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
     const __m128i lo8 = _mm256_castsi256_si128(sc_all), hi8 = _mm256_extracti128_si256(sc_all, 1);
-    const float d = f16_at(p + 208);
     __m256i isum[MR];
     for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     for (int half = 0; half < 2; ++half) {
@@ -809,15 +902,12 @@ void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
     }
     for (int r = 0; r < MR; ++r) {
       const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.h16.data() + (r0 + r) * (K / 16) + b * 16));
-      const __m256i t = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sc_all, b16), 5));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xq.d[(r0 + r) * (K / 256) + b]), _mm256_cvtepi32_ps(t), acc[r]);
+      isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sc_all, b16), 5));
     }
+    const __m128 dx = row_scales<MR>(xq, K, r0, b);
+    acc = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(f16_at(p + 208)), dx), _mm_cvtepi32_ps(hsum_rows<MR>(isum)), acc);
   }
-  for (int r = 0; r < MR; ++r) {
-    float v = pagoda::hsum256(acc[r]);
-    if (bias) v += bias[col];
-    y[(r0 + r) * N + col] = v;
-  }
+  store_rows<MR>(acc, bias, y, r0, N, col);
 }
 
 bool has_k_kernel(int type) { return type == kQ4_K || type == kQ6_K; }
@@ -852,6 +942,201 @@ void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part&
     if (r < m1) run(std::integral_constant<int, 1>{}, r);
   }
 }
+
+// ---- the K-quant products on AVX-512 VNNI: 16 rows of x in the lanes ----------------
+// For steps of kVnniRows rows or more on CPUs with AVX-512 VNNI (prompts, large decode
+// batches). A panel of kVnniChannels output channels is decoded once into L1 (the
+// 4/6-bit values as bytes, the sub-block scales as int32) and every group of 16 rows
+// runs over it: per channel, vpdpbusd adds the four products of a broadcast 4-byte group
+// of the (unsigned) weights with 16 rows' 4-byte groups of x; the sub-block's sums take
+// its scale (vpmulld), the minimums' and Q6_K's -32 terms come from x's sums per
+// sub-block (vpdpwssd). x is packed once per call (pack_rows16), not the weights.
+// Same integers, same float32 operations as q4k_rows / q6k_rows: the same bits.
+#define PAGODA_AVX512_K __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+constexpr int64_t kVnniRows = 8;
+constexpr int kVnniChannels = 8;
+
+struct alignas(64) Q4KDecoded {
+  uint8_t q[256];
+  int32_t sc[8];
+  int32_t mn[4];  // int16 pairs (mn[2p], mn[2p + 1])
+  float d, dmin;
+};
+
+struct alignas(64) Q6KDecoded {
+  uint8_t q[256];  // stored value: q + 32, 0 .. 63
+  int32_t sc[16];
+  int32_t sc2[8];  // int16 pairs (sc[2p], sc[2p + 1])
+  float d;
+};
+
+PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q4KDecoded& o) {
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 64 * c), nibbles_lo(v));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 64 * c + 32), nibbles_hi(v));
+  }
+  const __m128i sm = k4_scales_mins(p + 4);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepu8_epi32(sm));
+  _mm_store_si128(reinterpret_cast<__m128i*>(o.mn), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+  o.d = f16_at(p);
+  o.dmin = f16_at(p + 2);
+}
+
+PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q6KDecoded& o) {
+  const __m256i m2 = _mm256_set1_epi8(3);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i l = (c & 1) ? l1 : l0;
+      const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
+      const __m256i q = _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * half + 32 * c), q);
+    }
+  }
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+  _mm512_store_si512(o.sc, _mm512_cvtepi8_epi32(sc));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc2), _mm256_cvtepi8_epi16(sc));
+  o.d = f16_at(p + 208);
+}
+
+PAGODA_AVX512_K inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// out[c][l] for NC channels (dec: [K / 256][NC]) and the 16 rows of group g.
+template <int NC>
+PAGODA_AVX512_K __attribute__((noinline)) void q4k_vnni(const QuantizedX& xq, int64_t K, int64_t g,
+                                                        const Q4KDecoded* dec, float* out) {
+  const int64_t nb = K / 256;
+  const int32_t* xg = xq.p4.data() + g * (K / 4) * 16;
+  const int32_t* hg = xq.p32.data() + g * (K / 64) * 16;
+  const float* dg = xq.pd.data() + g * nb * 16;
+  __m512 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Q4KDecoded* db = dec + b * NC;
+    __m512i isum[NC];
+    for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i s[NC];
+      for (int c = 0; c < NC; ++c) s[c] = _mm512_setzero_si512();
+      for (int k = 0; k < 8; ++k) {
+        const __m512i xv = _mm512_loadu_si512(xg + (b * 64 + j * 8 + k) * 16);
+        for (int c = 0; c < NC; ++c) s[c] = _mm512_dpbusd_epi32(s[c], bcast32(db[c].q + 32 * j + 4 * k), xv);
+      }
+      for (int c = 0; c < NC; ++c) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], _mm512_set1_epi32(db[c].sc[j])));
+    }
+    __m512i msum[NC];
+    for (int c = 0; c < NC; ++c) msum[c] = _mm512_setzero_si512();
+    for (int pr = 0; pr < 4; ++pr) {
+      const __m512i hv = _mm512_loadu_si512(hg + (b * 4 + pr) * 16);
+      for (int c = 0; c < NC; ++c) msum[c] = _mm512_dpwssd_epi32(msum[c], hv, _mm512_set1_epi32(db[c].mn[pr]));
+    }
+    const __m512 dx = _mm512_loadu_ps(dg + b * 16);
+    for (int c = 0; c < NC; ++c) {
+      acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].d), dx), _mm512_cvtepi32_ps(isum[c]), acc[c]);
+      acc[c] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].dmin), dx), _mm512_cvtepi32_ps(msum[c]), acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
+template <int NC>
+PAGODA_AVX512_K __attribute__((noinline)) void q6k_vnni(const QuantizedX& xq, int64_t K, int64_t g,
+                                                        const Q6KDecoded* dec, float* out) {
+  const int64_t nb = K / 256;
+  const int32_t* xg = xq.p4.data() + g * (K / 4) * 16;
+  const int32_t* hg = xq.p16.data() + g * (K / 32) * 16;
+  const float* dg = xq.pd.data() + g * nb * 16;
+  __m512 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Q6KDecoded* db = dec + b * NC;
+    __m512i isum[NC];
+    for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
+    for (int j = 0; j < 16; ++j) {
+      __m512i s[NC];
+      for (int c = 0; c < NC; ++c) s[c] = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) {
+        const __m512i xv = _mm512_loadu_si512(xg + (b * 64 + j * 4 + k) * 16);
+        for (int c = 0; c < NC; ++c) s[c] = _mm512_dpbusd_epi32(s[c], bcast32(db[c].q + 16 * j + 4 * k), xv);
+      }
+      for (int c = 0; c < NC; ++c) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], _mm512_set1_epi32(db[c].sc[j])));
+    }
+    __m512i t[NC];
+    for (int c = 0; c < NC; ++c) t[c] = _mm512_setzero_si512();
+    for (int pr = 0; pr < 8; ++pr) {
+      const __m512i hv = _mm512_loadu_si512(hg + (b * 8 + pr) * 16);
+      for (int c = 0; c < NC; ++c) t[c] = _mm512_dpwssd_epi32(t[c], hv, _mm512_set1_epi32(db[c].sc2[pr]));
+    }
+    const __m512 dx = _mm512_loadu_ps(dg + b * 16);
+    for (int c = 0; c < NC; ++c) {
+      isum[c] = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(t[c], 5));
+      acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].d), dx), _mm512_cvtepi32_ps(isum[c]), acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
+// Scratch of one thread for the VNNI kernels' decoded panels.
+struct VnniPanel {
+  std::vector<Q4KDecoded> q4k;
+  std::vector<Q6KDecoded> q6k;
+};
+
+// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1) (m0 a multiple of 16; x
+// packed by pack_rows16): panels of kVnniChannels channels, then one at a time.
+template <typename Dec>
+PAGODA_AVX512_K void k_tile_vnni_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w,
+                                   int64_t n0, int64_t n1, const float* bias, float* y, int64_t N,
+                                   std::vector<Dec>& panel) {
+  constexpr int64_t bytes = std::is_same_v<Dec, Q4KDecoded> ? 144 : 210;
+  const int64_t nb = K / 256;
+  alignas(64) float out[kVnniChannels * 16];
+  auto run = [&](auto ncc, int64_t n) {
+    constexpr int NC = decltype(ncc)::value;
+    panel.resize(nb * NC);
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* row = w.data + (n + c) * w.row_bytes;
+      for (int64_t b = 0; b < nb; ++b) decode_vnni(row + b * bytes, panel[b * NC + c]);
+    }
+    for (int64_t g = m0 / 16; g * 16 < m1; ++g) {
+      if constexpr (std::is_same_v<Dec, Q4KDecoded>)
+        q4k_vnni<NC>(xq, K, g, panel.data(), out);
+      else
+        q6k_vnni<NC>(xq, K, g, panel.data(), out);
+      const int64_t r1 = std::min(m1, (g + 1) * 16);
+      for (int c = 0; c < NC; ++c) {
+        const int64_t col = w.col + n + c;
+        for (int64_t r = g * 16; r < r1; ++r) {
+          const float v = out[16 * c + (r - g * 16)];
+          y[r * N + col] = bias ? v + bias[col] : v;
+        }
+      }
+    }
+  };
+  int64_t n = n0;
+  for (; n + kVnniChannels <= n1; n += kVnniChannels) run(std::integral_constant<int, kVnniChannels>{}, n);
+  for (; n < n1; ++n) run(std::integral_constant<int, 1>{}, n);
+}
+
+void k_tile_vnni(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
+                 const float* bias, float* y, int64_t N, VnniPanel& panel) {
+  TORCH_CHECK(m0 % 16 == 0, "VNNI rows start at a multiple of 16");
+  if (w.type == kQ4_K)
+    k_tile_vnni_t(xq, m0, m1, K, w, n0, n1, bias, y, N, panel.q4k);
+  else
+    k_tile_vnni_t(xq, m0, m1, K, w, n0, n1, bias, y, N, panel.q6k);
+}
+
+// Whether a step of M rows takes the VNNI kernels for its K-quant parts.
+bool vnni_k_rows(int64_t M) { return M >= kVnniRows && use_avx512(); }
 
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
 template <int T, int MR, int NC>
@@ -954,6 +1239,12 @@ namespace {
 
 // gguf_linear's small steps (M <= kSmallSteps rows): tiles of output channels, and the
 // rows of one tile kept per thread.
+// A thread's scratch for small_step_tile.
+struct FloatScratch {
+  DecodedRows dr;
+  std::vector<float> buf;
+};
+
 std::vector<Tile> small_step_tiles(const std::vector<Part>& parts, int64_t M, int64_t K, int64_t* per_tile) {
   *per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
   std::vector<Tile> tiles;
@@ -1001,11 +1292,8 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
     const std::vector<float> xs = M <= kDirectRows ? group_sums16(xp, M, K) : std::vector<float>{};
     int64_t per_tile;
     const std::vector<Tile> tiles = small_step_tiles(parts, M, K, &per_tile);
-    at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> buf;
-      DecodedRows dr;
-      for (int64_t t = t0; t < t1; ++t)
-        small_step_tile(xp, M, K, parts[tiles[t].part], tiles[t], xs.data(), bp, yp, N, per_tile, dr, buf);
+    for_each_unit<FloatScratch>(static_cast<int64_t>(tiles.size()), [&](int64_t t, FloatScratch& sc) {
+      small_step_tile(xp, M, K, parts[tiles[t].part], tiles[t], xs.data(), bp, yp, N, per_tile, sc.dr, sc.buf);
     });
     return y;
   }
@@ -1035,11 +1323,20 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
 
 namespace {
 
+// A thread's scratch for int8_tile.
+struct Int8Scratch {
+  DecodedRows dr;
+  VnniPanel vp;
+};
+
 // One tile of gguf_linear_int8: channels [tile.n0, tile.n1) of part w for rows [m0, m1).
 void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m1, int64_t K, const Part& w,
-               const Tile& tile, const float* bp, float* yp, int64_t N, DecodedRows& dr) {
-  if (has_k_kernel(w.type)) {  // one stream of rows, which the hardware prefetchers follow
-    k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
+               const Tile& tile, const float* bp, float* yp, int64_t N, DecodedRows& dr, VnniPanel& vp) {
+  if (has_k_kernel(w.type)) {
+    if (!xk.p4.empty())  // packed for the VNNI kernels
+      k_tile_vnni(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, vp);
+    else  // one stream of rows, which the hardware prefetchers follow
+      k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
     return;
   }
   prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
@@ -1074,17 +1371,18 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   bool k_parts = false, other_parts = false;
   for (const Part& p : parts) (has_k_kernel(p.type) ? k_parts : other_parts) = true;
   const QuantizedX xq = other_parts ? quantize_x(x.data_ptr<float>(), M, K) : QuantizedX{};
-  const QuantizedX xk = k_parts ? quantize_x(x.data_ptr<float>(), M, K, 256) : QuantizedX{};
+  QuantizedX xk = k_parts ? quantize_x(x.data_ptr<float>(), M, K, 256) : QuantizedX{};
+  const bool vnni = k_parts && vnni_k_rows(M);
+  if (vnni) pack_rows16(xk, M, K);
   float* yp = y.data_ptr<float>();
   // Chunks of kRowChunk rows (their int8 x stays in L2); within a chunk, tiles of
-  // kChannels output channels, decoded once, that every row of the chunk runs over.
-  const std::vector<Tile> tiles = tiles_of(parts, kChannels);
+  // kChannels output channels (the VNNI kernels' K-quant parts: 2 panels), decoded once,
+  // that every row of the chunk runs over.
+  const std::vector<Tile> tiles = tiles_of(parts, kChannels, vnni ? 2 * kVnniChannels : kChannels);
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t m1 = std::min(M, m0 + kRowChunk);
-    at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
-      DecodedRows dr;
-      for (int64_t t = t0; t < t1; ++t)
-        int8_tile(xq, xk, m0, m1, K, parts[tiles[t].part], tiles[t], bp, yp, N, dr);
+    for_each_unit<Int8Scratch>(static_cast<int64_t>(tiles.size()), [&](int64_t t, Int8Scratch& sc) {
+      int8_tile(xq, xk, m0, m1, K, parts[tiles[t].part], tiles[t], bp, yp, N, sc.dr, sc.vp);
     });
   }
   return y;
@@ -1200,20 +1498,22 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
       bool kp = false, other = false;
       for (const Part& p : parts) (has_k_kernel(p.type) ? kp : other) = true;
       if (other) (first ? s.xq : s.hq) = quantize_x(in, s.n, K);
-      if (kp) (first ? s.xk : s.hk) = quantize_x(in, s.n, K, 256);
-      (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
-      for (const Tile& t : tiles_of(parts, kChannels)) units.push_back({a, t});
-    }
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
-      DecodedRows dr;
-      for (int64_t u = u0; u < u1; ++u) {
-        Active& s = act[units[u].first];
-        const Tile& t = units[u].second;
-        if (first)
-          int8_tile(s.xq, s.xk, 0, s.n, H, s.gu[t.part], t, nullptr, s.ge.data(), 2 * I, dr);
-        else
-          int8_tile(s.hq, s.hk, 0, s.n, I, s.dn[t.part], t, nullptr, s.ye.data(), H, dr);
+      const bool vnni = kp && vnni_k_rows(s.n);
+      if (kp) {
+        QuantizedX& xk = first ? s.xk : s.hk;
+        xk = quantize_x(in, s.n, K, 256);
+        if (vnni) pack_rows16(xk, s.n, K);
       }
+      (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
+      for (const Tile& t : tiles_of(parts, kChannels, vnni ? 2 * kVnniChannels : kChannels)) units.push_back({a, t});
+    }
+    for_each_unit<Int8Scratch>(static_cast<int64_t>(units.size()), [&](int64_t u, Int8Scratch& sc) {
+      Active& s = act[units[u].first];
+      const Tile& t = units[u].second;
+      if (first)
+        int8_tile(s.xq, s.xk, 0, s.n, H, s.gu[t.part], t, nullptr, s.ge.data(), 2 * I, sc.dr, sc.vp);
+      else
+        int8_tile(s.hq, s.hk, 0, s.n, I, s.dn[t.part], t, nullptr, s.ye.data(), H, sc.dr, sc.vp);
     });
   };
   project(true);
@@ -1266,20 +1566,16 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
       if (s.n <= kDirectRows) sums[a] = group_sums16(in.data_ptr<float>(), s.n, K);
       for (const Tile& t : small_step_tiles(parts, s.n, K, &per_tile[a])) units.push_back({a, t});
     }
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
-      std::vector<float> buf;
-      DecodedRows dr;
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t a = units[u].first;
-        Active& s = act[a];
-        const Tile& t = units[u].second;
-        if (first)
-          small_step_tile(s.xe.data_ptr<float>(), s.n, H, s.gu[t.part], t, sums[a].data(), nullptr,
-                          s.ge.data_ptr<float>(), 2 * I, per_tile[a], dr, buf);
-        else
-          small_step_tile(s.he.data_ptr<float>(), s.n, I, s.dn[t.part], t, sums[a].data(), nullptr,
-                          s.ye.data_ptr<float>(), H, per_tile[a], dr, buf);
-      }
+    for_each_unit<FloatScratch>(static_cast<int64_t>(units.size()), [&](int64_t u, FloatScratch& sc) {
+      const int64_t a = units[u].first;
+      Active& s = act[a];
+      const Tile& t = units[u].second;
+      if (first)
+        small_step_tile(s.xe.data_ptr<float>(), s.n, H, s.gu[t.part], t, sums[a].data(), nullptr,
+                        s.ge.data_ptr<float>(), 2 * I, per_tile[a], sc.dr, sc.buf);
+      else
+        small_step_tile(s.he.data_ptr<float>(), s.n, I, s.dn[t.part], t, sums[a].data(), nullptr,
+                        s.ye.data_ptr<float>(), H, per_tile[a], sc.dr, sc.buf);
     });
   };
   project(true);

@@ -158,6 +158,26 @@ def test_int8_linear_is_the_product_with_quantized_activations(ggml_type):
     assert torch.equal(layer(x[150:151])[0], y[150])
 
 
+@pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_k_quant_vnni_kernels_give_the_avx2_kernels_bits(ggml_type, monkeypatch):
+    """From 8 rows the K-quant products run 16 rows at a time on AVX-512 VNNI; the same
+    step through the AVX2 kernels (PAGODA_CPU_ISA=avx2, read at every call) gives the
+    same bits: the same integers per block, the same float32 operations."""
+    w, ref = _weight(ggml_type, 37, 768, seed=300 + ggml_type.value)  # 4 panels of 8, then single channels
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(1))
+    layer = BlocksLinear([w], bias=bias)
+    layer.int8_activations = True
+    x = torch.randn(130, 768, generator=torch.Generator().manual_seed(2)) * 3
+    for rows in (8, 16, 23, 64, 130):
+        monkeypatch.delenv("PAGODA_CPU_ISA", raising=False)
+        vnni = layer(x[:rows])
+        monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
+        avx2 = layer(x[:rows])
+        assert torch.equal(vnni, avx2), rows
+    _close(vnni - bias, _quantized_x(x, 256), ref)
+
+
 def test_int8_linear_refuses_float_weights():
     t = torch.randn(8, 64)
     with pytest.raises(RuntimeError, match="quantized blocks"):
