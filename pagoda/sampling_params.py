@@ -51,10 +51,19 @@ def _is_number(value: Any) -> bool:
     return _is_int(value) or isinstance(value, float)
 
 
+# Every integer that reaches the engine fits a signed 64-bit field (the engine link's
+# msgspec encoding and torch's generator seeds take no more): a larger one is the client's
+# error, named with its bound, not an overflow while the request is being sent.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _check_int(name: str, value: Any) -> int:
     if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
-    return int(value)
+    value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be between {INT64_MIN} and {INT64_MAX} (a signed 64-bit integer), got {value}")
+    return value
 
 
 def _check_float(name: str, value: Any) -> float:

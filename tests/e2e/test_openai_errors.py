@@ -60,6 +60,7 @@ def test_unknown_field(http: httpx.Client) -> None:
          "messages.[0].content"),
         ({"max_tokens": 100000}, "max_tokens"),
         ({"max_completion_tokens": 100000}, "max_completion_tokens"),
+        ({"seed": 2**70}, "seed"),  # beyond 64 bits: a 400 naming the bound, not a 500
     ],
 )
 def test_chat_bad_params(http: httpx.Client, engine: FakeEngine, extra: dict[str, Any], param: str | None) -> None:

@@ -73,6 +73,10 @@ INVALID: list[tuple[str, Any]] = [
     ("logit_bias", [1, 2]),
     ("seed", 1.5),
     ("seed", "42"),
+    ("seed", 2**70),
+    ("seed", -(2**63) - 1),
+    ("n", 2**64),
+    ("max_tokens", 2**63),
     ("stop", ""),
     ("stop", ["ok", ""]),
     ("stop", [1]),
@@ -184,3 +188,12 @@ def test_validate_for_vocab() -> None:
         SamplingParams(logit_bias={100: 1.0}).validate_for_vocab(100)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[0, 100]).validate_for_vocab(100)
+
+
+def test_integers_are_bounded_to_64_bits() -> None:
+    """The engine link encodes 64-bit integers: a larger seed is a ValueError naming the
+    bound (a 400 at the HTTP edge), not an OverflowError while the request is sent."""
+    with pytest.raises(ValueError, match=r"seed must be between -9223372036854775808 and 9223372036854775807"):
+        SamplingParams(seed=2**70)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
