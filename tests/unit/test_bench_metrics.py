@@ -114,7 +114,8 @@ def test_arrival_delays():
     bursty = arrival_delays(20000, 4.0, 0.25, 0)             # same mean, CV = 1/sqrt(shape) = 2
     assert statistics.mean(bursty) == pytest.approx(0.25, rel=0.1)
     assert statistics.pstdev(bursty) / statistics.mean(bursty) == pytest.approx(2.0, rel=0.1)
-    assert arrival_delays(5, 2.0, 1.0, 7) == arrival_delays(5, 2.0, 1.0, 7)
+    assert arrival_delays(5, 2.0, 1.0, 7) == arrival_delays(5, 2.0, 1.0, 7)  # the seed fixes the gaps
+    assert arrival_delays(5, 2.0, 1.0, 7) != arrival_delays(5, 2.0, 1.0, 8)  # and another seed changes them
     with pytest.raises(ValueError):
         arrival_delays(1, 0.0, 1.0, 0)
 

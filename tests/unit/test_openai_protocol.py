@@ -139,9 +139,15 @@ def test_chat_unsupported(fields: dict[str, Any], param: str) -> None:
 
 
 def test_chat_accepted_no_ops() -> None:
-    chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none").check_supported()
-    chat(tool_choice="auto").check_supported()
-    chat(response_format={"type": "text"}, modalities=["text"]).check_supported()
+    """Fields accepted with values that change nothing: the request's sampling
+    parameters are those of the same request without them."""
+    plain = chat().to_sampling_params(default_max_tokens=100)
+    for fields in ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+                   {"tool_choice": "auto"},
+                   {"response_format": {"type": "text"}, "modalities": ["text"]}):
+        req = chat(**fields)
+        req.check_supported()
+        assert req.to_sampling_params(default_max_tokens=100) == plain, fields
     chat(response_format={"type": "json_object"}).check_supported()  # structured output: see test_structured_request
 
 
@@ -157,7 +163,9 @@ def test_completion_unsupported(fields: dict[str, Any], param: str) -> None:
 
 
 def test_completion_accepted_no_ops() -> None:
-    completion(echo=False, suffix=None, best_of=2, n=2).check_supported()
+    req = completion(echo=False, suffix=None, best_of=2, n=2)
+    req.check_supported()
+    assert req.to_sampling_params(default_max_tokens=100) == completion(n=2).to_sampling_params(default_max_tokens=100)
 
 
 # ---------------------------------------------------------------------- SamplingParams mapping

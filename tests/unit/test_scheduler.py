@@ -200,9 +200,10 @@ def test_chunked_prefill_does_not_starve_decode() -> None:
     long = make_req(sched, "long", 100, max_tokens=2)
     chunks = []
     while long.num_computed_tokens < long.num_prompt_tokens:
+        chunk = min(15, 100 - long.num_computed_tokens)  # the budget less d's decode token
         so, out, sampled = step(sched)
         assert so.num_scheduled_tokens["d"] == 1  # the decode runs every step
-        assert so.total_num_scheduled_tokens == 16 or long.num_computed_tokens == 100
+        assert so.num_scheduled_tokens["long"] == chunk and so.total_num_scheduled_tokens == 1 + chunk
         chunks.append(so.num_scheduled_tokens["long"])
         if long.num_computed_tokens < 100:
             assert "long" not in sampled  # a prompt chunk samples nothing
