@@ -1,8 +1,9 @@
 """GET /dashboard in headless Chromium, after real load on the real engine.
 
-Needs Debian's ``chromium`` and ``chromium-driver``; the test installs them with apt
-when they are missing and it runs as root, and skips (saying why) only when no
-browser can be had. The screenshot goes to $PAGODA_TEST_ARTIFACTS or test-artifacts/.
+Needs Debian's ``chromium`` and ``chromium-driver``: `make test` installs them (its
+`browser` step, with apt where it can); the test skips, saying why, when they are
+missing. The screenshot goes to $PAGODA_TEST_ARTIFACTS or test-artifacts/ (an artifact
+to look at; the assertions read the page's DOM).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -35,25 +35,12 @@ def _find_browser() -> tuple[str, str] | None:
 
 
 def ensure_chromium() -> tuple[str, str]:
-    """(browser, driver) paths, installing Debian's packages if need be; else skip."""
+    """(browser, driver) paths; else skip (`make test` installs them where it can)."""
     found = _find_browser()
-    if found:
-        return found
-    if os.name != "posix" or os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip("no chromium + chromedriver, and apt-get is not usable here (not root or not Debian)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    log = []
-    for cmd in (["apt-get", "install", "-y", "-qq", "chromium", "chromium-driver"],
-                ["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "chromium", "chromium-driver"]):
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"installing chromium timed out: {' '.join(cmd)}")
-        log.append(f"$ {' '.join(cmd)} -> {done.returncode}\n{done.stderr[-500:]}")
-        if done.returncode == 0 and cmd[1] == "install" and _find_browser():
-            return _find_browser()  # type: ignore[return-value]
-    pytest.skip("could not install chromium + chromium-driver with apt:\n" + "\n".join(log))
+    if not found:
+        pytest.skip("no chromium + chromedriver on PATH (Debian: apt-get install chromium chromium-driver, "
+                    "which `make browser` runs)")
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +122,8 @@ def test_dashboard_renders_the_batching_timeline(server, driver) -> None:
     assert int(driver.find_element(By.ID, "nused").text) + int(driver.find_element(By.ID, "ncached").text) \
         + int(driver.find_element(By.ID, "nfree").text) == 64
 
+    # Every request's tokens after its first come from decode steps: the known load's.
+    assert int(summary.get_attribute("data-decode-cells")) == sum(n - 1 for n in (6, 4, 6, 8))
+
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    shot = ARTIFACTS / "dashboard.png"
-    assert driver.save_screenshot(str(shot))
-    assert shot.stat().st_size > 10_000
+    driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))  # for people to look at
