@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -448,6 +448,18 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer:
     from pagoda.model.paths import resolve_model_path
 
     return with_chat_template(model_tokenizer(resolve_model_path(config.model)), config.chat_template)
+
+
+class ModelFiles(Protocol):
+    """Where a loaded model came from (``pagoda.model.loader.LoadedModel`` is one)."""
+
+    path: str
+    gguf_metadata: dict[str, Any] | None
+
+
+def build_tokenizer(loaded: ModelFiles, chat_template: str | None) -> Tokenizer:
+    """The tokenizer of a model already loaded (reusing the GGUF metadata it read)."""
+    return with_chat_template(model_tokenizer(loaded.path, loaded.gguf_metadata), chat_template)
 
 
 def with_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer:

@@ -5,7 +5,7 @@
 2. The model's forward (all layers + LM head on the sampled rows) is timed directly, with
    the per-step AttentionMetadata pagoda's runner would build, for decode batches of
    several sizes and context lengths and for prefills of several lengths.
-3. Each step's FLOPs and ideal bytes come from `pagoda.bench.cost.step_cost`; arithmetic
+3. Each step's FLOPs and ideal bytes come from `pagoda.metrics.cost.step_cost`; arithmetic
    intensity = FLOPs / bytes. A step left of the ridge (peak / bandwidth) is bound by
    memory, right of it by compute; "% of roof" is achieved FLOP/s over the roof at that
    intensity.
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagoda.bench.cost import step_cost_breakdown
+from pagoda.metrics.cost import step_cost_breakdown
 from pagoda.config import EngineConfig, cpu_threads_policy
 from pagoda.ops import cpu_kernels
 

@@ -29,6 +29,7 @@ from typing import Iterable
 
 from pagoda.core.host_pool import HostBlockPool
 from pagoda.core.kv_cache_manager import KVCacheManager, block_ids_of
+from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from pagoda.core.sched_policy import POLICIES, FairShare, enqueue, queue_key, tenant_of
 from pagoda.core.sched_output import (
     CachedRequestData,
@@ -36,7 +37,6 @@ from pagoda.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagoda.engine.protocol import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from pagoda.request import Request, RequestStatus
 from pagoda.tenants import TenantSpec
 

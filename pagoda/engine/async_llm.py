@@ -25,9 +25,10 @@ import zmq
 import zmq.asyncio
 
 from pagoda.config import EngineConfig, check_priority
+from pagoda.core.outputs import SchedulerStats
 from pagoda.engine.core_proc import CoreProcess, EngineInfo, run_engine_core, start_core_process
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
-from pagoda.engine.protocol import EngineCoreOutputs, SchedulerStats
+from pagoda.engine.protocol import EngineCoreOutputs
 from pagoda.lora.errors import LoRAAdapterError, LoRAInUseError
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.log import StatLogger, log_request

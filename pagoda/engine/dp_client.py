@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from pagoda.config import EngineConfig
+from pagoda.core.outputs import SchedulerStats
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
-from pagoda.engine.protocol import SchedulerStats
 from pagoda.engine.router import PrefixRouter
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams

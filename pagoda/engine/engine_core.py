@@ -14,30 +14,27 @@ import torch
 
 from pagoda.config import (
     EngineConfig,
-    available_memory_bytes,
     check_priority,
     cpu_threads_policy,
     governed_threads,
     keep_freed_memory,
 )
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.outputs import EngineCoreOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.cpu_threads import ThreadGovernor
-from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagoda.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from pagoda.lora.errors import LoRAInUseError
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
 from pagoda.request import Request, RequestStatus
+from pagoda.worker.kv_sizing import kv_blocks_for
 from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage, kv_layout
 
 logger = logging.getLogger(__name__)
 EXPERT_LOAD_INTERVAL_S = 1.0   # how often a MoE model's expert load goes to the API process
-
-# Default KV budget on CPU: this share of available memory, at most this much.
-_CPU_KV_FRACTION = 0.25
-_CPU_KV_MAX_BYTES = 4 << 30
 
 
 def _tenant_specs(config: EngineConfig) -> tuple:
@@ -195,8 +192,8 @@ class EngineCore:
         self.vocab_size = arch.vocab_size
         self.shared_prefixes = None
         if config.shared_prefix_file is not None:
-            from pagoda.engine.llm import build_tokenizer
             from pagoda.shared_prefix import SharedPrefixes, read_shared_prefix_file
+            from pagoda.tokenizer import build_tokenizer
 
             self.shared_prefixes = SharedPrefixes.from_texts(
                 read_shared_prefix_file(config.shared_prefix_file),
@@ -220,8 +217,8 @@ class EngineCore:
         return self._structured
 
     def _make_grammar_backend(self):
-        from pagoda.engine.llm import build_tokenizer
         from pagoda.structured_output.backend import LLGuidanceBackend
+        from pagoda.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer(self.loaded, self.config.chat_template)
         return LLGuidanceBackend(tokenizer.backend.to_str(), self.vocab_size, tokenizer.eos_token_ids)
@@ -367,22 +364,3 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         if self.tp_driver is not None:
             self.tp_driver.shutdown()
-
-
-def kv_blocks_for(config: EngineConfig, model, device: torch.device, dtype: torch.dtype,
-                  per_block: int | None = None) -> int:
-    """KV blocks this process can hold: --num-kv-blocks, else the memory budget over
-    the bytes of one block (of the heads this process holds; ``per_block`` overrides,
-    e.g. to add a draft model's cache)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if per_block is None:
-        per_block = kv_cache_bytes_per_block(model, config.block_size, dtype)
-    budget = config.kv_cache_memory
-    if budget is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * 0.8)
-        else:
-            budget = min(int(available_memory_bytes() * _CPU_KV_FRACTION), _CPU_KV_MAX_BYTES)
-    return budget // per_block

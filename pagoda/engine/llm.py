@@ -11,16 +11,11 @@ from pagoda.config import EngineConfig, check_priority
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest
-from pagoda.model.loader import LoadedModel
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.tokenizer import Tokenizer, model_tokenizer, with_chat_template
+from pagoda.tokenizer import Tokenizer, build_tokenizer
 
 PromptType = str | dict[str, Any]
-
-
-def build_tokenizer(loaded: LoadedModel, chat_template: str | None) -> Tokenizer:
-    return with_chat_template(model_tokenizer(loaded.path, loaded.gguf_metadata), chat_template)
 
 
 class LLM:

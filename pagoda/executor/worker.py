@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 
 def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: str) -> int:
     from pagoda.distributed.group import DistributedError, TPGroup, rendezvous_store
-    from pagoda.engine.engine_core import kv_blocks_for
     from pagoda.executor.multiproc import configure_threads, gather_weight_bytes, rank_device
     from pagoda.model.loader import load_model, parse_dtype
+    from pagoda.worker.kv_sizing import kv_blocks_for
     from pagoda.worker.model_runner import ModelRunner
 
     configure_threads(config)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.engine.protocol import SchedulerStats
+from pagoda.core.outputs import SchedulerStats
 from pagoda.metrics.histogram import Histogram
 from pagoda.metrics.stats import FINISH_REASONS, EngineMetrics, LabelledStats
 

@@ -20,8 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from pagoda.core.outputs import SchedulerStats, StepRecord
 from pagoda.engine.output_processor import child_request_id
-from pagoda.engine.protocol import EngineCoreOutputs, SchedulerStats, StepRecord
+from pagoda.engine.protocol import EngineCoreOutputs
 from pagoda.metrics.histogram import (
     INTER_TOKEN_BUCKETS,
     LATENCY_BUCKETS,

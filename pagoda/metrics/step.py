@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pagoda.bench.cost import step_cost
-from pagoda.engine.protocol import StepRecord
+from pagoda.core.outputs import StepRecord
+from pagoda.metrics.cost import step_cost
 
 if TYPE_CHECKING:
-    from pagoda.bench.cost import ArchLike
     from pagoda.core.block_pool import BlockPool
     from pagoda.core.sched_output import SchedulerOutput
+    from pagoda.metrics.cost import ArchLike
     from pagoda.request import Request
 
 # At most this many blocks are sampled for the pool picture: exact for small pools,
@@ -40,7 +40,7 @@ class StepStatsCollector:
     """Builds a StepRecord for each step and, now and then, the KV pool picture.
 
     ``arch``: when given, each record carries the step's FLOPs and bytes from
-    pagoda/bench/cost.py, the same model ``pagoda bench roofline`` uses, so the two
+    pagoda/metrics/cost.py, the same model ``pagoda bench roofline`` uses, so the two
     compare directly. ``*_bytes``: bytes per element of weights, activations, KV.
     """
 

@@ -11,13 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.model.layers.rotary import SUPPORTED_ROPE_SCALING, rope_kind
+from pagoda.model.models import GGUF_ARCHITECTURES, UnsupportedModelError, hf_architectures, model_class
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
-from pagoda.model.models import GGUF_ARCHITECTURES, hf_architectures, model_class
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 def periodic_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
@@ -35,6 +31,18 @@ def gguf_layer_types(md: dict[str, Any], n: int, default_pattern: int) -> tuple[
             raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries for {n} layers")
         return tuple("sliding_attention" if flag else "full_attention" for flag in pattern[:n])
     return periodic_layer_types(n, int(pattern))
+
+
+def moe_fields(experts: int, per_token: int, intermediate: int, norm_topk_prob: bool) -> dict[str, Any]:
+    """The mixture-of-experts fields of a ModelArchConfig."""
+    return dict(num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=intermediate,
+                norm_topk_prob=norm_topk_prob)
+
+
+def gguf_moe_layers(tensor_names: set[str], layers: int) -> tuple[bool, ...] | None:
+    """Which layers of a GGUF file have experts (a router, ``ffn_gate_inp``); None: all."""
+    moe = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(layers))
+    return None if all(moe) else moe
 
 
 @dataclass(frozen=True)

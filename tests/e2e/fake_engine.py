@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from pagoda.core.outputs import SchedulerStats
 from pagoda.engine.async_llm import EngineDeadError, EngineOverloadedError
-from pagoda.engine.protocol import SchedulerStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer

@@ -48,9 +48,9 @@ def _run(prompts, **engine_kwargs):
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from pagoda.engine.llm import build_tokenizer
     from pagoda.model.loader import LoadedModel, default_model_path
     from pagoda.model.gguf_file import GGUFFile
+    from pagoda.tokenizer import build_tokenizer
 
     md = GGUFFile(default_model_path()).metadata
     tok = build_tokenizer(LoadedModel(None, None, "", gguf_metadata=md), None)  # type: ignore[arg-type]

@@ -179,7 +179,7 @@ def smol(default_model_path):
 
 @pytest.fixture(scope="module")
 def smol_prompts(smol) -> list[list[int]]:
-    from pagoda.engine.llm import build_tokenizer
+    from pagoda.tokenizer import build_tokenizer
 
     tok = build_tokenizer(smol, None)
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"

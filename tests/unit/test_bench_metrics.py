@@ -14,7 +14,7 @@ import torch
 
 from pagoda.bench import datasets as ds
 from pagoda.bench.client import RequestSpec, arrival_delays, build_payload, send_request
-from pagoda.bench.cost import linear_params_per_layer, step_cost, step_cost_breakdown
+from pagoda.metrics.cost import linear_params_per_layer, step_cost, step_cost_breakdown
 from pagoda.bench.latency import summarize_iteration
 from pagoda.bench.metrics import (
     RequestResult, compute_metrics, itl_from_chunk_times, meets_slos, parse_goodput, percentile, summarize, tpot,

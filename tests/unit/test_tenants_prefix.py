@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda.config import EngineConfig, check_priority
 from pagoda.core.block_hash import hash_request_blocks
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagoda.core.outputs import EngineCoreOutput, SchedulerStats
+from pagoda.engine.protocol import EngineCoreOutputs
 from pagoda.metrics.prometheus import make_registry, render
 from pagoda.metrics.stats import EngineMetrics
 from pagoda.request import Request

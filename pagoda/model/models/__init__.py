@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import importlib
 
+
+class UnsupportedModelError(ValueError):
+    """A model this registry has no family for (or a family option pagoda lacks)."""
+
+
 # HF `architectures` name -> (module in this package, class).
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -53,8 +58,6 @@ def hf_architectures() -> list[str]:
 def model_class(architecture: str):
     """The ``CausalLM`` subclass serving an HF architecture name."""
     if architecture not in ARCHITECTURES:
-        from pagoda.model.arch import UnsupportedModelError
-
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(hf_architectures())}")
     module, name = ARCHITECTURES[architecture]

@@ -31,12 +31,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields
 from pagoda.model.attention import AttentionMetadata, paged_attention
 from pagoda.model.layers.decoder import CausalLM, DecoderLayer
 from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.layers.rotary import apply_rope, rope_kind, yarn_mscale
-from pagoda.model.models.mixtral import moe_fields
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,9 @@ from typing import Any, Callable, Iterator
 import torch
 from gguf import GGMLQuantizationType
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_layer_types, periodic_layer_types
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_layer_types, moe_fields, periodic_layer_types
 from pagoda.model.layers.blocks import BlockWeight
 from pagoda.model.layers.decoder import CausalLM
-from pagoda.model.models.mixtral import moe_fields
 
 _MXFP4 = GGMLQuantizationType.MXFP4
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")

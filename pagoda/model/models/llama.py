@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.model.arch import ModelArchConfig
+from pagoda.model.arch import ModelArchConfig, gguf_moe_layers, moe_fields
 
 from pagoda.model.layers.decoder import CausalLM, GatedMLP as LlamaMLP  # noqa: F401 (LlamaMLP re-exported)
 from pagoda.model.layers.norm import RMSNorm  # noqa: F401 (re-exported)
@@ -17,10 +17,12 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        if md.get(f"{md['general.architecture']}.expert_count"):   # llama.cpp writes Mixtral as a llama file
-            from pagoda.model.models.mixtral import MixtralForCausalLM
-
-            return MixtralForCausalLM.arch_from_gguf(md, tensor_names, "MixtralForCausalLM")
+        p = f"{md['general.architecture']}."
+        if md.get(p + "expert_count"):   # llama.cpp writes Mixtral as a llama file (mixtral.py serves it)
+            fields = ModelArchConfig.gguf_fields(md, tensor_names, "MixtralForCausalLM")
+            return ModelArchConfig(**fields, **moe_fields(md[p + "expert_count"], md[p + "expert_used_count"],
+                                                          fields["intermediate_size"], True),
+                                   moe_layers=gguf_moe_layers(tensor_names, fields["num_hidden_layers"]))
         return super().arch_from_gguf(md, tensor_names, architecture)
 
 

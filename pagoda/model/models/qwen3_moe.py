@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.model.arch import ModelArchConfig
+from pagoda.model.arch import ModelArchConfig, gguf_moe_layers, moe_fields
 from pagoda.model.layers.decoder import CausalLM
-from pagoda.model.models.mixtral import gguf_moe_layers, moe_fields
 
 
 class Qwen3MoeForCausalLM(CausalLM):
