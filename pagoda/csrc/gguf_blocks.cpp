@@ -960,14 +960,14 @@ constexpr int kVnniChannels = 8;
 struct alignas(64) Q4KDecoded {
   uint8_t q[256];
   int32_t sc[8];
-  int32_t mn[4];  // int16 pairs (mn[2p], mn[2p + 1])
+  int32_t pair[4];  // the minimums as int16 pairs (mn[2p], mn[2p + 1])
   float d, dmin;
 };
 
 struct alignas(64) Q6KDecoded {
   uint8_t q[256];  // stored value: q + 32, 0 .. 63
   int32_t sc[16];
-  int32_t sc2[8];  // int16 pairs (sc[2p], sc[2p + 1])
+  int32_t pair[8];  // the scales as int16 pairs (sc[2p], sc[2p + 1])
   float d;
 };
 
@@ -979,7 +979,7 @@ PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q4KDecoded& o) {
   }
   const __m128i sm = k4_scales_mins(p + 4);
   _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepu8_epi32(sm));
-  _mm_store_si128(reinterpret_cast<__m128i*>(o.mn), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(o.pair), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
   o.d = f16_at(p);
   o.dmin = f16_at(p + 2);
 }
@@ -999,7 +999,7 @@ PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q6KDecoded& o) {
   }
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
   _mm512_store_si512(o.sc, _mm512_cvtepi8_epi32(sc));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc2), _mm256_cvtepi8_epi16(sc));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.pair), _mm256_cvtepi8_epi16(sc));
   o.d = f16_at(p + 208);
 }
 
@@ -1009,76 +1009,49 @@ PAGODA_AVX512_K inline __m512i bcast32(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// out[c][l] for NC channels (dec: [K / 256][NC]) and the 16 rows of group g.
-template <int NC>
-PAGODA_AVX512_K __attribute__((noinline)) void q4k_vnni(const QuantizedX& xq, int64_t K, int64_t g,
-                                                        const Q4KDecoded* dec, float* out) {
+// out[c][l] for NC channels (dec: [K / 256][NC]) and the 16 rows of group g. Q4_K: 8
+// sub-blocks of 32 (8 groups of 4 inputs), minimums against x's sums per 32 (h32); Q6_K:
+// 16 sub-blocks of 16, its -32 against x's sums per 16 (h16).
+template <typename Dec, int NC>
+PAGODA_AVX512_K __attribute__((noinline)) void k_vnni(const QuantizedX& xq, int64_t K, int64_t g, const Dec* dec,
+                                                      float* out) {
+  constexpr bool q4 = std::is_same_v<Dec, Q4KDecoded>;
+  constexpr int nsub = q4 ? 8 : 16, quads = 64 / nsub, pairs = nsub / 2;
   const int64_t nb = K / 256;
   const int32_t* xg = xq.p4.data() + g * (K / 4) * 16;
-  const int32_t* hg = xq.p32.data() + g * (K / 64) * 16;
+  const int32_t* hg = (q4 ? xq.p32.data() : xq.p16.data()) + g * nb * pairs * 16;
   const float* dg = xq.pd.data() + g * nb * 16;
   __m512 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const Q4KDecoded* db = dec + b * NC;
+    const Dec* db = dec + b * NC;
     __m512i isum[NC];
     for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < nsub; ++j) {
       __m512i s[NC];
       for (int c = 0; c < NC; ++c) s[c] = _mm512_setzero_si512();
-      for (int k = 0; k < 8; ++k) {
-        const __m512i xv = _mm512_loadu_si512(xg + (b * 64 + j * 8 + k) * 16);
-        for (int c = 0; c < NC; ++c) s[c] = _mm512_dpbusd_epi32(s[c], bcast32(db[c].q + 32 * j + 4 * k), xv);
+      for (int k = 0; k < quads; ++k) {
+        const __m512i xv = _mm512_loadu_si512(xg + (b * 64 + j * quads + k) * 16);
+        for (int c = 0; c < NC; ++c) s[c] = _mm512_dpbusd_epi32(s[c], bcast32(db[c].q + 4 * (j * quads + k)), xv);
       }
       for (int c = 0; c < NC; ++c) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], _mm512_set1_epi32(db[c].sc[j])));
     }
-    __m512i msum[NC];
-    for (int c = 0; c < NC; ++c) msum[c] = _mm512_setzero_si512();
-    for (int pr = 0; pr < 4; ++pr) {
-      const __m512i hv = _mm512_loadu_si512(hg + (b * 4 + pr) * 16);
-      for (int c = 0; c < NC; ++c) msum[c] = _mm512_dpwssd_epi32(msum[c], hv, _mm512_set1_epi32(db[c].mn[pr]));
-    }
-    const __m512 dx = _mm512_loadu_ps(dg + b * 16);
-    for (int c = 0; c < NC; ++c) {
-      acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].d), dx), _mm512_cvtepi32_ps(isum[c]), acc[c]);
-      acc[c] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].dmin), dx), _mm512_cvtepi32_ps(msum[c]), acc[c]);
-    }
-  }
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
-}
-
-template <int NC>
-PAGODA_AVX512_K __attribute__((noinline)) void q6k_vnni(const QuantizedX& xq, int64_t K, int64_t g,
-                                                        const Q6KDecoded* dec, float* out) {
-  const int64_t nb = K / 256;
-  const int32_t* xg = xq.p4.data() + g * (K / 4) * 16;
-  const int32_t* hg = xq.p16.data() + g * (K / 32) * 16;
-  const float* dg = xq.pd.data() + g * nb * 16;
-  __m512 acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const Q6KDecoded* db = dec + b * NC;
-    __m512i isum[NC];
-    for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
-    for (int j = 0; j < 16; ++j) {
-      __m512i s[NC];
-      for (int c = 0; c < NC; ++c) s[c] = _mm512_setzero_si512();
-      for (int k = 0; k < 4; ++k) {
-        const __m512i xv = _mm512_loadu_si512(xg + (b * 64 + j * 4 + k) * 16);
-        for (int c = 0; c < NC; ++c) s[c] = _mm512_dpbusd_epi32(s[c], bcast32(db[c].q + 16 * j + 4 * k), xv);
-      }
-      for (int c = 0; c < NC; ++c) isum[c] = _mm512_add_epi32(isum[c], _mm512_mullo_epi32(s[c], _mm512_set1_epi32(db[c].sc[j])));
-    }
+    // Q4_K: sum_j mn_j * (x's sum over sub-block j); Q6_K: sum_j sc_j * (the same).
     __m512i t[NC];
     for (int c = 0; c < NC; ++c) t[c] = _mm512_setzero_si512();
-    for (int pr = 0; pr < 8; ++pr) {
-      const __m512i hv = _mm512_loadu_si512(hg + (b * 8 + pr) * 16);
-      for (int c = 0; c < NC; ++c) t[c] = _mm512_dpwssd_epi32(t[c], hv, _mm512_set1_epi32(db[c].sc2[pr]));
+    for (int pr = 0; pr < pairs; ++pr) {
+      const __m512i hv = _mm512_loadu_si512(hg + (b * pairs + pr) * 16);
+      for (int c = 0; c < NC; ++c) t[c] = _mm512_dpwssd_epi32(t[c], hv, _mm512_set1_epi32(db[c].pair[pr]));
     }
     const __m512 dx = _mm512_loadu_ps(dg + b * 16);
     for (int c = 0; c < NC; ++c) {
-      isum[c] = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(t[c], 5));
-      acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].d), dx), _mm512_cvtepi32_ps(isum[c]), acc[c]);
+      if constexpr (q4) {
+        acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].d), dx), _mm512_cvtepi32_ps(isum[c]), acc[c]);
+        acc[c] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].dmin), dx), _mm512_cvtepi32_ps(t[c]), acc[c]);
+      } else {
+        isum[c] = _mm512_sub_epi32(isum[c], _mm512_slli_epi32(t[c], 5));
+        acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(db[c].d), dx), _mm512_cvtepi32_ps(isum[c]), acc[c]);
+      }
     }
   }
   for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
@@ -1107,10 +1080,7 @@ PAGODA_AVX512_K void k_tile_vnni_t(const QuantizedX& xq, int64_t m0, int64_t m1,
       for (int64_t b = 0; b < nb; ++b) decode_vnni(row + b * bytes, panel[b * NC + c]);
     }
     for (int64_t g = m0 / 16; g * 16 < m1; ++g) {
-      if constexpr (std::is_same_v<Dec, Q4KDecoded>)
-        q4k_vnni<NC>(xq, K, g, panel.data(), out);
-      else
-        q6k_vnni<NC>(xq, K, g, panel.data(), out);
+      k_vnni<Dec, NC>(xq, K, g, panel.data(), out);
       const int64_t r1 = std::min(m1, (g + 1) * 16);
       for (int c = 0; c < NC; ++c) {
         const int64_t col = w.col + n + c;
