@@ -830,6 +830,15 @@ inline void store_rows(__m128 acc, const float* bias, float* y, int64_t r0, int6
   for (int r = 0; r < MR; ++r) y[(r0 + r) * N + col] = bias ? v[r] + bias[col] : v[r];
 }
 
+// Q6_K's stored values (q + 32, 0-63) of weights half * 128 + 32c .. + 31 (sub-blocks
+// 8 half + 2c and + 1), as in decode_block_t, from the half's two 32-byte rows of low
+// bits l0, l1 and its 32 bytes of high bits h.
+inline __m256i q6k_values(__m256i l0, __m256i l1, __m256i h, int c) {
+  const __m256i l = (c & 1) ? l1 : l0;
+  const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), _mm256_set1_epi8(3));
+  return _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
+}
+
 // y[(r0 + r) * N + col] for r < MR: channel `row` of a Q4_K part.
 template <int MR>
 void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
@@ -873,7 +882,6 @@ void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
 template <int MR>
 void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
               int64_t N, int64_t col) {
-  const __m256i m2 = _mm256_set1_epi8(3);
   __m128 acc = _mm_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p = row + b * 210;
@@ -887,10 +895,7 @@ void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
       const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
       for (int c = 0; c < 4; ++c) {
-        // Weights half * 128 + 32c .. + 31 (sub-blocks 8 half + 2c and + 1), as in decode_block_t.
-        const __m256i l = (c & 1) ? l1 : l0;
-        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
-        const __m256i q = _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
+        const __m256i q = q6k_values(l0, l1, h, c);
         // int16 lanes 0-7 <- scale 2c, lanes 8-15 <- scale 2c + 1 (of this half)
         const __m256i s = _mm256_shuffle_epi8(scales, _mm256_blend_epi32(kScaleLanes[2 * c], kScaleLanes[2 * c + 1], 0xF0));
         for (int r = 0; r < MR; ++r) {
@@ -985,17 +990,12 @@ PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q4KDecoded& o) {
 }
 
 PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q6KDecoded& o) {
-  const __m256i m2 = _mm256_set1_epi8(3);
   for (int half = 0; half < 2; ++half) {
     const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
     const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
-    for (int c = 0; c < 4; ++c) {
-      const __m256i l = (c & 1) ? l1 : l0;
-      const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
-      const __m256i q = _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * half + 32 * c), q);
-    }
+    for (int c = 0; c < 4; ++c)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * half + 32 * c), q6k_values(l0, l1, h, c));
   }
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
   _mm512_store_si512(o.sc, _mm512_cvtepi8_epi32(sc));
