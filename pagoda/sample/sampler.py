@@ -3,6 +3,9 @@
 One row of ``logits`` is one request that samples this step. ``Sampler.forward``
 processes every row in this order:
 
+0. Structured output: a row under a grammar gets -inf at every token its grammar
+   does not allow this step (``SamplingRow.allowed_tokens``; a mask narrower than
+   the logits also bans the columns past its end).
 1. ``logit_bias`` is added.
 2. ``min_tokens``: while a row has fewer than ``min_tokens`` outputs, its
    ``stop_token_ids`` and (unless ``ignore_eos``) the model's EOS ids get -inf.
@@ -23,8 +26,8 @@ processes every row in this order:
    per step, so a seeded request gets the same tokens whatever else is in the
    batch and in whatever order.
 
-Work no row needs is skipped: a batch of greedy rows without bias, penalties or
-logprobs is a bare argmax. ``forward`` never modifies the logits it is given.
+Work no row needs is skipped: a batch of greedy rows without a grammar, bias,
+penalties or logprobs is a bare argmax. ``forward`` never modifies the logits it is given.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class SamplingRow:
     # else from the engine's RNG. None falls back to torch's global RNG.
     generator: torch.Generator | None
     eos_token_ids: frozenset[int]  # the model's end tokens, for min_tokens
+    # Under a grammar (structured output): [V'] bool, True = allowed this step, from
+    # the structured-output manager's bitmask. None: unconstrained.
+    allowed_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -81,6 +87,10 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None
     presence_penalty: torch.Tensor | None
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output
+    # Rows under a grammar [G] int64, and what each may not emit [G, V] bool (True =
+    # banned: what its grammar disallows, and any column past the end of its mask).
+    grammar_rows: torch.Tensor | None
+    grammar_banned: torch.Tensor | None
     # Sparse (row, token, value) triples for logit_bias.
     bias_rows: torch.Tensor | None
     bias_tokens: torch.Tensor | None
@@ -158,6 +168,14 @@ class SamplingMetadata:
         def index(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        grammar_rows = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
+        grammar_banned = None
+        if grammar_rows:
+            allowed = torch.stack([rows[i].allowed_tokens for i in grammar_rows]).to(device)
+            width = min(allowed.shape[1], vocab_size)
+            grammar_banned = torch.ones(len(grammar_rows), vocab_size, dtype=torch.bool, device=device)
+            grammar_banned[:, :width] = ~allowed[:, :width]
+
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             num_rows=len(rows),
@@ -173,6 +191,8 @@ class SamplingMetadata:
             frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty,
             output_counts=output_counts,
+            grammar_rows=index(grammar_rows) if grammar_rows else None,
+            grammar_banned=grammar_banned,
             bias_rows=index(bias_rows) if bias_rows else None,
             bias_tokens=index(bias_tokens) if bias_rows else None,
             bias_values=floats(bias_values) if bias_rows else None,
@@ -207,7 +227,7 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # a no-op for float32 input; never written in place
-        logits = _apply_bias_and_bans(logits, metadata)
+        logits = _apply_grammar_bias_and_bans(logits, metadata)
         logits = _apply_penalties(logits, metadata)
 
         greedy_ids = None if metadata.all_random else _argmax_rows(logits)
@@ -242,11 +262,11 @@ class Sampler(torch.nn.Module):
     def target_distribution(
         self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What ``forward`` would sample from, without sampling: (argmax after bias,
-        bans and penalties [B]; the final distribution of random rows after temperature
-        and truncation [B, V], None when every row is greedy). Speculative decoding
-        verifies drafts against these."""
-        logits = _apply_penalties(_apply_bias_and_bans(logits.float(), metadata), metadata)
+        """What ``forward`` would sample from, without sampling: (argmax after the grammar
+        masks, bias, bans and penalties [B]; the final distribution of random rows after
+        temperature and truncation [B, V], None when every row is greedy). Speculative
+        decoding verifies drafts against these."""
+        logits = _apply_penalties(_apply_grammar_bias_and_bans(logits.float(), metadata), metadata)
         greedy_ids = _argmax_rows(logits)
         if metadata.all_greedy:
             return greedy_ids, None
@@ -265,10 +285,13 @@ def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _apply_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    if md.bias_rows is None and md.ban_rows is None:
+def _apply_grammar_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Steps 0-2 of the module docstring, on one copy of the logits (none when no row needs them)."""
+    if md.grammar_rows is None and md.bias_rows is None and md.ban_rows is None:
         return logits
     logits = logits.clone()
+    if md.grammar_rows is not None:
+        logits[md.grammar_rows] = logits[md.grammar_rows].masked_fill(md.grammar_banned, float("-inf"))
     if md.bias_rows is not None:
         # (row, token) pairs are unique (dict keys), so accumulate only adds once.
         logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)

@@ -202,7 +202,9 @@ class ModelRunner:
         self, so: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None
     ) -> ModelRunnerOutput:
         """One forward + sampling. ``grammar_masks``: req id -> [vocab] bool
-        (True = allowed) for requests under a grammar."""
+        (True = allowed) for requests under a grammar; the sampler applies them
+        (``SamplingRow.allowed_tokens``). Requests under a grammar never verify drafts
+        (the scheduler gives them no draft slots)."""
         self._update_states(so)
         if so.swap_out or so.swap_in:
             self._swap(so.swap_out, so.swap_in)
@@ -270,15 +272,7 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
         if sample_rows and self.samples:
-            if grammar_masks:
-                rows = [j for j, i in enumerate(sample_rows) if order[i] in grammar_masks]
-                if rows:
-                    allowed = torch.stack([grammar_masks[order[sample_rows[j]]] for j in rows]).to(self.device)
-                    vocab = min(allowed.shape[1], logits.shape[1])
-                    banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=self.device)
-                    banned[:, :vocab] = ~allowed[:, :vocab]
-                    idx = torch.tensor(rows, device=self.device)
-                    logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+            grammar_masks = grammar_masks or {}
             rows = []
             for i in sample_rows:
                 state = self.requests[order[i]]
@@ -289,6 +283,7 @@ class ModelRunner:
                         output_token_ids=state.output_token_ids,
                         generator=self._generator_for(state.req_id, state.sampling_params),
                         eos_token_ids=state.eos_token_ids,
+                        allowed_tokens=grammar_masks.get(state.req_id),
                     )
                 )
             md = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)

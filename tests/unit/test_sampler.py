@@ -298,6 +298,128 @@ def test_logit_bias_added_before_penalties() -> None:
     assert torch.allclose(full_logprobs(out, 0, 3), torch.log_softmax(expected, -1))
 
 
+# ------------------------------------------------- grammar (structured output)
+
+
+def allowed_mask(vocab: int, allowed: list[int]) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[allowed] = True
+    return mask
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_grammar_mask_bans_disallowed_tokens(temperature: float) -> None:
+    torch.manual_seed(6)
+    draws, vocab = 200, 20
+    logits = torch.randn(1, vocab).expand(draws, -1).contiguous()
+    before = logits.clone()
+    allowed = [3, 11, 19]
+    gen = torch.Generator().manual_seed(0)
+    p = SamplingParams(temperature=temperature, logprobs=vocab, seed=1)
+    rows = [make_row(p, generator=gen) for _ in range(draws)]
+    for row in rows:
+        row.allowed_tokens = allowed_mask(vocab, allowed)
+    out = sample(logits, rows)
+    assert set(out.sampled_token_ids.tolist()) <= set(allowed)
+    if temperature == 0.0:
+        assert out.sampled_token_ids.tolist() == [max(allowed, key=lambda t: float(logits[0, t]))] * draws
+    # Logprobs are over the allowed tokens only: the rest are -inf.
+    lp = full_logprobs(out, 0, vocab)
+    expected = torch.full((vocab,), NEG_INF)
+    expected[allowed] = torch.log_softmax(logits[0, allowed] / (temperature or 1.0), -1)
+    assert torch.allclose(lp, expected)
+    assert torch.equal(logits, before)  # never modified in place
+
+
+def test_grammar_mask_only_touches_its_rows_and_bans_past_its_end() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0], [0.0, 1.0, 2.0, 9.0, 8.0]])
+    greedy = SamplingParams(temperature=0.0, logprobs=5)
+    constrained = make_row(greedy)
+    # A mask narrower than the logits (the tokenizer's vocabulary < the model's):
+    # the columns past its end are banned too.
+    constrained.allowed_tokens = torch.tensor([True, True, True])
+    out = sample(logits, [make_row(greedy), constrained])
+    assert out.sampled_token_ids.tolist() == [3, 2]
+    assert torch.allclose(full_logprobs(out, 0, 5), torch.log_softmax(logits[0], -1))
+    lp = full_logprobs(out, 1, 5)
+    assert lp[3] == NEG_INF and lp[4] == NEG_INF
+    assert torch.allclose(lp[:3], torch.log_softmax(logits[1, :3], -1))
+    # A mask wider than the logits: the extra columns are ignored.
+    wide = make_row(greedy)
+    wide.allowed_tokens = allowed_mask(8, [1, 4, 7])
+    assert sample(logits[:1], [wide]).sampled_token_ids.tolist() == [4]
+
+
+def test_grammar_mask_before_bias_and_penalties() -> None:
+    """Bias cannot revive a token the grammar bans, and penalties see -inf there."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    p = SamplingParams(temperature=0.0, logit_bias={3: 100.0}, repetition_penalty=2.0,
+                       frequency_penalty=1.0, logprobs=4)
+    row = make_row(p, prompt=[2], output=[2])
+    row.allowed_tokens = allowed_mask(4, [0, 1, 2])
+    out = sample(logits, [row])
+    assert out.sampled_token_ids.tolist() == [1]       # 2 is penalised to 2 / 2 - 1 = 0
+    expected = torch.tensor([0.0, 1.0, 0.0, NEG_INF])
+    assert torch.allclose(full_logprobs(out, 0, 4), torch.log_softmax(expected, -1))
+    greedy_ids, probs = Sampler().target_distribution(logits, SamplingMetadata.from_rows([row], 4, CPU))
+    assert greedy_ids.tolist() == [1] and probs is None
+
+
+def _runner_masking_before_the_move(logits: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:
+    """What ModelRunner.execute_model did to the logits before the sampler took the
+    grammar step over (row -> [V'] allowed mask), kept to prove the move changed no bit."""
+    rows = sorted(masks)
+    allowed = torch.stack([masks[j] for j in rows])
+    vocab = min(allowed.shape[1], logits.shape[1])
+    banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool)
+    banned[:, :vocab] = ~allowed[:, :vocab]
+    idx = torch.tensor(rows)
+    logits = logits.clone()
+    logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), mask_width=st.sampled_from([40, 48, 64]))
+def test_grammar_step_is_bit_identical_to_the_runner_masking(dtype: torch.dtype, seed: int,
+                                                             mask_width: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    vocab, n = 48, 6
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.8, seed=1, top_k=5, logprobs=2, logit_bias={7: 2.5}),
+        SamplingParams(temperature=1.3, seed=2, top_p=0.8, min_p=0.02, repetition_penalty=1.4),
+        SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.3, min_tokens=4,
+                       stop_token_ids=[5]),
+        SamplingParams(temperature=1.0, seed=3, logprobs=0),
+        SamplingParams(temperature=0.5, seed=4, logprobs=5),
+    ]
+    constrained = [j for j in range(n) if torch.rand((), generator=g) < 0.6]
+    masks = {j: torch.rand(mask_width, generator=g) < 0.3 for j in constrained}
+    for m in masks.values():
+        m[int(torch.randint(0, min(vocab, mask_width), (), generator=g))] = True   # a grammar allows something
+
+    def rows(with_masks: bool) -> list[SamplingRow]:
+        out = []
+        for j, p in enumerate(params):
+            row = make_row(p, prompt=[1, 2, 7], output=[5, 7, 7],
+                           generator=None if p.is_greedy else torch.Generator().manual_seed(100 + j),
+                           eos=frozenset({0}))
+            row.allowed_tokens = masks.get(j) if with_masks else None
+            out.append(row)
+        return out
+
+    old = sample(_runner_masking_before_the_move(logits, masks) if masks else logits, rows(False))
+    new = sample(logits, rows(True))
+    assert torch.equal(new.sampled_token_ids, old.sampled_token_ids)
+    for a, b in ((new.logprobs, old.logprobs), (new.topk_token_ids, old.topk_token_ids),
+                 (new.topk_logprobs, old.topk_logprobs)):
+        assert a is not None and b is not None
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------- min_tokens
 
 
