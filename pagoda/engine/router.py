@@ -48,6 +48,16 @@ class PrefixRouter:
         extra = (cache_salt,) if cache_salt else ()
         return [h.value for h in hash_request_blocks(token_ids, self.block_size, [], extra)]
 
+    @property
+    def num_remembered_blocks(self) -> int:
+        """Block hashes the router remembers now (never more than ``capacity``)."""
+        return len(self._holders)
+
+    def held_blocks(self, token_ids: Sequence[int], replica: int, cache_salt: str | None = None) -> int:
+        """Leading blocks of a prompt the router expects ``replica`` to hold (what ``choose``
+        would report as matched there), without remembering anything."""
+        return self.matched_blocks(self._keys(token_ids, cache_salt), replica)
+
     def matched_blocks(self, keys: list[bytes], replica: int) -> int:
         n = 0
         for key in keys:

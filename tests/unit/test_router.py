@@ -54,8 +54,13 @@ def test_dead_replicas_are_skipped_and_forgotten():
     r.choose(p, loads=[0, 0, 0], alive=[True] * 3)
     route = r.choose(p, loads=[0, 5, 1], alive=[False, True, True])
     assert route.replica == 2 and route.matched_blocks == 0
+    assert [r.held_blocks(p, i) for i in range(3)] == [2, 0, 2]
     r.forget_replica(2)
-    assert r.matched_blocks(r._keys(p, None), 2) == 0
+    # Replica 2's blocks are forgotten; replica 0 still holds the same ones.
+    assert [r.held_blocks(p, i) for i in range(3)] == [2, 0, 0]
+    assert r.num_remembered_blocks == 2
+    r.forget_replica(0)
+    assert r.num_remembered_blocks == 0
     with pytest.raises(RuntimeError, match="no live replica"):
         r.choose(p, loads=[0, 0, 0], alive=[False] * 3)
 
@@ -72,4 +77,9 @@ def test_capacity_bounds_the_map():
     r = PrefixRouter(2, BS, capacity=5)
     for i in range(10):
         r.choose([i] * 8, loads=[0, 0], alive=ALIVE2)
-    assert len(r._holders) == 5
+    assert r.num_remembered_blocks == 5
+    # The least recently used go first: of the 20 blocks (all on replica 0) the last 5
+    # remain, both of [8] * 8 and of [9] * 8 and the second of [7] * 8 (which matches
+    # nothing without its first).
+    assert [r.held_blocks([i] * 8, 0) for i in range(10)] == [0] * 8 + [2, 2]
+    assert all(r.held_blocks([i] * 8, 1) == 0 for i in range(10))
