@@ -1,24 +1,13 @@
-// Shared by pagoda's CPU kernels: horizontal sums and the float32 micro-kernel that
-// multiplies rows of x by a few dequantized weight rows held in a small buffer.
+// pagoda's float32 micro-kernel (gguf_blocks.cpp's small steps): rows of x times a few
+// dequantized weight rows held in a small buffer. The shared SIMD helpers are in simd.h.
 #pragma once
 #include <immintrin.h>
 
 #include <cstdint>
 
+#include "simd.h"
+
 namespace pagoda {
-
-inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  sums = _mm_add_ss(sums, shuf);
-  return _mm_cvtss_f32(sums);
-}
-
-inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
 // y[r0 + r, n + c] = the lanes of acc[r][c] summed (+ bias[n + c]).
 template <int MR, int NC>

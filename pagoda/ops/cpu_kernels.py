@@ -1,7 +1,8 @@
-"""pagoda's C++ CPU kernels (``pagoda/csrc/cpu_kernels.cpp``), built on first use.
+"""pagoda's C++ CPU kernels (``pagoda/csrc/*.cpp``, one file per kernel family, declared
+in ``kernels.h``), built on first use.
 
-``torch.utils.cpp_extension.load`` compiles the source once per machine (about a
-minute on 2 cores) into torch's extension cache and reloads it from there
+``torch.utils.cpp_extension.load`` compiles the sources once per machine (1-2.5 min on
+2 cores) into torch's extension cache and reloads it from there
 afterwards; concurrent processes wait on its lock. The kernels need AVX2 and
 FMA; where the build fails or the CPU lacks them, ``kernels()`` returns None,
 the reason is logged once, and callers use their plain-torch path.
@@ -23,7 +24,6 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "gguf_blocks.cpp")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
@@ -57,12 +57,15 @@ def _build() -> ModuleType:
 
     from torch.utils import cpp_extension
 
-    # The name carries a hash of every source and header, so a changed header (which
-    # torch's own check of the sources does not see) builds afresh.
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()
+    # Every .cpp in pagoda/csrc is a source of the one module. The name carries a hash of
+    # every source and header (names and contents), so a changed header (which torch's
+    # own check of the sources does not see) or an added file builds afresh.
+    sources = sorted(_CSRC.glob("*.cpp"))
+    files = sorted(sources + list(_CSRC.glob("*.h")))
+    digest = hashlib.sha256(b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in files)).hexdigest()
     return cpp_extension.load(
         name=f"pagoda_cpu_kernels_{digest[:12]}",
-        sources=[str(p) for p in _SOURCES],
+        sources=[str(p) for p in sources],
         # No FMA contraction of plain C++ arithmetic: the elementwise ops then round as
         # torch's do (the kernels' explicit FMA intrinsics are unaffected).
         extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
