@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pagoda.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagoda.engine.detokenizer import IncrementalDetokenizer
-from pagoda.engine.protocol import EngineCoreRequest
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from pagoda.sampling_params import SamplingParams
