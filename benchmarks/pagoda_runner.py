@@ -26,7 +26,7 @@ import time
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.engine.protocol import EngineCoreRequest
+from pagoda.engine.messages import EngineCoreRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runner_stats import peak_rss_mb, summary  # noqa: E402

@@ -257,19 +257,6 @@ def release_freed_memory() -> bool:
     return True
 
 
-def check_priority(config: EngineConfig, priority: object) -> None:
-    """A request's priority: an integer, and non-zero only under a policy that uses it."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer, got {priority!r}")
-    if not -(2**63) <= priority < 2**63:
-        raise ValueError(f"priority must be between {-(2**63)} and {2**63 - 1} (a signed 64-bit integer), got {priority}")
-    if priority != 0 and config.scheduling_policy == "fcfs":
-        raise ValueError(
-            f"priority={priority} is not allowed with the fcfs scheduling policy; "
-            "start the engine with --scheduling-policy priority (or fair)"
-        )
-
-
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux); a conservative 2 GiB elsewhere."""
     try:

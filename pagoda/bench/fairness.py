@@ -69,7 +69,7 @@ def make_arrivals(classes: list[tuple[str, float, int, int]], duration: float, v
 
 def run_schedule(core: Any, arrivals: list[Arrival], max_wall_s: float) -> dict[str, Any]:
     """Feed the arrivals in real time, step the engine until all are done."""
-    from pagoda.engine.protocol import EngineCoreRequest
+    from pagoda.engine.messages import EngineCoreRequest
     from pagoda.sampling_params import SamplingParams
 
     pending = list(reversed(arrivals))
@@ -116,7 +116,7 @@ def run_schedule(core: Any, arrivals: list[Arrival], max_wall_s: float) -> dict[
 
 def _engine(config: EngineConfig, loaded: Any, **changes: Any) -> Any:
     from pagoda.engine.engine_core import EngineCore
-    from pagoda.engine.protocol import EngineCoreRequest
+    from pagoda.engine.messages import EngineCoreRequest
     from pagoda.sampling_params import SamplingParams
 
     core = EngineCore(dataclasses.replace(config, show_progress=False, **changes), loaded=loaded,

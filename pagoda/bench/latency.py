@@ -29,7 +29,7 @@ from pagoda.config import EngineConfig
 
 def run_batch(core: Any, prompts: list[list[int]], output_len: int, tag: str) -> list[dict[str, Any]]:
     """Add the batch, step until it is done; one record per step."""
-    from pagoda.engine.protocol import EngineCoreRequest
+    from pagoda.engine.messages import EngineCoreRequest
     from pagoda.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

@@ -92,7 +92,7 @@ def workload_prompts(tokenizer: Any, name: str, num: int) -> list[list[int]]:
 
 
 def run_one(core: Any, prompt: list[int], output_len: int, rid: str) -> dict[str, Any]:
-    from pagoda.engine.protocol import EngineCoreRequest
+    from pagoda.engine.messages import EngineCoreRequest
     from pagoda.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

@@ -2,7 +2,7 @@
 stats, and a record of the step itself.
 
 They live here, under the scheduler that fills them, so that ``pagoda.core`` needs
-nothing from the engine; ``pagoda.engine.protocol`` carries them over the ZMQ link
+nothing from the engine; ``pagoda.engine.messages`` carries them over the ZMQ link
 inside its ``EngineCoreOutputs`` message. They are msgspec structs for that reason.
 """
 

@@ -39,6 +39,7 @@ from pagoda.core.sched_output import (
 )
 from pagoda.request import Request, RequestStatus
 from pagoda.tenants import TenantSpec
+from pagoda.validation import RequestLimits, admission_check
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class SchedulerConfig:
     auto_swap_min_tokens: int = 256
     # LoRA: requests of at most this many different adapters run at once (0 = LoRA off).
     max_loras: int = 0
+    # The model's vocabulary, for the admission re-check of prompt token ids (None: unchecked).
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -114,6 +117,8 @@ class Scheduler:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * config.num_speculative_tokens
         self.policy = config.policy
+        # What add_request re-checks (pagoda/validation.py): the front ends validated already.
+        self.limits = RequestLimits(config.max_model_len, config.vocab_size, config.policy, config.max_loras > 0)
         self.fair = FairShare(config.tenants)
         self.host = HostBlockPool(config.num_host_blocks)
         self.num_swap_preemptions = 0
@@ -123,20 +128,13 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a request. It gets the admission re-check of pagoda/validation.py (a request
+        that bypassed a front end must not break the invariants here or reach the model with
+        a token id outside the vocabulary); InvalidRequestError, or ValueError for an id in use."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens; the context length "
-                f"(max_model_len) is {self.config.max_model_len}"
-            )
-        if self.policy == "fcfs" and request.priority != 0:
-            raise ValueError(
-                f"priority={request.priority} needs --scheduling-policy priority (or fair); "
-                "the fcfs policy serves requests in arrival order"
-            )
-        if request.lora_int_id and not self.config.max_loras:
-            raise ValueError("this scheduler runs without LoRA (max_loras=0); the request names an adapter")
+        admission_check(request.prompt_token_ids, request.sampling_params, self.limits, request.priority,
+                        request.lora_request)  # fmt: skip
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.fair.on_add(tenant_of(request))

@@ -1,11 +1,8 @@
 """The engine-core busy loop, run in its own process (or thread) behind ZMQ.
 
-Frames are [kind, msgspec-msgpack payload]. In: add / abort / stop /
-shutdown, check (debug: run check_integrity()) and lora (load / unload an
-adapter). Out: ready (engine facts), outputs (one per step, with scheduler
-stats), heartbeat (idle; stats only), error (a request the core rejected),
-integrity (the answer to a check), lora_result (the answer to a lora call),
-dead (a fatal error; the loop exits).
+Each frame is one message of pagoda/engine/messages.py (which lists them all): requests,
+aborts, stops, integrity checks, LoRA calls and shutdown come in; Ready, step outputs,
+heartbeats, request errors, the answers to checks and LoRA calls, and Dead go out.
 """
 
 from __future__ import annotations
@@ -18,28 +15,32 @@ import tempfile
 import time
 import traceback
 
-import msgspec
 import zmq
 
 from pagoda.config import EngineConfig
-from pagoda.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagoda.engine.messages import (
+    Abort,
+    AddLora,
+    CheckIntegrity,
+    Dead,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    IntegrityResult,
+    LoraResult,
+    MessageError,
+    Ready,
+    RemoveLora,
+    RequestError,
+    Shutdown,
+    Stop,
+    decode,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
-
-
-class EngineInfo(msgspec.Struct):
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-
-
-_encoder = msgspec.msgpack.Encoder()
-_dec_request = msgspec.msgpack.Decoder(EngineCoreRequest)
-_dec_ids = msgspec.msgpack.Decoder(list[str])
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -56,11 +57,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 
         core = EngineCore(config)
     except Exception:
-        out.send_multipart([b"dead", _encoder.encode(traceback.format_exc())])
+        out.send(encode(Dead(traceback.format_exc())))
         _close(inp, out, ctx, own_context)
         return 1
-    out.send_multipart([b"ready", _encoder.encode(EngineInfo(
-        core.max_model_len, core.vocab_size, core.num_blocks, config.block_size))])
+    out.send(encode(Ready(core.max_model_len, core.vocab_size, core.num_blocks, config.block_size)))
 
     last_sent = 0.0
     code = 0
@@ -74,73 +74,65 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             shutdown = False
             while inp.poll(timeout):
                 timeout = 0
-                kind, payload = inp.recv_multipart()
-                if kind == b"add":
-                    req = _dec_request.decode(payload)
+                msg = decode(inp.recv())
+                if isinstance(msg, EngineCoreRequest):
                     try:
-                        core.add_request(req)
+                        core.add_request(msg)
                     except ValueError as e:
-                        out.send_multipart([b"error", _encoder.encode([req.request_id, str(e)])])
-                elif kind == b"abort":
-                    aborted = core.abort_requests(_dec_ids.decode(payload))
+                        out.send(encode(RequestError(msg.request_id, str(e))))
+                elif isinstance(msg, Abort):
+                    aborted = core.abort_requests(msg.request_ids)
                     if aborted:
-                        out.send_multipart([b"outputs", _encoder.encode(EngineCoreOutputs(outputs=aborted))])
-                elif kind == b"stop":
-                    core.finish_stopped(_dec_ids.decode(payload))
-                elif kind == b"check":
-                    out.send_multipart([b"integrity", _encoder.encode(_check_integrity(core, payload))])
-                elif kind == b"lora":
-                    out.send_multipart([b"lora_result", _encoder.encode(_lora_call(core, payload))])
-                elif kind == b"shutdown":
+                        out.send(encode(EngineCoreOutputs(outputs=aborted)))
+                elif isinstance(msg, Stop):
+                    core.finish_stopped(msg.request_ids)
+                elif isinstance(msg, CheckIntegrity):
+                    out.send(encode(_check_integrity(core, msg)))
+                elif isinstance(msg, (AddLora, RemoveLora)):
+                    out.send(encode(_lora_call(core, msg)))
+                elif isinstance(msg, Shutdown):
                     shutdown = True
                     break
+                else:
+                    raise MessageError(f"the engine core does not take {type(msg).__name__} messages")
             if shutdown:
                 break
             core.check_health()
             if core.has_unfinished_requests():
-                outputs = core.step()
-                out.send_multipart([b"outputs", _encoder.encode(outputs)])
+                out.send(encode(core.step()))
                 last_sent = time.monotonic()
             elif time.monotonic() - last_sent > HEARTBEAT_INTERVAL_S:
-                beat = core.idle_stats()
-                out.send_multipart([b"heartbeat", _encoder.encode(beat)])
+                out.send(encode(core.idle_stats()))
                 last_sent = time.monotonic()
     except Exception:
         logger.exception("engine core failed")
-        out.send_multipart([b"dead", _encoder.encode(traceback.format_exc())])
+        out.send(encode(Dead(traceback.format_exc())))
         code = 1
     core.shutdown()
     _close(inp, out, ctx, own_context)
     return code
 
 
-def _check_integrity(core, payload: bytes) -> list:
-    """Debug only: [token, error message or None, pid] for a ``check`` frame."""
-    token = msgspec.msgpack.decode(payload)
+def _check_integrity(core, msg: CheckIntegrity) -> IntegrityResult:
+    """Debug only: the answer to a CheckIntegrity."""
     try:
         core.check_integrity()
         error = None
     except Exception as e:  # an AssertionError from the block pool, most likely
         error = f"{type(e).__name__}: {e}"
-    return [token, error, os.getpid()]
+    return IntegrityResult(msg.token, error, os.getpid())
 
 
-def _lora_call(core, payload: bytes) -> list:
-    """[token, error type or None, message or None] for a ``lora`` frame:
-    [token, "add", name, id, path] or [token, "remove", id]."""
-    from pagoda.lora.request import LoRARequest
-
-    token, op, *args = msgspec.msgpack.decode(payload)
+def _lora_call(core, msg: AddLora | RemoveLora) -> LoraResult:
+    """Load or unload an adapter; a ValueError (a bad adapter, one in use) goes back by name."""
     try:
-        if op == "add":
-            core.add_lora(LoRARequest(*args))
-        elif op == "remove":
-            core.remove_lora(args[0])
+        if isinstance(msg, AddLora):
+            core.add_lora(msg.lora_request)
         else:
-            raise ValueError(f"unknown lora operation {op!r}")
+            core.remove_lora(msg.lora_int_id)
     except ValueError as e:
-        return [token, type(e).__name__, str(e)]
-    return [token, None, None]
+        return LoraResult(msg.token, type(e).__name__, str(e))
+    return LoraResult(msg.token)
 
 
 def _close(inp, out, ctx, own_context: bool) -> None:

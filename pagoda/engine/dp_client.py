@@ -3,8 +3,9 @@
 Each replica is a full AsyncLLM (its own engine-core process, scheduler and KV
 cache; with --tensor-parallel-size, its own tensor-parallel group). A
 PrefixRouter picks the replica for each request: the one holding the longest
-cached prefix, else the least loaded. The object has AsyncLLM's interface,
-so the HTTP server serves it unchanged.
+cached prefix, else the least loaded. It is an EngineClient like AsyncLLM
+(pagoda/engine/client.py), so the HTTP server serves it unchanged; a request is
+validated once, here, and handed to the replica's stream (``_generate``).
 
 A replica whose engine dies is taken out of routing: its in-flight requests
 end with an error, new requests go to the others, and /health reports the
@@ -14,6 +15,7 @@ server degraded but serving. Only when every replica is dead is it unhealthy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -21,15 +23,17 @@ from typing import Any, AsyncIterator
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import SchedulerStats
-from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import EngineClientBase, EngineDeadError, LoRANotFoundError
 from pagoda.engine.router import PrefixRouter
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class DataParallelLLM:
+class DataParallelLLM(EngineClientBase):
     def __init__(self, config: EngineConfig, multiprocess: bool = True, **kwargs: Any) -> None:
         n = config.data_parallel_size
         # Different seeds, so that unseeded random sampling differs between replicas.
@@ -56,6 +60,8 @@ class DataParallelLLM:
         self.info = first.info
         # The dashboard shows replica 0; /metrics has every replica (label engine="i").
         self.metrics = first.metrics
+        # LoRA runs without data parallelism (EngineConfig refuses enable_lora with it).
+        self.lora_requests: dict[str, LoRARequest] = {}
         self.router = PrefixRouter(n, config.block_size)
         self._owner: dict[str, int] = {}
         self._dead_seen: set[int] = set()
@@ -122,20 +128,17 @@ class DataParallelLLM:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.replicas[0].validate_request(prompt_token_ids, params)
-
-    async def generate(
+    async def _generate(
         self,
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        **kwargs: Any,
+        priority: int,
+        cache_salt: str | None,
+        tenant: str | None,
+        lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
-        """Same signature as AsyncLLM.generate; ``kwargs`` (tenant, lora_request) pass through."""
         tried: set[int] = set()
         while True:
             alive = self._alive()
@@ -148,10 +151,13 @@ class DataParallelLLM:
             self._owner[request_id] = route.replica
             produced = False
             try:
-                async for out in replica.generate(request_id, prompt, prompt_token_ids, sampling_params,
-                                                  priority=priority, cache_salt=cache_salt, **kwargs):
-                    produced = True
-                    yield out
+                # Validated by generate() already: the replica's stream, not its generate().
+                stream = replica._generate(request_id, prompt, prompt_token_ids, sampling_params, priority,
+                                           cache_salt, tenant, lora_request)  # fmt: skip
+                async with contextlib.aclosing(stream):
+                    async for out in stream:
+                        produced = True
+                        yield out
                 return
             except EngineDeadError:
                 if produced:
@@ -165,6 +171,12 @@ class DataParallelLLM:
         i = self._owner.get(request_id)
         if i is not None:
             await self.replicas[i].abort(request_id)
+
+    async def add_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        raise ValueError("LoRA is not enabled; it does not run with --data-parallel-size > 1")
+
+    async def remove_lora(self, lora_name: str) -> None:
+        raise LoRANotFoundError(f"The LoRA adapter {lora_name!r} is not loaded.")
 
     async def check_integrity(self, timeout: float = 10.0) -> dict[str, Any]:
         results = await asyncio.gather(*(r.check_integrity(timeout) for r in self.replicas if r.dead_reason is None))

@@ -12,18 +12,12 @@ import time
 
 import torch
 
-from pagoda.config import (
-    EngineConfig,
-    check_priority,
-    cpu_threads_policy,
-    governed_threads,
-    keep_freed_memory,
-)
+from pagoda.config import EngineConfig, cpu_threads_policy, governed_threads, keep_freed_memory
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import EngineCoreOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.cpu_threads import ThreadGovernor
-from pagoda.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest, Heartbeat
 from pagoda.lora.errors import LoRAInUseError
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
@@ -168,6 +162,7 @@ class EngineCore:
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=num_host_blocks,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                vocab_size=arch.vocab_size,
             ),
             self.kv_manager,
         )
@@ -226,22 +221,9 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request. The front ends validated it (pagoda/validation.py); the scheduler
+        re-checks what would break its invariants or the model's (InvalidRequestError)."""
         params = req.sampling_params
-        params.validate_for_vocab(self.vocab_size)
-        check_priority(self.config, req.priority)
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(req.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(req.prompt_token_ids)} tokens; the context length "
-                f"(max_model_len) is {self.max_model_len}, leaving no room to generate"
-            )
-        if params.max_tokens is not None and len(req.prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(req.prompt_token_ids)} tokens "
-                f"exceeds the context length (max_model_len={self.max_model_len})"
-            )
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         request = Request(
@@ -343,10 +325,10 @@ class EngineCore:
         self._last_expert_load = now
         return self.runner.model.expert_load()
 
-    def idle_stats(self) -> EngineCoreOutputs:
+    def idle_stats(self) -> Heartbeat:
         """Stats alone (no step), for the heartbeat the core sends while idle."""
         now = time.monotonic()
-        out = EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=now)
+        out = Heartbeat(scheduler_stats=self.scheduler.make_stats(), timestamp=now)
         if self.step_stats is not None:
             out.kv_block_map = self.step_stats.maybe_block_map(self.kv_manager.pool, now)
         out.expert_load = self._maybe_expert_load(now)

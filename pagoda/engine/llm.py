@@ -7,13 +7,14 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from pagoda.config import EngineConfig, check_priority
+from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer, build_tokenizer
+from pagoda.validation import RequestLimits, validate_request
 
 PromptType = str | dict[str, Any]
 
@@ -33,6 +34,8 @@ class LLM:
             self.tokenizer = build_tokenizer(self.engine.loaded, self.config.chat_template)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.processor = OutputProcessor(self.tokenizer)
+        self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
+                                    self.config.scheduling_policy, self.config.enable_lora)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (a no-op for one process)."""
@@ -141,10 +144,9 @@ class LLM:
         try:
             for k, ((prompt, token_ids), params, lora) in enumerate(zip(items, params_list, lora_list)):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
-                if params.structured_outputs is not None:
-                    self.engine.structured.validate(params.structured_outputs)
                 priority = priorities[k] if priorities is not None else 0
-                check_priority(self.config, priority)
+                validate_request(token_ids, params, self.limits, priority, lora,
+                                 validate_grammar=lambda g: self.engine.structured.validate(g))
                 self.processor.add_request(rid, prompt, token_ids, params)
                 ids.append(rid)
                 for req in make_core_requests(rid, token_ids, params, self.eos_token_ids, priority=priority,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pagoda.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagoda.engine.detokenizer import IncrementalDetokenizer
-from pagoda.engine.protocol import EngineCoreRequest
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from pagoda.sampling_params import SamplingParams
@@ -196,9 +196,12 @@ class OutputProcessor:
                     )
                 if child.detokenizer is not None:
                     matched = child.detokenizer.update(new_ids)
-                    if matched is not None and finish_reason is None:
+                    if matched is not None:
+                        if finish_reason is None:
+                            to_stop.append(core_out.request_id)  # the core knows only token ids
+                        # The text ends at the stop string, so that is why it ended, also when
+                        # the same step reached max_tokens ("length") or a stop token (as vLLM).
                         finish_reason, stop_reason = "stop", matched
-                        to_stop.append(core_out.request_id)
             if finish_reason is not None:
                 out.finish_reason = finish_reason
                 out.stop_reason = stop_reason

@@ -25,7 +25,7 @@ import msgspec
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
-from pagoda.engine.protocol import EngineCoreOutputs
+from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.metrics.stats import EngineMetrics
 from pagoda.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 from pagoda.core.outputs import SchedulerStats, StepRecord
 from pagoda.engine.output_processor import child_request_id
-from pagoda.engine.protocol import EngineCoreOutputs
+from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.metrics.histogram import (
     INTER_TOKEN_BUCKETS,
     LATENCY_BUCKETS,

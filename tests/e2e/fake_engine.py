@@ -1,28 +1,55 @@
-"""A fake AsyncLLM: the real tokenizer, but tokens from a fixed script instead of a model.
+"""A fake engine: the real front end (EngineFrontEnd) over a scripted core instead of a model.
 
-Fast and deterministic, for testing the HTTP layer's wire format and error paths.
-Choice i of a request emits ``SCRIPT`` tokens starting at offset i, one token per
-step, and honours max_tokens, stop strings (held back while they might still match,
-like the real detokenizer), stop_token_ids and logprobs. Knobs let tests make it
-slow, dead, overloaded, hold requests before their first token, or fail mid-stream;
-it records every request and every abort (an iterator closed before finishing).
+Fast and deterministic, for testing the HTTP layer's wire format and error paths. Only the
+engine core is fake: requests go through the real validation, core-request fan-out,
+detokenizer, stop-string matching (held back while a stop string might still match),
+logprob assembly and abort paths, and every message to and from the "core" goes through
+the real msgpack codec (pagoda/engine/messages.py). The script: choice i of a request
+emits ``SCRIPT`` tokens starting at offset i, one token per step, and ends at max_tokens
+or a stop_token_id; its logprobs are made up (-0.25 - 0.01 * step, alternatives from
+token 100 on, each one lower). Knobs let tests make it slow, dead, overloaded, hold
+requests before their first token, or fail mid-stream; it records every request and
+every abort.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from pagoda.core.outputs import SchedulerStats
-from pagoda.engine.async_llm import EngineDeadError, EngineOverloadedError
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.config import EngineConfig
+from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from pagoda.engine.client import EngineDeadError, EngineOverloadedError
+from pagoda.engine.frontend import EngineFrontEnd
+from pagoda.engine.messages import (
+    Abort,
+    AddLora,
+    CheckIntegrity,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FromCore,
+    IntegrityResult,
+    LoraResult,
+    RemoveLora,
+    Shutdown,
+    Stop,
+    ToCore,
+    decode,
+    encode,
+)
+from pagoda.lora.request import LoRARequest
+from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 
 SCRIPT = " The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs!"
+DEAD = "engine core process exited with code -9"
 
 
 @lru_cache(maxsize=1)
@@ -45,22 +72,22 @@ class FakeCall:
 
 
 @dataclass
-class _Choice:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    emitted: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class _Scripted:
+    """One request at the fake core: its core requests (one per choice) still running."""
+
+    choices: dict[str, tuple[int, EngineCoreRequest]] = field(default_factory=dict)  # core id -> (index, req)
+    generated: dict[str, int] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    step: int = 0
 
 
-class FakeEngine:
+class FakeEngine(EngineFrontEnd):
     def __init__(self, max_model_len: int = 512, step_delay: float = 0.0) -> None:
         self._init_args = (max_model_len, step_delay)
-        self.tokenizer = load_tokenizer()
-        self.max_model_len = max_model_len
-        self.vocab_size = self.tokenizer.vocab_size
-        self.script = self.tokenizer.encode(SCRIPT, add_special_tokens=False)
+        tokenizer = load_tokenizer()
+        # No EngineMetrics: /metrics and the dashboard must work without a recorder.
+        super().__init__(EngineConfig(), tokenizer, max_model_len, tokenizer.vocab_size, metrics=None)
+        self.script = tokenizer.encode(SCRIPT, add_special_tokens=False)
         self.step_delay = step_delay
         # Failure knobs, set by tests (from any thread).
         self.dead = False
@@ -76,69 +103,45 @@ class FakeEngine:
         self.shut_down = False
         self._seen_prompts: set[tuple[int, ...]] = set()
         self._running = 0
+        self._scripted: dict[str, _Scripted] = {}   # the fake core's requests, by request id
 
     def reset(self) -> None:
         """Back to a fresh engine (knobs, records, prefix cache), for reuse behind a shared server."""
         self.__init__(*self._init_args)  # type: ignore[misc]
 
-    # ---- AsyncLLM interface ------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        params.validate_for_vocab(self.vocab_size)
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens does not fit {self.max_model_len}")
-
-    async def generate(
+    # ---- the front end's hooks: what the tests record --------------------------------------
+    async def _generate(
         self,
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
+        priority: int,
+        cache_salt: str | None,
+        tenant: str | None,
+        lora_request: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
-        self.validate_request(prompt_token_ids, sampling_params)
         if self.dead:
-            raise EngineDeadError("engine core process exited with code -9")
+            raise EngineDeadError(DEAD)
         if self.overloaded:
             raise EngineOverloadedError("the waiting queue is full", retry_after=2.5)
         self.calls.append(FakeCall(request_id, prompt, list(prompt_token_ids), sampling_params,
-                                   priority, cache_salt, tenant))
-        key = tuple(prompt_token_ids)
-        cached = (len(key) // 16) * 16 if key in self._seen_prompts else 0
-        self._seen_prompts.add(key)
-        choices = [_Choice(i) for i in range(sampling_params.n)]
-        finished = False
+                                   priority, cache_salt, tenant))  # fmt: skip
         self._running += 1
         try:
-            while self.hold_first_token:
-                await asyncio.sleep(0.005)
-            step = 0
-            while not all(c.finish_reason for c in choices):
-                await asyncio.sleep(self.step_delay)
-                if self.dead or (self.fail_after_steps is not None and step >= self.fail_after_steps):
-                    raise EngineDeadError("engine core died mid-request")
-                outputs = [self._step(c, step, sampling_params) for c in choices]
-                step += 1
-                done = all(c.finish_reason for c in choices)
-                yield RequestOutput(request_id, prompt, list(prompt_token_ids), outputs, done, cached)
-                self.started_event.set()
-            finished = True
+            stream = super()._generate(request_id, prompt, prompt_token_ids, sampling_params, priority,
+                                       cache_salt, tenant, lora_request)  # fmt: skip
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    yield out
             self.finished.append(request_id)
         finally:
             self._running -= 1
-            if not finished:
-                self.aborted.append(request_id)
-                self.abort_event.set()
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self.abort_event.set()
+        await super().abort(request_id)
 
     @property
     def is_healthy(self) -> bool:
@@ -146,7 +149,7 @@ class FakeEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        return "engine core process exited with code -9" if self.dead else None
+        return DEAD if self.dead else None
 
     def latest_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -158,63 +161,92 @@ class FakeEngine:
     async def shutdown(self) -> None:
         self.shut_down = True
 
-    # ---- the script ------------------------------------------------------------------
-    def _step(self, c: _Choice, step: int, params: SamplingParams) -> CompletionOutput:
-        if c.finish_reason is not None:  # finished earlier: present, but unchanged
-            return self._output(c, "", [], None, False)
-        token = self.script[(step + c.index) % len(self.script)]
-        c.token_ids.append(token)
-        lps = None
-        if params.logprobs is not None:
-            lps = [self._logprobs(token, step, params.logprobs)]
-            c.logprobs.extend(lps)
-        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=params.skip_special_tokens)
-        for stop in params.stop or []:
-            pos = text.find(stop)
-            if pos >= 0:
-                text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
-                c.finish_reason, c.stop_reason = "stop", stop
-                break
-        if c.finish_reason is None:
-            if token in (params.stop_token_ids or []):
-                c.finish_reason, c.stop_reason = "stop", token
-            elif len(c.token_ids) >= (params.max_tokens or self.max_model_len):
-                c.finish_reason = "length"
-            else:
-                text = text[: len(text) - self._held_back(text, list(params.stop or []))]
-        delta = text[len(c.emitted):]
-        c.emitted = text
-        return self._output(c, delta, [token], lps, c.finish_reason is not None)
+    # ---- the scripted core -----------------------------------------------------------------
+    async def _send(self, msg: ToCore) -> None:
+        msg = decode(encode(msg))  # through the real codec, as over ZMQ
+        if isinstance(msg, EngineCoreRequest):
+            self._add(msg)
+        elif isinstance(msg, (Abort, Stop)):
+            for core_id in msg.request_ids:
+                self._drop(core_id)
+        elif isinstance(msg, CheckIntegrity):
+            await self._answer(IntegrityResult(msg.token, None, os.getpid()))
+        elif isinstance(msg, (AddLora, RemoveLora)):
+            await self._answer(LoraResult(msg.token))
+        else:
+            assert isinstance(msg, Shutdown), msg
 
-    @staticmethod
-    def _held_back(text: str, stops: list[str]) -> int:
-        """Length of the longest suffix of text that could begin a stop string."""
-        best = 0
-        for stop in stops:
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:k]):
-                    best = max(best, k)
+    async def _answer(self, msg: FromCore) -> None:
+        await self._receive(decode(encode(msg)))
+
+    def _add(self, req: EngineCoreRequest) -> None:
+        request_id = self.processor.parent_id(req.request_id)
+        assert request_id is not None, req.request_id
+        scripted = self._scripted.get(request_id)
+        if scripted is None:
+            key = tuple(req.prompt_token_ids)
+            cached = (len(key) // 16) * 16 if key in self._seen_prompts else 0
+            self._seen_prompts.add(key)
+            scripted = self._scripted[request_id] = _Scripted(num_cached_tokens=cached)
+            asyncio.get_running_loop().create_task(self._run(request_id, scripted))
+        # The choices arrive in index order (make_core_requests), all before the task's first step.
+        scripted.choices[req.request_id] = (len(scripted.choices), req)
+        scripted.generated[req.request_id] = 0
+
+    def _drop(self, core_id: str) -> None:
+        for scripted in self._scripted.values():
+            scripted.choices.pop(core_id, None)
+
+    def _current(self, request_id: str, scripted: _Scripted) -> bool:
+        """Whether this request still runs here (not ended, not forgotten by reset())."""
+        return self._scripted.get(request_id) is scripted and bool(scripted.choices)
+
+    async def _run(self, request_id: str, scripted: _Scripted) -> None:
+        try:
+            while self.hold_first_token and self._current(request_id, scripted):
+                await asyncio.sleep(0.005)
+            while self._current(request_id, scripted):
+                await asyncio.sleep(self.step_delay)
+                if not self._current(request_id, scripted):
                     break
-        return best
+                if self.dead or (self.fail_after_steps is not None and scripted.step >= self.fail_after_steps):
+                    await self._request_failed(next(iter(scripted.choices)),
+                                               EngineDeadError("engine core died mid-request"))  # fmt: skip
+                    break
+                outputs = [self._step(scripted, core_id) for core_id in list(scripted.choices)]
+                scripted.step += 1
+                await self._answer(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
+                self.started_event.set()
+        finally:
+            if self._scripted.get(request_id) is scripted:
+                del self._scripted[request_id]
 
-    def _logprobs(self, token: int, step: int, k: int) -> dict[int, Logprob]:
-        lp = -0.25 - 0.01 * step
-        sampled = Logprob(lp, 1 if k > 0 else None, self.tokenizer.decode([token], skip_special_tokens=False))
-        entry = {token: sampled}
-        alt = 100
-        while len(entry) < k:
-            if alt != token:
-                entry[alt] = Logprob(lp - len(entry), len(entry) + 1,
-                                     self.tokenizer.decode([alt], skip_special_tokens=False))  # fmt: skip
-            alt += 1
-        return entry
+    def _step(self, scripted: _Scripted, core_id: str) -> EngineCoreOutput:
+        index, req = scripted.choices[core_id]
+        params = req.sampling_params
+        token = self.script[(scripted.step + index) % len(self.script)]
+        scripted.generated[core_id] += 1
+        finish_reason, stop_reason = None, None
+        if token in (params.stop_token_ids or []):
+            finish_reason, stop_reason = "stop", token
+        elif scripted.generated[core_id] >= (params.max_tokens or self.max_model_len):
+            finish_reason = "length"
+        if finish_reason is not None:
+            del scripted.choices[core_id]
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [self._logprobs(token, scripted.step, params.logprobs)]
+        return EngineCoreOutput(core_id, [token], logprobs, finish_reason, stop_reason,
+                                num_cached_tokens=scripted.num_cached_tokens)  # fmt: skip
 
     @staticmethod
-    def _output(c: _Choice, delta: str, delta_ids: list[int], delta_lps: list | None, just: bool) -> CompletionOutput:
-        return CompletionOutput(
-            index=c.index, text=c.emitted, token_ids=list(c.token_ids),
-            cumulative_logprob=sum(next(iter(p.values())).logprob for p in c.logprobs) if c.logprobs else None,
-            logprobs=list(c.logprobs) if delta_lps is not None or c.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason, delta_text=delta,
-            delta_token_ids=delta_ids, delta_logprobs=delta_lps, just_finished=just,
-        )  # fmt: skip
+    def _logprobs(token: int, step: int, k: int) -> TokenLogprobs:
+        """The sampled token first (rank 1) when k > 0, then other ids from 100 on, each 1 lower."""
+        lp = -0.25 - 0.01 * step
+        top = [token] if k > 0 else []
+        alt = 100
+        while len(top) < k:
+            if alt != token:
+                top.append(alt)
+            alt += 1
+        return TokenLogprobs(lp, top, [lp - i for i in range(len(top))])

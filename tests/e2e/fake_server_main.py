@@ -10,9 +10,7 @@ import argparse
 import asyncio
 import socket
 import sys
-from typing import cast
 
-from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai import serve
 from tests.e2e.fake_engine import FakeEngine
 
@@ -27,8 +25,7 @@ def main() -> int:
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)  # connections made before uvicorn starts wait in the backlog
     print(f"PORT {sock.getsockname()[1]}", flush=True)
-    # FakeEngine is duck-typed to AsyncLLM.
-    asyncio.run(serve(cast(AsyncLLM, engine), "127.0.0.1", 0, "pagoda-test", sock=sock,
+    asyncio.run(serve(engine, "127.0.0.1", 0, "pagoda-test", sock=sock,
                       shutdown_timeout=args.shutdown_timeout, uvicorn_log_level="warning"))  # fmt: skip
     print(f"ENGINE SHUTDOWN {engine.shut_down} ABORTED {len(engine.aborted)} FINISHED {len(engine.finished)}",
           flush=True)  # fmt: skip

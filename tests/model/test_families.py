@@ -12,7 +12,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.kv_layout import KVLayout
-from pagoda.engine.protocol import EngineCoreRequest
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.models import ARCHITECTURES, GGUF_ARCHITECTURES, model_class
 from pagoda.ops import cpu_kernels

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.engine.protocol import EngineCoreRequest
+from pagoda.engine.messages import EngineCoreRequest
 from tests.model.helpers import compare_greedy
 
 PROMPTS = {

@@ -16,7 +16,7 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
-from pagoda.engine.protocol import EngineCoreRequest
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.sampling_params import SamplingParams
 from tests.model.helpers import compare_greedy
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, StepRecord
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.protocol import EngineCoreOutputs
+from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.metrics.dashboard import dashboard_data
 from pagoda.metrics.histogram import Histogram, WindowedSamples, buckets_1_2_5, buckets_pow2
 from pagoda.metrics.log import StatLogger, log_request

@@ -7,17 +7,18 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.config import EngineConfig, check_priority
+from pagoda.config import EngineConfig
 from pagoda.core.block_hash import hash_request_blocks
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats
-from pagoda.engine.protocol import EngineCoreOutputs
+from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.metrics.prometheus import make_registry, render
 from pagoda.metrics.stats import EngineMetrics
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.shared_prefix import SharedPrefixes, read_shared_prefix_file
 from pagoda.tenants import TenantSpec, load_api_keys_file, tenants_of
+from pagoda.validation import check_priority
 
 
 def test_api_keys_file_json_and_toml(tmp_path) -> None:
@@ -55,12 +56,13 @@ def test_api_keys_file_errors(tmp_path, content: str, match: str) -> None:
 
 
 def test_priority_checks() -> None:
-    check_priority(EngineConfig(), 0)
+    fcfs, priority = EngineConfig().scheduling_policy, EngineConfig(scheduling_policy="priority").scheduling_policy
+    check_priority(0, fcfs)
     with pytest.raises(ValueError, match="fcfs"):
-        check_priority(EngineConfig(), 2)
-    check_priority(EngineConfig(scheduling_policy="priority"), -3)
+        check_priority(2, fcfs)
+    check_priority(-3, priority)
     with pytest.raises(ValueError, match="integer"):
-        check_priority(EngineConfig(scheduling_policy="priority"), True)
+        check_priority(True, priority)
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="round-robin")
     with pytest.raises(ValueError, match="max_long_partial_prefills"):

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import EngineClient, LoRAExistsError, LoRANotFoundError
 from pagoda.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -215,7 +215,7 @@ def _bearer_token(headers: dict[bytes, bytes]) -> str:
 
 # ---------------------------------------------------------------------- the app
 def build_app(
-    engine: AsyncLLM,
+    engine: EngineClient,
     served_model_name: str,
     api_key: str | None = None,
     max_num_queued_requests: int | None = None,
@@ -266,7 +266,7 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        adapters = list(getattr(engine, "lora_requests", {}))
+        adapters = list(engine.lora_requests)
         return ModelList(data=[model_card()] + [model_card(name) for name in adapters])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
@@ -307,9 +307,9 @@ def build_app(
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         if not engine.is_healthy:
-            reason = getattr(engine, "dead_reason", None) or "the engine is not healthy"
+            reason = engine.dead_reason or "the engine is not healthy"
             return service_unavailable(f"Unhealthy: {reason}", "engine_dead").to_response()
-        degraded = getattr(engine, "degraded_reason", None)
+        degraded = engine.degraded_reason
         if degraded:
             # Some data-parallel replicas are down; the others still serve.
             return JSONResponse({"status": "degraded", "reason": degraded})
@@ -334,18 +334,16 @@ def build_app(
     return app
 
 
-def _add_lora_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:
+def _add_lora_routes(app: FastAPI, engine: EngineClient, served_model_name: str) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and answers).
 
     Once loaded, an adapter is a model of its own: listed in /v1/models with the base
     model as ``parent``, and chosen by a request's ``model``.
     """
-    from pagoda.engine.async_llm import LoRAExistsError, LoRANotFoundError
     from pagoda.lora.errors import LoRAInUseError
 
     def check_enabled() -> None:
-        config = getattr(engine, "config", None)
-        if config is None or not config.enable_lora:
+        if not engine.config.enable_lora:
             raise bad_request("LoRA is not enabled; start the server with --enable-lora.", code="lora_not_enabled")
 
     ok = {200: {"description": "Success: a line of text.", "content": {"text/plain": {}}}}
@@ -381,7 +379,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> 
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def _add_debug_routes(app: FastAPI, engine: AsyncLLM) -> None:
+def _add_debug_routes(app: FastAPI, engine: EngineClient) -> None:
     """Internal endpoints for tests and soak runs; never expose them publicly.
 
     POST /debug/check_integrity: the engine core runs check_integrity() (block pool ref
@@ -391,18 +389,15 @@ def _add_debug_routes(app: FastAPI, engine: AsyncLLM) -> None:
 
     @app.post("/debug/check_integrity", include_in_schema=False)
     async def check_integrity() -> Response:
-        check = getattr(engine, "check_integrity", None)
-        if check is None:
-            raise APIError(404, "This engine has no integrity check.", code="not_found")
         try:
-            result: dict[str, Any] = await check()
+            result: dict[str, Any] = await engine.check_integrity()
         except Exception as e:  # the engine is dead or did not answer in time
             return service_unavailable(f"Integrity check failed to run: {e!r}", "engine_dead").to_response()
         result["stats"] = msgspec.structs.asdict(engine.latest_stats())
         return JSONResponse(result, status_code=200 if result["ok"] else 500)
 
 
-def _add_observability_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:
+def _add_observability_routes(app: FastAPI, engine: EngineClient, served_model_name: str) -> None:
     """/metrics (Prometheus), /dashboard (a self-contained page) and /dashboard/data (its JSON).
 
     Open like /health (no API key): scrapers and the page's own fetches carry none, and
@@ -413,9 +408,7 @@ def _add_observability_routes(app: FastAPI, engine: AsyncLLM, served_model_name:
 
     def start_reading() -> None:
         # So that a scrape before the first request sees the engine's real state.
-        start = getattr(engine, "ensure_background_tasks", None)
-        if start is not None:
-            start()
+        engine.ensure_background_tasks()
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -32,20 +32,24 @@ def default_served_model_name(config: EngineConfig) -> str:
 
 
 async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None) -> None:
-    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.engine.client import EngineClient
     from pagoda.entrypoints.openai.server import serve
     from pagoda.tenants import load_api_keys_file
 
-    engine_cls = AsyncLLM
-    if config.data_parallel_size > 1:
-        from pagoda.engine.dp_client import DataParallelLLM as engine_cls
-    engine = engine_cls.from_config(
-        config,
-        **({"core": core} if core is not None else {}),
+    options = dict(
         log_stats=not getattr(args, "disable_log_stats", False),
         log_stats_interval=getattr(args, "log_stats_interval", 10.0),
         log_requests=not getattr(args, "disable_log_requests", False),
     )
+    engine: EngineClient
+    if config.data_parallel_size > 1:
+        from pagoda.engine.dp_client import DataParallelLLM
+
+        engine = DataParallelLLM.from_config(config, **options)
+    else:
+        from pagoda.engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM.from_config(config, **({"core": core} if core is not None else {}), **options)
     try:
         for name, path in getattr(args, "lora_modules", None) or []:
             await engine.add_lora(name, path)

@@ -322,10 +322,6 @@ class ChatCompletionRequest(_SamplingRequest):
             kwargs["logprobs"] = self.top_logprobs or 0
         return make_sampling_params(kwargs, names)
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
 
 # ---------------------------------------------------------------------- /tokenize, /detokenize
 class TokenizeRequest(_Strict):

@@ -5,7 +5,7 @@ carry several). ``RequestGroup`` runs each engine output stream in a pump task t
 feeds one queue, so the handler reads "the next output of any prompt" with a single
 await. A request can end early three ways: the client disconnects, the server shuts
 down, or the request timeout passes. Each cancels the pumps at once; the cancellation
-is thrown into the engine iterators, which is what makes AsyncLLM abort the requests
+is thrown into the engine iterators, which is what makes the engine abort the requests
 and free their KV blocks now rather than whenever the garbage collector gets to them.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from starlette.requests import Request
 
-from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
@@ -131,7 +131,7 @@ def map_engine_error(exc: BaseException) -> BaseException:
 class RequestGroup:
     def __init__(
         self,
-        engine: AsyncLLM,
+        engine: EngineClient,
         state: ServerState,
         subrequests: list[SubRequest],
         raw_request: Request | None = None,

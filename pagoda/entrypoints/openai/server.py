@@ -19,7 +19,7 @@ from types import FrameType
 
 import uvicorn
 
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import EngineClient
 from pagoda.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES, build_app
 from pagoda.entrypoints.openai.request_group import ServerState
 
@@ -78,7 +78,7 @@ class PagodaServer(uvicorn.Server):
 
 
 def create_server(
-    engine: AsyncLLM,
+    engine: EngineClient,
     host: str,
     port: int,
     served_model_name: str,
@@ -109,7 +109,7 @@ def create_server(
 
 
 async def serve(
-    engine: AsyncLLM,
+    engine: EngineClient,
     host: str,
     port: int,
     served_model_name: str,

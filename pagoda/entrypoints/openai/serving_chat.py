@@ -16,7 +16,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import EngineClient
 from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.request_group import RequestGroup, ServerState
@@ -50,7 +50,7 @@ def _finish_reason(c: CompletionOutput, num_calls: int) -> str:
 class ChatServing(OpenAIServing):
     def __init__(
         self,
-        engine: AsyncLLM,
+        engine: EngineClient,
         state: ServerState,
         served_model_name: str,
         request_timeout: float | None,
@@ -92,8 +92,8 @@ class ChatServing(OpenAIServing):
             return body.to_sampling_params(default_max_tokens, structured)
 
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        sub = self.prepare(request_id, text, ids, body.requested_max_tokens, to_params,
-                           "messages", max_param, structured_param, lora_request=lora)  # fmt: skip
+        sub = self.prepare(request_id, text, ids, to_params, "messages", max_param, structured_param,
+                           lora_request=lora, priority=body.priority)  # fmt: skip
         group = self.group(raw_request, [sub], body.priority, body.cache_salt)
         if body.stream:
             try:

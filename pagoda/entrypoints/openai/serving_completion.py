@@ -37,8 +37,8 @@ class CompletionServing(OpenAIServing):
                 text, ids = None, list(prompt)
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             subrequests.append(
-                self.prepare(sub_id, text, ids, body.max_tokens, to_params, "prompt", "max_tokens", structured_param,
-                             lora_request=lora)
+                self.prepare(sub_id, text, ids, to_params, "prompt", "max_tokens", structured_param,
+                             lora_request=lora, priority=body.priority)
             )
         group = self.group(raw_request, subrequests, body.priority, body.cache_salt)
         if body.stream:

@@ -10,8 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagoda.config import check_priority
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import EngineClient
 from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_error, model_not_found
 from pagoda.entrypoints.openai.logprobs import LogprobFormatter
 from pagoda.entrypoints.openai.request_group import RequestGroup, RequestStopped, ServerState, SubRequest
@@ -20,6 +19,7 @@ from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.backend import GrammarError
+from pagoda.validation import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class SSEResponse(StreamingResponse):
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, state: ServerState, served_model_name: str, request_timeout: float | None
+        self, engine: EngineClient, state: ServerState, served_model_name: str, request_timeout: float | None
     ) -> None:
         self.engine = engine
         self.state = state
@@ -78,14 +78,14 @@ class OpenAIServing:
         """The LoRA adapter a request's ``model`` names, None for the base model; 404 for neither."""
         if model is None or model == self.served_model_name:
             return None
-        lora = getattr(self.engine, "lora_requests", {}).get(model)
+        lora = self.engine.lora_requests.get(model)
         if lora is None:
             raise model_not_found(model)
         return lora
 
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response names: the adapter's name when one was asked for."""
-        if model is not None and model in getattr(self.engine, "lora_requests", {}):
+        if model is not None and model in self.engine.lora_requests:
             return model
         return self.served_model_name
 
@@ -94,52 +94,37 @@ class OpenAIServing:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        requested_max_tokens: int | None,
         to_params: Callable[[int], SamplingParams],
         prompt_param: str,
         max_tokens_param: str,
         structured_param: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> SubRequest:
-        """Check one prompt against the context length and build its SamplingParams; 400 on any problem.
-        ``structured_param``: the request field the structured output constraint came from, named
-        by the 400 for a schema, regex or grammar the compiler rejects."""
-        max_len = self.engine.max_model_len
-        n = len(prompt_token_ids)
-        if n >= max_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_len} tokens, but the prompt has {n} tokens "
-                "(at least one token must be left for the completion).",
-                param=prompt_param, code="context_length_exceeded",
-            )  # fmt: skip
-        if requested_max_tokens is not None and requested_max_tokens > 0 and n + requested_max_tokens > max_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{n + requested_max_tokens} tokens ({n} in the prompt, {requested_max_tokens} for the completion). "
-                f"Please reduce the prompt or '{max_tokens_param}'.",
-                param=max_tokens_param, code="context_length_exceeded",
-            )  # fmt: skip
-        # Absent max_tokens: whatever room the context leaves, as vLLM does.
-        params = to_params(max_len - n)
+        """Build one prompt's SamplingParams and have the engine check the request
+        (pagoda/validation.py); 400 on any problem. ``prompt_param`` / ``max_tokens_param``:
+        the request fields that a context length error names; ``structured_param``: the
+        field the structured output constraint came from, named by the 400 for a schema,
+        regex or grammar the compiler rejects."""
+        # Absent max_tokens: whatever room the context leaves, as vLLM does (at least one
+        # token, so that a prompt with no room gets the engine's context length error).
+        params = to_params(max(self.engine.max_model_len - len(prompt_token_ids), 1))
         try:
-            self.engine.validate_request(prompt_token_ids, params)
+            self.engine.validate_request(prompt_token_ids, params, priority, lora_request)
         except GrammarError as e:
             raise bad_request(str(e), param=structured_param, code="invalid_structured_output") from None
+        except InvalidRequestError as e:
+            # Its message names the problem (context length, token ids out of range, priority...).
+            param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(e.param, e.param)
+            raise bad_request(str(e), param=param, code=e.code) from None
         except ValueError as e:
-            # Its message names the problem (prompt, logit_bias or stop_token_ids out of range...).
             raise bad_request(str(e)) from None
         return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request)
 
     def group(self, raw_request: Request, subrequests: list[SubRequest], priority: int = 0,
               cache_salt: str | None = None) -> RequestGroup:  # fmt: skip
-        """The engine requests of one HTTP request; the tenant comes from the middleware
-        (the API key's tenant, or the X-Tenant header when there are no keys)."""
-        config = getattr(self.engine, "config", None)
-        if config is not None:
-            try:
-                check_priority(config, priority)
-            except ValueError as e:
-                raise bad_request(str(e), param="priority", code="invalid_value") from None
+        """The engine requests of one HTTP request (checked by ``prepare``); the tenant comes
+        from the middleware (the API key's tenant, or the X-Tenant header when there are no keys)."""
         return RequestGroup(self.engine, self.state, subrequests, raw_request, self.request_timeout,
                             priority=priority, cache_salt=cache_salt,
                             tenant=raw_request.scope.get(TENANT_SCOPE_KEY))  # fmt: skip

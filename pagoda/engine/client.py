@@ -1,0 +1,188 @@
+"""EngineClient: what the HTTP server needs of an engine, and the errors it raises.
+
+Three classes implement it: AsyncLLM (one engine core behind ZMQ), DataParallelLLM
+(several AsyncLLM replicas behind a prefix router) and the tests' FakeEngine (a
+scripted core behind the real front end). The server (pagoda/entrypoints/openai)
+depends on this protocol alone. ``EngineClientBase`` holds what the implementations
+share: the request check (pagoda/validation.py) and ``generate``, which checks a
+request once and then streams it through the implementation's ``_generate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pagoda.validation import RequestLimits, validate_request
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+    from pagoda.core.outputs import SchedulerStats
+    from pagoda.lora.request import LoRARequest
+    from pagoda.outputs import RequestOutput
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagoda.tokenizer import Tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process died or stopped making progress."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (--max-num-queued-requests); retry later."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class LoRANotFoundError(ValueError):
+    """No adapter of that name is loaded."""
+
+
+class LoRAExistsError(ValueError):
+    """An adapter of that name is loaded already."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine as the HTTP server sees it. Implementations subclass it (through
+    EngineClientBase) and define every member; tests/unit/test_engine_client.py checks
+    the three of them against it, signatures included."""
+
+    config: EngineConfig                        # scheduling policy, LoRA on or off, limits
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    lora_requests: Mapping[str, LoRARequest]    # the loaded adapters by name (each is a model)
+
+    # ---- requests --------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                         lora_request: LoRARequest | None = None) -> None:  # fmt: skip
+        """Raise InvalidRequestError (pagoda/validation.py; GrammarError for a structured
+        output constraint that does not compile) for a request the engine would not take."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate, run, and yield the request's outputs until the finished one. Closing or
+        cancelling the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+    async def add_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Load an adapter under ``lora_name``: ValueError if LoRA is off, LoRAExistsError,
+        LoRAAdapterError for a bad adapter."""
+        ...
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter: LoRANotFoundError, LoRAInUseError while requests use it."""
+        ...
+
+    # ---- health and stats ------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool: ...
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is down (None while it serves)."""
+        ...
+
+    @property
+    def degraded_reason(self) -> str | None:
+        """Why the engine serves at reduced capacity (some data-parallel replicas down), else None."""
+        ...
+
+    @property
+    def num_unfinished_requests(self) -> int: ...
+
+    def latest_stats(self) -> SchedulerStats: ...
+
+    async def check_integrity(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Debug: the core checks its block pool, KV cache manager and scheduler between
+        two steps. {"ok": bool, "error": str | None, "engine_pid": ...}."""
+        ...
+
+    def ensure_background_tasks(self) -> None:
+        """Start reading the engine's messages on the running loop (a request does it anyway;
+        /metrics and the dashboard call it to show the engine's state before any request)."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+
+class EngineClientBase(EngineClient):
+    """What the implementations share: the request check and ``generate`` around ``_generate``."""
+
+    _grammar_validator = None
+
+    def request_limits(self) -> RequestLimits:
+        """Read at each check: a test may change the fake engine's limits between requests."""
+        config = self.config
+        return RequestLimits(self.max_model_len, self.vocab_size, config.scheduling_policy, config.enable_lora)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                         lora_request: LoRARequest | None = None) -> None:  # fmt: skip
+        validate_request(prompt_token_ids, params, self.request_limits(), priority, lora_request,
+                         validate_grammar=self._validate_grammar)  # fmt: skip
+
+    def _validate_grammar(self, structured: StructuredOutputsParams) -> None:
+        """Compile a constraint in this process (cached), so that a bad schema is a 400 before
+        the request reaches the engine."""
+        if self._grammar_validator is None:
+            from pagoda.structured_output.backend import LLGuidanceBackend
+            from pagoda.structured_output.manager import StructuredOutputManager
+
+            tok, vocab_size = self.tokenizer, self.vocab_size
+            self._grammar_validator = StructuredOutputManager(
+                lambda: LLGuidanceBackend(tok.backend.to_str(), vocab_size, tok.eos_token_ids))
+        self._grammar_validator.validate(structured)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self.validate_request(prompt_token_ids, sampling_params, priority, lora_request)
+        stream = self._generate(request_id, prompt, prompt_token_ids, sampling_params, priority, cache_salt,
+                                tenant, lora_request)  # fmt: skip
+        # Closed with this iterator, so that an early close aborts the request at once.
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+
+    def _generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+        tenant: str | None,
+        lora_request: LoRARequest | None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run a validated request (an async generator in the implementations)."""
+        raise NotImplementedError
+
+    @property
+    def degraded_reason(self) -> str | None:
+        return None

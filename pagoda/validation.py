@@ -1,0 +1,145 @@
+"""Which requests an engine takes: one check, one message per problem.
+
+``validate_request`` is the whole check. The API process runs it before a request
+leaves for the engine core (``EngineClient.validate_request``: AsyncLLM, the
+data-parallel client; the HTTP server calls it first to answer 400 before admitting the
+request), and the offline ``LLM`` runs it before its engine sees a request.
+
+``admission_check`` is the part the core re-runs, in ``Scheduler.add_request``, for a
+request that reached it without a front end (a benchmark, a test, a script driving
+``EngineCore``): what would break the scheduler's or the model's invariants. It costs
+a min() and a max() over the prompt.
+
+Integers are bounded to 64 bits where SamplingParams is built (``_check_int`` in
+pagoda/sampling_params.py), not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from pagoda.lora.request import LoRARequest
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+
+__all__ = [
+    "InvalidRequestError",
+    "RequestLimits",
+    "admission_check",
+    "check_priority",
+    "validate_request",
+]
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine does not take. ``param``: the request field at fault, in the
+    engine's words ("prompt", "max_tokens", "priority"), None where no single field is;
+    ``code``: a machine-readable kind (the HTTP server passes both on in its 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the engine's facts and the settings that bound a request."""
+
+    max_model_len: int
+    vocab_size: int | None = None       # None: token ids are not checked (a scheduler with no model)
+    scheduling_policy: str = "fcfs"
+    enable_lora: bool = False
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """A request's priority: a signed 64-bit integer, non-zero only under a policy that uses it."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority", "invalid_value")
+    if not -(2**63) <= priority < 2**63:
+        raise InvalidRequestError(
+            f"priority must be between {-(2**63)} and {2**63 - 1} (a signed 64-bit integer), got {priority}",
+            "priority", "invalid_value",
+        )  # fmt: skip
+    if priority != 0 and policy == "fcfs":
+        raise InvalidRequestError(
+            f"priority={priority} is not allowed with the fcfs scheduling policy; "
+            "start the engine with --scheduling-policy priority (or fair)",
+            "priority", "invalid_value",
+        )  # fmt: skip
+
+
+def _check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    # min() and max() first: a scan in C; the list of offenders only when there are some.
+    if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    try:
+        params.validate_for_vocab(vocab_size)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+
+
+def _check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length (max_model_len) is {max_model_len} tokens, but the prompt "
+            f"has {num_prompt_tokens} tokens (at least one token must be left for the completion).",
+            "prompt", "context_length_exceeded",
+        )  # fmt: skip
+
+
+def _check_lora(lora_request: LoRARequest | None, enable_lora: bool) -> None:
+    if lora_request is not None and not enable_lora:
+        raise InvalidRequestError(
+            f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled: the engine runs "
+            "without LoRA (start it with enable_lora=True / --enable-lora)"
+        )
+
+
+def admission_check(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    priority: object = 0,
+    lora_request: LoRARequest | None = None,
+) -> None:
+    """The core's re-check (see the module's docstring): token ids inside the vocabulary
+    (when ``limits`` knows it), room for one generated token, the priority, LoRA."""
+    if limits.vocab_size is not None:
+        _check_token_ids(prompt_token_ids, params, limits.vocab_size)
+    _check_prompt_length(len(prompt_token_ids), limits.max_model_len)
+    check_priority(priority, limits.scheduling_policy)
+    _check_lora(lora_request, limits.enable_lora)
+
+
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    priority: object = 0,
+    lora_request: LoRARequest | None = None,
+    *,
+    validate_grammar: Callable[[StructuredOutputsParams], None] | None = None,
+) -> None:
+    """Raise InvalidRequestError for a request the engine would not take (GrammarError,
+    from ``validate_grammar``, for a structured output constraint that does not compile).
+
+    In order: an empty prompt; token ids outside the vocabulary (the prompt's, logit_bias's,
+    stop_token_ids'); a prompt that leaves no room to generate; prompt plus max_tokens
+    beyond the context length; the priority; a LoRA adapter with LoRA off; then the
+    grammar, the one costly check, last."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty")
+    admission_check(prompt_token_ids, params, limits, priority, lora_request)
+    n, max_tokens, max_len = len(prompt_token_ids), params.max_tokens, limits.max_model_len
+    if max_tokens is not None and n + max_tokens > max_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length (max_model_len) is {max_len} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). Please reduce the "
+            "prompt or the completion's maximum length.",
+            "max_tokens", "context_length_exceeded",
+        )  # fmt: skip
+    if params.structured_outputs is not None and validate_grammar is not None:
+        validate_grammar(params.structured_outputs)
