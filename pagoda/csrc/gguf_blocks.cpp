@@ -40,11 +40,7 @@
 #include <vector>
 
 #include "f32_tiles.h"
-
-// SiLU(gate) x up over rows of [gate | up] (cpu_kernels.cpp: silu_mul's own bits).
-void pagoda_silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I);
-// Whether the AVX-512 VNNI kernels run (cpu_kernels.cpp: the CPU has them, PAGODA_CPU_ISA is not avx2).
-bool use_avx512();
+#include "kernels.h"  // pagoda_silu_mul_rows (elementwise.cpp); simd.h: use_avx512, PAGODA_AVX512
 
 namespace {
 
@@ -957,7 +953,6 @@ void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part&
 // its scale (vpmulld), the minimums' and Q6_K's -32 terms come from x's sums per
 // sub-block (vpdpwssd). x is packed once per call (pack_rows16), not the weights.
 // Same integers, same float32 operations as q4k_rows / q6k_rows: the same bits.
-#define PAGODA_AVX512_K __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 constexpr int64_t kVnniRows = 8;
 constexpr int kVnniChannels = 8;
@@ -976,7 +971,7 @@ struct alignas(64) Q6KDecoded {
   float d;
 };
 
-PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q4KDecoded& o) {
+PAGODA_AVX512 inline void decode_vnni(const uint8_t* p, Q4KDecoded& o) {
   for (int c = 0; c < 4; ++c) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
     _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 64 * c), nibbles_lo(v));
@@ -989,7 +984,7 @@ PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q4KDecoded& o) {
   o.dmin = f16_at(p + 2);
 }
 
-PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q6KDecoded& o) {
+PAGODA_AVX512 inline void decode_vnni(const uint8_t* p, Q6KDecoded& o) {
   for (int half = 0; half < 2; ++half) {
     const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
     const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
@@ -1003,7 +998,7 @@ PAGODA_AVX512_K inline void decode_vnni(const uint8_t* p, Q6KDecoded& o) {
   o.d = f16_at(p + 208);
 }
 
-PAGODA_AVX512_K inline __m512i bcast32(const void* p) {
+PAGODA_AVX512 inline __m512i bcast32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
@@ -1013,7 +1008,7 @@ PAGODA_AVX512_K inline __m512i bcast32(const void* p) {
 // sub-blocks of 32 (8 groups of 4 inputs), minimums against x's sums per 32 (h32); Q6_K:
 // 16 sub-blocks of 16, its -32 against x's sums per 16 (h16).
 template <typename Dec, int NC>
-PAGODA_AVX512_K __attribute__((noinline)) void k_vnni(const QuantizedX& xq, int64_t K, int64_t g, const Dec* dec,
+PAGODA_AVX512 __attribute__((noinline)) void k_vnni(const QuantizedX& xq, int64_t K, int64_t g, const Dec* dec,
                                                       float* out) {
   constexpr bool q4 = std::is_same_v<Dec, Q4KDecoded>;
   constexpr int nsub = q4 ? 8 : 16, quads = 64 / nsub, pairs = nsub / 2;
@@ -1066,7 +1061,7 @@ struct VnniPanel {
 // Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1) (m0 a multiple of 16; x
 // packed by pack_rows16): panels of kVnniChannels channels, then one at a time.
 template <typename Dec>
-PAGODA_AVX512_K void k_tile_vnni_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w,
+PAGODA_AVX512 void k_tile_vnni_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w,
                                    int64_t n0, int64_t n1, const float* bias, float* y, int64_t N,
                                    std::vector<Dec>& panel) {
   constexpr int64_t bytes = std::is_same_v<Dec, Q4KDecoded> ? 144 : 210;

@@ -11,6 +11,7 @@ request once and then streams it through the implementation's ``_generate``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -23,6 +24,20 @@ if TYPE_CHECKING:
     from pagoda.outputs import RequestOutput
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
     from pagoda.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One validated request, as ``generate`` hands it to an implementation's ``_generate``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    tenant: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -162,24 +177,14 @@ class EngineClientBase(EngineClient):
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params, priority, lora_request)
-        stream = self._generate(request_id, prompt, prompt_token_ids, sampling_params, priority, cache_salt,
-                                tenant, lora_request)  # fmt: skip
+        stream = self._generate(GenerateCall(request_id, prompt, prompt_token_ids, sampling_params, priority,
+                                             cache_salt, tenant, lora_request))  # fmt: skip
         # Closed with this iterator, so that an early close aborts the request at once.
         async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out
 
-    def _generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        priority: int,
-        cache_salt: str | None,
-        tenant: str | None,
-        lora_request: LoRARequest | None,
-    ) -> AsyncIterator[RequestOutput]:
+    def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         """Run a validated request (an async generator in the implementations)."""
         raise NotImplementedError
 

@@ -24,11 +24,10 @@ from typing import Any, AsyncIterator
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import SchedulerStats
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.client import EngineClientBase, EngineDeadError, LoRANotFoundError
+from pagoda.engine.client import EngineClientBase, GenerateCall, EngineDeadError, LoRANotFoundError
 from pagoda.engine.router import PrefixRouter
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -128,17 +127,7 @@ class DataParallelLLM(EngineClientBase):
 
     # ---- requests ----------------------------------------------------------------------
 
-    async def _generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        priority: int,
-        cache_salt: str | None,
-        tenant: str | None,
-        lora_request: LoRARequest | None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         tried: set[int] = set()
         while True:
             alive = self._alive()
@@ -146,14 +135,13 @@ class DataParallelLLM(EngineClientBase):
             if not any(alive):
                 raise EngineDeadError(self.dead_reason or "no live data-parallel replica")
             loads = [r.num_unfinished_requests for r in self.replicas]
-            route = self.router.choose(prompt_token_ids, loads, alive, cache_salt)
+            route = self.router.choose(call.prompt_token_ids, loads, alive, call.cache_salt)
             replica = self.replicas[route.replica]
-            self._owner[request_id] = route.replica
+            self._owner[call.request_id] = route.replica
             produced = False
             try:
                 # Validated by generate() already: the replica's stream, not its generate().
-                stream = replica._generate(request_id, prompt, prompt_token_ids, sampling_params, priority,
-                                           cache_salt, tenant, lora_request)  # fmt: skip
+                stream = replica._generate(call)
                 async with contextlib.aclosing(stream):
                     async for out in stream:
                         produced = True
@@ -165,7 +153,7 @@ class DataParallelLLM(EngineClientBase):
                 # Died before this request got anywhere: fail over to another replica.
                 tried.add(route.replica)
             finally:
-                self._owner.pop(request_id, None)
+                self._owner.pop(call.request_id, None)
 
     async def abort(self, request_id: str) -> None:
         i = self._owner.get(request_id)

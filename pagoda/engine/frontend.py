@@ -22,7 +22,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import SchedulerStats
-from pagoda.engine.client import EngineClientBase, EngineDeadError, LoRAExistsError, LoRANotFoundError
+from pagoda.engine.client import EngineClientBase, GenerateCall, EngineDeadError, LoRAExistsError, LoRANotFoundError
 from pagoda.engine.messages import (
     AddLora,
     CheckIntegrity,
@@ -43,7 +43,6 @@ from pagoda.lora.request import LoRARequest
 from pagoda.metrics.log import StatLogger
 from pagoda.metrics.stats import EngineMetrics
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -178,17 +177,10 @@ class EngineFrontEnd(EngineClientBase):
     def num_unfinished_requests(self) -> int:
         return len(self._queues)
 
-    async def _generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        priority: int,
-        cache_salt: str | None,
-        tenant: str | None,
-        lora_request: LoRARequest | None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+        request_id, prompt, prompt_token_ids, sampling_params = (
+            call.request_id, call.prompt, call.prompt_token_ids, call.sampling_params)
+        priority, cache_salt, tenant, lora_request = call.priority, call.cache_salt, call.tenant, call.lora_request
         self._check_alive()
         if self._dead is not None:
             raise EngineDeadError(self._dead)

@@ -121,7 +121,6 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         self.block_size = block_size
         self.device = device
-        c = model.config
         quantized = storage_dtype(kv_cache_dtype)
 
         def cache(n: int, on: torch.device | str, pin: bool = False) -> torch.Tensor | QuantizedKVCache:

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
-from pagoda.engine.client import EngineDeadError, EngineOverloadedError
+from pagoda.engine.client import EngineDeadError, GenerateCall, EngineOverloadedError
 from pagoda.engine.frontend import EngineFrontEnd
 from pagoda.engine.messages import (
     Abort,
@@ -43,7 +43,6 @@ from pagoda.engine.messages import (
     decode,
     encode,
 )
-from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
@@ -110,31 +109,20 @@ class FakeEngine(EngineFrontEnd):
         self.__init__(*self._init_args)  # type: ignore[misc]
 
     # ---- the front end's hooks: what the tests record --------------------------------------
-    async def _generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        priority: int,
-        cache_salt: str | None,
-        tenant: str | None,
-        lora_request: LoRARequest | None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDeadError(DEAD)
         if self.overloaded:
             raise EngineOverloadedError("the waiting queue is full", retry_after=2.5)
-        self.calls.append(FakeCall(request_id, prompt, list(prompt_token_ids), sampling_params,
-                                   priority, cache_salt, tenant))  # fmt: skip
+        self.calls.append(FakeCall(call.request_id, call.prompt, list(call.prompt_token_ids), call.sampling_params,
+                                   call.priority, call.cache_salt, call.tenant))  # fmt: skip
         self._running += 1
         try:
-            stream = super()._generate(request_id, prompt, prompt_token_ids, sampling_params, priority,
-                                       cache_salt, tenant, lora_request)  # fmt: skip
+            stream = super()._generate(call)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     yield out
-            self.finished.append(request_id)
+            self.finished.append(call.request_id)
         finally:
             self._running -= 1
 

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import torch
 from gguf import GGUFWriter, RopeScalingType, quants
-from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
+from gguf.constants import MODEL_ARCH_NAMES
 from gguf.tensor_mapping import get_tensor_name_map
 
 # GGUF architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel).

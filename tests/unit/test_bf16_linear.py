@@ -1,7 +1,6 @@
 """The CPU's bf16 mode (``--dtype bfloat16``): Bf16Linear's products on oneDNN."""
 
 import os
-import platform
 import subprocess
 import sys
 
