@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from pagoda.config import EngineConfig, cpu_threads_policy, governed_threads, keep_freed_memory
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_layout import KVLayout
 from pagoda.core.outputs import EngineCoreOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.cpu_threads import ThreadGovernor
@@ -37,6 +39,19 @@ def _tenant_specs(config: EngineConfig) -> tuple:
     from pagoda.tenants import load_api_keys_file, tenants_of
 
     return tuple(tenants_of(load_api_keys_file(config.api_keys_file)).values())
+
+
+
+@dataclass(frozen=True)
+class _KVPlan:
+    """The KV cache an engine holds (EngineCore._plan_kv)."""
+
+    num_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+    kv_dtype: torch.dtype
+    kv_quant: str
+    layout: KVLayout
 
 
 class EngineCore:
@@ -92,15 +107,32 @@ class EngineCore:
 
     def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                    collect_stats: bool) -> None:
+        """Everything after the model is loaded: the KV plan, the scheduler, the runner
+        (LoRA, speculative decoding), shared prefixes and step statistics."""
         self.loaded = loaded
         arch = loaded.arch
         self._moe = arch.num_experts > 0
         self._last_expert_load = float("-inf")
-        max_model_len = config.max_model_len or arch.max_position_embeddings
-        self.max_model_len = max_model_len
-
+        self.vocab_size = arch.vocab_size
         if self.tp_driver is not None:
             self.tp_driver.gather_weight_bytes(loaded.model)
+        draft = self._load_draft(config, loaded, device, dtype)
+        plan = self._plan_kv(config, loaded, device, dtype, draft)
+        self._build_scheduler(config, plan)
+        self._build_runner(config, loaded, device, dtype, plan, draft)
+        self.shared_prefixes = self._shared_prefixes(config, loaded)
+        self._structured = None
+        self.step_stats: StepStatsCollector | None = None
+        if collect_stats:
+            weight_elem = next(loaded.model.parameters()).element_size()
+            elem = torch.empty(0, dtype=dtype).element_size()
+            kv_elem = torch.empty(0, dtype=plan.kv_dtype).element_size() if plan.kv_quant == "auto" else 1
+            self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=kv_elem)
+
+    def _load_draft(self, config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                    dtype: torch.dtype) -> LoadedModel | None:
+        """The draft model of a draft_model speculative config (None otherwise), checked
+        against the target with any speculative config."""
         spec = config.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
@@ -112,6 +144,13 @@ class EngineCore:
             from pagoda.spec_decode import check_draft_model
 
             check_draft_model(spec, loaded, draft)
+        return draft
+
+    def _plan_kv(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                 draft: LoadedModel | None) -> _KVPlan:
+        """How many KV blocks (device and host) this engine holds, and the longest request
+        they fit; sets max_model_len, num_blocks, num_host_blocks and logs the memory plan."""
+        max_model_len = config.max_model_len or loaded.arch.max_position_embeddings
         kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)  # kv_quant: 8-bit with scales
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
         if draft is not None:
@@ -135,72 +174,76 @@ class EngineCore:
                     f"{f' in {layout.num_groups} KV groups' if layout.num_groups > 1 else ''}; "
                     f"raise --kv-cache-memory or lower --max-model-len"
                 )
-            max_model_len = self.max_model_len = longest
-        self.num_blocks = num_blocks
+            max_model_len = longest
         logger.info("memory plan: weights %.2f GiB, KV cache %.2f GiB (%d blocks of %d tokens in %d KV group(s) "
                     "of %d layers: %d block-tokens, %d per request)", parameter_bytes(loaded.model) / 2**30,
                     num_blocks * per_block / 2**30, num_blocks, config.block_size, layout.num_groups,
                     layout.num_buffers, capacity, max_model_len)
-
         num_host_blocks = config.swap_space // per_block if config.preemption_mode != "recompute" else 0
         if config.preemption_mode != "recompute" and num_host_blocks < 1:
             raise ValueError(f"--swap-space {config.swap_space} bytes holds no KV block ({per_block} bytes each)")
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
+        return _KVPlan(num_blocks, num_host_blocks, max_model_len, kv_dtype, kv_quant, layout)
+
+    def _build_scheduler(self, config: EngineConfig, plan: _KVPlan) -> None:
+        spec = config.speculative_config
         # Windowed groups give back the blocks that slide out of their window.
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                         group_windows=layout.group_windows)
+        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
+                                         group_windows=plan.layout.group_windows)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
-                max_model_len=max_model_len,
+                max_model_len=plan.max_model_len,
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                 policy=config.scheduling_policy,
                 max_long_partial_prefills=config.max_long_partial_prefills,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 tenants=_tenant_specs(config),
                 preemption_mode=config.preemption_mode,
-                num_host_blocks=num_host_blocks,
+                num_host_blocks=plan.num_host_blocks,
                 max_loras=config.max_loras if config.enable_lora else 0,
-                vocab_size=arch.vocab_size,
+                vocab_size=self.vocab_size,
             ),
             self.kv_manager,
         )
+
+    def _build_runner(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                      plan: _KVPlan, draft: LoadedModel | None) -> None:
+        """The model runner (with its LoRA layers and speculative proposer) and what a step
+        calls: the runner itself, or rank 0 driving a tensor-parallel group."""
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             # Wraps the projections in LoRA layers (the model code has no LoRA branch).
-            self.lora = LoRAManager(loaded.model, arch, config.max_loras, config.max_lora_rank)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, kv_dtype, config.seed,
-                                  num_host_blocks=num_host_blocks, kv_cache_dtype=kv_quant,
+            self.lora = LoRAManager(loaded.model, loaded.arch, config.max_loras, config.max_lora_rank)
+        self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, device, plan.kv_dtype, config.seed,
+                                  num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
                                   lora=self.lora)
-        # What a step calls: the runner itself, or rank 0 driving a tensor-parallel group.
         self.executor = self.runner
         if self.tp_driver is not None:
             self.tp_driver.runner = self.runner
             self.executor = self.tp_driver
+        spec = config.speculative_config
         if spec is not None:
             from pagoda.spec_decode import build_proposer, draft_kv_caches
 
-            caches = None if draft is None else draft_kv_caches(draft, num_blocks, config.block_size, dtype, device)
+            caches = None if draft is None else draft_kv_caches(draft, plan.num_blocks, config.block_size, dtype, device)
             self.runner.proposer = build_proposer(spec, loaded.model, self.runner.kv_caches, config.block_size,
                                                   device, draft, caches, self.runner.layout.layer_group)
-        self.vocab_size = arch.vocab_size
-        self.shared_prefixes = None
-        if config.shared_prefix_file is not None:
-            from pagoda.shared_prefix import SharedPrefixes, read_shared_prefix_file
-            from pagoda.tokenizer import build_tokenizer
 
-            self.shared_prefixes = SharedPrefixes.from_texts(
-                read_shared_prefix_file(config.shared_prefix_file),
-                build_tokenizer(loaded, config.chat_template), config.block_size,
-            )  # fmt: skip
-        self._structured = None
-        self.step_stats: StepStatsCollector | None = None
-        if collect_stats:
-            weight_elem = next(loaded.model.parameters()).element_size()
-            elem = torch.empty(0, dtype=dtype).element_size()
-            kv_elem = torch.empty(0, dtype=kv_dtype).element_size() if kv_quant == "auto" else 1
-            self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=kv_elem)
+    @staticmethod
+    def _shared_prefixes(config: EngineConfig, loaded: LoadedModel):
+        if config.shared_prefix_file is None:
+            return None
+        from pagoda.shared_prefix import SharedPrefixes, read_shared_prefix_file
+        from pagoda.tokenizer import build_tokenizer
+
+        return SharedPrefixes.from_texts(
+            read_shared_prefix_file(config.shared_prefix_file),
+            build_tokenizer(loaded, config.chat_template), config.block_size,
+        )  # fmt: skip
 
     @property
     def structured(self):

@@ -11,7 +11,7 @@ import asyncio
 import socket
 import sys
 
-from pagoda.entrypoints.openai import serve
+from pagoda.entrypoints.openai import ServerConfig, serve
 from tests.e2e.fake_engine import FakeEngine
 
 
@@ -25,8 +25,8 @@ def main() -> int:
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)  # connections made before uvicorn starts wait in the backlog
     print(f"PORT {sock.getsockname()[1]}", flush=True)
-    asyncio.run(serve(engine, "127.0.0.1", 0, "pagoda-test", sock=sock,
-                      shutdown_timeout=args.shutdown_timeout, uvicorn_log_level="warning"))  # fmt: skip
+    config = ServerConfig("pagoda-test", port=0, shutdown_timeout=args.shutdown_timeout, uvicorn_log_level="warning")
+    asyncio.run(serve(engine, config, sock=sock))
     print(f"ENGINE SHUTDOWN {engine.shut_down} ABORTED {len(engine.aborted)} FINISHED {len(engine.finished)}",
           flush=True)  # fmt: skip
     return 0

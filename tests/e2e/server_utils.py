@@ -19,6 +19,7 @@ from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pagoda.entrypoints.openai.api_server import ServerConfig
 from pagoda.entrypoints.openai.server import PagodaServer, create_server
 
 DEFAULT_MODEL_NAME = "pagoda-test"
@@ -56,10 +57,10 @@ def running_server(
     """Like start_server, yielding the RunningServer. ``shutdown_engine``: await engine.shutdown()
     on the server's loop once it stops (for engines bound to that loop)."""
     served_model_name = build_app_kwargs.pop("served_model_name", DEFAULT_MODEL_NAME)
-    server = create_server(
-        engine, "127.0.0.1", 0, served_model_name, shutdown_timeout=shutdown_timeout,
+    server = create_server(engine, ServerConfig(
+        served_model_name, host="127.0.0.1", port=0, shutdown_timeout=shutdown_timeout,
         uvicorn_log_level=uvicorn_log_level, **build_app_kwargs,
-    )  # fmt: skip
+    ))  # fmt: skip
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

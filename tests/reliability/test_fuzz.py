@@ -32,11 +32,11 @@ def fuzz_server():
 def _load_schema() -> schemathesis.BaseSchema:
     # The same document the server serves at /openapi.json (loaded at collection time;
     # schemathesis.pytest.from_fixture does not work with pytest 9).
-    from pagoda.entrypoints.openai.api_server import build_app
+    from pagoda.entrypoints.openai.api_server import ServerConfig, build_app
 
     config = schemathesis.Config()
     config.projects.default.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-    return schemathesis.openapi.from_dict(build_app(FakeEngine(), "pagoda-test").openapi(), config=config)
+    return schemathesis.openapi.from_dict(build_app(FakeEngine(), ServerConfig("pagoda-test")).openapi(), config=config)
 
 
 schema = _load_schema()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import hmac
 import re
 import logging
@@ -214,45 +216,57 @@ def _bearer_token(headers: dict[bytes, bytes]) -> str:
 
 
 # ---------------------------------------------------------------------- the app
-def build_app(
-    engine: EngineClient,
-    served_model_name: str,
-    api_key: str | None = None,
-    max_num_queued_requests: int | None = None,
-    request_timeout: float | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    tool_call_parser: str = "hermes",  # the format tool calls are read in (tool_parsers.TOOL_PARSERS)
-    enable_debug_endpoints: bool = False,
-    api_key_on_internal_endpoints: bool = False,
-    api_keys: dict[str, TenantSpec] | None = None,
-) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the model id ``served_model_name``.
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `pagoda serve` sets for the HTTP server (build_app, create_server, serve).
 
     ``api_key``: required as a Bearer token on /v1/*. ``max_num_queued_requests``: at most this many
     requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
+    ``tool_call_parser``: the format tool calls are read in (tool_parsers.TOOL_PARSERS).
     ``enable_debug_endpoints``: add POST /debug/check_integrity (internal; off by default).
     ``api_key_on_internal_endpoints``: require the API key on /metrics, /dashboard and /debug too.
     ``api_keys``: API key -> tenant (--api-keys-file); any of them is accepted, and names the
-    request's tenant (fair scheduling, per-tenant max_queued and metrics).
+    request's tenant (fair scheduling, per-tenant max_queued and metrics). ``shutdown_timeout``:
+    seconds a SIGTERM drain waits for running requests.
     """
-    if max_num_queued_requests is not None and max_num_queued_requests < 1:
-        raise ValueError(f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
-    if request_timeout is not None and request_timeout <= 0:
-        raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
-    if max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
 
-    state = ServerState(max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_num_queued_requests: int | None = None
+    request_timeout: float | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    uvicorn_log_level: str = "info"
+    tool_call_parser: str = "hermes"
+    enable_debug_endpoints: bool = False
+    api_key_on_internal_endpoints: bool = False
+    api_keys: dict[str, TenantSpec] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
+            raise ValueError(f"max_num_queued_requests must be >= 1, got {self.max_num_queued_requests}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+
+def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the model id ``config.served_model_name``."""
+    served_model_name, api_keys, request_timeout = config.served_model_name, config.api_keys, config.request_timeout
+    state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
     completions = CompletionServing(engine, state, served_model_name, request_timeout)
-    chat = ChatServing(engine, state, served_model_name, request_timeout, tool_call_parser)
+    chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
     app.state.pagoda = state
     install_error_handlers(app)
-    app.add_middleware(ServerMiddleware, state=state, api_key=api_key, max_body_bytes=max_body_bytes,
-                       protect_internal=api_key_on_internal_endpoints, api_keys=api_keys)
+    app.add_middleware(ServerMiddleware, state=state, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       protect_internal=config.api_key_on_internal_endpoints, api_keys=api_keys)
 
     def model_card(model: str | None = None) -> ModelCard:
         lora = completions.check_model(model)
@@ -329,7 +343,7 @@ def build_app(
         return stats
 
     _add_observability_routes(app, engine, served_model_name)
-    if enable_debug_endpoints:
+    if config.enable_debug_endpoints:
         _add_debug_routes(app, engine)
     return app
 

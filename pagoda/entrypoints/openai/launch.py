@@ -33,7 +33,7 @@ def default_served_model_name(config: EngineConfig) -> str:
 
 async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None) -> None:
     from pagoda.engine.client import EngineClient
-    from pagoda.entrypoints.openai.server import serve
+    from pagoda.entrypoints.openai.server import ServerConfig, serve
     from pagoda.tenants import load_api_keys_file
 
     options = dict(
@@ -57,16 +57,16 @@ async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProces
     except BaseException:
         await engine.shutdown()
         raise
-    await serve(
-        engine, args.host, args.port, args.served_model_name or default_served_model_name(config),
-        api_key=args.api_key, max_num_queued_requests=args.max_num_queued_requests,
+    await serve(engine, ServerConfig(
+        served_model_name=args.served_model_name or default_served_model_name(config),
+        host=args.host, port=args.port, api_key=args.api_key, max_num_queued_requests=args.max_num_queued_requests,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
         enable_debug_endpoints=getattr(args, "enable_debug_endpoints", False),
         api_key_on_internal_endpoints=getattr(args, "api_key_on_internal_endpoints", False),
         api_keys=load_api_keys_file(config.api_keys_file) if config.api_keys_file else None,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -20,7 +20,7 @@ from types import FrameType
 import uvicorn
 
 from pagoda.engine.client import EngineClient
-from pagoda.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES, build_app
+from pagoda.entrypoints.openai.api_server import ServerConfig, build_app
 from pagoda.entrypoints.openai.request_group import ServerState
 
 logger = logging.getLogger(__name__)
@@ -77,55 +77,18 @@ class PagodaServer(uvicorn.Server):
         self.should_exit = True
 
 
-def create_server(
-    engine: EngineClient,
-    host: str,
-    port: int,
-    served_model_name: str,
-    *,
-    api_key: str | None = None,
-    max_num_queued_requests: int | None = None,
-    request_timeout: float | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    shutdown_timeout: float = 30.0,
-    uvicorn_log_level: str = "info",
-    tool_call_parser: str = "hermes",
-    enable_debug_endpoints: bool = False,
-    api_key_on_internal_endpoints: bool = False,
-    api_keys: dict | None = None,
-) -> PagodaServer:
-    app = build_app(
-        engine, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
-        request_timeout=request_timeout, max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
-        enable_debug_endpoints=enable_debug_endpoints,
-        api_key_on_internal_endpoints=api_key_on_internal_endpoints, api_keys=api_keys,
-    )  # fmt: skip
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=uvicorn_log_level, lifespan="off",
+def create_server(engine: EngineClient, config: ServerConfig) -> PagodaServer:
+    app = build_app(engine, config)
+    uv = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.uvicorn_log_level, lifespan="off",
         # Our drain already waited for requests; this only bounds uvicorn's final connection wait.
         timeout_graceful_shutdown=int(_ABORT_GRACE_S),
     )  # fmt: skip
-    return PagodaServer(config, app.state.pagoda, shutdown_timeout)
+    return PagodaServer(uv, app.state.pagoda, config.shutdown_timeout)
 
 
 async def serve(
-    engine: EngineClient,
-    host: str,
-    port: int,
-    served_model_name: str,
-    *,
-    api_key: str | None = None,
-    max_num_queued_requests: int | None = None,
-    request_timeout: float | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    shutdown_timeout: float = 30.0,
-    uvicorn_log_level: str = "info",
-    sock: socket.socket | None = None,
-    shutdown_engine: bool = True,
-    tool_call_parser: str = "hermes",
-    enable_debug_endpoints: bool = False,
-    api_key_on_internal_endpoints: bool = False,
-    api_keys: dict | None = None,
+    engine: EngineClient, config: ServerConfig, *, sock: socket.socket | None = None, shutdown_engine: bool = True
 ) -> None:
     """Serve until SIGTERM/SIGINT, drain (see the module docstring), then return.
 
@@ -133,13 +96,7 @@ async def serve(
     bound by the caller, who then knows the port). ``shutdown_engine``: shut the engine down
     once the server has stopped.
     """
-    server = create_server(
-        engine, host, port, served_model_name, api_key=api_key, max_num_queued_requests=max_num_queued_requests,
-        request_timeout=request_timeout, max_body_bytes=max_body_bytes, shutdown_timeout=shutdown_timeout,
-        uvicorn_log_level=uvicorn_log_level, tool_call_parser=tool_call_parser,
-        enable_debug_endpoints=enable_debug_endpoints,
-        api_key_on_internal_endpoints=api_key_on_internal_endpoints, api_keys=api_keys,
-    )  # fmt: skip
+    server = create_server(engine, config)
     try:
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
