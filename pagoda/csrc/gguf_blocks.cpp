@@ -866,9 +866,18 @@ void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
     int32_t dd_bits;
     std::memcpy(&dd_bits, p, 4);
     const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd_bits));  // d, dmin
-    const __m128 dx = row_scales<MR>(xq, K, r0, b);
-    acc = _mm_fmadd_ps(_mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x00), dx), _mm_cvtepi32_ps(hsum_rows<MR>(isum)), acc);
-    acc = _mm_fnmadd_ps(_mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x55), dx), _mm_cvtepi32_ps(hsum_rows128<MR>(msum)), acc);
+    if constexpr (MR == 1) {  // I and M in one horizontal sum: lanes [I, M, I, M]
+      const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum[0]), _mm256_extracti128_si256(isum[0], 1));
+      const __m128i t = _mm_hadd_epi32(i4, msum[0]);
+      const __m128 im = _mm_cvtepi32_ps(_mm_hadd_epi32(t, t));
+      const __m128 s = _mm_mul_ps(dd, _mm_set1_ps(xq.d[r0 * (K / 256) + b]));  // d dx, dmin dx
+      acc = _mm_fmadd_ss(s, im, acc);
+      acc = _mm_fnmadd_ss(_mm_movehdup_ps(s), _mm_movehdup_ps(im), acc);
+    } else {
+      const __m128 dx = row_scales<MR>(xq, K, r0, b);
+      acc = _mm_fmadd_ps(_mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x00), dx), _mm_cvtepi32_ps(hsum_rows<MR>(isum)), acc);
+      acc = _mm_fnmadd_ps(_mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x55), dx), _mm_cvtepi32_ps(hsum_rows128<MR>(msum)), acc);
+    }
   }
   store_rows<MR>(acc, bias, y, r0, N, col);
 }
