@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pagoda.validation import RequestLimits, validate_request
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.core.outputs import SchedulerStats
     from pagoda.lora.request import LoRARequest
+    from pagoda.metrics.stats import EngineMetrics
     from pagoda.outputs import RequestOutput
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
     from pagoda.tokenizer import Tokenizer
@@ -71,6 +72,10 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     lora_requests: Mapping[str, LoRARequest]    # the loaded adapters by name (each is a model)
+    # What /metrics and the dashboard read (pagoda/metrics/prometheus.py MetricsSource):
+    metrics: EngineMetrics | None               # the front end's recorder, None when not recording
+    replicas: Sequence[EngineClient]            # data-parallel replicas, empty for one engine
+    lora_token_counts: Mapping[str, list[int]]  # adapter -> [prompt tokens, generated tokens]
 
     # ---- requests --------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,

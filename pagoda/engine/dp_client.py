@@ -61,6 +61,7 @@ class DataParallelLLM(EngineClientBase):
         self.metrics = first.metrics
         # LoRA runs without data parallelism (EngineConfig refuses enable_lora with it).
         self.lora_requests: dict[str, LoRARequest] = {}
+        self.lora_token_counts: dict[str, list[int]] = {}
         self.router = PrefixRouter(n, config.block_size)
         self._owner: dict[str, int] = {}
         self._dead_seen: set[int] = set()

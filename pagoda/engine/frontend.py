@@ -99,6 +99,7 @@ class EngineFrontEnd(EngineClientBase):
         self._next_lora_id = 1
         # Adapter name -> [prompt tokens, generated tokens], for /metrics.
         self.lora_token_counts: dict[str, list[int]] = {}
+        self.replicas: tuple[EngineClientBase, ...] = ()  # one engine, no data-parallel replicas
 
     # ---- the link to the core (subclasses) -------------------------------------------------
 

@@ -7,14 +7,17 @@ carries only the steps it has not seen (a few hundred at most).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda.metrics.stats import EngineMetrics
+
+if TYPE_CHECKING:
+    from pagoda.metrics.prometheus import MetricsSource
 
 LATENCY_WINDOW_S = 60.0
 
 
-def dashboard_data(engine: Any, model_name: str, since: int = -1) -> dict[str, Any]:
+def dashboard_data(engine: MetricsSource, model_name: str, since: int = -1) -> dict[str, Any]:
     stats = engine.latest_stats()
     now = time.monotonic()
     data: dict[str, Any] = {
@@ -36,7 +39,7 @@ def dashboard_data(engine: Any, model_name: str, since: int = -1) -> dict[str, A
         "latency": {},
         "totals": {},
     }
-    metrics: EngineMetrics | None = getattr(engine, "metrics", None)
+    metrics: EngineMetrics | None = engine.metrics
     if metrics is None:
         return data
     data["steps"] = [

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -22,6 +23,20 @@ from prometheus_client.registry import Collector
 from pagoda.core.outputs import SchedulerStats
 from pagoda.metrics.histogram import Histogram
 from pagoda.metrics.stats import FINISH_REASONS, EngineMetrics, LabelledStats
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+
+
+class MetricsSource(Protocol):
+    """What /metrics and the dashboard read of an engine (every EngineClient has it)."""
+
+    config: EngineConfig
+    metrics: EngineMetrics | None            # None: an engine without a recorder (only gauges)
+    replicas: Sequence[MetricsSource]        # data-parallel replicas (one series each), else empty
+    lora_token_counts: Mapping[str, list[int]]  # adapter -> [prompt tokens, generated tokens]
+
+    def latest_stats(self) -> SchedulerStats: ...
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -47,20 +62,19 @@ class EngineCollector(Collector):
     """Reads the engine's state at scrape time. ``metrics`` may be None (an engine
     without a recorder, e.g. a test double): then only the gauges are exported."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: MetricsSource, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         # Data-parallel replicas (engine.replicas): one series per replica, label engine="i".
-        replicas = getattr(self.engine, "replicas", None)
+        replicas = self.engine.replicas
         if replicas:
             labels = ["model_name", "engine"]
-            parts = [([self.model_name, str(i)], getattr(r, "metrics", None), r.latest_stats())
-                     for i, r in enumerate(replicas)]
+            parts = [([self.model_name, str(i)], r.metrics, r.latest_stats()) for i, r in enumerate(replicas)]
         else:
             labels = ["model_name"]
-            parts = [([self.model_name], getattr(self.engine, "metrics", None), self.engine.latest_stats())]
+            parts = [([self.model_name], self.engine.metrics, self.engine.latest_stats())]
         yield from _families(labels, parts)
         if len(parts) == 1:  # LoRA runs without data parallelism (EngineConfig checks)
             yield from self._lora_metrics(parts[0][2])
@@ -69,8 +83,8 @@ class EngineCollector(Collector):
         """Like vLLM: one series whose labels list the adapters with running and waiting
         requests (comma-separated names) and max_lora; its value is the scrape time.
         And prompt / generated tokens per adapter."""
-        config = getattr(self.engine, "config", None)
-        if config is None or not getattr(config, "enable_lora", False):
+        config = self.engine.config
+        if not config.enable_lora:
             return
         info = GaugeMetricFamily(
             "pagoda:lora_requests_info", "Running and waiting LoRA adapters (labels); value: scrape time.",
@@ -79,7 +93,7 @@ class EngineCollector(Collector):
         info.add_metric([self.model_name, ",".join(sorted(stats.running_lora_adapters)),
                          ",".join(sorted(stats.waiting_lora_adapters)), str(config.max_loras)], time.time())
         yield info
-        counts: dict[str, list[int]] = getattr(self.engine, "lora_token_counts", {})
+        counts = self.engine.lora_token_counts
         labels = ["model_name", "lora_name"]
         prompt = CounterMetricFamily("pagoda:lora_prompt_tokens", "Prompt tokens per LoRA adapter.", labels=labels)
         generated = CounterMetricFamily("pagoda:lora_generation_tokens", "Generated tokens per LoRA adapter.",
@@ -200,7 +214,7 @@ def _class_families(labels: list[str], parts: list[tuple[list[str], EngineMetric
     yield queue
 
 
-def make_registry(engine: Any, model_name: str) -> CollectorRegistry:
+def make_registry(engine: MetricsSource, model_name: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, model_name))
     return registry

@@ -7,6 +7,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.config import EngineConfig
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, StepRecord
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.messages import EngineCoreOutputs
@@ -111,9 +112,14 @@ def test_stop_string_finish_comes_from_the_processor() -> None:
 
 
 class _FakeEngine:
+    """A MetricsSource (pagoda/metrics/prometheus.py) with given stats."""
+
     def __init__(self, metrics: EngineMetrics | None, stats: SchedulerStats) -> None:
         self.metrics = metrics
         self._stats = stats
+        self.config = EngineConfig()
+        self.replicas = ()
+        self.lora_token_counts: dict[str, list[int]] = {}
 
     def latest_stats(self) -> SchedulerStats:
         return self._stats

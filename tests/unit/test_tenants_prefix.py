@@ -129,6 +129,9 @@ def test_metrics_by_tenant_and_priority() -> None:
 
     class Stub:
         metrics = m
+        config = EngineConfig()
+        replicas = ()
+        lora_token_counts: dict[str, list[int]] = {}
 
         def latest_stats(self) -> SchedulerStats:
             return SchedulerStats()
