@@ -99,6 +99,11 @@ class EngineClient(Protocol):
         cancelling the iterator early aborts the request."""
         ...
 
+    def run_request(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+        """``generate`` for a request ``validate_request`` has accepted already (the HTTP
+        server checks each prompt before admitting the request, and does not check twice)."""
+        ...
+
     async def abort(self, request_id: str) -> None: ...
 
     # ---- LoRA adapters ---------------------------------------------------------------
@@ -182,8 +187,14 @@ class EngineClientBase(EngineClient):
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params, priority, lora_request)
-        stream = self._generate(GenerateCall(request_id, prompt, prompt_token_ids, sampling_params, priority,
-                                             cache_salt, tenant, lora_request))  # fmt: skip
+        async with contextlib.aclosing(self.run_request(GenerateCall(
+                request_id, prompt, prompt_token_ids, sampling_params, priority, cache_salt, tenant,
+                lora_request))) as stream:  # fmt: skip
+            async for out in stream:
+                yield out
+
+    async def run_request(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+        stream = self._generate(call)
         # Closed with this iterator, so that an early close aborts the request at once.
         async with contextlib.aclosing(stream):
             async for out in stream:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from starlette.requests import Request
 
-from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
+from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, GenerateCall
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
@@ -174,17 +174,10 @@ class RequestGroup:
         loop = asyncio.get_running_loop()
         self.state.groups.add(self)
         for i, sub in enumerate(self.subrequests):
-            extra: dict[str, Any] = {}
-            if self.priority:
-                extra["priority"] = self.priority
-            if self.cache_salt is not None:
-                extra["cache_salt"] = self.cache_salt
-            if self.tenant is not None:
-                extra["tenant"] = self.tenant
-            if sub.lora_request is not None:
-                extra["lora_request"] = sub.lora_request
-            gen = self.engine.generate(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, **extra)
-            self._pumps.append(loop.create_task(self._pump(i, gen)))
+            # OpenAIServing.prepare had the engine check each prompt: run it as it is.
+            call = GenerateCall(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, self.priority,
+                                self.cache_salt, self.tenant, sub.lora_request)
+            self._pumps.append(loop.create_task(self._pump(i, self.engine.run_request(call))))
         if self.raw_request is not None:
             self._watcher = loop.create_task(self._watch_disconnect(self.raw_request))
         if self.timeout is not None:
