@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from pagoda.sampling_params import INT64_MAX, INT64_MIN
+
 if TYPE_CHECKING:
     from pagoda.lora.request import LoRARequest
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -57,9 +59,9 @@ def check_priority(priority: object, policy: str) -> None:
     """A request's priority: a signed 64-bit integer, non-zero only under a policy that uses it."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority", "invalid_value")
-    if not -(2**63) <= priority < 2**63:
+    if not INT64_MIN <= priority <= INT64_MAX:
         raise InvalidRequestError(
-            f"priority must be between {-(2**63)} and {2**63 - 1} (a signed 64-bit integer), got {priority}",
+            f"priority must be between {INT64_MIN} and {INT64_MAX} (a signed 64-bit integer), got {priority}",
             "priority", "invalid_value",
         )  # fmt: skip
     if priority != 0 and policy == "fcfs":
