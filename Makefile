@@ -10,7 +10,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install browser serve test test-all bench clean
+.PHONY: install browser serve test test-all bench image image-test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ test-all: $(STAMP) browser
 
 bench: $(STAMP)
 	$(VENV)/bin/pagoda bench throughput --num-prompts 64 --input-len 128 --output-len 128 --compare-hf
+
+# The container image (Dockerfile), built with podman; image-test starts it and checks it
+# (docs/deploy.md). IMAGE names it.
+IMAGE ?= localhost/pagoda:latest
+image:
+	IMAGE=$(IMAGE) deploy/container/build.sh
+
+image-test: $(STAMP) image
+	$(PY) deploy/container/image_test.py $(IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

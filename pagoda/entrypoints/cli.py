@@ -253,11 +253,52 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.launch import run_server
 
-    if args.api_key is None:
-        args.api_key = os.environ.get("PAGODA_API_KEY") or None
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     return run_server(args, config_from_args(args))
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | os._Environ[str]) -> None:
+    """``PAGODA_<FLAG>`` environment variables as the defaults of a command's flags (as
+    containers and orchestrators configure a server): ``PAGODA_MAX_MODEL_LEN=4096`` is
+    ``--max-model-len 4096``, ``PAGODA_MODEL`` the model, ``PAGODA_ENABLE_LORA=1`` a switch
+    (1/true/yes/on or 0/false/no/off), a list flag's values separated by spaces. Flags on
+    the command line win. A value the flag would refuse is an error naming the variable;
+    ``PAGODA_*`` variables that name no flag (``PAGODA_CPU_ISA``, ...) are left alone."""
+    defaults = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or not action.dest or action.dest == argparse.SUPPRESS:
+            continue
+        name = f"PAGODA_{action.dest.upper()}"
+        if name not in environ:
+            continue
+        raw = environ[name].strip()
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction))
+        if not raw and not switch:
+            continue  # set but empty: as if unset
+        try:
+            if switch:
+                if raw.lower() not in _TRUE | _FALSE:
+                    raise argparse.ArgumentTypeError(f"expected 1/true/yes/on or 0/false/no/off, got {raw!r}")
+                value: object = raw.lower() in _TRUE
+            elif action.nargs in ("+", "*"):
+                value = [_env_value(action, item) for item in raw.split()]
+            else:
+                value = _env_value(action, raw)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            parser.error(f"environment variable {name}: {e}")
+        defaults[action.dest] = value
+    parser.set_defaults(**defaults)
+
+
+def _env_value(action: argparse.Action, raw: str) -> object:
+    value = action.type(raw) if callable(action.type) else raw
+    if action.choices is not None and value not in action.choices:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
@@ -299,6 +340,7 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--log-stats-interval", type=_positive_float, default=10.0,
                        help="seconds between two periodic stats lines while busy")
     serve.set_defaults(func=cmd_serve)
+    env_defaults(serve, os.environ)
 
     gen = sub.add_parser("generate", help="generate offline from prompts (arguments or stdin lines)")
     add_engine_args(gen)
