@@ -46,6 +46,7 @@ from pagoda.entrypoints.openai.responses import (
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.tenants import TenantSpec, tenants_of
 from pagoda.metrics.dashboard import dashboard_data
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -224,6 +225,8 @@ class ServerConfig:
     requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
     ``tool_call_parser``: the format tool calls are read in (tool_parsers.TOOL_PARSERS).
+    ``reasoning_parser``: how reasoning is told apart from the answer (pagoda.reasoning.REASONING_PARSERS);
+    None: the output is all content.
     ``enable_debug_endpoints``: add POST /debug/check_integrity (internal; off by default).
     ``api_key_on_internal_endpoints``: require the API key on /metrics, /dashboard and /debug too.
     ``api_keys``: API key -> tenant (--api-keys-file); any of them is accepted, and names the
@@ -241,6 +244,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     enable_debug_endpoints: bool = False
     api_key_on_internal_endpoints: bool = False
     api_keys: dict[str, TenantSpec] | None = None
@@ -252,6 +256,7 @@ class ServerConfig:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        get_reasoning_parser(self.reasoning_parser)  # an unknown name fails at startup, not per request
 
 
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
@@ -259,7 +264,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     served_model_name, api_keys, request_timeout = config.served_model_name, config.api_keys, config.request_timeout
     state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
     completions = CompletionServing(engine, state, served_model_name, request_timeout)
-    chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser)
+    chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser,
+                       config.reasoning_parser)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
