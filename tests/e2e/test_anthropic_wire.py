@@ -188,9 +188,9 @@ def test_sdk_raises_typed_errors(server: RunningServer, ac: anthropic.Anthropic)
         ac.post("/v1/messages", body={"model": MODEL, "messages": HI}, cast_to=object)
     with pytest.raises(anthropic.NotFoundError):
         ac.messages.create(model="claude-nope", max_tokens=5, messages=HI)
-    with anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0) as wrong:
-        with pytest.raises(anthropic.AuthenticationError) as info:
-            wrong.messages.create(model=MODEL, max_tokens=5, messages=HI)
+    wrong = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with wrong, pytest.raises(anthropic.AuthenticationError) as info:
+        wrong.messages.create(model=MODEL, max_tokens=5, messages=HI)
     assert info.value.body["error"]["type"] == "authentication_error"
     # A Bearer token works too; the OpenAI routes keep their own error shape.
     with anthropic.Anthropic(base_url=server.base_url, auth_token=KEY, max_retries=0) as bearer:
@@ -211,12 +211,12 @@ def test_thinking_without_a_reasoning_parser_is_refused(engine: FakeEngine) -> N
 def test_disconnect_mid_stream_aborts_the_engine_request(server: RunningServer, engine: FakeEngine) -> None:
     engine.step_delay = 0.02
     body = {"model": MODEL, "max_tokens": 500, "messages": HI, "stream": True}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{server.base_url}/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
-            assert r.status_code == 200
-            for i, _ in enumerate(r.iter_lines()):
-                if i >= 12:
-                    break
+    url, headers = f"{server.base_url}/v1/messages", {"x-api-key": KEY}
+    with httpx.Client(timeout=30) as http, http.stream("POST", url, json=body, headers=headers) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 12:
+                break
     assert engine.abort_event.wait(10), "the engine request was not aborted"
     deadline = time.monotonic() + 10
     while engine._running and time.monotonic() < deadline:
