@@ -222,3 +222,15 @@ def test_disconnect_mid_stream_aborts_the_engine_request(server: RunningServer, 
     while engine._running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.aborted == [engine.calls[0].request_id] and not engine.finished and engine._running == 0
+
+
+def test_engine_failure_mid_stream_is_an_error_event(http: httpx.Client, engine: FakeEngine) -> None:
+    engine.fail_after_steps = 3
+    body = {"model": MODEL, "max_tokens": 50, "messages": HI, "stream": True}
+    r = http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert r.status_code == 200  # the headers went out with the first token
+    events = sse(r.text)
+    assert [n for n, _ in events][:3] == ["message_start", "content_block_start", "ping"]
+    name, data = events[-1]
+    assert name == "error" and data["error"]["type"] == "overloaded_error" and "engine" in data["error"]["message"]
+    assert "message_stop" not in [n for n, _ in events]

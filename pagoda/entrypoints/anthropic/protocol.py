@@ -179,7 +179,12 @@ class ToolChoice(_Strict):
 
 class Thinking(_Strict):
     """``enabled`` (with a budget), ``disabled``, or ``adaptive`` (the model decides: it thinks
-    when it does, and that is what is returned)."""
+    when it does, and that is what is returned).
+
+    ``budget_tokens`` is checked as Anthropic checks it (>= 1024, < max_tokens), but the
+    reasoning is bounded only by ``max_tokens``: ending it early needs the engine to force
+    ``</think>`` after N tokens, which it cannot do yet (a TODO for the integrator).
+    """
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None

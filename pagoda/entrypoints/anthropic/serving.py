@@ -10,6 +10,9 @@ parsers; only the shapes differ: content blocks (``thinking``, ``text``, ``tool_
     message_start, then per block: content_block_start (a ping after the first one),
     content_block_delta (text_delta / thinking_delta / input_json_delta)..., content_block_stop;
     then message_delta (stop_reason, usage) and message_stop.
+
+With ``--reasoning-parser``, the reasoning becomes a ``thinking`` block when the request
+enables thinking; otherwise it is left out (it is not the answer).
 """
 
 from __future__ import annotations
