@@ -167,6 +167,7 @@ def test_count_tokens_matches_the_prompt(ac: anthropic.Anthropic, engine: FakeEn
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400, "image"),
     ({"max_tokens": 5, "messages": HI + [{"role": "assistant", "content": "The"}]}, 400, "prefill"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": []}]}, 400, "empty"),
     ({"max_tokens": 5, "messages": HI, "temperature": 1.5}, 400, "temperature"),
     ({"max_tokens": 5, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 100}}, 400, "budget_tokens"),
     ({"max_tokens": 1500, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 2000}}, 400,

@@ -97,6 +97,8 @@ def _check_content(value: Any) -> str | list[Block]:
         return value
     if not isinstance(value, list):
         raise ValueError("must be a string or a list of content blocks")  # noqa: TRY004 (pydantic wants ValueError)
+    if not value:
+        raise ValueError("must not be an empty list")
     blocks = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
