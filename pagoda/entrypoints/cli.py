@@ -328,6 +328,12 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
                        help="the format tool calls are written in by the model and read from its output "
                             "(hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
+    from pagoda.reasoning import REASONING_PARSERS
+
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split the model's reasoning (<think>...</think>) from its answer: "
+                            "reasoning_content in chat completions, thinking blocks in /v1/messages "
+                            "(deepseek_r1: the template opens <think>; qwen3: both tags in the output)")
     serve.add_argument("--api-key-on-internal-endpoints", action="store_true",
                        help="require --api-key on /metrics, /dashboard and /debug too (open by default, "
                             "for scrapers; they never show prompt or output text)")

@@ -18,9 +18,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
 from pagoda.engine.client import EngineClient, LoRAExistsError, LoRANotFoundError
+from pagoda.entrypoints.anthropic import add_messages_routes
 from pagoda.entrypoints.openai.errors import (
     APIError,
     bad_request,
+    error_response,
     install_error_handlers,
     internal_error,
     service_unavailable,
@@ -46,6 +48,7 @@ from pagoda.entrypoints.openai.responses import (
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.tenants import TenantSpec, tenants_of
 from pagoda.metrics.dashboard import dashboard_data
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -66,7 +69,8 @@ class ServerMiddleware:
     """Everything checked before routing, as plain ASGI so it also covers streaming responses:
 
     - while draining for shutdown, new requests get 503;
-    - Bearer auth on /v1/* when an API key is set (/health and friends stay open to probes);
+    - auth on /v1/* when an API key is set (/health and friends stay open to probes): the key as
+      a Bearer token, or in ``x-api-key`` as the anthropic SDK sends it;
     - the body limit, from Content-Length and again while reading (chunked bodies have none).
       The body is buffered here (it is small) and replayed to the app, after which the app's
       receive() yields only the disconnect, which is how handlers notice a client leaving;
@@ -92,7 +96,7 @@ class ServerMiddleware:
         if self.state.draining:
             draining = service_unavailable("The server is shutting down.", "server_shutting_down")
             draining.headers["Connection"] = "close"
-            await draining.to_response()(scope, receive, send)
+            await error_response(draining, scope["path"])(scope, receive, send)
             return
         path: str = scope["path"]
         auth = self.api_key is not None or self.api_keys is not None
@@ -101,17 +105,17 @@ class ServerMiddleware:
         )):
             denied = self._check_auth(scope, self.api_key, self.api_keys)
             if denied is not None:
-                await denied.to_response()(scope, receive, send)
+                await error_response(denied, scope["path"])(scope, receive, send)
                 return
         tenant_or_error = self._tenant(scope)
         if isinstance(tenant_or_error, APIError):
-            await tenant_or_error.to_response()(scope, receive, send)
+            await error_response(tenant_or_error, scope["path"])(scope, receive, send)
             return
         if tenant_or_error is not None:
             scope[TENANT_SCOPE_KEY] = tenant_or_error
         body_or_error = await self._read_body(scope, receive)
         if isinstance(body_or_error, APIError):
-            await body_or_error.to_response()(scope, receive, send)
+            await error_response(body_or_error, scope["path"])(scope, receive, send)
             return
         if body_or_error is None:
             return  # the client left while sending the body
@@ -140,7 +144,7 @@ class ServerMiddleware:
             if started:
                 raise  # too late for an error response; uvicorn drops the connection
             logger.exception("unhandled error in %s %s", scope.get("method"), path)
-            await internal_error().to_response()(scope, receive, send)
+            await error_response(internal_error(), scope["path"])(scope, receive, send)
         finally:
             self.state.num_active_http -= 1
 
@@ -149,7 +153,7 @@ class ServerMiddleware:
         header is trusted: without per-tenant keys, whoever may call the API may name one)."""
         headers = dict(scope["headers"])
         if self.api_keys is not None:
-            spec = self.api_keys.get(_bearer_token(headers))
+            spec = self.api_keys.get(_presented_key(headers))
             return spec.name if spec is not None else None
         raw = headers.get(b"x-tenant")
         if raw is None:
@@ -163,11 +167,14 @@ class ServerMiddleware:
     @staticmethod
     def _check_auth(scope: Scope, api_key: str | None,
                     api_keys: dict[str, TenantSpec] | None = None) -> APIError | None:  # fmt: skip
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        headers = dict(scope["headers"])
+        header = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
         token = token.strip()
+        if not header and b"x-api-key" in headers:
+            header, scheme, token = "x-api-key", "bearer", _presented_key(headers)
         if not header:
-            message = "No API key provided; send it as 'Authorization: Bearer <key>'."
+            message = "No API key provided; send it as 'Authorization: Bearer <key>' (or in 'x-api-key')."
         elif scheme.lower() != "bearer":
             message = "Incorrect API key provided."
         elif api_key is not None and hmac.compare_digest(token.encode(), api_key.encode()):
@@ -210,8 +217,11 @@ _INTERNAL_PREFIXES = ("/metrics", "/dashboard", "/debug")
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._@:-]{1,64}")
 
 
-def _bearer_token(headers: dict[bytes, bytes]) -> str:
-    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+def _presented_key(headers: dict[bytes, bytes]) -> str:
+    """The API key of a request: the Bearer token, else the ``x-api-key`` header (Anthropic's)."""
+    if b"authorization" not in headers:
+        return headers.get(b"x-api-key", b"").decode("latin-1").strip()
+    scheme, _, token = headers[b"authorization"].decode("latin-1").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
@@ -224,6 +234,8 @@ class ServerConfig:
     requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
     ``tool_call_parser``: the format tool calls are read in (tool_parsers.TOOL_PARSERS).
+    ``reasoning_parser``: how reasoning is told apart from the answer (pagoda.reasoning.REASONING_PARSERS);
+    None: the output is all content.
     ``enable_debug_endpoints``: add POST /debug/check_integrity (internal; off by default).
     ``api_key_on_internal_endpoints``: require the API key on /metrics, /dashboard and /debug too.
     ``api_keys``: API key -> tenant (--api-keys-file); any of them is accepted, and names the
@@ -241,6 +253,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     enable_debug_endpoints: bool = False
     api_key_on_internal_endpoints: bool = False
     api_keys: dict[str, TenantSpec] | None = None
@@ -252,6 +265,7 @@ class ServerConfig:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        get_reasoning_parser(self.reasoning_parser)  # an unknown name fails at startup, not per request
 
 
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
@@ -259,7 +273,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     served_model_name, api_keys, request_timeout = config.served_model_name, config.api_keys, config.request_timeout
     state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
     completions = CompletionServing(engine, state, served_model_name, request_timeout)
-    chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser)
+    chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser,
+                       config.reasoning_parser)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
@@ -296,6 +311,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(body, raw_request)
+
+    add_messages_routes(app, chat)  # Anthropic's Messages API, over the same chat serving
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -114,14 +114,22 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------------- handlers
+def error_response(err: APIError, path: str) -> Response:
+    """``err`` in the shape of the API that ``path`` belongs to (Anthropic's for /v1/messages)."""
+    from pagoda.entrypoints.anthropic.errors import error_response as anthropic_error_response
+    from pagoda.entrypoints.anthropic.errors import is_anthropic_path
+
+    return anthropic_error_response(err) if is_anthropic_path(path) else err.to_response()
+
+
 async def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.to_response()
+    return error_response(exc, request.url.path)
 
 
 async def _validation_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return validation_error_to_api_error(exc).to_response()
+    return error_response(validation_error_to_api_error(exc), request.url.path)
 
 
 async def _http_exception_handler(request: Request, exc: Exception) -> Response:
@@ -138,7 +146,7 @@ async def _http_exception_handler(request: Request, exc: Exception) -> Response:
         err_type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
         err = APIError(exc.status_code, str(exc.detail), type=err_type)
     err.headers.update(headers)
-    return err.to_response()
+    return error_response(err, request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

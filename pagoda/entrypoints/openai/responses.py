@@ -97,13 +97,16 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    # vLLM's field, with --reasoning-parser: the text between <think> and </think>.
+    reasoning_content: str | None = None  # left out of the JSON when there is none
     tool_calls: list[ToolCall] | None = None  # left out of the JSON when there are none
 
     @model_serializer(mode="wrap")
-    def _drop_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _drop_empty_optional_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

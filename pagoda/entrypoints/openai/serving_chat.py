@@ -3,6 +3,11 @@
 With tools (see ``tools.py``), the output is read by the tool parser: calls become
 ``message.tool_calls`` (``delta.tool_calls`` while streaming: id, type and name first,
 then the arguments in fragments) and ``finish_reason`` becomes ``"tool_calls"``.
+
+With a reasoning parser (``--reasoning-parser``), what the model wrote between ``<think>`` and
+``</think>`` is ``message.reasoning_content`` (``delta.reasoning_content``), and only the rest
+is content: tool calls are read from it, and a structured output or forced tool constraint
+applies to it, after the reasoning the grammar leaves free.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, 
 from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolCallStreamer, get_tool_parser
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.reasoning import ReasoningStreamer, get_reasoning_parser
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def new_call_id() -> str:
@@ -55,9 +61,11 @@ class ChatServing(OpenAIServing):
         served_model_name: str,
         request_timeout: float | None,
         tool_call_parser: str = DEFAULT_TOOL_PARSER,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine, state, served_model_name, request_timeout)
         self.tool_parser = get_tool_parser(tool_call_parser)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                plan: ToolPlan | None = None) -> str:  # fmt: skip
@@ -87,6 +95,7 @@ class ChatServing(OpenAIServing):
         structured, structured_param = body.structured_output()
         if plan.forced:
             structured, structured_param = plan.constraint(self.tool_parser), "tools"
+        structured = self.with_reasoning(structured)
 
         def to_params(default_max_tokens: int) -> SamplingParams:
             return body.to_sampling_params(default_max_tokens, structured)
@@ -123,17 +132,31 @@ class ChatServing(OpenAIServing):
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
+    def with_reasoning(self, constraint: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """With a reasoning parser, a constraint applies after the (free) reasoning section."""
+        if constraint is None or self.reasoning_parser is None:
+            return constraint
+        return self.reasoning_parser.constrain(constraint)
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished text; all content without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return None, text
+        split = self.reasoning_parser.extract(text)
+        return split.reasoning, split.content
+
     def _message(self, plan: ToolPlan, c: CompletionOutput | None) -> tuple[ChatMessageOut, str]:
         if c is None:
             return ChatMessageOut(content=""), "abort"
+        reasoning, content = self.split_reasoning(c.text)
         if not plan.active:
-            return ChatMessageOut(content=c.text), c.finish_reason or "abort"
-        extracted = self.tool_parser.extract(c.text, truncated=c.finish_reason == "length")
+            return ChatMessageOut(content=content, reasoning_content=reasoning), c.finish_reason or "abort"
+        extracted = self.tool_parser.extract(content or "", truncated=c.finish_reason == "length")
         calls = [
             ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in extracted.calls
         ]
-        message = ChatMessageOut(content=extracted.content, tool_calls=calls or None)
+        message = ChatMessageOut(content=extracted.content, reasoning_content=reasoning, tool_calls=calls or None)
         return message, _finish_reason(c, len(calls))
 
     def _logprobs(
@@ -152,6 +175,9 @@ class ChatServing(OpenAIServing):
         streamers: dict[int, ToolCallStreamer] = (
             {i: self.tool_parser.streamer() for i in range(body.n)} if plan.active else {}
         )
+        reasoners: dict[int, ReasoningStreamer] = (
+            {i: self.reasoning_parser.streamer() for i in range(body.n)} if self.reasoning_parser else {}
+        )
 
         def chunk(index: int, delta: dict[str, Any], logprobs: ChatLogprobs | None = None,
                   finish_reason: str | None = None) -> str:  # fmt: skip
@@ -161,8 +187,9 @@ class ChatServing(OpenAIServing):
                 exclude,
             )
 
-        def tool_chunks(c: CompletionOutput, streamer: ToolCallStreamer, logprobs: ChatLogprobs | None) -> list[str]:
-            delta = streamer.feed(c.delta_text, final=c.just_finished)
+        def tool_chunks(c: CompletionOutput, text: str, streamer: ToolCallStreamer,
+                        logprobs: ChatLogprobs | None) -> list[str]:  # fmt: skip
+            delta = streamer.feed(text, final=c.just_finished)
             events = []
             if delta.content or logprobs:
                 events.append(chunk(c.index, {"content": delta.content}, logprobs))
@@ -183,11 +210,20 @@ class ChatServing(OpenAIServing):
                 if c.finished and not c.just_finished:
                     continue  # finished in an earlier update
                 logprobs = self._logprobs(body, c, c.delta_token_ids, c.delta_logprobs) if c.delta_logprobs else None
+                text = c.delta_text
+                reasoner = reasoners.get(c.index)
+                if reasoner is not None:
+                    split = reasoner.feed(text, final=c.just_finished)
+                    if split.reasoning:
+                        # The logprobs ride on the first chunk of this step, whichever part it is.
+                        events.append(chunk(c.index, {"reasoning_content": split.reasoning}, logprobs))
+                        logprobs = None
+                    text = split.content
                 streamer = streamers.get(c.index)
                 if streamer is not None:
-                    events.extend(tool_chunks(c, streamer, logprobs))
-                elif c.delta_text or logprobs:
-                    events.append(chunk(c.index, {"content": c.delta_text}, logprobs))
+                    events.extend(tool_chunks(c, text, streamer, logprobs))
+                elif text or logprobs:
+                    events.append(chunk(c.index, {"content": text}, logprobs))
                 if c.just_finished:
                     # As OpenAI: the finish reason comes in a chunk of its own with an empty delta.
                     num_calls = streamer.num_calls if streamer is not None else 0
