@@ -287,6 +287,11 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
                        help="the format tool calls are written in by the model and read from its output "
                             "(hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
+    serve.add_argument("--responses-store-max-entries", type=int, default=1024,
+                       help="/v1/responses with store (OpenAI's default): keep at most this many responses in "
+                            "memory, least recently used evicted first (0: store nothing)")
+    serve.add_argument("--responses-store-max-bytes", type=int, default=64 << 20,
+                       help="... and at most this many bytes of them (their JSON size)")
     serve.add_argument("--api-key-on-internal-endpoints", action="store_true",
                        help="require --api-key on /metrics, /dashboard and /debug too (open by default, "
                             "for scrapers; they never show prompt or output text)")
