@@ -75,7 +75,7 @@ def _check_parts(value: Any) -> str | list[TextPart]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError("must be a string or a list of content parts")
+        raise ValueError("must be a string or a list of content parts")  # noqa: TRY004 (pydantic needs ValueError)
     parts = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -144,7 +144,7 @@ _ITEM_MODELS: dict[str, type[InputItem]] = {
 def parse_item(value: Any) -> InputItem:
     """One input item (a message may leave out its ``type``); ValueError names what is wrong."""
     if not isinstance(value, dict):
-        raise ValueError("must be an object")
+        raise ValueError("must be an object")  # noqa: TRY004 (pydantic needs ValueError)
     kind = value.get("type", "message")
     model = _ITEM_MODELS.get(kind) if isinstance(kind, str) else None
     if model is None:
@@ -168,7 +168,7 @@ def _check_input(value: Any) -> str | list[InputItem]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError("must be a string or a list of input items")
+        raise ValueError("must be a string or a list of input items")  # noqa: TRY004 (pydantic needs ValueError)
     items = []
     for i, item in enumerate(value):
         try:
@@ -217,7 +217,7 @@ def _check_tools(value: Any) -> list[FunctionTool] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise ValueError("must be a list of tools")
+        raise ValueError("must be a list of tools")  # noqa: TRY004 (pydantic needs ValueError)
     tools = []
     for i, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
