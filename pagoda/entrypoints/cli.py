@@ -334,6 +334,11 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
                        help="split the model's reasoning (<think>...</think>) from its answer: "
                             "reasoning_content in chat completions, thinking blocks in /v1/messages "
                             "(deepseek_r1: the template opens <think>; qwen3: both tags in the output)")
+    serve.add_argument("--responses-store-max-entries", type=int, default=1024,
+                       help="/v1/responses with store (OpenAI's default): keep at most this many responses in "
+                            "memory, least recently used evicted first (0: store nothing)")
+    serve.add_argument("--responses-store-max-bytes", type=int, default=64 << 20,
+                       help="... and at most this many bytes of them (their JSON size)")
     serve.add_argument("--api-key-on-internal-endpoints", action="store_true",
                        help="require --api-key on /metrics, /dashboard and /debug too (open by default, "
                             "for scrapers; they never show prompt or output text)")

@@ -49,6 +49,8 @@ from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
 from pagoda.reasoning import get_reasoning_parser
+from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
+from pagoda.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
 from pagoda.tenants import TenantSpec, tenants_of
 from pagoda.metrics.dashboard import dashboard_data
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -240,7 +242,9 @@ class ServerConfig:
     ``api_key_on_internal_endpoints``: require the API key on /metrics, /dashboard and /debug too.
     ``api_keys``: API key -> tenant (--api-keys-file); any of them is accepted, and names the
     request's tenant (fair scheduling, per-tenant max_queued and metrics). ``shutdown_timeout``:
-    seconds a SIGTERM drain waits for running requests.
+    seconds a SIGTERM drain waits for running requests. ``responses_store_max_entries`` /
+    ``responses_store_max_bytes``: bounds of the in-memory store of /v1/responses (``store: true``;
+    least recently used evicted first; 0 entries: nothing is stored).
     """
 
     served_model_name: str
@@ -257,6 +261,8 @@ class ServerConfig:
     enable_debug_endpoints: bool = False
     api_key_on_internal_endpoints: bool = False
     api_keys: dict[str, TenantSpec] | None = None
+    responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
+    responses_store_max_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
@@ -266,6 +272,8 @@ class ServerConfig:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         get_reasoning_parser(self.reasoning_parser)  # an unknown name fails at startup, not per request
+        if self.responses_store_max_entries < 0 or self.responses_store_max_bytes < 0:
+            raise ValueError("responses_store_max_entries and responses_store_max_bytes must be >= 0")
 
 
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
@@ -275,6 +283,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     completions = CompletionServing(engine, state, served_model_name, request_timeout)
     chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser,
                        config.reasoning_parser)
+    store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
+    responses = ResponsesServing(chat, store)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
@@ -313,6 +323,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return await chat.create(body, raw_request)
 
     add_messages_routes(app, chat)  # Anthropic's Messages API, over the same chat serving
+    add_responses_routes(app, responses, _ERRORS)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

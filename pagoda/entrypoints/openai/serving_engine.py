@@ -152,8 +152,11 @@ class OpenAIServing:
             raise
 
     @staticmethod
-    def stream_response(group: RequestGroup, events: AsyncIterator[str]) -> SSEResponse:
-        return SSEResponse(_guarded(events), on_close=group.close)
+    def stream_response(group: RequestGroup, events: AsyncIterator[str],
+                        on_error: Callable[[APIError], str] = error_event, done: str | None = SSE_DONE) -> SSEResponse:
+        """``on_error``: the event(s) that report an error after the 200 went out; ``done``: the
+        last event of a stream the client did not cut (None: none, as in the Responses API)."""
+        return SSEResponse(_guarded(events, on_error, done), on_close=group.close)
 
     @staticmethod
     def usage(subrequests: Sequence[SubRequest], outputs: Sequence[RequestOutput | None]) -> Usage:
@@ -170,9 +173,10 @@ def _stopped_error(stopped: RequestStopped) -> Exception:
     return err if err is not None else ClientGone()
 
 
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded(events: AsyncIterator[str], on_error: Callable[[APIError], str] = error_event,
+                   done: str | None = SSE_DONE) -> AsyncIterator[str]:  # fmt: skip
     """Pass events through; an error after the 200 headers went out becomes an error event.
-    Every stream that was not cut by the client ends with [DONE]."""
+    Every stream that was not cut by the client ends with ``done`` ([DONE])."""
     try:
         try:
             async for event in events:
@@ -182,13 +186,14 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
             if err is None:
                 logger.info("client disconnected; request aborted")
                 return
-            yield error_event(err)
+            yield on_error(err)
         except APIError as e:
-            yield error_event(e)
+            yield on_error(e)
         except Exception:
             logger.exception("error while streaming a response")
-            yield error_event(internal_error())
-        yield SSE_DONE
+            yield on_error(internal_error())
+        if done is not None:
+            yield done
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
