@@ -180,9 +180,9 @@ def to_request_output(request_id: str, prompt: str | None, prompt_token_ids: lis
     outputs = [
         CompletionOutput(index=i, text=beam.text or "", token_ids=beam.output_token_ids,
                          cumulative_logprob=beam.cum_logprob, logprobs=None, finish_reason=beam.finish_reason,
-                         just_finished=True)  # fmt: skip
+                         just_finished=True)
         for i, beam in enumerate(beams)
-    ]
+    ]  # fmt: skip
     return RequestOutput(request_id, prompt, prompt_token_ids, outputs, finished=True)
 
 

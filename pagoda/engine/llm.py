@@ -8,7 +8,13 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from pagoda.config import EngineConfig
-from pagoda.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, finish_text, top_candidates
+from pagoda.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    finish_text,
+    top_candidates,
+)
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest

@@ -16,7 +16,13 @@ from pagoda.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pagoda.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 

@@ -74,7 +74,7 @@ def test_narrow_beam_keeps_width_best_at_each_step():
     with the second-best first token, which a width-1 search drops and width 2 keeps."""
     table = {(): [math.log(0.6), math.log(0.4)],
              (0,): [math.log(0.5), math.log(0.5)], (1,): [math.log(0.95), math.log(0.05)]}  # fmt: skip
-    lookup = lambda p: dict(enumerate(table[p]))  # noqa: E731
+    lookup = lambda p: dict(enumerate(table[p]))
     greedy = _run(BeamSearch([], BeamSearchParams(beam_width=1, max_tokens=2, length_penalty=0.0), frozenset()),
                   lookup)  # fmt: skip
     beam = _run(BeamSearch([], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=0.0), frozenset()),
@@ -86,7 +86,7 @@ def test_narrow_beam_keeps_width_best_at_each_step():
 
 def test_early_stopping_ends_once_width_sequences_are_complete():
     eos = frozenset({0})
-    lookup = lambda p: {0: math.log(0.7), 1: math.log(0.3)}  # noqa: E731
+    lookup = lambda p: {0: math.log(0.7), 1: math.log(0.3)}
     params = BeamSearchParams(beam_width=1, max_tokens=5, early_stopping=True)
     search = BeamSearch([], params, eos)
     beams = _run(search, lookup)
@@ -97,8 +97,8 @@ def test_early_stopping_ends_once_width_sequences_are_complete():
     assert ignored[0].output_token_ids == [0] * 5 and ignored[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("bad", [dict(beam_width=0), dict(max_tokens=0), dict(temperature=-1.0),
-                                 dict(length_penalty=float("nan")), dict(early_stopping="yes")])  # fmt: skip
+@pytest.mark.parametrize("bad", [{"beam_width": 0}, {"max_tokens": 0}, {"temperature": -1.0},
+                                 {"length_penalty": float("nan")}, {"early_stopping": "yes"}])  # fmt: skip
 def test_params_are_validated(bad):
     with pytest.raises(ValueError):
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 3, **bad})
