@@ -294,7 +294,7 @@ class CompletionRequest(_SamplingRequest):
             kwargs["logprobs"] = self.logprobs
             if self.echo:  # the echoed prompt tokens come with their logprobs, as OpenAI's
                 kwargs["prompt_logprobs"] = self.logprobs
-        if self.best_of is not None and not self.use_beam_search:
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
             kwargs["best_of"] = self.best_of
         return make_sampling_params(kwargs)
 

@@ -96,7 +96,8 @@ class ChatServing(OpenAIServing):
             raise bad_request("'use_beam_search' cannot be combined with a forced tool call.", param="tool_choice")
         sub = self.prepare(request_id, text, ids, to_params, "messages", max_param, structured_param,
                            lora_request=lora, priority=body.priority,
-                           beam=body.beam_search_params if body.use_beam_search else None)  # fmt: skip
+                           beam=body.beam_search_params if body.use_beam_search else None,
+                           logprobs_param="top_logprobs")  # fmt: skip
         group = self.group(raw_request, [sub], body.priority, body.cache_salt)
         if body.stream:
             try:
