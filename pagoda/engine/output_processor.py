@@ -114,6 +114,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._children: dict[str, _ChildState] = {}
         self._parents: dict[str, _ParentState] = {}
+        self._token_text: dict[int, str] = {}
 
     def add_request(
         self,
@@ -196,9 +197,14 @@ class OutputProcessor:
             parent.prompt_logprobs[start + i] = pos
 
     def _decode_one(self, token_id: int) -> str | None:
+        """A token's text, cached: logprobs over the whole vocabulary decode every token id
+        at every position. (At most one entry per token id.)"""
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's outputs. Returns the RequestOutputs of every parent
