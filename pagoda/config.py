@@ -60,11 +60,15 @@ class EngineConfig:
     enable_lora: bool = False             # serve LoRA adapters (pagoda/lora)
     max_loras: int = 1                    # adapters resident at once (one batch mixes up to this many)
     max_lora_rank: int = 16               # largest adapter rank accepted
+    max_logprobs: int = 20                # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a
+                                          # request may ask (-1: no bound; a request's -1 = whole vocabulary)
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no bound) or an integer >= 0, got {self.max_logprobs!r}")
         if self.block_size is None:
             # CPU: a sequence's K/V for a layer is read block by block, and this machine reads
             # scattered 6 KiB runs (16 tokens of the default model, float16) at a third of its

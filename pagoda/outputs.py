@@ -15,6 +15,9 @@ class Logprob:
 # One dict per generated position: token id -> Logprob, holding the sampled
 # token and the requested top alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt position: None for the first (nothing precedes it), then the
+# prompt token's Logprob and the requested top alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -45,3 +48,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None   # when SamplingParams.prompt_logprobs is set

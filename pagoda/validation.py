@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from pagoda.sampling_params import INT64_MAX, INT64_MIN
+from pagoda.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from pagoda.lora.request import LoRARequest
@@ -29,6 +29,7 @@ __all__ = [
     "InvalidRequestError",
     "RequestLimits",
     "admission_check",
+    "check_logprobs",
     "check_priority",
     "validate_request",
 ]
@@ -53,6 +54,7 @@ class RequestLimits:
     vocab_size: int | None = None       # None: token ids are not checked (a scheduler with no model)
     scheduling_policy: str = "fcfs"
     enable_lora: bool = False
+    max_logprobs: int = MAX_LOGPROBS    # --max-logprobs; -1: up to the whole vocabulary
 
 
 def check_priority(priority: object, policy: str) -> None:
@@ -81,6 +83,25 @@ def _check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_
         params.validate_for_vocab(vocab_size)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
+
+
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int | None) -> None:
+    """logprobs and prompt_logprobs within --max-logprobs (-1 asks for the whole vocabulary,
+    which counts as vocab_size; a bound of -1 allows it)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is None or max_logprobs == -1:
+            continue
+        if asked == -1 and (vocab_size is None or vocab_size > max_logprobs):
+            raise InvalidRequestError(
+                f"{name}=-1 asks for the whole vocabulary ({vocab_size} tokens), more than this server's "
+                f"limit of {max_logprobs} (--max-logprobs; -1 allows it)", name, "invalid_value",
+            )  # fmt: skip
+        if asked > max_logprobs:
+            raise InvalidRequestError(
+                f"{name} must be at most {max_logprobs} (this server's --max-logprobs), got {asked}",
+                name, "invalid_value",
+            )  # fmt: skip
 
 
 def _check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
@@ -135,6 +156,7 @@ def validate_request(
     if not prompt_token_ids:
         raise InvalidRequestError("the prompt is empty")
     admission_check(prompt_token_ids, params, limits, priority, lora_request)
+    check_logprobs(params, limits.max_logprobs, limits.vocab_size)
     n, max_tokens, max_len = len(prompt_token_ids), params.max_tokens, limits.max_model_len
     if max_tokens is not None and n + max_tokens > max_len:
         raise InvalidRequestError(

@@ -156,7 +156,8 @@ class EngineClientBase(EngineClient):
     def request_limits(self) -> RequestLimits:
         """Read at each check: a test may change the fake engine's limits between requests."""
         config = self.config
-        return RequestLimits(self.max_model_len, self.vocab_size, config.scheduling_policy, config.enable_lora)
+        return RequestLimits(self.max_model_len, self.vocab_size, config.scheduling_policy, config.enable_lora,
+                             config.max_logprobs)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                          lora_request: LoRARequest | None = None) -> None:  # fmt: skip

@@ -56,7 +56,7 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
             logprobs=list(c.logprobs) if c.logprobs is not None else None,
         )
         for c in out.outputs
-    ])
+    ], prompt_logprobs=list(out.prompt_logprobs) if out.prompt_logprobs is not None else None)
 
 
 class EngineFrontEnd(EngineClientBase):

@@ -8,6 +8,13 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from pagoda.config import EngineConfig
+from pagoda.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    finish_text,
+    top_candidates,
+)
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest
@@ -35,7 +42,8 @@ class LLM:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.processor = OutputProcessor(self.tokenizer)
         self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
-                                    self.config.scheduling_policy, self.config.enable_lora)
+                                    self.config.scheduling_policy, self.config.enable_lora,
+                                    self.config.max_logprobs)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (a no-op for one process)."""
@@ -65,29 +73,70 @@ class LLM:
         items = []
         salts: list[str | None] = []
         for p in prompts:
-            if isinstance(p, dict):
-                unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
-                if unknown:
-                    raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
-                salt = p.get("cache_salt")
-                if salt is not None and (not isinstance(salt, str) or not salt):
-                    raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
-                salts.append(salt)
-            else:
-                salts.append(None)
-            if isinstance(p, str):
-                items.append((p, self.get_tokenizer().encode(p)))
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
-            elif isinstance(p, dict) and "prompt" in p:
-                items.append((p["prompt"], self.get_tokenizer().encode(p["prompt"])))
-            else:
-                raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
+            item, salt = self._prompt_item(p)
+            items.append(item)
+            salts.append(salt)
         if priority is not None:
             priority = list(priority)
             if len(priority) != len(items):
                 raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
         return self._run(items, sampling_params, use_tqdm, priority, salts, lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt, the best ``params.beam_width`` sequences
+        (pagoda/engine/beam_search.py). Every step runs the live beams of all prompts as one
+        batch of one-token requests; they share their KV blocks through the prefix cache."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        items = [self._prompt_item(p)[0] for p in prompts]
+        probe = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature)
+        for _, token_ids in items:
+            validate_request(token_ids, probe, self.limits, lora_request=lora_request)
+        searches = [BeamSearch(ids, params, self.eos_token_ids) for _, ids in items]
+        step = params.step_params()
+        while any(not s.done for s in searches):
+            owners = [(s, tokens) for s in searches for tokens in s.pending()]
+            outs = self._run([(None, tokens) for _, tokens in owners], step, use_tqdm, lora_request=lora_request,
+                             checked=True)  # fmt: skip
+            at = 0
+            for s in searches:
+                n = len(s.pending())
+                s.advance([top_candidates(o, step.logprobs or 0) for o in outs[at:at + n]])
+                at += n
+        results = []
+        for s in searches:
+            beams = s.result()
+            for beam in beams:
+                beam.text = finish_text(beam, params, self._decode, self.eos_token_ids) if self.tokenizer else None
+            results.append(BeamSearchOutput(beams))
+        return results
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.get_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _prompt_item(self, p: PromptType) -> tuple[tuple[str | None, list[int]], str | None]:
+        """A prompt as ((text, token ids), cache salt)."""
+        salt = None
+        if isinstance(p, dict):
+            unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
+            salt = p.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        if isinstance(p, str):
+            return (p, self.get_tokenizer().encode(p)), salt
+        if isinstance(p, dict) and "prompt_token_ids" in p:
+            return (p.get("prompt"), list(p["prompt_token_ids"])), salt
+        if isinstance(p, dict) and "prompt" in p:
+            return (p["prompt"], self.get_tokenizer().encode(p["prompt"])), salt
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
 
     def chat(
         self,
@@ -121,7 +170,10 @@ class LLM:
         priorities: list[int] | None = None,
         salts: list[str | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        checked: bool = False,
     ) -> list[RequestOutput]:
+        """``checked``: the requests were validated already (beam search's step requests,
+        whose 2 x beam_width logprobs are the search's own, not bounded by --max-logprobs)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -145,8 +197,9 @@ class LLM:
             for k, ((prompt, token_ids), params, lora) in enumerate(zip(items, params_list, lora_list)):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
                 priority = priorities[k] if priorities is not None else 0
-                validate_request(token_ids, params, self.limits, priority, lora,
-                                 validate_grammar=lambda g: self.engine.structured.validate(g))
+                if not checked:
+                    validate_request(token_ids, params, self.limits, priority, lora,
+                                     validate_grammar=lambda g: self.engine.structured.validate(g))
                 self.processor.add_request(rid, prompt, token_ids, params)
                 ids.append(rid)
                 for req in make_core_requests(rid, token_ids, params, self.eos_token_ids, priority=priority,

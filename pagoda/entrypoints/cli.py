@@ -70,6 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / prompt_logprobs a request may ask for (vLLM's flag); -1: no bound, "
+                        "so that a request may ask for the whole vocabulary with -1")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: 64 on CPU, 16 on GPU; prefix caching reuses whole blocks)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
@@ -168,6 +171,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_logprobs=getattr(args, "max_logprobs", 20),
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,

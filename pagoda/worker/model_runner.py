@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.core.kv_layout import KVLayout
+from pagoda.core.outputs import TokenLogprobs
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionMetadata
@@ -20,7 +21,7 @@ from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.ops import cpu_kernels
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
-from pagoda.sample.sampler import Sampler, SamplingMetadata, SamplingRow
+from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.proposer import DraftRequest, Proposer
 
@@ -94,6 +95,59 @@ def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None
         src.copy_blocks_to(dst, src_idx, dst_idx)
     else:
         dst.index_copy_(1, dst_idx, src.index_select(1, src_idx).to(dst.device))
+
+
+def _prompt_span(state: CachedRequestState, start: int, end: int, offset: int) -> tuple[str, int, range] | None:
+    """Where a request's prompt logprobs come from this step, if it asked for them: the
+    logits at position p score prompt token p + 1, so a chunk computing positions
+    [start, end) scores prompt tokens start + 1 .. min(end, P - 1) (the last position's
+    logits sample the first output instead). E.g. P = 5 in chunks [0, 3) and [3, 5): the
+    first scores tokens 1, 2, 3 from hidden rows offset + 0..2, the second token 4 from row
+    offset + 0. None for a request that did not ask, or a step past its prompt."""
+    if state.sampling_params.prompt_logprobs is None:
+        return None
+    last = min(end, len(state.prompt_token_ids) - 1)
+    if last <= start:
+        return None
+    return state.req_id, start + 1, range(offset, offset + last - start)
+
+
+def _logprob_entries(lps: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """One TokenLogprobs per row of [N, V] logprobs: the target token's logprob and rank, and the top k."""
+    target_lps = lps.gather(1, targets.unsqueeze(1)).squeeze(1)
+    ranks = ((lps > target_lps.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], targets[:, None][:, :0])
+    return [TokenLogprobs(lp, ids, tlps, rank)
+            for lp, ids, tlps, rank in zip(target_lps.tolist(), top_ids.tolist(), top_lps.tolist(), ranks)]
+
+
+def _sampled_logprobs(out: SamplerOutput, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Per sampled row, its logprobs entry (None where the request asked for none): each row
+    reads its own top-k of the batch's widest, and its tracked tokens in order."""
+    if out.logprobs is None:
+        return [None] * len(params)
+    lp = out.logprobs.tolist()
+    top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else [[] for _ in params]
+    top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else [[] for _ in params]
+    ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else [None] * len(params)
+    tracked = out.tracked_logprobs.tolist() if out.tracked_logprobs is not None else []
+    tracked_ranks = out.tracked_ranks.tolist() if out.tracked_ranks is not None else []
+    entries: list[TokenLogprobs | None] = []
+    at = 0
+    for j, p in enumerate(params):
+        if p.logprobs is None:
+            entries.append(None)
+            continue
+        k = len(top_ids[j]) if p.logprobs == -1 else p.logprobs
+        entry = TokenLogprobs(lp[j], top_ids[j][:k], top_lps[j][:k], ranks[j])
+        ids = list(p.logprob_token_ids or ())
+        if ids:  # in range: validate_for_vocab checked them at admission
+            entry.tracked_token_ids = ids
+            entry.tracked_logprobs = tracked[at:at + len(ids)]
+            entry.tracked_ranks = tracked_ranks[at:at + len(ids)]
+            at += len(ids)
+        entries.append(entry)
+    return entries
 
 
 class ModelRunner:
@@ -226,6 +280,8 @@ class ModelRunner:
         logits_indices: list[int] = []
         spec_rows: list[int] = []         # ... of requests verifying drafts
         spec_indices: list[int] = []      # their logits: last known token and every draft
+        # prompt_logprobs: per request, (first prompt token scored, hidden rows that score it and on).
+        prompt_spans: list[tuple[str, int, range]] = []
         offset = 0
         for i, rid in enumerate(order):
             state = self.requests[rid]
@@ -239,6 +295,9 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             tables.append(state.block_ids)
+            span = _prompt_span(state, start, end, offset)
+            if span is not None:
+                prompt_spans.append(span)
             offset += n
             # Only a request whose last known token is in this step samples.
             if draft:
@@ -268,6 +327,7 @@ class ModelRunner:
         if spec_rows:
             spec_logits = self.model.compute_logits(hidden[torch.tensor(spec_indices, device=self.device)])
             self._verify([order[i] for i in spec_rows], drafts, spec_logits, sampled, spec_rows)
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_spans)
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
         if sample_rows and self.samples:
@@ -288,14 +348,10 @@ class ModelRunner:
             md = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
             out = self.sampler(logits, md)
             token_ids = out.sampled_token_ids.tolist()
-            lp = out.logprobs.tolist() if out.logprobs is not None else None
-            top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
-            top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
+            entries = _sampled_logprobs(out, [r.params for r in rows])
             for j, i in enumerate(sample_rows):
                 sampled[i] = [token_ids[j]]
-                k = rows[j].params.logprobs
-                if k is not None and lp is not None:
-                    logprobs[i] = [(lp[j], top_ids[j][:k], top_lps[j][:k])]
+                logprobs[i] = [entries[j]] if entries[j] is not None else None
         if not self.samples:
             for rid in order:
                 self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
@@ -314,9 +370,33 @@ class ModelRunner:
                 for table in state.block_ids:
                     del table[num_kept:]
         return ModelRunnerOutput(
-            order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d}
+            order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d},
+            prompt_logprobs=prompt_logprobs,
         )
 
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         spans: list[tuple[str, int, range]]) -> dict[str, tuple[int, list[TokenLogprobs]]]:  # fmt: skip
+        """prompt_logprobs of this step's prompt chunks: the raw logprobs (log-softmax of the
+        logits, no sampling settings applied, as vLLM) of each next prompt token. Every rank
+        computes the logits (a collective under tensor parallelism); rank 0 reads them."""
+        if not spans:
+            return {}
+        rows = torch.tensor([r for _, _, span in spans for r in span], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        if not self.samples:
+            return {}
+        all_lps = torch.log_softmax(logits.float(), dim=-1)
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        first = 0
+        for rid, first_token, span in spans:
+            state = self.requests[rid]
+            lps = all_lps[first:first + len(span)]
+            first += len(span)
+            targets = torch.tensor(state.prompt_token_ids[first_token:first_token + len(span)], device=self.device)
+            k = state.sampling_params.prompt_logprobs
+            k = lps.shape[-1] if k == -1 else min(k, lps.shape[-1])
+            out[rid] = (first_token, _logprob_entries(lps, targets, k))
+        return out
     # ---- speculative decoding ---------------------------------------------------------
 
     def _propose(self, so: SchedulerOutput) -> dict[str, list[int]]:

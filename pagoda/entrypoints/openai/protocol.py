@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
+from pagoda.engine.beam_search import BeamSearchParams
 from pagoda.entrypoints.openai import structured
 from pagoda.entrypoints.openai.errors import APIError, bad_request, unsupported
 from pagoda.entrypoints.openai.structured import ResponseFormat, StructuredOutputsRequest
@@ -98,6 +99,14 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # ignored: padding against length side channels
 
 
+# Fields whose effect beam search cannot give (it ranks whole sequences by logprob): a
+# request that sets one with use_beam_search gets a 400 rather than having it ignored.
+_NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens", "response_format",
+                  "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "prompt_logprobs", "logprob_token_ids")  # fmt: skip
+
+
 class _SamplingRequest(_Strict):
     """Parameters both generation endpoints accept."""
 
@@ -137,6 +146,12 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's logprob extras and beam search (docs/logprobs.md).
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -148,6 +163,35 @@ class _SamplingRequest(_Strict):
                               code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("'prompt_logprobs' cannot be combined with 'stream'.", param="prompt_logprobs")
+        if self.use_beam_search:
+            self._check_beam_search()
+        else:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise bad_request(f"'{name}' applies only to beam search ('use_beam_search': true).",
+                                      param=name)  # fmt: skip
+
+    def _check_beam_search(self) -> None:
+        if self.stream:
+            raise bad_request("'use_beam_search' cannot be combined with 'stream': the beams are ranked only "
+                              "once they are complete.", param="use_beam_search")  # fmt: skip
+        for name in _NOT_WITH_BEAM:
+            if getattr(self, name) is not None:
+                raise bad_request(f"'{name}' cannot be combined with 'use_beam_search'.", param=name)
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """Beam search with ``n`` beams (vLLM's server: beam_width = n), returning all n."""
+        kwargs: dict[str, Any] = {"beam_width": self.n, "max_tokens": max_tokens}
+        for name in ("temperature", "ignore_eos", "length_penalty", "early_stopping", "include_stop_str_in_output"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        try:
+            return BeamSearchParams(**kwargs)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=field, code="invalid_value") from None
 
     def structured_output(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The constraint the request asks for and the parameter that asked (400 on conflicts)."""
@@ -177,6 +221,7 @@ class _SamplingRequest(_Strict):
             "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "prompt_logprobs": self.prompt_logprobs, "logprob_token_ids": self.logprob_token_ids,
         }  # fmt: skip
         # Leave absent ones out so SamplingParams' own defaults apply.
         return {k: v for k, v in fields.items() if v is not None}
@@ -205,13 +250,33 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise unsupported("echo", "is not supported by this server")
         if self.suffix:
             raise unsupported("suffix", "is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            # best_of > n would need sequence scoring; best_of < n is invalid anywhere.
-            raise unsupported("best_of", "other than n is not supported")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise bad_request(f"'best_of' must be >= 'n' ({self.n}), got {self.best_of}.", param="best_of",
+                                  code="invalid_value")  # fmt: skip
+            if self.best_of > MAX_N:
+                raise bad_request(f"Invalid value for 'best_of': at most {MAX_N}, got {self.best_of}.",
+                                  param="best_of", code="invalid_value")  # fmt: skip
+            if self.best_of > self.n and self.stream:
+                raise bad_request("'best_of' > 'n' cannot be combined with 'stream': which samples are returned "
+                                  "is known only when all are complete.", param="best_of")  # fmt: skip
+            if self.best_of != self.n and self.use_beam_search:
+                raise bad_request("With 'use_beam_search', 'n' is the beam width; 'best_of' must be unset or "
+                                  "equal to it.", param="best_of")  # fmt: skip
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise bad_request("'logprob_token_ids' requires 'logprobs'.", param="logprob_token_ids")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise bad_request("'echo' with 'logprobs' cannot be combined with 'stream' (the prompt's logprobs "
+                              "come with the whole response).", param="echo")  # fmt: skip
+        if self.use_beam_search and (self.echo or self.logprobs is not None):
+            name = "echo" if self.echo else "logprobs"
+            raise bad_request(f"'{name}' cannot be combined with 'use_beam_search'.", param=name)
+        if (self.echo and self.logprobs is not None and self.prompt_logprobs is not None
+                and self.prompt_logprobs != self.logprobs):
+            raise bad_request("With 'echo', 'logprobs' also sets the prompt tokens' logprobs; 'prompt_logprobs' "
+                              "must be unset or equal to it.", param="prompt_logprobs")  # fmt: skip
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list: each entry is its own set of n choices."""
@@ -227,6 +292,10 @@ class CompletionRequest(_SamplingRequest):
         kwargs["max_tokens"] = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
+            if self.echo:  # the echoed prompt tokens come with their logprobs, as OpenAI's
+                kwargs["prompt_logprobs"] = self.logprobs
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            kwargs["best_of"] = self.best_of
         return make_sampling_params(kwargs)
 
 
@@ -289,6 +358,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise unsupported("modalities", "other than ['text'] are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise bad_request("'logprob_token_ids' requires 'logprobs' to be true.", param="logprob_token_ids")
+        if self.use_beam_search and self.logprobs:
+            raise bad_request("'logprobs' cannot be combined with 'use_beam_search'.", param="logprobs")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]

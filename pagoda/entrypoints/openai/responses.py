@@ -44,9 +44,30 @@ class Usage(BaseModel):
 # ---------------------------------------------------------------------- /v1/completions
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None only for the first token of an echoed prompt (nothing precedes it), as OpenAI's.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry, one per token id at a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position None (the first) or token id -> its entry.
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
+
+
+def _drop_none(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """Leave out extension fields that are not in use, so the shape stays OpenAI's."""
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
 
 
 class CompletionChoice(BaseModel):
@@ -54,6 +75,11 @@ class CompletionChoice(BaseModel):
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # left out of the JSON unless asked for
+
+    @model_serializer(mode="wrap")
+    def _drop_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -125,6 +151,11 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsOut | None = None  # left out of the JSON unless asked for
+
+    @model_serializer(mode="wrap")
+    def _drop_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "prompt_logprobs")
 
 
 class ChatStreamChoice(BaseModel):

@@ -101,8 +101,12 @@ class ChatServing(OpenAIServing):
             return body.to_sampling_params(default_max_tokens, structured)
 
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if body.use_beam_search and plan.forced:
+            raise bad_request("'use_beam_search' cannot be combined with a forced tool call.", param="tool_choice")
         sub = self.prepare(request_id, text, ids, to_params, "messages", max_param, structured_param,
-                           lora_request=lora, priority=body.priority)  # fmt: skip
+                           lora_request=lora, priority=body.priority,
+                           beam=body.beam_search_params if body.use_beam_search else None,
+                           logprobs_param="top_logprobs")  # fmt: skip
         group = self.group(raw_request, [sub], body.priority, body.cache_salt)
         if body.stream:
             try:
@@ -130,6 +134,8 @@ class ChatServing(OpenAIServing):
         response = ChatCompletionResponse(
             id=request_id, model=self.response_model(body.model), choices=choices, usage=self.usage([sub], outputs)
         )
+        if body.prompt_logprobs is not None and out is not None and out.prompt_logprobs is not None:
+            response.prompt_logprobs = self.logprobs.prompt(out.prompt_logprobs)
         return Response(response.model_dump_json(), media_type="application/json")
 
     def with_reasoning(self, constraint: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
@@ -164,7 +170,8 @@ class ChatServing(OpenAIServing):
     ) -> ChatLogprobs | None:
         if not body.logprobs or logprobs is None:
             return None
-        return ChatLogprobs(content=self.logprobs.chat(token_ids, logprobs, body.top_logprobs or 0))
+        return ChatLogprobs(content=self.logprobs.chat(token_ids, logprobs, body.top_logprobs or 0,
+                                                       body.logprob_token_ids or ()))
 
     async def _events(
         self, body: ChatCompletionRequest, plan: ToolPlan, request_id: str, group: RequestGroup,

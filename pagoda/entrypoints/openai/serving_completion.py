@@ -38,7 +38,8 @@ class CompletionServing(OpenAIServing):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             subrequests.append(
                 self.prepare(sub_id, text, ids, to_params, "prompt", "max_tokens", structured_param,
-                             lora_request=lora, priority=body.priority)
+                             lora_request=lora, priority=body.priority,
+                             beam=body.beam_search_params if body.use_beam_search else None)
             )
         group = self.group(raw_request, subrequests, body.priority, body.cache_salt)
         if body.stream:
@@ -53,10 +54,24 @@ class CompletionServing(OpenAIServing):
         )
 
     # ---- one JSON response ------------------------------------------------------------
-    def _logprobs(self, body: CompletionRequest, c: CompletionOutput) -> CompletionLogprobs | None:
+    def _echo_text(self, sub: SubRequest) -> str:
+        """What echo puts before a choice's text: the prompt as given (token ids decoded)."""
+        if sub.prompt is not None:
+            return sub.prompt
+        return self.tokenizer.decode(sub.prompt_token_ids, skip_special_tokens=False)
+
+    def _logprobs(self, body: CompletionRequest, sub: SubRequest, out: RequestOutput,
+                  c: CompletionOutput) -> CompletionLogprobs | None:  # fmt: skip
+        """The legacy logprobs; with echo the prompt's tokens come first (the first with null
+        logprobs: nothing precedes it), as OpenAI returns them."""
         if body.logprobs is None or c.logprobs is None:
             return None
-        return self.logprobs.completion(c.token_ids, c.logprobs, body.logprobs, 0)[0]
+        tracked = body.logprob_token_ids or ()
+        offset, result = 0, None
+        if body.echo and out.prompt_logprobs is not None:
+            result, offset = self.logprobs.completion(sub.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0,
+                                                      tracked)  # fmt: skip
+        return self.logprobs.completion(c.token_ids, c.logprobs, body.logprobs, offset, tracked, result)[0]
 
     def _full_response(
         self,
@@ -66,15 +81,20 @@ class CompletionServing(OpenAIServing):
         outputs: list[RequestOutput | None],
     ) -> CompletionResponse:
         choices = []
-        for p, out in enumerate(outputs):
+        for p, (sub, out) in enumerate(zip(subrequests, outputs)):
+            echo = self._echo_text(sub) if body.echo else ""
+            prompt_logprobs = None
+            if body.prompt_logprobs is not None and out is not None and out.prompt_logprobs is not None:
+                prompt_logprobs = self.logprobs.prompt(out.prompt_logprobs)
             for i in range(body.n):
                 c = out.outputs[i] if out is not None and i < len(out.outputs) else None
                 choices.append(
                     CompletionChoice(
-                        text=c.text if c else "",
+                        text=echo + (c.text if c else ""),
                         index=p * body.n + i,
-                        logprobs=self._logprobs(body, c) if c else None,
+                        logprobs=self._logprobs(body, sub, out, c) if c and out else None,
                         finish_reason=(c.finish_reason if c else None) or "abort",
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         return CompletionResponse(
@@ -103,7 +123,8 @@ class CompletionServing(OpenAIServing):
                 logprobs = None
                 if body.logprobs is not None and c.delta_logprobs:
                     logprobs, offsets[index] = self.logprobs.completion(
-                        c.delta_token_ids, c.delta_logprobs, body.logprobs, offsets.get(index, 0)
+                        c.delta_token_ids, c.delta_logprobs, body.logprobs, offsets.get(index, 0),
+                        body.logprob_token_ids or (),
                     )
                 if not (c.delta_text or logprobs or c.just_finished):
                     continue
@@ -116,6 +137,12 @@ class CompletionServing(OpenAIServing):
                 events.append(sse(chunk, exclude))
             return events
 
+        if body.echo:  # the prompt first, in a chunk of its own per choice (echo with logprobs is a 400 here)
+            for p, sub in enumerate(group.subrequests):
+                for i in range(body.n):
+                    choice = CompletionChoice(text=self._echo_text(sub), index=p * body.n + i)
+                    yield sse(CompletionResponse(id=request_id, created=created, model=self.response_model(body.model),
+                                                 choices=[choice]), exclude)  # fmt: skip
         for p, out in first:
             for event in chunks(p, out):
                 yield event

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagoda.engine.beam_search import BeamSearchParams
 from pagoda.engine.client import EngineClient
 from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_error, model_not_found
 from pagoda.entrypoints.openai.logprobs import LogprobFormatter
@@ -100,12 +101,16 @@ class OpenAIServing:
         structured_param: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        beam: Callable[[int], BeamSearchParams] | None = None,
+        logprobs_param: str = "logprobs",
     ) -> SubRequest:
         """Build one prompt's SamplingParams and have the engine check the request
         (pagoda/validation.py); 400 on any problem. ``prompt_param`` / ``max_tokens_param``:
         the request fields that a context length error names; ``structured_param``: the
         field the structured output constraint came from, named by the 400 for a schema,
-        regex or grammar the compiler rejects."""
+        regex or grammar the compiler rejects. ``beam``: max_tokens -> BeamSearchParams, for a
+        request run as a beam search (its SamplingParams are checked as those of its beams).
+        ``logprobs_param``: the field a logprobs limit error names (chat: top_logprobs)."""
         # Absent max_tokens: whatever room the context leaves, as vLLM does (at least one
         # token, so that a prompt with no room gets the engine's context length error).
         params = to_params(max(self.engine.max_model_len - len(prompt_token_ids), 1))
@@ -115,11 +120,16 @@ class OpenAIServing:
             raise bad_request(str(e), param=structured_param, code="invalid_structured_output") from None
         except InvalidRequestError as e:
             # Its message names the problem (context length, token ids out of range, priority...).
-            param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(e.param, e.param)
-            raise bad_request(str(e), param=param, code=e.code) from None
+            param = {"prompt": prompt_param, "max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(
+                e.param, e.param)
+            message = str(e)
+            if e.param and param != e.param and message.startswith(e.param + " "):
+                message = param + message[len(e.param):]  # in the request's own words (chat's top_logprobs)
+            raise bad_request(message, param=param, code=e.code) from None
         except ValueError as e:
             raise bad_request(str(e)) from None
-        return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request)
+        beam_params = beam(params.max_tokens or 1) if beam is not None else None
+        return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request, beam_params)
 
     def group(self, raw_request: Request, subrequests: list[SubRequest], priority: int = 0,
               cache_salt: str | None = None) -> RequestGroup:  # fmt: skip
