@@ -22,14 +22,14 @@ K8S_DIR = DEPLOY / "k8s"
 COMPOSE_FILE = DEPLOY / "compose.yaml"
 DASHBOARD_FILE = GRAFANA_DIR / "pagoda-dashboard.json"
 
-_MISSING = "Debian's prometheus package is not installed (`make prometheus` installs it as root)"
+MISSING_PROMETHEUS = "Debian's prometheus package is not installed (`make prometheus` installs it as root)"
 
 
 def binary(name: str) -> str:
     """The path of prometheus / promtool, or skip the test saying why."""
     path = shutil.which(name)
     if path is None:
-        pytest.skip(f"no {name}: {_MISSING}")
+        pytest.skip(f"no {name}: {MISSING_PROMETHEUS}")
     return path
 
 

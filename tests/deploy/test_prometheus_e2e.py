@@ -8,6 +8,7 @@ Everything listens on 127.0.0.1 and stops with the module.
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import socket
 import subprocess
 import time
@@ -21,8 +22,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.config import EngineConfig
-from tests.deploy.deploy_utils import PROMETHEUS_DIR, binary, load_yaml_docs
+from tests.deploy.deploy_utils import MISSING_PROMETHEUS, PROMETHEUS_DIR, load_yaml_docs
 from tests.e2e.server_utils import running_server
+
+# Checked before any fixture loads the model.
+PROMETHEUS = shutil.which("prometheus")
+if PROMETHEUS is None:
+    pytest.skip(f"no prometheus: {MISSING_PROMETHEUS}", allow_module_level=True)
 
 MODEL = "smollm2-prom"
 MAX_TOKENS = (3, 5, 7, 9)  # one request each, all run to max_tokens
@@ -60,14 +66,13 @@ def _config(pagoda_url: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def prometheus(pagoda: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    exe = binary("prometheus")
     work = tmp_path_factory.mktemp("prometheus")
     config = work / "prometheus.yml"
     config.write_text(yaml.safe_dump(_config(pagoda)))
     url = f"http://127.0.0.1:{_free_port()}"
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen(
-        [exe, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
+        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
          f"--web.listen-address={url.removeprefix('http://')}", "--log.level=warn"],
         stdout=log, stderr=subprocess.STDOUT,
     )
