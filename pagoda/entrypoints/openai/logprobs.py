@@ -36,6 +36,10 @@ def _byte_level_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
+def _label(token_id: int, text: str, as_token_id: bool) -> str:
+    return f"token_id:{token_id}" if as_token_id else text
+
+
 class LogprobFormatter:
     """Decodes token ids for logprobs output, caching per token id."""
 
@@ -73,8 +77,11 @@ class LogprobFormatter:
         ranked.sort(key=lambda item: item[1].rank or 0)
         return ranked
 
-    def chat(self, token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int) -> list[TokenLogprob]:
-        """Chat shape: one entry per sampled token, with its top_n alternatives."""
+    def chat(self, token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int,
+             as_token_ids: bool = False) -> list[TokenLogprob]:  # fmt: skip
+        """Chat shape: one entry per sampled token, with its top_n alternatives. ``as_token_ids``
+        (vLLM's return_tokens_as_token_ids): each token written ``token_id:N``, for tokens whose
+        text is not a whole character; ``bytes`` stays the token's own bytes."""
         out = []
         for token_id, position in zip(token_ids, logprobs, strict=False):  # a short side is not an error
             sampled = position.get(token_id)
@@ -82,11 +89,12 @@ class LogprobFormatter:
             top = []
             for tid, lp in self._top(position, top_n):
                 alt_text = self.text(tid, lp)
-                alt = TopLogprob(token=alt_text, logprob=_clamp(lp.logprob), bytes=self.token_bytes(tid, alt_text))
+                alt = TopLogprob(token=_label(tid, alt_text, as_token_ids), logprob=_clamp(lp.logprob),
+                                 bytes=self.token_bytes(tid, alt_text))  # fmt: skip
                 top.append(alt)
             out.append(
                 TokenLogprob(
-                    token=text,
+                    token=_label(token_id, text, as_token_ids),
                     logprob=_clamp(sampled.logprob if sampled is not None else -math.inf),
                     bytes=self.token_bytes(token_id, text),
                     top_logprobs=top,
@@ -95,21 +103,23 @@ class LogprobFormatter:
         return out
 
     def completion(
-        self, token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int, text_offset: int
+        self, token_ids: Sequence[int], logprobs: SampleLogprobs, top_n: int, text_offset: int,
+        as_token_ids: bool = False,
     ) -> tuple[CompletionLogprobs, int]:
         """Legacy shape; top_logprobs holds the top_n alternatives plus the sampled token, as OpenAI
-        documents ("up to logprobs+1 elements"). Returns the text offset after the last token."""
+        documents ("up to logprobs+1 elements"). Returns the text offset after the last token.
+        ``as_token_ids``: tokens written ``token_id:N`` (offsets still count the text's characters)."""
         result = CompletionLogprobs()
         for token_id, position in zip(token_ids, logprobs, strict=False):  # a short side is not an error
             sampled = position.get(token_id)
             text = self.text(token_id, sampled)
-            result.tokens.append(text)
+            result.tokens.append(_label(token_id, text, as_token_ids))
             result.token_logprobs.append(_clamp(sampled.logprob if sampled is not None else -math.inf))
             top: dict[str, float] = {}
             for tid, lp in self._top(position, top_n):
-                top.setdefault(self.text(tid, lp), _clamp(lp.logprob))
+                top.setdefault(_label(tid, self.text(tid, lp), as_token_ids), _clamp(lp.logprob))
             if sampled is not None:
-                top.setdefault(text, _clamp(sampled.logprob))
+                top.setdefault(_label(token_id, text, as_token_ids), _clamp(sampled.logprob))
             result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(text)
