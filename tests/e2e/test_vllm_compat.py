@@ -299,6 +299,8 @@ def test_vllm_error_words(http: httpx.Client) -> None:
     err = error_of(http.post("/v1/chat/completions", json={"messages": HI, "logit_bias": {"a": 1, "7": 1, "b": 2}}))
     assert "'a'" in err["message"] and "'b'" in err["message"] and "'7'" not in err["message"]
     assert err["param"] == "logit_bias"
+    err = error_of(http.post("/v1/chat/completions", json={"messages": HI, "logit_bias": {"999998": 1, "999999": 1}}))
+    assert "[999998, 999999] contain out-of-vocab token ids" in err["message"]
 
 
 # ---------------------------------------------------------------------- runtime LoRA loading
@@ -317,9 +319,8 @@ def test_runtime_lora_is_off_unless_allowed(tmp_path) -> None:
         err = error_of(http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapter}))
         assert err["code"] == "runtime_lora_disabled"
         assert error_of(http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}))["code"] == "runtime_lora_disabled"
-    with pytest.raises(ValueError, match="--lora-root"):
-        with running_server(engine, allow_runtime_lora=True):
-            pass
+    with pytest.raises(ValueError, match="--lora-root"), running_server(engine, allow_runtime_lora=True):
+        pass
 
 
 def test_runtime_lora_only_from_the_roots(tmp_path) -> None:

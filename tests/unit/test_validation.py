@@ -21,7 +21,8 @@ PARAMS = SamplingParams(max_tokens=4)
     [
         ([], PARAMS, {}, "The decoder prompt cannot be empty", None, None),
         ([1, 100, -1, 5], PARAMS, {}, r"Token ids \[100, -1\] are out of vocabulary \(vocabulary size 100\)", None, None),
-        ([1], SamplingParams(logit_bias={100: 1.0}), {}, "logit_bias token id 100", None, None),
+        ([1], SamplingParams(logit_bias={100: 1.0, 5: 1.0, 101: 2.0}), {},
+         r"logit_bias token id\(s\) \[100, 101\] contain out-of-vocab", None, None),
         ([1], SamplingParams(stop_token_ids=[7, 100]), {}, "stop_token_ids token id 100", None, None),
         ([1] * 32, PARAMS, {}, "maximum context length \\(max_model_len\\) is 32 tokens, but the prompt has 32",
          "prompt", "context_length_exceeded"),

@@ -112,11 +112,11 @@ def model_root(engine: EngineClient) -> str | None:
     model = engine.config.model
     if model is not None:
         return str(model)
-    from pagoda.model.loader import default_model_path
+    from pagoda.model.paths import ModelLoadError, default_model_path
 
     try:
         return default_model_path()
-    except Exception:  # no bundled model on this machine: an engine built some other way
+    except ModelLoadError:  # no bundled model on this machine: an engine built some other way
         return None
 
 
