@@ -223,6 +223,14 @@ def test_invocations_dispatch_on_the_body(http: httpx.Client) -> None:
     assert "messages" in error_of(http.post("/invocations", json={"input": "x"}))["message"]
 
 
+def test_invocations_need_the_api_key() -> None:
+    with running_server(FakeEngine(), api_key="sekret") as s, httpx.Client(base_url=s.base_url) as http:
+        body = {"prompt": "One", "max_tokens": 1}
+        assert error_of(http.post("/invocations", json=body), 401)["code"] == "invalid_api_key"
+        ok = http.post("/invocations", json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
 def test_load_counts_requests_in_flight(http: httpx.Client, engine: FakeEngine) -> None:
     assert http.get("/load").json() == {"server_load": 0}
     engine.hold_first_token = True

@@ -80,7 +80,8 @@ class ServerMiddleware:
     """Everything checked before routing, as plain ASGI so it also covers streaming responses:
 
     - while draining for shutdown, new requests get 503;
-    - Bearer auth on /v1/* when an API key is set (/health and friends stay open to probes);
+    - Bearer auth on /v1/* and /invocations when an API key is set (/health and friends stay
+      open to probes);
     - the body limit, from Content-Length and again while reading (chunked bodies have none).
       The body is buffered here (it is small) and replayed to the app, after which the app's
       receive() yields only the disconnect, which is how handlers notice a client leaving;
@@ -115,7 +116,8 @@ class ServerMiddleware:
             return
         path: str = scope["path"]
         auth = self.api_key is not None or self.api_keys is not None
-        if auth and (path == "/v1" or path.startswith("/v1/") or (
+        # /invocations generates as /v1/* does, so it needs the key too (vLLM leaves it open).
+        if auth and (path == "/v1" or path.startswith("/v1/") or path == "/invocations" or (
             self.protect_internal and path.startswith(_INTERNAL_PREFIXES)
         )):
             denied = self._check_auth(scope, self.api_key, self.api_keys)
