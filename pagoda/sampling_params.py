@@ -361,11 +361,10 @@ class SamplingParams:
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Reject token ids the model cannot produce (call once the model is known)."""
-        for token_id in self.logit_bias or {}:
-            if token_id >= vocab_size:
-                raise ValueError(
-                    f"logit_bias token id {token_id} is out of range for vocab size {vocab_size}"
-                )
+        bad = [token_id for token_id in self.logit_bias or {} if token_id >= vocab_size]
+        if bad:
+            # vLLM's words, naming every offender.
+            raise ValueError(f"logit_bias token id(s) {bad} contain out-of-vocab token ids (vocab size {vocab_size})")
         for token_id in self.stop_token_ids or []:
             if token_id >= vocab_size:
                 raise ValueError(

@@ -78,7 +78,9 @@ def _check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_
     # min() and max() first: a scan in C; the list of offenders only when there are some.
     if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        # vLLM's words ("Token id N is out of vocabulary"), naming up to five offenders.
+        which = f"Token id {bad[0]} is" if len(bad) == 1 else f"Token ids {bad[:5]} are"
+        raise InvalidRequestError(f"{which} out of vocabulary (vocabulary size {vocab_size}).")
     try:
         params.validate_for_vocab(vocab_size)
     except ValueError as e:
@@ -154,7 +156,7 @@ def validate_request(
     beyond the context length; the priority; a LoRA adapter with LoRA off; then the
     grammar, the one costly check, last."""
     if not prompt_token_ids:
-        raise InvalidRequestError("the prompt is empty")
+        raise InvalidRequestError("The decoder prompt cannot be empty")  # vLLM's message
     admission_check(prompt_token_ids, params, limits, priority, lora_request)
     check_logprobs(params, limits.max_logprobs, limits.vocab_size)
     n, max_tokens, max_len = len(prompt_token_ids), params.max_tokens, limits.max_model_len

@@ -259,6 +259,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora needs --enable-lora")
+    if args.allow_runtime_lora and not args.lora_root:
+        raise ValueError("--allow-runtime-lora needs at least one --lora-root DIR (the folders adapters may be "
+                         "loaded from)")
+    if args.lora_root and not args.allow_runtime_lora:
+        raise ValueError("--lora-root is for --allow-runtime-lora (adapters loaded at run time)")
     return run_server(args, config_from_args(args))
 
 
@@ -313,6 +320,12 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     add_engine_args(serve, positional_model=True)
     serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                        help="LoRA adapters to load at start (needs --enable-lora), each served as model NAME")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default: "
+                            "a client could otherwise make the server read any folder); needs --lora-root")
+    serve.add_argument("--lora-root", nargs="+", action="extend", default=[], metavar="DIR",
+                       help="with --allow-runtime-lora: the only folders adapters may be loaded from "
+                            "(symlinks are followed before the check; repeatable)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
@@ -343,6 +356,8 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
                             "memory, least recently used evicted first (0: store nothing)")
     serve.add_argument("--responses-store-max-bytes", type=int, default=64 << 20,
                        help="... and at most this many bytes of them (their JSON size)")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="end every stream with a usage chunk, even without stream_options.include_usage")
     serve.add_argument("--api-key-on-internal-endpoints", action="store_true",
                        help="require --api-key on /metrics, /dashboard and /debug too (open by default, "
                             "for scrapers; they never show prompt or output text)")

@@ -112,7 +112,10 @@ def test_message_roles_and_fields() -> None:
     assert msgs[1]["name"] == "bob"
     assert msgs[3]["tool_calls"] and msgs[3]["content"] is None
     assert msgs[4]["tool_call_id"] == "1"
-    assert api_error_of(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}).param == (
+    # As vLLM: any role name (the template decides), extra keys kept for the template.
+    custom = ChatCompletionRequest.model_validate({"messages": [{"role": "robot", "content": "x", "mood": "calm"}]})
+    assert custom.template_messages() == [{"role": "robot", "content": "x", "mood": "calm"}]
+    assert api_error_of(ChatCompletionRequest, {"messages": [{"role": 7, "content": "x"}]}).param == (
         "messages.[0].role"
     )
     assert api_error_of(ChatCompletionRequest, {"messages": [{"role": "user"}]}).param == "messages.[0]"

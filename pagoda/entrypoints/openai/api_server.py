@@ -9,6 +9,7 @@ import re
 import logging
 import time
 from importlib import resources
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -43,7 +44,9 @@ from pagoda.entrypoints.openai.responses import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ServerLoadResponse,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
@@ -51,6 +54,17 @@ from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
 from pagoda.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
+from pagoda.entrypoints.openai.tools import plan_tools
+from pagoda.entrypoints.openai.vllm_compat import (
+    LORA_PATH_REFUSED,
+    LoRAPathPolicy,
+    engine_load,
+    load_metrics_format,
+    model_root,
+    orca_load_header,
+    parse_body,
+    tokenizer_config,
+)
 from pagoda.tenants import TenantSpec, tenants_of
 from pagoda.metrics.dashboard import dashboard_data
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -71,18 +85,23 @@ class ServerMiddleware:
     """Everything checked before routing, as plain ASGI so it also covers streaming responses:
 
     - while draining for shutdown, new requests get 503;
-    - auth on /v1/* when an API key is set (/health and friends stay open to probes): the key as
-      a Bearer token, or in ``x-api-key`` as the anthropic SDK sends it;
+    - auth on /v1/* and /invocations when an API key is set (/health and friends stay open to
+      probes): the key as a Bearer token, or in ``x-api-key`` as the anthropic SDK sends it;
     - the body limit, from Content-Length and again while reading (chunked bodies have none).
       The body is buffered here (it is small) and replayed to the app, after which the app's
       receive() yields only the disconnect, which is how handlers notice a client leaving;
     - a 500 in OpenAI's shape for an unexpected exception (logged with its traceback);
-    - counting requests in progress, which graceful shutdown waits on.
+    - counting requests in progress, which graceful shutdown waits on;
+    - ORCA's load report: a request with ``endpoint-load-metrics-format: text|json`` gets the
+      engine's load in an ``endpoint-load-metrics`` response header.
     """
 
     def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body_bytes: int,
-                 protect_internal: bool = False, api_keys: dict[str, TenantSpec] | None = None) -> None:
+                 protect_internal: bool = False, api_keys: dict[str, TenantSpec] | None = None,
+                 load_report: Callable[[], dict[str, float]] | None = None) -> None:
         self.app = app
+        # The engine's load, for ORCA's endpoint-load-metrics response header.
+        self.load_report = load_report
         # Tenants' keys (--api-keys-file); with them, a key is required and names the tenant.
         self.api_keys = api_keys or None
         self.state = state
@@ -102,7 +121,8 @@ class ServerMiddleware:
             return
         path: str = scope["path"]
         auth = self.api_key is not None or self.api_keys is not None
-        if auth and (path == "/v1" or path.startswith("/v1/") or (
+        # /invocations generates as /v1/* does, so it needs the key too (vLLM leaves it open).
+        if auth and (path == "/v1" or path.startswith("/v1/") or path == "/invocations" or (
             self.protect_internal and path.startswith(_INTERNAL_PREFIXES)
         )):
             denied = self._check_auth(scope, self.api_key, self.api_keys)
@@ -132,11 +152,16 @@ class ServerMiddleware:
             return await receive()
 
         started = False
+        load_format = load_metrics_format(dict(scope["headers"]))
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                if load_format is not None and self.load_report is not None:
+                    header = orca_load_header(load_format, self.load_report())
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"endpoint-load-metrics", header.encode("latin-1"))]}
             await send(message)
 
         self.state.num_active_http += 1
@@ -244,7 +269,10 @@ class ServerConfig:
     request's tenant (fair scheduling, per-tenant max_queued and metrics). ``shutdown_timeout``:
     seconds a SIGTERM drain waits for running requests. ``responses_store_max_entries`` /
     ``responses_store_max_bytes``: bounds of the in-memory store of /v1/responses (``store: true``;
-    least recently used evicted first; 0 entries: nothing is stored).
+    least recently used evicted first; 0 entries: nothing is stored). ``enable_force_include_usage``: every
+    stream ends with a usage chunk, asked for or not. ``allow_runtime_lora``: POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter work (off: adapters are only those of
+    --lora-modules); ``lora_roots``: the only folders runtime adapters may be loaded from.
     """
 
     served_model_name: str
@@ -263,8 +291,14 @@ class ServerConfig:
     api_keys: dict[str, TenantSpec] | None = None
     responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
     responses_store_max_bytes: int = DEFAULT_MAX_BYTES
+    enable_force_include_usage: bool = False
+    allow_runtime_lora: bool = False
+    lora_roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.allow_runtime_lora and not self.lora_roots:
+            raise ValueError("--allow-runtime-lora needs at least one --lora-root DIR: the folders adapters "
+                             "may be loaded from")  # fmt: skip
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
             raise ValueError(f"max_num_queued_requests must be >= 1, got {self.max_num_queued_requests}")
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -280,9 +314,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``config.served_model_name``."""
     served_model_name, api_keys, request_timeout = config.served_model_name, config.api_keys, config.request_timeout
     state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
-    completions = CompletionServing(engine, state, served_model_name, request_timeout)
+    force_usage = config.enable_force_include_usage
+    completions = CompletionServing(engine, state, served_model_name, request_timeout, force_include_usage=force_usage)
     chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser,
-                       config.reasoning_parser)
+                       config.reasoning_parser, force_include_usage=force_usage)  # fmt: skip
     store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
     responses = ResponsesServing(chat, store)
     created = int(time.time())
@@ -291,14 +326,16 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     app.state.pagoda = state
     install_error_handlers(app)
     app.add_middleware(ServerMiddleware, state=state, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       protect_internal=config.api_key_on_internal_endpoints, api_keys=api_keys)
+                       protect_internal=config.api_key_on_internal_endpoints, api_keys=api_keys,
+                       load_report=lambda: engine_load(engine))  # fmt: skip
 
     def model_card(model: str | None = None) -> ModelCard:
         lora = completions.check_model(model)
         if lora is not None:
             return ModelCard(id=lora.lora_name, created=created, root=lora.lora_path, parent=served_model_name,
                              max_model_len=engine.max_model_len)
-        return ModelCard(id=served_model_name, created=created, max_model_len=engine.max_model_len)
+        return ModelCard(id=served_model_name, created=created, root=model_root(engine),
+                         max_model_len=engine.max_model_len)  # fmt: skip
 
     def check_model(model: str | None) -> None:
         completions.check_model(model)
@@ -312,7 +349,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def retrieve_model(model_id: str) -> ModelCard:
         return model_card(model_id)
 
-    _add_lora_routes(app, engine, served_model_name)
+    _add_lora_routes(app, engine, served_model_name, LoRAPathPolicy(config.allow_runtime_lora, config.lora_roots))
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
@@ -324,18 +361,43 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     add_messages_routes(app, chat)  # Anthropic's Messages API, over the same chat serving
     add_responses_routes(app, responses, _ERRORS)
+    invocation_ok = {"description": "A chat completion or a completion, as the body's shape asks (JSON or SSE)."}
+
+    @app.post("/invocations", responses={200: invocation_ok, **_ERRORS})
+    async def invocations(body: dict[str, Any], raw_request: Request) -> Response:
+        """SageMaker's one route: the body's shape says which API it is for, as in vLLM
+        (``messages``: chat completions, ``prompt``: completions); that API's own checks follow."""
+        if "messages" in body:
+            return await chat.create(parse_body(ChatCompletionRequest, body), raw_request)
+        if "prompt" in body:
+            return await completions.create(parse_body(CompletionRequest, body), raw_request)
+        raise bad_request("Cannot find a suitable handler for the request: /invocations takes a chat completion "
+                          "request (with 'messages') or a completion request (with 'prompt').")  # fmt: skip
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model)
+        body.check_supported()
         if body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=add_special)
         else:
             assert body.messages is not None
-            text = chat.render([m.to_template_dict() for m in body.messages], body.add_generation_prompt)
+            plan = plan_tools(body.tools, None, None)
+            text = chat.render([m.to_template_dict() for m in body.messages], body.add_generation_prompt, plan,
+                               body.chat_template_kwargs, body.continue_final_message)  # fmt: skip
             tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+        strs = [engine.tokenizer.id_to_token(t) or "" for t in tokens] if body.return_token_strs else None
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len, token_strs=strs)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        return TokenizerInfoResponse(**tokenizer_config(engine.tokenizer, engine.max_model_len))
+
+    @app.get("/load", response_model=ServerLoadResponse)
+    async def load() -> ServerLoadResponse:
+        # Generation requests admitted and not yet answered in full (vLLM's server_load).
+        return ServerLoadResponse(server_load=len(state.groups))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -376,8 +438,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _add_lora_routes(app: FastAPI, engine: EngineClient, served_model_name: str) -> None:
-    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and answers).
+def _add_lora_routes(app: FastAPI, engine: EngineClient, served_model_name: str, policy: LoRAPathPolicy) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and answers),
+    only with --allow-runtime-lora, from folders under --lora-root (see LoRAPathPolicy).
 
     Once loaded, an adapter is a model of its own: listed in /v1/models with the base
     model as ``parent``, and chosen by a request's ``model``.
@@ -387,6 +450,9 @@ def _add_lora_routes(app: FastAPI, engine: EngineClient, served_model_name: str)
     def check_enabled() -> None:
         if not engine.config.enable_lora:
             raise bad_request("LoRA is not enabled; start the server with --enable-lora.", code="lora_not_enabled")
+        if not policy.allow_runtime_lora:
+            raise bad_request("Loading and unloading LoRA adapters at run time is disabled; start the server with "
+                              "--allow-runtime-lora and --lora-root DIR.", code="runtime_lora_disabled")  # fmt: skip
 
     ok = {200: {"description": "Success: a line of text.", "content": {"text/plain": {}}}}
 
@@ -395,8 +461,11 @@ def _add_lora_routes(app: FastAPI, engine: EngineClient, served_model_name: str)
         check_enabled()
         if body.lora_name == served_model_name:
             raise bad_request(f"The name {body.lora_name!r} is the base model's.", param="lora_name")
+        path = policy.resolve(body.lora_path)
+        if path is None:
+            raise bad_request(LORA_PATH_REFUSED, param="lora_path", code="invalid_lora_path")
         try:
-            await engine.add_lora(body.lora_name, body.lora_path)
+            await engine.add_lora(body.lora_name, path)
         except LoRAExistsError as e:
             raise bad_request(str(e), param="lora_name", code="lora_adapter_exists") from None
         except ValueError as e:  # a bad adapter: its message names the file, setting or module

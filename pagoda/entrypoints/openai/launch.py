@@ -69,6 +69,9 @@ async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProces
         enable_debug_endpoints=getattr(args, "enable_debug_endpoints", False),
         api_key_on_internal_endpoints=getattr(args, "api_key_on_internal_endpoints", False),
         api_keys=load_api_keys_file(config.api_keys_file) if config.api_keys_file else None,
+        enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
+        allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
+        lora_roots=tuple(getattr(args, "lora_root", None) or ()),
     ))  # fmt: skip
 
 

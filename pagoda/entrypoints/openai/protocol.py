@@ -13,7 +13,7 @@ is not an integer, as with OpenAI.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
@@ -96,6 +96,7 @@ ContentField = Annotated[
 # ---------------------------------------------------------------------- shared fields
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
     include_obfuscation: bool | None = None  # ignored: padding against length side channels
 
 
@@ -139,6 +140,11 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # vLLM's response extras: the prompt's and each choice's token ids; logprob tokens as "token_id:N".
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: keep only the last N prompt tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = None
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -157,6 +163,13 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
+        """(usage in a last chunk, usage on every chunk), as vLLM decides them: ``force``
+        (--enable-force-include-usage) turns the first on whatever stream_options say."""
+        include = self.include_usage or force
+        continuous = include and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        return include, continuous
+
     def check_supported(self) -> None:
         if self.n > MAX_N:
             raise bad_request(f"Invalid value for 'n': at most {MAX_N}, got {self.n}.", param="n",
@@ -165,6 +178,12 @@ class _SamplingRequest(_Strict):
             raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("'prompt_logprobs' cannot be combined with 'stream'.", param="prompt_logprobs")
+        if self.truncate_prompt_tokens is not None and (
+            self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1
+        ):
+            raise bad_request("Invalid value for 'truncate_prompt_tokens': it must be -1 (up to max_model_len) or "
+                              f"a positive number of tokens, got {self.truncate_prompt_tokens}.",
+                              param="truncate_prompt_tokens", code="invalid_value")  # fmt: skip
         if self.use_beam_search:
             self._check_beam_search()
         else:
@@ -203,13 +222,18 @@ class _SamplingRequest(_Strict):
         if self.logit_bias is None:
             return None
         bias: dict[int, float] = {}
+        bad: list[str] = []
         for key, value in self.logit_bias.items():
             try:
                 bias[int(key)] = value
             except ValueError:
-                raise bad_request(
-                    f"Invalid value for 'logit_bias': keys must be token ids, got {key!r}.", param="logit_bias"
-                ) from None
+                bad.append(key)
+        if bad:
+            # Every offending key at once (vLLM's words), so one retry can fix them all.
+            raise bad_request(
+                f"Found token_id(s) {', '.join(repr(k) for k in bad)} in logit_bias, but token_id must be an "
+                "integer or string representing an integer.", param="logit_bias", code="invalid_value",
+            )  # fmt: skip
         return bias
 
     def _sampling_kwargs(self) -> dict[str, Any]:
@@ -300,8 +324,14 @@ class CompletionRequest(_SamplingRequest):
 
 
 # ---------------------------------------------------------------------- /v1/chat/completions
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(BaseModel):
+    """One message. As in vLLM, any role name is accepted (the chat template decides what it
+    means) and keys beyond OpenAI's are kept and handed to the template with the message
+    (templates read e.g. ``reasoning_content``); the known keys are checked strictly."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str = Field(min_length=1)
     content: ContentField = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -321,7 +351,7 @@ class ChatMessage(_Strict):
     def to_template_dict(self) -> dict[str, Any]:
         # "developer" is OpenAI's new name for "system"; chat templates only know the latter.
         role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": self.content}
+        out: dict[str, Any] = {**(self.model_extra or {}), "role": role, "content": self.content}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -347,9 +377,14 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: str | None = None
     web_search_options: Any = None
     verbosity: str | None = None
+    # vLLM's chat template controls.
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking...)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
         for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
                      "web_search_options", "verbosity"):  # fmt: skip
             if getattr(self, name) is not None:
@@ -398,19 +433,49 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ---------------------------------------------------------------------- /tokenize, /detokenize
 class TokenizeRequest(_Strict):
-    """Either ``prompt`` (encoded as /v1/completions would) or ``messages`` (as /v1/chat/completions would)."""
+    """Either ``prompt`` (encoded as /v1/completions would) or ``messages`` (as /v1/chat/completions
+    would, with the same ``tools`` and template options)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    return_token_strs: bool | None = False  # also each token's text (vLLM's token_strs)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         return self
+
+    def check_supported(self) -> None:
+        if self.prompt is not None:
+            for name in ("continue_final_message", "chat_template_kwargs", "tools"):
+                if getattr(self, name):
+                    raise bad_request(f"'{name}' applies to 'messages', not to 'prompt'.", param=name)
+            return
+        check_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+
+# Template variables the server sets itself; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                         "chat_template", "documents", "tokenize"})  # fmt: skip
+
+
+def check_template_options(add_generation_prompt: bool, continue_final_message: bool,
+                           chat_template_kwargs: dict[str, Any] | None) -> None:  # fmt: skip
+    if continue_final_message and add_generation_prompt:
+        # vLLM's rule and words: the default add_generation_prompt=true must be turned off.
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          param="continue_final_message")  # fmt: skip
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(chat_template_kwargs or {}))
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own fields "
+                          "set them.", param="chat_template_kwargs")  # fmt: skip
 
 
 class DetokenizeRequest(_Strict):

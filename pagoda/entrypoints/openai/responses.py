@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 import pagoda
 
@@ -19,6 +19,19 @@ SYSTEM_FINGERPRINT = f"pagoda-{pagoda.__version__}"
 
 def _now() -> int:
     return int(time.time())
+
+
+class _TokenIdsOut(BaseModel):
+    """A model whose vLLM extension fields (``return_token_ids``' ids, ``prompt_logprobs``) are
+    left out of the JSON unless asked for, so that other responses keep OpenAI's exact shape."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids", "prompt_logprobs"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
 
 
 class PromptTokensDetails(BaseModel):
@@ -62,24 +75,14 @@ class PromptLogprob(BaseModel):
 PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
 
 
-def _drop_none(data: dict[str, Any], *keys: str) -> dict[str, Any]:
-    """Leave out extension fields that are not in use, so the shape stays OpenAI's."""
-    for key in keys:
-        if data.get(key) is None:
-            data.pop(key, None)
-    return data
-
-
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIdsOut):
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobsOut | None = None  # left out of the JSON unless asked for
-
-    @model_serializer(mode="wrap")
-    def _drop_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "prompt_logprobs")
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streaming: on a prompt's first chunk)
+    token_ids: list[int] | None = None         # return_token_ids (streaming: this chunk's tokens)
 
 
 class CompletionResponse(BaseModel):
@@ -136,14 +139,15 @@ class ChatMessageOut(BaseModel):
         return data
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIdsOut):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIdsOut):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -152,20 +156,19 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobsOut | None = None  # left out of the JSON unless asked for
-
-    @model_serializer(mode="wrap")
-    def _drop_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "prompt_logprobs")
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_TokenIdsOut):
     index: int
-    delta: dict[str, Any]  # only what changed: {"role", "content"} first, then {"content"}, {} at the end
+    # Only what changed: {"role", "content"} first, then {"content"} (the last one with finish_reason).
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIdsOut):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -173,6 +176,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 # ---------------------------------------------------------------------- misc endpoints
@@ -195,6 +199,18 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # return_token_strs
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info: the tokenizer's configuration, as vLLM's (tokenizer_config.json's keys)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
+class ServerLoadResponse(BaseModel):
+    server_load: int  # generation requests in flight (vLLM's GET /load)
 
 
 class DetokenizeResponse(BaseModel):

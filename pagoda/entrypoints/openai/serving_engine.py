@@ -66,9 +66,12 @@ class SSEResponse(StreamingResponse):
 
 class OpenAIServing:
     def __init__(
-        self, engine: EngineClient, state: ServerState, served_model_name: str, request_timeout: float | None
+        self, engine: EngineClient, state: ServerState, served_model_name: str, request_timeout: float | None,
+        *, force_include_usage: bool = False,
     ) -> None:
         self.engine = engine
+        # --enable-force-include-usage: streams end with a usage chunk even without stream_options.
+        self.force_include_usage = force_include_usage
         self.state = state
         self.served_model_name = served_model_name
         self.request_timeout = request_timeout
@@ -83,6 +86,20 @@ class OpenAIServing:
         if lora is None:
             raise model_not_found(model)
         return lora
+
+    def truncate(self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last N tokens of the prompt (-1: max_model_len);
+        a value beyond max_model_len is a 400, as there."""
+        if truncate_prompt_tokens is None:
+            return prompt_token_ids
+        max_len = self.engine.max_model_len
+        keep = max_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > max_len:
+            raise bad_request(
+                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_len}). "
+                "Please, select a smaller truncation size.", param="truncate_prompt_tokens", code="invalid_value",
+            )  # fmt: skip
+        return prompt_token_ids[-keep:]
 
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response names: the adapter's name when one was asked for."""
