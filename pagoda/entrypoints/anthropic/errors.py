@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.errors import APIError, register_error_shape
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -46,3 +46,6 @@ def error_response(err: APIError) -> Response:
 def error_event(err: APIError) -> str:
     """An error after the stream's 200 went out: Anthropic's ``error`` event."""
     return f"event: error\ndata: {json.dumps(error_body(err))}\n\n"
+
+
+register_error_shape(is_anthropic_path, error_response)

@@ -8,6 +8,8 @@ the same shape instead of FastAPI's ``{"detail": ...}``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import re
 from typing import Any
@@ -114,12 +116,22 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------------- handlers
-def error_response(err: APIError, path: str) -> Response:
-    """``err`` in the shape of the API that ``path`` belongs to (Anthropic's for /v1/messages)."""
-    from pagoda.entrypoints.anthropic.errors import error_response as anthropic_error_response
-    from pagoda.entrypoints.anthropic.errors import is_anthropic_path
+# The other dialects served on the same app (Anthropic's /v1/messages, Ollama's /api/*)
+# answer their routes' errors in their own shape: their modules register (path test,
+# renderer) here when imported, so this module needs none of them.
+_ERROR_SHAPES: list[tuple[Callable[[str], bool], Callable[[APIError], Response]]] = []
 
-    return anthropic_error_response(err) if is_anthropic_path(path) else err.to_response()
+
+def register_error_shape(matches: Callable[[str], bool], render: Callable[[APIError], Response]) -> None:
+    _ERROR_SHAPES.append((matches, render))
+
+
+def error_response(err: APIError, path: str) -> Response:
+    """``err`` in the shape of the API that ``path`` belongs to (OpenAI's unless registered)."""
+    for matches, render in _ERROR_SHAPES:
+        if matches(path):
+            return render(err)
+    return err.to_response()
 
 
 async def _api_error_handler(request: Request, exc: Exception) -> Response:
