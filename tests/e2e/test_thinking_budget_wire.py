@@ -11,6 +11,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from tests.e2e.conftest import MODEL
@@ -176,3 +177,62 @@ def test_timeout_in_phase_two_aborts_it() -> None:
         first, second = engine.calls
         assert engine.finished == [first.request_id] and engine.aborted == [second.request_id]
         assert_cleaned_up(s)
+
+
+# ---------------------------------------------------------------------- chat: vLLM's thinking_token_budget
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_chat_thinking_token_budget(client: openai.OpenAI, engine: PhasedFakeEngine, server: RunningServer) -> None:
+    budget = 40
+    engine.scripts = [engine.encode("<think>" + " step" * 100), engine.encode("Sunny.") + [EOS]]
+    closing = engine.encode(CLOSING)
+    cut = engine.tokenizer.decode(engine.scripts[0][:budget]).removeprefix("<think>") + "\n"
+    extra = {"thinking_token_budget": budget}
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=200, extra_body=extra)
+    first, second = engine.calls
+    assert first.params.max_tokens == budget and second.params.max_tokens == 200 - budget - len(closing)
+    assert second.prompt_token_ids == [*first.prompt_token_ids, *engine.scripts[0][:budget], *closing]
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] == cut and message.content == "\n\nSunny."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == budget + len(closing) + len(engine.scripts[1])
+    assert r.usage.prompt_tokens == len(first.prompt_token_ids)
+    # Streamed: the reasoning, then the content, one finish, the usage of both phases.
+    engine.scripts *= 2  # the same two phases again
+    stream = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=200, extra_body=extra,
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    reasoning, content, finishes, usage = "", "", [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            content += choice.delta.content or ""
+            finishes += [choice.finish_reason] if choice.finish_reason else []
+    assert (reasoning, content, finishes) == (cut, "\n\nSunny.", ["stop"])
+    assert usage.completion_tokens == r.usage.completion_tokens
+    assert len(engine.calls) == 4 and engine.aborted == []
+    assert_cleaned_up(server)
+
+
+@pytest.mark.parametrize("fields", [
+    {"n": 2}, {"logprobs": True}, {"response_format": {"type": "json_object"}}, {"thinking_token_budget": 0},
+])  # fmt: skip
+def test_chat_budget_conflicts_are_400s(client: openai.OpenAI, engine: PhasedFakeEngine,
+                                        fields: dict[str, Any]) -> None:  # fmt: skip
+    body = {"thinking_token_budget": 10, **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, extra_body=body)
+    assert e.value.body["param"] == "thinking_token_budget" and engine.calls == []
+
+
+def test_chat_budget_without_a_reasoning_parser_is_a_400() -> None:
+    engine = FakeEngine()
+    with running_server(engine) as s, openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.BadRequestError, match="reasoning parser"):
+            c.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, extra_body={"thinking_token_budget": 2})
+        assert engine.calls == []

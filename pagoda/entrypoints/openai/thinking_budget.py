@@ -1,5 +1,5 @@
-"""A cap on the tokens of the reasoning section (Anthropic's ``thinking.budget_tokens``),
-kept by running one generation as at most two engine requests, one after the other.
+"""A cap on the tokens of the reasoning section (Anthropic's ``thinking.budget_tokens``, and
+vLLM's ``thinking_token_budget`` in chat completions), kept by running one generation as at most two engine requests, one after the other.
 
 The sampler has no per-request logits processor that could force ``</think>`` once the
 budget is spent, so the cap is kept here, with what every engine already does exactly:
@@ -34,7 +34,7 @@ from pagoda.entrypoints.openai.request_group import (
     RequestStopped,
     SubRequest,
 )
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.reasoning import ReasoningParser
 
 if TYPE_CHECKING:
@@ -49,17 +49,17 @@ class BudgetedGroup:
                  parser: ReasoningParser, params: tuple[str, str] = ("messages", "max_tokens"), priority: int = 0,
                  cache_salt: str | None = None) -> None:  # fmt: skip
         """``params``: the request's fields a 400 about phase 2's prompt or length names."""
-        if sub.params.n != 1:
-            raise ValueError("a thinking budget applies to one choice")
+        if sub.params.n != 1 or sub.params.logprobs is not None or sub.params.structured_outputs is not None:
+            # A constraint would restart at the seam, and forced tokens have no alternatives.
+            raise ValueError("a thinking budget applies to one choice, without logprobs or a constraint")
         self.serving, self.sub, self.budget, self.parser = serving, sub, budget, parser
         self.params = params
         self.subrequests = [sub]
         self.last: list[RequestOutput | None] = [None]
         self.num_phases = 1
-        # What phase 2 continues: phase 1's text and tokens (with the forced ones), its logprobs.
+        # What phase 2 continues: phase 1's text and tokens, with the forced ones.
         self._prefix_text = ""
         self._prefix_ids: list[int] = []
-        self._prefix_logprobs: list[dict[int, Logprob]] | None = None
         self._num_cached_tokens = 0
         self._started_at = 0.0
         phase1 = dataclasses.replace(sub, params=dataclasses.replace(sub.params, max_tokens=budget))
@@ -122,19 +122,13 @@ class BudgetedGroup:
             pass  # phase 1 finished; only the end of its stream is left
         await self._group.close()
         self._prefix_text, self._prefix_ids = c.text + closing, [*c.token_ids, *closing_ids]
-        if c.logprobs is not None:
-            # The forced tokens had no choice: probability 1.
-            self._prefix_logprobs = [*c.logprobs, *({t: Logprob(0.0, 1)} for t in closing_ids)]
         self._num_cached_tokens = raw.num_cached_tokens
         self._group = self._phase2(left)
         self.num_phases = 2
         self._group.start()
         joined = dataclasses.replace(
-            c, text=self._prefix_text, token_ids=list(self._prefix_ids), logprobs=self._prefix_logprobs,
-            finish_reason=None, stop_reason=None, just_finished=False, delta_text=c.delta_text + closing,
-            delta_token_ids=[*c.delta_token_ids, *closing_ids],
-            delta_logprobs=None if c.delta_logprobs is None else [*c.delta_logprobs, *({t: Logprob(0.0, 1)}
-                                                                                       for t in closing_ids)],
+            c, text=self._prefix_text, token_ids=list(self._prefix_ids), finish_reason=None, stop_reason=None,
+            just_finished=False, delta_text=c.delta_text + closing, delta_token_ids=[*c.delta_token_ids, *closing_ids],
         )  # fmt: skip
         return dataclasses.replace(raw, outputs=[joined], finished=False)
 
@@ -157,11 +151,8 @@ class BudgetedGroup:
         """A phase-2 output as part of the whole generation (phase 1's are that already)."""
         if self.num_phases == 1:
             return raw
-        outputs = [dataclasses.replace(
-            c, text=self._prefix_text + c.text, token_ids=[*self._prefix_ids, *c.token_ids],
-            logprobs=None if c.logprobs is None or self._prefix_logprobs is None else
-            [*self._prefix_logprobs, *c.logprobs],
-        ) for c in raw.outputs]  # fmt: skip
+        outputs = [dataclasses.replace(c, text=self._prefix_text + c.text, token_ids=[*self._prefix_ids, *c.token_ids])
+                   for c in raw.outputs]  # fmt: skip
         sub = self.sub
         return dataclasses.replace(raw, request_id=sub.request_id, prompt=sub.prompt,
                                    prompt_token_ids=sub.prompt_token_ids, outputs=outputs,
