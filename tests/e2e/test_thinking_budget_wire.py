@@ -236,3 +236,12 @@ def test_chat_budget_without_a_reasoning_parser_is_a_400() -> None:
         with pytest.raises(openai.BadRequestError, match="reasoning parser"):
             c.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, extra_body={"thinking_token_budget": 2})
         assert engine.calls == []
+
+
+def test_chat_min_tokens_spans_both_phases(client: openai.OpenAI, engine: PhasedFakeEngine) -> None:
+    engine.scripts = [engine.encode("<think>" + " step" * 100), engine.encode("Sunny.") + [EOS]]
+    client.chat.completions.create(model=MODEL, messages=HI, max_tokens=200,
+                                   extra_body={"thinking_token_budget": 40, "min_tokens": 60})  # fmt: skip
+    first, second = engine.calls
+    closing = len(engine.encode(CLOSING))
+    assert (first.params.min_tokens, second.params.min_tokens) == (40, 60 - 40 - closing)

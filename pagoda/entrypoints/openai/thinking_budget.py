@@ -12,8 +12,9 @@ stop at ``max_tokens``.
    ``end_of_reasoning`` (``"\\n</think>\\n\\n"``) as if the model had written it; it may
    generate what is left of ``max_tokens``. A continuation of greedy decoding is what one
    request would have generated, and the prefix cache makes re-reading phase 1 cheap. (The
-   cost: an output longer than the budget takes two requests even when the reasoning ended
-   within it, and seeded sampling is re-seeded at the seam.)
+   costs: an output longer than the budget takes two requests even when the reasoning ended
+   within it; seeded sampling is re-seeded at the seam; frequency and presence penalties in
+   phase 2 count only its own tokens, as phase 1's are now prompt.)
 
 To the serving code ``BudgetedGroup`` is a ``RequestGroup`` of one subrequest whose outputs
 are the two phases joined: one text, one token list (the forced tokens counted as output
@@ -62,7 +63,8 @@ class BudgetedGroup:
         self._prefix_ids: list[int] = []
         self._num_cached_tokens = 0
         self._started_at = 0.0
-        phase1 = dataclasses.replace(sub, params=dataclasses.replace(sub.params, max_tokens=budget))
+        params = dataclasses.replace(sub.params, max_tokens=budget, min_tokens=min(sub.params.min_tokens, budget))
+        phase1 = dataclasses.replace(sub, params=params)
         self._group = serving.group(raw_request, [phase1], priority, cache_salt)
 
     @property
@@ -135,7 +137,8 @@ class BudgetedGroup:
     def _phase2(self, max_tokens: int) -> RequestGroup:
         first = self._group
         sub = self.sub
-        params = dataclasses.replace(sub.params, max_tokens=max_tokens)
+        min_tokens = max(sub.params.min_tokens - len(self._prefix_ids), 0)
+        params = dataclasses.replace(sub.params, max_tokens=max_tokens, min_tokens=min_tokens)
         continued = self.serving.prepare(f"{sub.request_id}-2", None, [*sub.prompt_token_ids, *self._prefix_ids],
                                          lambda _: params, *self.params,
                                          lora_request=sub.lora_request)  # fmt: skip
