@@ -7,6 +7,7 @@ from pagoda.reasoning.base import (
     ReasoningParser,
     ReasoningSplit,
     ReasoningStreamer,
+    count_reasoning_tokens,
 )
 from pagoda.reasoning.think_tags import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
@@ -27,5 +28,5 @@ def get_reasoning_parser(name: str | None) -> ReasoningParser | None:
 
 __all__ = [
     "REASONING_PARSERS", "ReasoningDelta", "ReasoningParser", "ReasoningSplit", "ReasoningStreamer",
-    "get_reasoning_parser",
+    "count_reasoning_tokens", "get_reasoning_parser",
 ]  # fmt: skip

@@ -11,6 +11,7 @@ section as free text and applies the request's constraint to what follows.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,9 +45,21 @@ class ReasoningStreamer(ABC):
 
 class ReasoningParser(ABC):
     name: ClassVar[str]
+    # What a thinking budget appends, as if the model wrote it, to end a reasoning section it
+    # cut short, so that the model goes on to the answer (see thinking_budget.py).
+    end_of_reasoning: ClassVar[str]
 
     @abstractmethod
     def extract(self, text: str) -> ReasoningSplit: ...
+
+    @abstractmethod
+    def reasoning_end(self, text: str) -> int | None:
+        """Where ``text``'s reasoning section ends (just after its closing tag); None while
+        it is open, or when there is none."""
+
+    @abstractmethod
+    def in_reasoning(self, text: str) -> bool:
+        """Whether ``text`` ends inside an open reasoning section."""
 
     @abstractmethod
     def streamer(self) -> ReasoningStreamer: ...
@@ -54,3 +67,25 @@ class ReasoningParser(ABC):
     @abstractmethod
     def constrain(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
         """A grammar for "the reasoning section, then text matching ``constraint``"."""
+
+
+def count_reasoning_tokens(parser: ReasoningParser, token_ids: Sequence[int],
+                           decode: Callable[[Sequence[int]], str]) -> int:  # fmt: skip
+    """How many of the generated ``token_ids`` belong to the reasoning section, its tags
+    included: all of them if the output ended while reasoning, none without reasoning,
+    else the shortest prefix whose text holds the closed section. The prefix is found by
+    bisection (closing is monotone: once a prefix holds the closing tag, longer ones do), so
+    this decodes O(log n) prefixes. E.g. ["<think>", "hm", "</think>", "Yes"] -> 3."""
+    text = decode(token_ids)
+    if parser.in_reasoning(text):
+        return len(token_ids)
+    if parser.reasoning_end(text) is None:
+        return 0
+    lo, hi = 0, len(token_ids)  # the prefix of hi tokens closes the section; lo's does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if parser.reasoning_end(decode(token_ids[:mid])) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi

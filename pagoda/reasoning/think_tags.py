@@ -47,11 +47,27 @@ class ThinkTagParser(ReasoningParser):
     """The two formats in one class; ``opened_by_template`` is what sets them apart."""
 
     opened_by_template: ClassVar[bool]
+    # The templates write "<think>\n...\n</think>\n\n" before an answer.
+    end_of_reasoning = f"\n{THINK_END}\n\n"
 
     def extract(self, text: str) -> ReasoningSplit:
         if self.opened_by_template:
             return _split_opened(text)
         return _split_explicit(text)
+
+    def reasoning_end(self, text: str) -> int | None:
+        start = 0
+        if not self.opened_by_template:
+            opened = text.find(THINK_START)
+            if opened < 0:
+                return None
+            start = opened + len(THINK_START)
+        closed = text.find(THINK_END, start)
+        return None if closed < 0 else closed + len(THINK_END)
+
+    def in_reasoning(self, text: str) -> bool:
+        opened = self.opened_by_template or THINK_START in text
+        return opened and self.reasoning_end(text) is None
 
     def streamer(self) -> ThinkTagStreamer:
         return ThinkTagStreamer(self)

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
+from pagoda.reasoning import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    count_reasoning_tokens,
+    get_reasoning_parser,
+)
 from pagoda.reasoning.grammar import regex_literal
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -24,6 +29,45 @@ CASES = [
     ("a < b <th and </thi", ("a < b <th and </thi", None), (None, "a < b <th and </thi")),
     ("", (None, None), (None, None)),
 ]
+
+
+# (text, deepseek_r1's (in_reasoning, reasoning_end), qwen3's)
+SECTIONS = [
+    ("<think>Let me see.</think>\n\nIt is 4.", (False, 26), (False, 26)),
+    ("Let me see.</think>It is 4.", (False, 19), (False, None)),
+    ("It is 4.", (True, None), (False, None)),
+    ("<think>still thinking", (True, None), (True, None)),
+    ("Hi <think>hm</think> there", (False, 20), (False, 20)),
+    ("</think><think>a</think>", (False, 8), (False, 24)),
+    ("", (True, None), (False, None)),
+]
+
+
+@pytest.mark.parametrize("text,r1,qwen3", SECTIONS)
+def test_where_the_reasoning_ends(text: str, r1: tuple[bool, int | None], qwen3: tuple[bool, int | None]) -> None:
+    for parser, (open_, end) in ((R1, r1), (QWEN3, qwen3)):
+        assert (parser.in_reasoning(text), parser.reasoning_end(text)) == (open_, end), parser.name
+        if end is not None:
+            assert text[:end].endswith("</think>")
+            assert parser.extract(text[:end]).reasoning == parser.extract(text).reasoning
+
+
+@pytest.mark.parametrize(("pieces", "r1", "qwen3"), [
+    (["<think>", "Let", " me", " see.", "</", "think", ">", "It", " is", " 4."], 7, 7),
+    (["<think>", "still", " thinking"], 3, 3),
+    (["It", " is", " 4."], 3, 0),
+    (["Fine", ".</think>", "Yes"], 2, 0),
+    ([], 0, 0),
+])  # fmt: skip
+def test_count_reasoning_tokens(pieces: list[str], r1: int, qwen3: int) -> None:
+    # Token i decodes to pieces[i]: the count is the shortest prefix holding the closed section.
+    ids = list(range(len(pieces)))
+
+    def decode(token_ids: list[int]) -> str:
+        return "".join(pieces[i] for i in token_ids)
+
+    assert count_reasoning_tokens(R1, ids, decode) == r1
+    assert count_reasoning_tokens(QWEN3, ids, decode) == qwen3
 
 
 def test_registry_and_unknown_name() -> None:

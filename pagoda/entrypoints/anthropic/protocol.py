@@ -183,9 +183,9 @@ class Thinking(_Strict):
     """``enabled`` (with a budget), ``disabled``, or ``adaptive`` (the model decides: it thinks
     when it does, and that is what is returned).
 
-    ``budget_tokens`` is checked as Anthropic checks it (>= 1024, < max_tokens), but the
-    reasoning is bounded only by ``max_tokens``: ending it early needs the engine to force
-    ``</think>`` after N tokens, which it cannot do yet (a TODO for the integrator).
+    ``budget_tokens`` is checked as Anthropic checks it (>= 1024, < max_tokens) and enforced:
+    the reasoning section gets at most that many tokens, then ``</think>`` is written for the
+    model and it goes on to the answer (``openai/thinking_budget.py``).
     """
 
     type: Literal["enabled", "disabled", "adaptive"]

@@ -12,7 +12,9 @@ parsers; only the shapes differ: content blocks (``thinking``, ``text``, ``tool_
     then message_delta (stop_reason, usage) and message_stop.
 
 With ``--reasoning-parser``, the reasoning becomes a ``thinking`` block when the request
-enables thinking; otherwise it is left out (it is not the answer).
+enables thinking; otherwise it is left out (it is not the answer). ``thinking.budget_tokens``
+caps the reasoning: ``thinking_budget.BudgetedGroup`` runs the request in two phases when
+the budget is spent, ending the reasoning with ``</think>`` itself.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pagoda.entrypoints.openai.serving_engine import (
     SSEResponse,
     client_gone_response,
 )
+from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
 from pagoda.entrypoints.openai.tools import ToolPlan
 from pagoda.outputs import CompletionOutput, RequestOutput
 
@@ -107,7 +110,7 @@ class MessagesServing:
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
         sub = self.chat.prepare(request_id, text, ids, lambda _: body.to_sampling_params(structured), "messages",
                                 "max_tokens", "tool_choice", lora_request=lora)  # fmt: skip
-        group = self.chat.group(raw_request, [sub])
+        group = self._group(body, raw_request, sub)
         if body.stream:
             try:
                 first = await self.chat.start_stream(group)
@@ -122,6 +125,14 @@ class MessagesServing:
         out = outputs[0]
         message = self._message(body, plan, request_id, sub, out)
         return Response(message.model_dump_json(), media_type="application/json")
+
+    def _group(self, body: MessagesRequest, raw_request: Request, sub: SubRequest) -> RequestGroup | BudgetedGroup:
+        """The engine request(s) of one message: with a thinking budget, the reasoning is cut at it."""
+        budget = body.thinking.budget_tokens if body.thinking is not None else None
+        parser = self.chat.reasoning_parser
+        if budget is None or parser is None:  # (_encode refused enabled thinking without a parser)
+            return self.chat.group(raw_request, [sub])
+        return BudgetedGroup(self.chat, raw_request, sub, budget, parser)
 
     def _message(self, body: MessagesRequest, plan: ToolPlan, request_id: str, sub: SubRequest,
                  out: RequestOutput | None) -> MessageOut:  # fmt: skip
@@ -198,7 +209,7 @@ class _MessageStream:
         self.blocks = _Blocks()
         self.num_calls = 0
 
-    async def events(self, group: RequestGroup, first: list[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def events(self, group: RequestGroup | BudgetedGroup, first: list[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         head = first[0][1] if first else None
         start_usage = usage(self.sub, head).model_dump()
         start_usage["output_tokens"] = 0

@@ -366,6 +366,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoiceField = None
     parallel_tool_calls: bool | None = None  # with tool_choice "required": whether several calls may come
+    # vLLM's: at most this many tokens of reasoning (with --reasoning-parser; thinking_budget.py).
+    thinking_token_budget: int | None = Field(default=None, ge=1)
     prompt_cache_key: str | None = None  # ignored: a routing hint; prefix caching is automatic
     safety_identifier: str | None = None  # ignored
     # OpenAI fields that would change the output and are not implemented: rejected unless unset.
@@ -397,6 +399,20 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("'logprob_token_ids' requires 'logprobs' to be true.", param="logprob_token_ids")
         if self.use_beam_search and self.logprobs:
             raise bad_request("'logprobs' cannot be combined with 'use_beam_search'.", param="logprobs")
+
+    def check_thinking_budget(self, reasoning_parser: bool, constrained: bool) -> None:
+        """What a thinking budget cannot be combined with (it runs as two engine requests)."""
+        if self.thinking_token_budget is None:
+            return
+        if not reasoning_parser:
+            raise unsupported("thinking_token_budget", "needs a reasoning parser; start the server with "
+                                                       "--reasoning-parser for a reasoning model")  # fmt: skip
+        clashes = {"n > 1": self.n > 1, "logprobs": bool(self.logprobs),
+                   "structured output or a forced tool call": constrained}  # fmt: skip
+        for what, clash in clashes.items():
+            if clash:
+                raise unsupported("thinking_token_budget", f"cannot be combined with {what}: the reasoning is "
+                                                           "ended by a second engine request")  # fmt: skip
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]

@@ -11,9 +11,12 @@ it grows the items and returns the events that announce each step, in OpenAI's o
     response.output_item.added (function_call) -> response.function_call_arguments.delta ...
       -> response.function_call_arguments.done -> response.output_item.done
 
-A new kind of item (a ``reasoning`` item, once the model's output is split into reasoning
-and answer) is one more model in ``OutputItem`` and one more method like ``text`` that opens
-its item (closing the open one) and emits its own delta events; nothing else changes.
+With a reasoning parser, what the model thought comes first, as a ``reasoning`` item
+(``reasoning``), with the same shape of events::
+
+    response.output_item.added (reasoning) -> response.content_part.added (reasoning_text)
+      -> response.reasoning_text.delta ... -> response.reasoning_text.done
+      -> response.content_part.done -> response.output_item.done
 """
 
 from __future__ import annotations
@@ -58,7 +61,24 @@ class FunctionToolCall(BaseModel):
     arguments: str = ""
 
 
-OutputItem = Annotated[OutputMessage | FunctionToolCall, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningItem(BaseModel):
+    """The model's reasoning as it wrote it (``content``); there is no summarizer, so
+    ``summary`` is always empty, and no ``encrypted_content``: the text is there in the clear."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: ItemStatus = "in_progress"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+
+
+Item = OutputMessage | FunctionToolCall | ReasoningItem
+OutputItem = Annotated[Item, Field(discriminator="type")]
 
 
 # ---------------------------------------------------------------------- the response
@@ -79,9 +99,10 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> ResponseUsage:
         return cls(input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens,
-                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))  # fmt: skip
+                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+                   output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))  # fmt: skip
 
 
 class IncompleteDetails(BaseModel):
@@ -96,6 +117,8 @@ class ResponseError(BaseModel):
 class ReasoningEcho(BaseModel):
     effort: str | None = None
     summary: str | None = None
+    context: str | None = None
+    mode: str | None = None
 
 
 class ResponseObject(BaseModel):
@@ -153,8 +176,8 @@ class OutputBuilder:
     """A response's output items as generation goes, and the events announcing each step."""
 
     def __init__(self) -> None:
-        self.items: list[OutputMessage | FunctionToolCall] = []
-        self._open: OutputMessage | FunctionToolCall | None = None
+        self.items: list[Item] = []
+        self._open: Item | None = None
 
     def text(self, delta: str) -> list[Event]:
         """Text for the assistant message (opened if another item, or none, is open)."""
@@ -165,6 +188,17 @@ class OutputBuilder:
         assert isinstance(message, OutputMessage)
         message.content[0].text += delta
         events.append(self._at(message, type="response.output_text.delta", content_index=0, delta=delta, logprobs=[]))
+        return events
+
+    def reasoning(self, delta: str) -> list[Event]:
+        """Reasoning text for the reasoning item (opened if another item, or none, is open)."""
+        if not delta:
+            return []
+        events = [] if isinstance(self._open, ReasoningItem) else self._close("completed") + self._open_reasoning()
+        item = self._open
+        assert isinstance(item, ReasoningItem)
+        item.content[0].text += delta
+        events.append(self._at(item, type="response.reasoning_text.delta", content_index=0, delta=delta))
         return events
 
     def start_call(self, name: str, call_id: str | None = None) -> list[Event]:
@@ -196,7 +230,14 @@ class OutputBuilder:
         part = message.content[0].model_dump()
         return events + [self._at(message, type="response.content_part.added", content_index=0, part=part)]
 
-    def _add(self, item: OutputMessage | FunctionToolCall) -> list[Event]:
+    def _open_reasoning(self) -> list[Event]:
+        item = ReasoningItem(id=new_id("rs"))
+        events = self._add(item)
+        item.content.append(ReasoningText())
+        part = item.content[0].model_dump()
+        return events + [self._at(item, type="response.content_part.added", content_index=0, part=part)]
+
+    def _add(self, item: Item) -> list[Event]:
         self.items.append(item)
         self._open = item
         return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": item.model_dump()}]
@@ -212,12 +253,17 @@ class OutputBuilder:
             events.append(self._at(item, type="response.output_text.done", content_index=0, text=part.text,
                                    logprobs=[]))  # fmt: skip
             events.append(self._at(item, type="response.content_part.done", content_index=0, part=part.model_dump()))
+        elif isinstance(item, ReasoningItem):
+            reasoning = item.content[0]
+            events.append(self._at(item, type="response.reasoning_text.done", content_index=0, text=reasoning.text))
+            events.append(self._at(item, type="response.content_part.done", content_index=0,
+                                   part=reasoning.model_dump()))  # fmt: skip
         else:
             events.append(self._at(item, type="response.function_call_arguments.done", arguments=item.arguments))
         return events + [{"type": "response.output_item.done", "output_index": len(self.items) - 1,
                           "item": item.model_dump()}]  # fmt: skip
 
-    def _at(self, item: OutputMessage | FunctionToolCall, **event: Any) -> Event:
+    def _at(self, item: Item, **event: Any) -> Event:
         # Only the open item, always the last one, gets events.
         return {"type": event.pop("type"), "item_id": item.id, "output_index": len(self.items) - 1, **event}
 

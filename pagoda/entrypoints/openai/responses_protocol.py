@@ -5,10 +5,13 @@ becomes a ``response_format``, so that the same template, tool and structured ou
 
 Field for field after the ``openai`` package's ``types/responses/response_create_params.py``.
 As in ``protocol.py``, unknown fields are a 400 naming them, and fields that would change the
-output but are not implemented are rejected unless unset: ``reasoning`` (no reasoning parser
-yet), ``truncation: "auto"``, ``top_logprobs``, ``include`` entries other than
-``reasoning.encrypted_content`` (there is no reasoning to include), built-in tools
-(web_search, file_search, ...), image, file and audio content, ``background``.
+output but are not implemented are rejected unless unset: ``reasoning`` without a reasoning
+parser (and, with one, what it cannot do: see ``ReasoningConfig``), ``truncation: "auto"``,
+``top_logprobs``, ``include`` entries other than ``reasoning.encrypted_content`` (reasoning
+comes in the clear, never encrypted), built-in tools (web_search, file_search, ...), image,
+file and audio content, ``background``. Reasoning items sent back as input are accepted and
+left out of the prompt, as the reasoning models' chat templates leave out earlier turns'
+reasoning.
 Fields that cannot change the text (``metadata``, ``user``, ``safety_identifier``,
 ``prompt_cache_key``, ``service_tier``, ``max_tool_calls``, which counts built-in tool calls)
 are accepted and echoed.
@@ -135,9 +138,33 @@ class FunctionCallOutputItem(_Strict):
         return {"role": "tool", "tool_call_id": self.call_id, "content": _text_of(self.output)}
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class SummaryPart(_Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningTextPart(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningInputItem(_Strict):
+    """A reasoning item of an earlier response, sent back with it (or stored with it). It is
+    kept as history (listed, stored) but not put in the prompt: reasoning models' templates
+    render only the answers of earlier turns."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryPart] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
+    encrypted_content: str | None = None
+    status: ItemStatus | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
 _ITEM_MODELS: dict[str, type[InputItem]] = {
     "message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningInputItem,
 }  # fmt: skip
 
 
@@ -149,7 +176,7 @@ def parse_item(value: Any) -> InputItem:
     model = _ITEM_MODELS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise ValueError(f"input items of type {kind!r} are not supported; only 'message', "
-                         "'function_call' and 'function_call_output' are")  # fmt: skip
+                         "'function_call', 'function_call_output' and 'reasoning' are")  # fmt: skip
     try:
         return model.model_validate(value)
     except ValidationError as e:
@@ -189,6 +216,8 @@ def to_chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     so that a turn with several calls is one assistant message with several ``tool_calls``."""
     messages: list[dict[str, Any]] = []
     for item in items:
+        if isinstance(item, ReasoningInputItem):
+            continue  # not rendered (see ReasoningInputItem)
         if isinstance(item, FunctionCallItem):
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
@@ -294,9 +323,21 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    """Accepted only when it asks for no reasoning (see the module docstring)."""
+    """What to do about reasoning. Without a reasoning parser, only a request that asks for
+    no reasoning is accepted. With one, the model's reasoning is returned as a ``reasoning``
+    item, and:
 
-    effort: str | None = None
+    - ``effort`` (any of OpenAI's values) is accepted and echoed, but does not change what is
+      generated: how long a model thinks is its own (its template has no effort setting here,
+      and no token budget is derived from it).
+    - ``summary`` / ``generate_summary``: only ``auto`` (which lets the server return no
+      summary); there is no summarizer, so ``concise`` and ``detailed`` are a 400.
+    - ``context``: ``auto`` or ``current_turn`` (earlier turns' reasoning is not rendered);
+      ``all_turns`` is a 400.
+    - ``mode``: only ``standard``.
+    """
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: str | None = None
     generate_summary: str | None = None
     context: str | None = None
@@ -306,6 +347,19 @@ class ReasoningConfig(_Strict):
     def asks_for_reasoning(self) -> bool:
         values = (self.summary, self.generate_summary, self.context, self.mode)
         return self.effort not in (None, "none") or any(v is not None for v in values)
+
+    def check_with_parser(self) -> None:
+        """The 400 for what a server with a reasoning parser still cannot do."""
+        for name in ("summary", "generate_summary"):
+            value = getattr(self, name)
+            if value not in (None, "auto"):
+                raise unsupported(f"reasoning.{name}", f"value {value!r} is not supported: there is no reasoning "
+                                                       "summarizer (only 'auto', which returns no summary)")  # fmt: skip
+        if self.context not in (None, "auto", "current_turn"):
+            raise unsupported("reasoning.context", f"value {self.context!r} is not supported; earlier turns' "
+                                                   "reasoning is not rendered ('auto' or 'current_turn')")  # fmt: skip
+        if self.mode not in (None, "standard"):
+            raise unsupported("reasoning.mode", f"value {self.mode!r} is not supported; only 'standard'")
 
 
 class ResponsesStreamOptions(_Strict):
@@ -365,10 +419,13 @@ class ResponsesRequest(_Strict):
     def stored(self) -> bool:
         return self.store is not False
 
-    def check_supported(self) -> None:
-        if self.reasoning is not None and self.reasoning.asks_for_reasoning:
-            raise unsupported("reasoning", "is not supported by this server yet: the model's output is not read "
-                                           "as reasoning")  # fmt: skip
+    def check_supported(self, reasoning_parser: bool = False) -> None:
+        """400 for what is not implemented; ``reasoning_parser``: the server reads reasoning."""
+        if self.reasoning is not None and reasoning_parser:
+            self.reasoning.check_with_parser()
+        elif self.reasoning is not None and self.reasoning.asks_for_reasoning:
+            raise unsupported("reasoning", "is not supported by this server: it has no reasoning parser "
+                                           "(--reasoning-parser)")  # fmt: skip
         if self.truncation == "auto":
             raise unsupported("truncation", "value 'auto' is not supported; only 'disabled' (an input longer than "
                                             "the context is a 400)")  # fmt: skip

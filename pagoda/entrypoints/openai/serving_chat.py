@@ -7,7 +7,8 @@ then the arguments in fragments) and ``finish_reason`` becomes ``"tool_calls"``.
 With a reasoning parser (``--reasoning-parser``), what the model wrote between ``<think>`` and
 ``</think>`` is ``message.reasoning_content`` (``delta.reasoning_content``), and only the rest
 is content: tool calls are read from it, and a structured output or forced tool constraint
-applies to it, after the reasoning the grammar leaves free.
+applies to it, after the reasoning the grammar leaves free. vLLM's ``thinking_token_budget``
+caps the reasoning (``thinking_budget.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pagoda.entrypoints.openai.responses import (
 )
 from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, client_gone_response
 from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolCallStreamer, get_tool_parser
+from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.reasoning import ReasoningStreamer, get_reasoning_parser
@@ -108,6 +110,7 @@ class ChatServing(OpenAIServing):
         structured, structured_param = body.structured_output()
         if plan.forced:
             structured, structured_param = plan.constraint(self.tool_parser), "tools"
+        body.check_thinking_budget(self.reasoning_parser is not None, structured is not None)
         structured = self.with_reasoning(structured)
 
         def to_params(default_max_tokens: int) -> SamplingParams:
@@ -120,7 +123,13 @@ class ChatServing(OpenAIServing):
                            lora_request=lora, priority=body.priority,
                            beam=body.beam_search_params if body.use_beam_search else None,
                            logprobs_param="top_logprobs")  # fmt: skip
-        group = self.group(raw_request, [sub], body.priority, body.cache_salt)
+        group: RequestGroup | BudgetedGroup = self.group(raw_request, [sub], body.priority, body.cache_salt)
+        if body.thinking_token_budget is not None and self.reasoning_parser is not None:
+            if body.use_beam_search:
+                raise bad_request("'thinking_token_budget' cannot be combined with 'use_beam_search'.",
+                                  param="thinking_token_budget")  # fmt: skip
+            group = BudgetedGroup(self, raw_request, sub, body.thinking_token_budget, self.reasoning_parser,
+                                  ("messages", max_param), body.priority, body.cache_salt)  # fmt: skip
         if body.stream:
             try:
                 first = await self.start_stream(group)
@@ -195,7 +204,7 @@ class ChatServing(OpenAIServing):
                                                        as_token_ids=bool(body.return_tokens_as_token_ids)))
 
     async def _events(
-        self, body: ChatCompletionRequest, plan: ToolPlan, request_id: str, group: RequestGroup,
+        self, body: ChatCompletionRequest, plan: ToolPlan, request_id: str, group: RequestGroup | BudgetedGroup,
         first: list[tuple[int, RequestOutput]],
     ) -> AsyncIterator[str]:  # fmt: skip
         created = int(time.time())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -21,6 +22,9 @@ from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.backend import GrammarError
 from pagoda.validation import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +162,7 @@ class OpenAIServing:
 
     # ---- running ---------------------------------------------------------------------
     @staticmethod
-    async def run_to_end(group: RequestGroup) -> list[RequestOutput | None]:
+    async def run_to_end(group: RequestGroup | BudgetedGroup) -> list[RequestOutput | None]:
         try:
             async with group:
                 return await group.final_outputs()
@@ -166,7 +170,7 @@ class OpenAIServing:
             raise _stopped_error(e) from None
 
     @staticmethod
-    async def start_stream(group: RequestGroup) -> list[tuple[int, RequestOutput]]:
+    async def start_stream(group: RequestGroup | BudgetedGroup) -> list[tuple[int, RequestOutput]]:
         """Admit the group and wait for its first outputs; on failure it is closed and the error raised."""
         try:
             group.start()
@@ -179,7 +183,7 @@ class OpenAIServing:
             raise
 
     @staticmethod
-    def stream_response(group: RequestGroup, events: AsyncIterator[str],
+    def stream_response(group: RequestGroup | BudgetedGroup, events: AsyncIterator[str],
                         on_error: Callable[[APIError], str] = error_event, done: str | None = SSE_DONE) -> SSEResponse:
         """``on_error``: the event(s) that report an error after the 200 went out; ``done``: the
         last event of a stream the client did not cut (None: none, as in the Responses API)."""

@@ -3,7 +3,9 @@
 The input items (after ``instructions`` as the system message, and the stored conversation
 that ``previous_response_id`` names) become chat messages rendered by ``ChatServing``'s chat
 template; function tools and ``tool_choice`` become a chat ``ToolPlan``; ``text.format``
-becomes the structured output constraint. The engine request is then prepared, admitted and
+becomes the structured output constraint. With a reasoning parser, the output is split as chat
+splits it: the reasoning becomes a ``reasoning`` item before the message, tool calls are read
+from the rest, and a constraint applies after the (free) reasoning. The engine request is then prepared, admitted and
 run by ``OpenAIServing`` exactly as a chat completion is, so greedy output is the same text
 /v1/chat/completions gives for the same messages. What differs is the answer's shape: output
 items (``responses_output.OutputBuilder``) and, when streaming, the Responses event types with
@@ -43,6 +45,7 @@ from pagoda.entrypoints.openai.responses_protocol import (
     FunctionCallItem,
     InputItem,
     MessageItem,
+    ReasoningInputItem,
     ResponsesRequest,
     parse_item,
     to_chat_messages,
@@ -59,6 +62,7 @@ from pagoda.entrypoints.openai.structured import from_response_format
 from pagoda.entrypoints.openai.tool_parsers import ToolCallStreamer
 from pagoda.entrypoints.openai.tools import ToolPlan
 from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.reasoning import ReasoningStreamer, count_reasoning_tokens
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -83,6 +87,8 @@ def _stored_item(item: InputItem) -> dict[str, Any]:
             data["content"] = [{"type": "output_text" if item.role == "assistant" else "input_text",
                                 "text": item.content}]  # fmt: skip
         data.setdefault("id", new_id("msg"))
+    elif isinstance(item, ReasoningInputItem):
+        data.setdefault("id", new_id("rs"))
     else:
         data.setdefault("id", new_id("fc" if isinstance(item, FunctionCallItem) else "fco"))
     return data
@@ -125,21 +131,24 @@ class ResponsesServing(OpenAIServing):
         out = outputs[0]
         c = out.outputs[0] if out is not None and out.outputs else None
         builder = OutputBuilder()
-        if c is not None and run.plan.active:
-            extracted = self.chat.tool_parser.extract(c.text, truncated=c.finish_reason == "length")
-            builder.text(extracted.content or "")
-            for call in extracted.calls:
-                builder.start_call(call.name)
-                builder.call_arguments(call.arguments)
-        elif c is not None:
-            builder.text(c.text)
+        if c is not None:
+            reasoning, content = self.chat.split_reasoning(c.text)
+            builder.reasoning(reasoning or "")
+            if run.plan.active:
+                extracted = self.chat.tool_parser.extract(content or "", truncated=c.finish_reason == "length")
+                builder.text(extracted.content or "")
+                for call in extracted.calls:
+                    builder.start_call(call.name)
+                    builder.call_arguments(call.arguments)
+            else:
+                builder.text(content or "")
         response, _ = self._finish(run, builder, c, self.usage([run.sub], outputs))
         return Response(response.model_dump_json(), media_type="application/json")
 
     def _resolve(self, body: ResponsesRequest, raw_request: Request) -> _Run:
         """Check the request and prepare its engine request (every 400 and 404 comes from here)."""
         lora = self.check_model(body.model)
-        body.check_supported()
+        body.check_supported(reasoning_parser=self.chat.reasoning_parser is not None)
         if body.store is True and not self.store.enabled:
             raise unsupported("store", "is not available: this server keeps no responses (--responses-store-max-entries 0)")
         tenant = raw_request.scope.get(TENANT_SCOPE_KEY)
@@ -177,6 +186,12 @@ class ResponsesServing(OpenAIServing):
         return _Run(body, response_id, tenant, plan, sub, items, history)
 
     def _structured(self, body: ResponsesRequest, plan: ToolPlan) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint and the field it came from; with a reasoning parser it applies after
+        the reasoning section, which stays free."""
+        structured, param = self._constraint(body, plan)
+        return self.chat.with_reasoning(structured), param
+
+    def _constraint(self, body: ResponsesRequest, plan: ToolPlan) -> tuple[StructuredOutputsParams | None, str | None]:
         fmt = body.response_format()
         structured = from_response_format(fmt, "text.format") if fmt is not None else None
         if plan.forced:
@@ -202,12 +217,25 @@ class ResponsesServing(OpenAIServing):
             max_tool_calls=body.max_tool_calls, metadata=body.metadata or {}, model=self.response_model(body.model),
             parallel_tool_calls=body.parallel_tool_calls is not False, previous_response_id=body.previous_response_id,
             prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention,
-            reasoning=ReasoningEcho(effort=body.reasoning.effort if body.reasoning else None),
+            reasoning=self._reasoning_echo(body),
             safety_identifier=body.safety_identifier, service_tier=body.service_tier, store=body.stored,
             temperature=params.temperature, top_p=params.top_p, text=text,
             tool_choice=choice.model_dump() if choice is not None and not isinstance(choice, str) else choice or "auto",
             tools=[t.model_dump() for t in body.tools or []], user=body.user, **fields,
         )  # fmt: skip
+
+    @staticmethod
+    def _reasoning_echo(body: ResponsesRequest) -> ReasoningEcho:
+        r = body.reasoning
+        if r is None:
+            return ReasoningEcho()
+        return ReasoningEcho(effort=r.effort, summary=r.summary or r.generate_summary, context=r.context, mode=r.mode)
+
+    def _reasoning_tokens(self, c: CompletionOutput | None) -> int:
+        parser = self.chat.reasoning_parser
+        if parser is None or c is None:
+            return 0
+        return count_reasoning_tokens(parser, c.token_ids, self.tokenizer.decode)
 
     def _finish(self, run: _Run, builder: OutputBuilder, c: CompletionOutput | None,
                 usage: Usage) -> tuple[ResponseObject, list[Event]]:  # fmt: skip
@@ -219,7 +247,8 @@ class ResponsesServing(OpenAIServing):
         response = self._response(
             run, status, builder, incomplete_details=incomplete, error=error,
             completed_at=int(time.time()) if status == "completed" else None,
-            usage=ResponseUsage.of(usage.prompt_tokens, usage.completion_tokens, details.cached_tokens),
+            usage=ResponseUsage.of(usage.prompt_tokens, usage.completion_tokens, details.cached_tokens,
+                                   self._reasoning_tokens(c)),
         )  # fmt: skip
         if run.body.stored and self.store.enabled:
             entry = StoredResponse(response.model_dump(mode="json"), [_stored_item(i) for i in run.items],
@@ -234,11 +263,13 @@ class ResponsesServing(OpenAIServing):
         yield writer({"type": "response.created", "response": started})
         yield writer({"type": "response.in_progress", "response": started})
         streamer = self.chat.tool_parser.streamer() if run.plan.active else None
+        parser = self.chat.reasoning_parser
+        reasoner = parser.streamer() if parser is not None else None
         for _, out in first:
-            for event in self._step(out, builder, streamer):
+            for event in self._step(out, builder, streamer, reasoner):
                 yield writer(event)
         while (item := await group.next()) is not None:
-            for event in self._step(item[1], builder, streamer):
+            for event in self._step(item[1], builder, streamer, reasoner):
                 yield writer(event)
         last = group.last[0]
         c = last.outputs[0] if last is not None and last.outputs else None
@@ -248,15 +279,21 @@ class ResponsesServing(OpenAIServing):
         yield writer({"type": f"response.{response.status}", "response": response.model_dump(mode="json")})
 
     @staticmethod
-    def _step(out: RequestOutput, builder: OutputBuilder, streamer: ToolCallStreamer | None) -> list[Event]:
+    def _step(out: RequestOutput, builder: OutputBuilder, streamer: ToolCallStreamer | None,
+              reasoner: ReasoningStreamer | None) -> list[Event]:  # fmt: skip
         events: list[Event] = []
         for c in out.outputs:
             if c.finished and not c.just_finished:
                 continue  # finished in an earlier update
+            text = c.delta_text
+            if reasoner is not None:
+                split = reasoner.feed(text, final=c.just_finished)
+                events += builder.reasoning(split.reasoning)
+                text = split.content
             if streamer is None:
-                events += builder.text(c.delta_text)
+                events += builder.text(text)
                 continue
-            delta = streamer.feed(c.delta_text, final=c.just_finished)
+            delta = streamer.feed(text, final=c.just_finished)
             events += builder.text(delta.content)
             for call in delta.calls:
                 if call.name is not None:
