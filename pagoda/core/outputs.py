@@ -31,6 +31,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduled_time: float = 0.0
     # Set only on the final output: how often the request was preempted.
     num_preemptions: int = 0
+    # An embedding request's only output: its pooled (and normalised) vector.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     lora_int_id: int = 0            # 0 = the base model
+    pooling_params: PoolingParams | None = None   # an embedding request: pool, never sample
 
 
 @dataclass
@@ -65,3 +67,5 @@ class ModelRunnerOutput:
     # Speculative decoding: req_id -> drafts verified this step (requests with at
     # least one). Its sampled_token_ids hold the kept drafts plus one target token.
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: req_id -> the pooled vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
