@@ -45,6 +45,8 @@ from pagoda.entrypoints.openai.responses import (
 )
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from pagoda.entrypoints.openai.serving_embedding import EmbeddingServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
 from pagoda.tenants import TenantSpec, tenants_of
 from pagoda.metrics.dashboard import dashboard_data
@@ -260,6 +262,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
     completions = CompletionServing(engine, state, served_model_name, request_timeout)
     chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser)
+    embeddings = EmbeddingServing(engine, state, served_model_name, request_timeout)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
@@ -296,6 +299,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(body, raw_request)
+
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **_ERRORS})
+    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create(body, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -22,6 +22,7 @@ from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloaded
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.tenants import TenantSpec
 
@@ -95,6 +96,7 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None   # an embedding (params: a placeholder)
 
 
 class RequestStopped(Exception):
@@ -176,7 +178,7 @@ class RequestGroup:
         for i, sub in enumerate(self.subrequests):
             # OpenAIServing.prepare had the engine check each prompt: run it as it is.
             call = GenerateCall(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, self.priority,
-                                self.cache_salt, self.tenant, sub.lora_request)
+                                self.cache_salt, self.tenant, sub.lora_request, sub.pooling_params)
             self._pumps.append(loop.create_task(self._pump(i, self.engine.run_request(call))))
         if self.raw_request is not None:
             self._watcher = loop.create_task(self._watch_disconnect(self.raw_request))
