@@ -29,8 +29,8 @@ PAIRS = [
 ]
 SENTENCES = [s for pair in PAIRS for s in pair]
 MAX_MODEL_LEN = 256
-ENGINE = dict(task="embed", override_pooler_config={"pooling_type": "MEAN"}, show_progress=False,
-              num_kv_blocks=64, block_size=16, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32)
+ENGINE = {"task": "embed", "override_pooler_config": {"pooling_type": "MEAN"}, "show_progress": False,
+          "num_kv_blocks": 64, "block_size": 16, "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 32}
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +131,8 @@ def test_bad_input_is_a_clear_400(real_server, client):
         ({"input": "x", "normalize": False}, "Unrecognized request argument"),
         ({"input": [1, 49152]}, "out of range"),
         ({"input": ["ok", [1, 2]]}, "must be a string, a list of strings"),  # no mixing, as OpenAI
-        ({"input": [[1, 2], [7] * (MAX_MODEL_LEN + 1)]}, f"input[1]: This model's maximum context length "
-                                                        f"(max_model_len) is {MAX_MODEL_LEN} tokens"),
+        ({"input": [[1, 2], [7] * (MAX_MODEL_LEN + 1)]},
+         f"input[1]: This model's maximum context length (max_model_len) is {MAX_MODEL_LEN} tokens"),
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ]:
         status, err = _error(running, body)

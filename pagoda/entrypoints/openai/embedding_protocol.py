@@ -26,8 +26,8 @@ def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
         if not value:
             raise ValueError("must not be an empty string")
         return value
-    if not isinstance(value, list):
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")
+    if not isinstance(value, list):  # ValueError: pydantic turns it into the 400's message
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")  # noqa: TRY004
     if not value:
         raise ValueError("must not be empty")
     if len(value) > MAX_EMBEDDING_INPUTS:

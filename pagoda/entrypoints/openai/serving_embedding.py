@@ -22,7 +22,11 @@ from pagoda.entrypoints.openai.embedding_protocol import (
 )
 from pagoda.entrypoints.openai.errors import bad_request, internal_error
 from pagoda.entrypoints.openai.request_group import SubRequest
-from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, client_gone_response
+from pagoda.entrypoints.openai.serving_engine import (
+    ClientGone,
+    OpenAIServing,
+    client_gone_response,
+)
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import EmbeddingRequestOutput
 from pagoda.pooling import PoolingParams, placeholder_sampling_params, truncate_prompt
