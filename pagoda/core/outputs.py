@@ -41,6 +41,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # i's entry is about prompt token i, computed from position i - 1's logits; 0 has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_start: int = 0
+    # An embedding request's only output: its pooled (and normalised) vector.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

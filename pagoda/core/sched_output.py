@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagoda.core.outputs import TokenLogprobs
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     lora_int_id: int = 0            # 0 = the base model
+    pooling_params: PoolingParams | None = None   # an embedding request: pool, never sample
 
 
 @dataclass
@@ -70,3 +72,5 @@ class ModelRunnerOutput:
     # prompt_logprobs: req_id -> (the first prompt position scored, one entry per position
     # from there), for requests whose prompt chunk ran this step and asked for them.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: req_id -> the pooled vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)

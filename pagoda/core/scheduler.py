@@ -141,7 +141,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         admission_check(request.prompt_token_ids, request.sampling_params, self.limits, request.priority,
-                        request.lora_request)  # fmt: skip
+                        request.lora_request, pooling=request.pooling_params is not None)  # fmt: skip
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.fair.on_add(tenant_of(request))
@@ -253,6 +253,7 @@ class Scheduler:
             or request.matcher is not None
             or params.structured_outputs is not None
             or params.logprobs is not None
+            or request.pooling_params is not None   # its prompt's last token is no decode
         ):
             return 0
         return max(0, min(k, request.max_output_tokens - request.num_output_tokens - 1, budget - 1))
@@ -490,6 +491,7 @@ class Scheduler:
             num_computed_tokens=num_hit_tokens,
             eos_token_ids=request.eos_token_ids,
             lora_int_id=request.lora_int_id,
+            pooling_params=request.pooling_params,
         )
         step.charge(request, num_new, capped=num_new < want)
         return True
@@ -588,6 +590,8 @@ class Scheduler:
             failed = self.finish_requests(self._grammar_failures, RequestStatus.FINISHED_ABORTED)
             self._grammar_failures = []
             outputs.extend(EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in failed)
+        if runner_out.pooled:
+            outputs.extend(self._finish_pooled(runner_out.pooled))
         for idx, rid in enumerate(runner_out.req_ids):
             request = self.requests.get(rid)
             token_ids = runner_out.sampled_token_ids[idx]
@@ -647,6 +651,25 @@ class Scheduler:
                     prompt_logprobs_start=prompt_lps[0] if prompt_lps is not None else 0,
                 )
             )
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[EngineCoreOutput]:
+        """Embedding requests whose prompt the step finished: each ends now with its vector,
+        and its blocks go back (what they hold stays in the prefix cache, as any freed block)."""
+        outputs = []
+        for rid, vector in pooled.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._remove_running(request)
+            self._free(request)
+            outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason="stop",
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                scheduled_time=request.first_scheduled_time or 0.0,
+                num_preemptions=request.num_preemptions, pooled=vector,
+            ))
         return outputs
 
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:

@@ -16,12 +16,14 @@ from pagoda.engine.beam_search import (
     top_candidates,
 )
 from pagoda.engine.engine_core import EngineCore
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagoda.pooling import PoolingParams, placeholder_sampling_params, truncate_prompt
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer, build_tokenizer
-from pagoda.validation import RequestLimits, validate_request
+from pagoda.validation import RequestLimits, validate_pooling_request, validate_request
 
 PromptType = str | dict[str, Any]
 
@@ -31,6 +33,10 @@ class LLM:
 
     >>> llm = LLM()                      # the bundled SmolLM2-135M-Instruct
     >>> out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8))
+
+    With ``task="embed"`` (automatic for embedding checkpoints, pagoda/pooling.py) it embeds:
+    ``LLM(task="embed").embed(["a sentence"])[0].outputs.embedding``; generate() and chat()
+    of an embedding engine (and embed() of a generating one) raise WrongTaskError.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -43,7 +49,7 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
                                     self.config.scheduling_policy, self.config.enable_lora,
-                                    self.config.max_logprobs)
+                                    max_logprobs=self.config.max_logprobs, pooler=self.engine.pooler_config)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (a no-op for one process)."""
@@ -159,6 +165,59 @@ class LLM:
             # The template already writes any BOS token it wants.
             items.append((text, tokenizer.encode(text, add_special_tokens=False)))
         return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, or a dict with ``prompt_token_ids``), batched by
+        the same scheduler; ``truncate_prompt_tokens``: keep each prompt's last k tokens."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids_list = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = self.get_tokenizer().encode(p)
+            elif isinstance(p, dict) and set(p) <= {"prompt", "prompt_token_ids"} and "prompt_token_ids" in p:
+                ids = list(p["prompt_token_ids"])
+            else:
+                raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
+            ids_list.append(truncate_prompt(ids, truncate_prompt_tokens, self.engine.max_model_len))
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(ids_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(ids_list):
+                raise ValueError(f"got {len(params_list)} pooling params for {len(ids_list)} prompts")
+        for ids, params in zip(ids_list, params_list):
+            validate_pooling_request(ids, params, self.limits, 0, lora_request)
+        if lora_request is not None:
+            self.engine.add_lora(lora_request)
+        rids = [f"embed-{uuid.uuid4().hex[:12]}" for _ in ids_list]
+        results: dict[str, EmbeddingRequestOutput] = {}
+        bar = tqdm(total=len(rids), desc="Embedding", unit="req", disable=not use_tqdm, leave=False)
+        try:
+            for rid, ids, params in zip(rids, ids_list, params_list):
+                self.engine.add_request(EngineCoreRequest(rid, ids, placeholder_sampling_params(),
+                                                          lora_request=lora_request, pooling_params=params))
+            while len(results) < len(rids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step().outputs:
+                    if out.pooled is not None:
+                        results[out.request_id] = EmbeddingRequestOutput(
+                            out.request_id, [], EmbeddingOutput(out.pooled), num_cached_tokens=out.num_cached_tokens)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_requests([r for r in rids if r not in results])
+            raise
+        finally:
+            bar.close()
+        for rid, ids in zip(rids, ids_list):
+            results[rid].prompt_token_ids = ids
+        return [results[rid] for rid in rids]
 
     # ---- the loop ------------------------------------------------------------------
 

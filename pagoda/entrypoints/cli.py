@@ -113,6 +113,22 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--max-loras", type=int, default=1,
                    help="LoRA adapters resident at once; one batch mixes requests of up to this many")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+    emb = p.add_argument_group("embeddings (docs/embeddings.md)")
+    emb.add_argument("--task", default="auto", choices=("auto", "generate", "embed"),
+                     help="generate text, or embed (POST /v1/embeddings: the final hidden states pooled); auto: "
+                          "embed for an embedding checkpoint (no LM head, or a sentence-transformers layout)")
+    emb.add_argument("--pooling-type", default=None, choices=("LAST", "MEAN", "CLS"),
+                     help="--task embed: pool the last token's, the mean of all, or the first token's hidden "
+                          "state (default: the checkpoint's sentence-transformers config, else LAST)")
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="--task embed: L2-normalise vectors (default: the checkpoint's Normalize module in a "
+                          "sentence-transformers layout, else on)")
+    emb.add_argument("--matryoshka-dimensions", default=None, metavar="any|N,N,...",
+                     help="--task embed: let requests ask for truncated vectors ('dimensions'): any width, or "
+                          "only these (default: the checkpoint's is_matryoshka / matryoshka_dimensions)")
+    emb.add_argument("--override-pooler-config", default=None,
+                     help='--task embed, vLLM\'s spelling: JSON of pooling_type, normalize, is_matryoshka, '
+                          'matryoshka_dimensions (the flags above win over it)')
     par = p.add_argument_group("parallelism (docs/parallel.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
@@ -145,6 +161,24 @@ def _init_method(args: argparse.Namespace) -> str | None:
     if addr is None or port is None:
         raise ValueError("--master-addr and --master-port go together")
     return f"tcp://{addr}:{port}"
+
+
+def _pooler_overrides(args: argparse.Namespace) -> dict | str | None:
+    """--override-pooler-config with --pooling-type / --normalize / --matryoshka-dimensions on top."""
+    from pagoda.pooling import PoolerOverrides
+
+    base = PoolerOverrides.parse(getattr(args, "override_pooler_config", None)) or PoolerOverrides()
+    fields = {k: v for k, v in vars(base).items() if v is not None}
+    if getattr(args, "pooling_type", None) is not None:
+        fields["pooling_type"] = args.pooling_type
+    if getattr(args, "normalize", None) is not None:
+        fields["normalize"] = args.normalize
+    dims = getattr(args, "matryoshka_dimensions", None)
+    if dims is not None:
+        fields["is_matryoshka"] = True
+        if dims.strip().lower() != "any":
+            fields["matryoshka_dimensions"] = dims
+    return fields or None
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -191,6 +225,8 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_lora=getattr(args, "enable_lora", False),
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
+        task=getattr(args, "task", "auto"),
+        override_pooler_config=_pooler_overrides(args),
         **extra,
     )
 

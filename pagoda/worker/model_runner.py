@@ -20,10 +20,12 @@ from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.ops import cpu_kernels
+from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
 from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.proposer import DraftRequest, Proposer
+from pagoda.worker.pooler import Pooler
 
 
 @dataclass
@@ -36,6 +38,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
     lora_int_id: int = 0
+    pooling_params: PoolingParams | None = None   # an embedding request: pooled, not sampled
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -104,8 +107,8 @@ def _prompt_span(state: CachedRequestState, start: int, end: int, offset: int) -
     logits sample the first output instead). E.g. P = 5 in chunks [0, 3) and [3, 5): the
     first scores tokens 1, 2, 3 from hidden rows offset + 0..2, the second token 4 from row
     offset + 0. None for a request that did not ask, or a step past its prompt."""
-    if state.sampling_params.prompt_logprobs is None:
-        return None
+    if state.pooling_params is not None or state.sampling_params.prompt_logprobs is None:
+        return None  # (an embedding request's chunks are pooled, not scored)
     last = min(end, len(state.prompt_token_ids) - 1)
     if last <= start:
         return None
@@ -163,11 +166,13 @@ class ModelRunner:
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         lora: LoRAManager | None = None,
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
-        forward (its collectives) but rank 0 samples, and they learn the sampled
+        forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
         tokens from it (``apply_sampled``) before the next step. ``lora``: the
-        adapters, when LoRA is enabled (it has wrapped the model's projections)."""
+        adapters, when LoRA is enabled (it has wrapped the model's projections).
+        ``pooler_config``: an embedding engine's pooling (pagoda/worker/pooler.py)."""
         self.samples = samples
         self.model = model
         self.lora = lora
@@ -193,6 +198,7 @@ class ModelRunner:
             device, quantized if quantized is not None else kv_dtype, model.model.norm.weight.dtype
         )
         self.sampler = Sampler()
+        self.pooler = Pooler(pooler_config) if pooler_config is not None and samples else None
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption, so a seeded request draws the same
         # numbers whether or not it was preempted and recomputed.
@@ -222,14 +228,18 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+            if self.pooler is not None:
+                self.pooler.forget(rid)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
-                new.lora_int_id,
+                new.lora_int_id, new.pooling_params,
             )
+            if new.pooling_params is not None and self.pooler is not None:
+                self.pooler.start(new.req_id, new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for table, ids in zip(state.block_ids, cached.new_block_ids):
@@ -282,6 +292,7 @@ class ModelRunner:
         spec_indices: list[int] = []      # their logits: last known token and every draft
         # prompt_logprobs: per request, (first prompt token scored, hidden rows that score it and on).
         prompt_spans: list[tuple[str, int, range]] = []
+        pool_rows: list[tuple[int, int]] = []   # (index into `order`, first hidden row) of embedding requests
         offset = 0
         for i, rid in enumerate(order):
             state = self.requests[rid]
@@ -299,8 +310,11 @@ class ModelRunner:
             if span is not None:
                 prompt_spans.append(span)
             offset += n
-            # Only a request whose last known token is in this step samples.
-            if draft:
+            # Only a request whose last known token is in this step samples; an embedding
+            # request pools every chunk of its prompt instead.
+            if state.pooling_params is not None:
+                pool_rows.append((i, offset - n))
+            elif draft:
                 spec_rows.append(i)
                 spec_indices.extend(range(offset - len(draft) - 1, offset))
             elif end == len(state.all_token_ids):
@@ -324,6 +338,7 @@ class ModelRunner:
             self.proposer.sync(ids_t, pos_t, metas)
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list = [None for _ in order]
+        pooled = self._pool(order, query_lens, pool_rows, hidden) if pool_rows and self.pooler is not None else {}
         if spec_rows:
             spec_logits = self.model.compute_logits(hidden[torch.tensor(spec_indices, device=self.device)])
             self._verify([order[i] for i in spec_rows], drafts, spec_logits, sampled, spec_rows)
@@ -372,7 +387,24 @@ class ModelRunner:
         return ModelRunnerOutput(
             order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d},
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
+
+    def _pool(self, order: list[str], query_lens: list[int], pool_rows: list[tuple[int, int]],
+              hidden: torch.Tensor) -> dict[str, list[float]]:  # fmt: skip
+        """Feed each embedding request's chunk of hidden states to the pooler; the vectors of
+        those whose prompt ended in this step."""
+        assert self.pooler is not None
+        pooled = {}
+        for i, first in pool_rows:
+            state = self.requests[order[i]]
+            rows = hidden[first:first + query_lens[i]]
+            vector = self.pooler.add(state.req_id, rows, state.num_computed_tokens, len(state.prompt_token_ids),
+                                     state.pooling_params)
+            if vector is not None:
+                pooled[state.req_id] = vector
+        return pooled
+
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          spans: list[tuple[str, int, range]]) -> dict[str, tuple[int, list[TokenLogprobs]]]:  # fmt: skip

@@ -50,6 +50,8 @@ from pagoda.entrypoints.openai.responses import (
 )
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from pagoda.entrypoints.openai.serving_embedding import EmbeddingServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
@@ -320,6 +322,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
                        config.reasoning_parser, force_include_usage=force_usage)  # fmt: skip
     store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
     responses = ResponsesServing(chat, store)
+    embeddings = EmbeddingServing(engine, state, served_model_name, request_timeout)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
@@ -373,6 +376,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
             return await completions.create(parse_body(CompletionRequest, body), raw_request)
         raise bad_request("Cannot find a suitable handler for the request: /invocations takes a chat completion "
                           "request (with 'messages') or a completion request (with 'prompt').")  # fmt: skip
+
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **_ERRORS})
+    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create(body, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
