@@ -18,6 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
 from pagoda.engine.client import EngineClient, LoRAExistsError, LoRANotFoundError
+from pagoda.entrypoints.ollama import add_ollama_routes
+from pagoda.entrypoints.ollama.responses import error_response as ollama_error_response
 from pagoda.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -66,7 +68,8 @@ class ServerMiddleware:
     """Everything checked before routing, as plain ASGI so it also covers streaming responses:
 
     - while draining for shutdown, new requests get 503;
-    - Bearer auth on /v1/* when an API key is set (/health and friends stay open to probes);
+    - Bearer auth on /v1/* and Ollama's /api/* when an API key is set (/health and friends stay
+      open to probes); errors on /api/* in Ollama's shape, ``{"error": "message"}``;
     - the body limit, from Content-Length and again while reading (chunked bodies have none).
       The body is buffered here (it is small) and replayed to the app, after which the app's
       receive() yields only the disconnect, which is how handlers notice a client leaving;
@@ -89,29 +92,29 @@ class ServerMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path: str = scope["path"]
         if self.state.draining:
             draining = service_unavailable("The server is shutting down.", "server_shutting_down")
             draining.headers["Connection"] = "close"
-            await draining.to_response()(scope, receive, send)
+            await _error_response(path, draining)(scope, receive, send)
             return
-        path: str = scope["path"]
         auth = self.api_key is not None or self.api_keys is not None
-        if auth and (path == "/v1" or path.startswith("/v1/") or (
+        if auth and (path == "/v1" or path.startswith("/v1/") or _is_ollama(path) or (
             self.protect_internal and path.startswith(_INTERNAL_PREFIXES)
         )):
             denied = self._check_auth(scope, self.api_key, self.api_keys)
             if denied is not None:
-                await denied.to_response()(scope, receive, send)
+                await _error_response(path, denied)(scope, receive, send)
                 return
         tenant_or_error = self._tenant(scope)
         if isinstance(tenant_or_error, APIError):
-            await tenant_or_error.to_response()(scope, receive, send)
+            await _error_response(path, tenant_or_error)(scope, receive, send)
             return
         if tenant_or_error is not None:
             scope[TENANT_SCOPE_KEY] = tenant_or_error
         body_or_error = await self._read_body(scope, receive)
         if isinstance(body_or_error, APIError):
-            await body_or_error.to_response()(scope, receive, send)
+            await _error_response(path, body_or_error)(scope, receive, send)
             return
         if body_or_error is None:
             return  # the client left while sending the body
@@ -140,7 +143,7 @@ class ServerMiddleware:
             if started:
                 raise  # too late for an error response; uvicorn drops the connection
             logger.exception("unhandled error in %s %s", scope.get("method"), path)
-            await internal_error().to_response()(scope, receive, send)
+            await _error_response(path, internal_error())(scope, receive, send)
         finally:
             self.state.num_active_http -= 1
 
@@ -207,6 +210,15 @@ class ServerMiddleware:
 
 
 _INTERNAL_PREFIXES = ("/metrics", "/dashboard", "/debug")
+
+
+def _is_ollama(path: str) -> bool:
+    return path == "/api" or path.startswith("/api/")
+
+
+def _error_response(path: str, err: APIError) -> Response:
+    """The error in the shape of the dialect the path belongs to."""
+    return ollama_error_response(err) if _is_ollama(path) else err.to_response()
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._@:-]{1,64}")
 
 
@@ -288,6 +300,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return model_card(model_id)
 
     _add_lora_routes(app, engine, served_model_name)
+    add_ollama_routes(app, chat)  # Ollama's API (pagoda/entrypoints/ollama)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
