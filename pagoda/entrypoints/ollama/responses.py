@@ -34,6 +34,9 @@ class ErrorResponse(BaseModel):
 
 
 def error_body(err: APIError) -> dict[str, str]:
+    """Ollama's error is one string: it names the field at fault when the message does not."""
+    if err.param and err.param not in err.message:
+        return {"error": f"{err.param}: {err.message}"}
     return {"error": err.message}
 
 
