@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, Response
 
 import pagoda
@@ -75,6 +76,8 @@ class OllamaRoute(APIRoute):
                 return error_response(validation_error_to_api_error(e))
             except APIError as e:
                 return error_response(e)
+            except StarletteHTTPException as e:  # FastAPI's own, e.g. a body that is not UTF-8
+                return error_response(APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})))
 
         return route
 
@@ -111,9 +114,11 @@ def add_ollama_routes(app: FastAPI, chat: ChatServing) -> None:
         return ListedModel(name=ollama_name(name), model=ollama_name(name), modified_at=modified, size=size,
                            digest=digest, details=details(lora))  # fmt: skip
 
-    @router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def root() -> PlainTextResponse:
         return PlainTextResponse(RUNNING_TEXT)
+
+    for method in ("GET", "HEAD"):  # one route each: an operation id per method
+        router.add_api_route("/", root, methods=[method], response_class=PlainTextResponse, name=f"root_{method}")
 
     @router.get("/api/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
