@@ -257,3 +257,26 @@ def test_tool_calls_shape(http: httpx.Client, engine: FakeEngine) -> None:
     assert r.json()["message"]["content"] == engine.tokenizer.decode(engine.script[:3])
     prompt = engine.tokenizer.decode(engine.calls[0].prompt_token_ids, skip_special_tokens=False)
     assert "get_weather" in prompt and '"city": "Paris"' in prompt and "sunny, 21 C" in prompt
+
+
+def test_tool_calls_parsed_into_ollama_shape(oc: ollama.Client, http: httpx.Client, engine: FakeEngine) -> None:
+    """The fake engine made to write two calls in the tool parser's format (Hermes)."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>')  # fmt: skip
+    engine.script = engine.tokenizer.encode(text, add_special_tokens=False)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": HI, "tools": [tool],
+                              "options": {"num_predict": len(engine.script)}}  # fmt: skip
+    whole = oc.chat(**kwargs)
+    expected = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome", "days": 2})]
+    assert [(c.function.name, dict(c.function.arguments)) for c in whole.message.tool_calls] == expected
+    assert whole.message.content == ""
+    parts = list(oc.chat(**kwargs, stream=True))
+    calls = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == expected
+    assert "<tool_call>" not in "".join(p.message.content or "" for p in parts)
+    # Each call arrives whole, in its own line, numbered.
+    raw = lines(http.post("/api/chat", json=kwargs).text)
+    with_calls = [line["message"]["tool_calls"] for line in raw if line["message"].get("tool_calls")]
+    assert [[c["function"]["index"] for c in calls] for calls in with_calls] == [[0], [1]]
+    assert all(c["id"].startswith("call_") for calls in with_calls for c in calls)

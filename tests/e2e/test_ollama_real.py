@@ -102,23 +102,36 @@ def test_format_json_and_schema(oc: ollama.Client) -> None:
     jsonschema.validate(json.loads(r.message.content), person)
 
 
-def test_tool_call_round_trip(oc: ollama.Client, real_server) -> None:
-    r = oc.chat(model=MODEL, messages=FEW_SHOT, tools=[WEATHER_TOOL], options={**GREEDY, "num_predict": 40})
-    assert r.message.tool_calls, r.message.content
-    call = r.message.tool_calls[0]
-    assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
-    jsonschema.validate(dict(call.function.arguments), CITY)
-    # Streaming: the same call, whole, in one line.
-    parts = list(oc.chat(model=MODEL, messages=FEW_SHOT, tools=[WEATHER_TOOL], stream=True,
-                         options={**GREEDY, "num_predict": 40}))  # fmt: skip
-    streamed = [c for p in parts for c in (p.message.tool_calls or [])]
-    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [
-        (call.function.name, dict(call.function.arguments))]
-    # The result goes back as a tool message; the answer uses it.
-    history = FEW_SHOT + [r.message, {"role": "tool", "content": "rainy, 12 C", "tool_name": "get_weather"}]
-    answer = oc.chat(model=MODEL, messages=history, tools=[WEATHER_TOOL], options={**GREEDY, "num_predict": 24})
-    assert not answer.message.tool_calls and answer.message.content
-    assert "rain" in answer.message.content.lower() or "12" in answer.message.content
+def _openai_shaped(messages: list[dict]) -> list[dict]:
+    """The same conversation as the OpenAI API spells it (arguments as JSON text, call ids)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                                "function": {"name": c["function"]["name"],
+                                             "arguments": json.dumps(c["function"]["arguments"])}}
+                               for i, c in enumerate(m["tool_calls"])]  # fmt: skip
+        if m["role"] == "tool":
+            m = {"role": "tool", "content": m["content"], "tool_call_id": "call_0"}
+        out.append(m)
+    return out
+
+
+def test_tools_and_tool_history_match_openai(oc: ollama.Client, oai: openai.OpenAI, real_server) -> None:
+    """Tools, an Ollama-shaped call and its result reach the model as the OpenAI endpoint
+    writes them: the same greedy text. (The 135M model answers rather than calling a tool
+    here; the fake engine's tests cover parsing calls into Ollama's shape.)"""
+    history = FEW_SHOT + [{"role": "assistant", "content": "",
+                           "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                          {"role": "tool", "content": "rainy, 12 C", "tool_name": "get_weather"}]  # fmt: skip
+    ours = oc.chat(model=MODEL, messages=history, tools=[WEATHER_TOOL], options={**GREEDY, "num_predict": 24})
+    theirs = oai.chat.completions.create(model=MODEL, messages=_openai_shaped(history), tools=[WEATHER_TOOL],
+                                         max_tokens=24, **GREEDY)  # fmt: skip
+    assert ours.message.content == (theirs.choices[0].message.content or "")
+    assert ours.prompt_eval_count == theirs.usage.prompt_tokens
+    assert not ours.message.tool_calls and not theirs.choices[0].message.tool_calls
+    assert "rain" in ours.message.content.lower() or "12" in ours.message.content
     _wait_idle(real_server[0])
 
 
