@@ -191,6 +191,12 @@ def test_bad_chat_requests_raise_response_error(oc: ollama.Client, engine: FakeE
     assert engine.calls == []
 
 
+def test_routing_errors_in_ollama_shape(http: httpx.Client) -> None:
+    assert "/api/nothing" in error_of(http.post("/api/nothing", json={}), 404)
+    assert "not allowed" in error_of(http.get("/api/chat"), 405)
+    assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"  # the OpenAI shape stays
+
+
 def test_engine_errors(http: httpx.Client, engine: FakeEngine) -> None:
     engine.overloaded = True
     assert "full" in error_of(http.post("/api/chat", json={"model": MODEL, "messages": HI}), 429)
@@ -280,3 +286,24 @@ def test_tool_calls_parsed_into_ollama_shape(oc: ollama.Client, http: httpx.Clie
     with_calls = [line["message"]["tool_calls"] for line in raw if line["message"].get("tool_calls")]
     assert [[c["function"]["index"] for c in calls] for calls in with_calls] == [[0], [1]]
     assert all(c["id"].startswith("call_") for calls in with_calls for c in calls)
+
+
+def test_lora_adapter_is_a_model(tmp_path) -> None:
+    import dataclasses
+
+    engine = FakeEngine()
+    engine.config = dataclasses.replace(engine.config, enable_lora=True)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with running_server(engine) as s:
+        s.call(engine.add_lora("tuned", str(adapter)))
+        oc = ollama.Client(host=s.base_url, timeout=30)
+        listed = {m.model: m for m in oc.list().models}
+        assert set(listed) == {f"{MODEL}:latest", "tuned:latest"}
+        assert listed["tuned:latest"].details.parent_model == f"{MODEL}:latest"
+        assert listed["tuned:latest"].digest != listed[f"{MODEL}:latest"].digest
+        assert f"ADAPTER {adapter}" in oc.show("tuned").modelfile
+        assert [m.name for m in oc.ps().models] == [f"{MODEL}:latest", "tuned:latest"]
+        r = oc.generate(model="tuned:latest", prompt="hi", options={"num_predict": 2})
+        assert r.model == "tuned:latest" and r.eval_count == 2
