@@ -90,8 +90,10 @@ def test_generate_matches_openai(oc: ollama.Client, oai: openai.OpenAI) -> None:
 
 
 def test_format_json_and_schema(oc: ollama.Client) -> None:
-    free = oc.generate(model=MODEL, prompt="Describe a cat as JSON.", format="json", options={**GREEDY, "num_predict": 48})
-    assert free.done_reason == "stop" and isinstance(json.loads(free.response), dict)
+    free = oc.generate(model=MODEL, prompt='Reply with a JSON object whose key "animal" is "cat".', format="json",
+                       options={**GREEDY, "num_predict": 96})  # fmt: skip
+    assert free.done_reason == "stop", free.response
+    assert isinstance(json.loads(free.response), dict)
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
               "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
@@ -151,6 +153,7 @@ def test_models_and_errors(oc: ollama.Client, real_server) -> None:
 
 def test_disconnect_mid_stream_aborts(real_server) -> None:
     engine, running = real_server
+    _wait_idle(engine)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
             "options": {"num_predict": 1000, "temperature": 0}}  # fmt: skip
     with httpx.Client(base_url=running.base_url, timeout=60) as http, http.stream("POST", "/api/chat", json=body) as r:

@@ -232,8 +232,8 @@ def _bearer_token(headers: dict[bytes, bytes]) -> str:
 class ServerConfig:
     """What `pagoda serve` sets for the HTTP server (build_app, create_server, serve).
 
-    ``api_key``: required as a Bearer token on /v1/*. ``max_num_queued_requests``: at most this many
-    requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
+    ``api_key``: required as a Bearer token on /v1/* and on Ollama's /api/*.
+    ``max_num_queued_requests``: at most this many requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
     ``tool_call_parser``: the format tool calls are read in (tool_parsers.TOOL_PARSERS).
     ``enable_debug_endpoints``: add POST /debug/check_integrity (internal; off by default).
