@@ -154,17 +154,17 @@ def test_models_and_errors(oc: ollama.Client, real_server) -> None:
 def test_disconnect_mid_stream_aborts(real_server) -> None:
     engine, running = real_server
     _wait_idle(engine)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
-            "options": {"num_predict": 1000, "temperature": 0}}  # fmt: skip
-    with httpx.Client(base_url=running.base_url, timeout=60) as http, http.stream("POST", "/api/chat", json=body) as r:
+    aborted = engine.metrics.request_aborted
+    # Counting on: a raw prompt the model continues far past the first line.
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6,", "raw": True, "options": {"num_predict": 1000, **GREEDY}}
+    with httpx.Client(base_url=running.base_url, timeout=60) as http, http.stream("POST", "/api/generate", json=body) as r:
         assert json.loads(next(r.iter_lines()))["done"] is False
-        assert engine.num_unfinished_requests == 1
     _wait_idle(engine)
-    # And the core let go of it: nothing running, every KV block free.
     deadline = time.monotonic() + 30
-    while True:
+    while True:  # the core let go of it: aborted, nothing running, every KV block free
         stats = httpx.get(f"{running.base_url}/v1/engine/stats", timeout=10).json()
-        if stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0:
+        idle = stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0 and stats["kv_cache_usage"] == 0
+        if idle and engine.metrics.request_aborted == aborted + 1:
             break
-        assert time.monotonic() < deadline, stats
+        assert time.monotonic() < deadline, (stats, engine.metrics.request_aborted)
         time.sleep(0.1)
