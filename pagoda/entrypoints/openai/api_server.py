@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import pagoda
 from pagoda.engine.client import EngineClient, LoRAExistsError, LoRANotFoundError
 from pagoda.entrypoints.anthropic import add_messages_routes
+from pagoda.entrypoints.ollama import add_ollama_routes
+from pagoda.entrypoints.ollama.responses import is_ollama_path
 from pagoda.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -87,8 +89,9 @@ class ServerMiddleware:
     """Everything checked before routing, as plain ASGI so it also covers streaming responses:
 
     - while draining for shutdown, new requests get 503;
-    - auth on /v1/* and /invocations when an API key is set (/health and friends stay open to
-      probes): the key as a Bearer token, or in ``x-api-key`` as the anthropic SDK sends it;
+    - auth on /v1/*, /invocations and Ollama's /api/* when an API key is set (/health and
+      friends stay open to probes): the key as a Bearer token, or in ``x-api-key`` as the
+      anthropic SDK sends it; errors in the shape of the route's dialect (``error_response``);
     - the body limit, from Content-Length and again while reading (chunked bodies have none).
       The body is buffered here (it is small) and replayed to the app, after which the app's
       receive() yields only the disconnect, which is how handlers notice a client leaving;
@@ -116,15 +119,15 @@ class ServerMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path: str = scope["path"]
         if self.state.draining:
             draining = service_unavailable("The server is shutting down.", "server_shutting_down")
             draining.headers["Connection"] = "close"
             await error_response(draining, scope["path"])(scope, receive, send)
             return
-        path: str = scope["path"]
         auth = self.api_key is not None or self.api_keys is not None
         # /invocations generates as /v1/* does, so it needs the key too (vLLM leaves it open).
-        if auth and (path == "/v1" or path.startswith("/v1/") or path == "/invocations" or (
+        if auth and (path == "/v1" or path.startswith("/v1/") or path == "/invocations" or is_ollama_path(path) or (
             self.protect_internal and path.startswith(_INTERNAL_PREFIXES)
         )):
             denied = self._check_auth(scope, self.api_key, self.api_keys)
@@ -259,8 +262,8 @@ def _presented_key(headers: dict[bytes, bytes]) -> str:
 class ServerConfig:
     """What `pagoda serve` sets for the HTTP server (build_app, create_server, serve).
 
-    ``api_key``: required as a Bearer token on /v1/*. ``max_num_queued_requests``: at most this many
-    requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
+    ``api_key``: required as a Bearer token on /v1/* and on Ollama's /api/*.
+    ``max_num_queued_requests``: at most this many requests may wait for their first token (the rest get 429). ``request_timeout``: seconds after
     which a generation request is aborted (504). ``max_body_bytes``: larger bodies get 413.
     ``tool_call_parser``: the format tool calls are read in (tool_parsers.TOOL_PARSERS).
     ``reasoning_parser``: how reasoning is told apart from the answer (pagoda.reasoning.REASONING_PARSERS);
@@ -353,6 +356,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return model_card(model_id)
 
     _add_lora_routes(app, engine, served_model_name, LoRAPathPolicy(config.allow_runtime_lora, config.lora_roots))
+    add_ollama_routes(app, chat)  # Ollama's API (pagoda/entrypoints/ollama)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
