@@ -160,7 +160,7 @@ def test_model_management_is_refused(oc: ollama.Client, http: httpx.Client) -> N
     ({"model": MODEL, "prompt": "hi", "keep_alive": "soon"}, 400, "keep_alive"),
     ({"model": MODEL, "prompt": "hi", "format": "xml"}, 400, "format"),
     ({"model": MODEL, "prompt": "hi", "format": {"type": "nonsense"}}, 400, "format"),
-    ({"model": MODEL, "prompt": "hi", "context": [10**9]}, 400, "out of range"),
+    ({"model": MODEL, "prompt": "hi", "context": [10**9]}, 400, "out of vocabulary"),
     ({"model": MODEL, "prompt": "hi", "options": {"num_predict": 0}}, 400, "num_predict"),
     ({"model": MODEL, "prompt": "hi", "options": {"num_ctx": 5}}, 400, "num_ctx"),
     ({"model": MODEL, "prompt": "hi", "options": {"temperature": -1}}, 400, "options.temperature"),

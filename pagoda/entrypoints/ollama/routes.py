@@ -9,7 +9,6 @@ on paths under /api/.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -175,24 +174,7 @@ def add_ollama_routes(app: FastAPI, chat: ChatServing) -> None:
 
     _add_management_routes(router, chat.served_model_name)
     app.include_router(router)
-    _reshape_routing_errors(app)
-
-
-def _reshape_routing_errors(app: FastAPI) -> None:
-    """Unknown paths and wrong methods under /api/ (404, 405) in Ollama's shape too: the app's
-    handler for them is wrapped (not a catch-all route, which would hide routes added later)."""
-    previous = app.exception_handlers[StarletteHTTPException]
-
-    async def handler(request: Request, exc: Exception) -> Response:
-        response = await previous(request, exc)
-        path = request.url.path
-        if not (path == "/api" or path.startswith("/api/")):
-            return response
-        assert isinstance(exc, StarletteHTTPException)
-        message = json.loads(bytes(response.body))["error"]["message"]
-        return error_response(APIError(response.status_code, message, headers=dict(exc.headers or {})))
-
-    app.add_exception_handler(StarletteHTTPException, handler)
+    # (404 / 405 under /api/ come out in Ollama's shape through the shape registered in responses.py)
 
 
 def _add_management_routes(router: APIRouter, served_model_name: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -13,9 +13,19 @@ from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.beam_search import BeamSearchParams
 from pagoda.engine.client import EngineClient
-from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_error, model_not_found
+from pagoda.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    internal_error,
+    model_not_found,
+)
 from pagoda.entrypoints.openai.logprobs import LogprobFormatter
-from pagoda.entrypoints.openai.request_group import RequestGroup, RequestStopped, ServerState, SubRequest
+from pagoda.entrypoints.openai.request_group import (
+    RequestGroup,
+    RequestStopped,
+    ServerState,
+    SubRequest,
+)
 from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
@@ -23,8 +33,17 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.backend import GrammarError
 from pagoda.validation import InvalidRequestError
 
-if TYPE_CHECKING:
-    from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
+
+class EngineRequests(Protocol):
+    """What the serving steps below run: a ``RequestGroup``, or a group that runs its
+    request in phases (``thinking_budget.BudgetedGroup``)."""
+
+    async def __aenter__(self) -> Any: ...
+    async def __aexit__(self, *exc: object) -> None: ...
+    def start(self) -> None: ...
+    async def first_outputs(self) -> list[tuple[int, RequestOutput]]: ...
+    async def final_outputs(self) -> list[RequestOutput | None]: ...
+    async def close(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +181,7 @@ class OpenAIServing:
 
     # ---- running ---------------------------------------------------------------------
     @staticmethod
-    async def run_to_end(group: RequestGroup | BudgetedGroup) -> list[RequestOutput | None]:
+    async def run_to_end(group: EngineRequests) -> list[RequestOutput | None]:
         try:
             async with group:
                 return await group.final_outputs()
@@ -170,7 +189,7 @@ class OpenAIServing:
             raise _stopped_error(e) from None
 
     @staticmethod
-    async def start_stream(group: RequestGroup | BudgetedGroup) -> list[tuple[int, RequestOutput]]:
+    async def start_stream(group: EngineRequests) -> list[tuple[int, RequestOutput]]:
         """Admit the group and wait for its first outputs; on failure it is closed and the error raised."""
         try:
             group.start()
@@ -183,7 +202,7 @@ class OpenAIServing:
             raise
 
     @staticmethod
-    def stream_response(group: RequestGroup | BudgetedGroup, events: AsyncIterator[str],
+    def stream_response(group: EngineRequests, events: AsyncIterator[str],
                         on_error: Callable[[APIError], str] = error_event, done: str | None = SSE_DONE) -> SSEResponse:
         """``on_error``: the event(s) that report an error after the 200 went out; ``done``: the
         last event of a stream the client did not cut (None: none, as in the Responses API)."""
