@@ -182,3 +182,37 @@ def test_generate_server_refuses_embeddings():
             c.embeddings.create(model="pagoda-test", input="hello")
         assert e.value.code == "wrong_task"
         assert "does not serve embeddings" in e.value.message
+
+
+def test_ollama_embed_routes_give_the_same_vectors(real_server, client):
+    """Ollama's /api/embed (and the older /api/embeddings) through the official ollama client:
+    the vectors of /v1/embeddings, token counts, and a clear error for options."""
+    import ollama
+
+    _, running = real_server
+    reference = [d.embedding for d in client.embeddings.create(model=MODEL, input=SENTENCES[:3],
+                                                                encoding_format="float").data]  # fmt: skip
+    oc = ollama.Client(host=running.base_url, timeout=120)
+    out = oc.embed(model=f"{MODEL}:latest", input=SENTENCES[:3])
+    assert len(out.embeddings) == 3
+    for got, want in zip(out.embeddings, reference):
+        assert got == pytest.approx(want, abs=1e-6, rel=0)
+    num_tokens = client.embeddings.create(model=MODEL, input=SENTENCES[:3]).usage.prompt_tokens
+    assert out.prompt_eval_count == num_tokens and out.total_duration > 0
+    one = oc.embed(model=MODEL, input=SENTENCES[0])
+    assert one.embeddings[0] == pytest.approx(reference[0], abs=1e-6, rel=0)
+    legacy = oc.embeddings(model=MODEL, prompt=SENTENCES[1])
+    assert list(legacy.embedding) == pytest.approx(reference[1], abs=1e-6, rel=0)
+    # truncate (Ollama's default true) keeps an over-long input's last tokens; false refuses it.
+    long_text = "word " * (MAX_MODEL_LEN + 50)
+    assert len(oc.embed(model=MODEL, input=long_text).embeddings[0]) == 576
+    with pytest.raises(ollama.ResponseError) as err:
+        oc.embed(model=MODEL, input=long_text, truncate=False)
+    assert err.value.status_code == 400 and "maximum context length" in str(err.value)
+    with pytest.raises(ollama.ResponseError) as err:
+        oc.embed(model=MODEL, input="x", options={"temperature": 0.5})
+    assert err.value.status_code == 400 and "temperature" in str(err.value)
+    with pytest.raises(ollama.ResponseError) as err:
+        oc.embed(model="nope", input="x")
+    assert err.value.status_code == 404
+    _wait_all_blocks_free(running)

@@ -4,7 +4,9 @@ the ``ollama`` Python client) work unchanged: ``add_ollama_routes(app, chat)``.
 Routes: ``POST /api/generate`` and ``/api/chat`` (NDJSON streaming unless ``"stream": false``),
 ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET``/``HEAD /``.
 ``/api/pull``, ``/push``, ``/create``, ``/copy`` and ``/delete`` answer 403: pagoda serves the
-model it was started with. (``/api/embed`` and ``/api/embeddings`` are wired elsewhere.)
+model it was started with. ``POST /api/embed`` and the older ``/api/embeddings`` run as
+/v1/embeddings does (a server started with ``--task embed``; ``truncate`` defaults to true,
+``options`` with any field set is a 400: none changes a vector).
 Errors are ``{"error": "message"}`` with the status: 400 bad input, 401 auth (the server's
 API key is required on /api/* as on /v1/*), 403 model management, 404 unknown model,
 413 body too large, 429 queue full, 503 draining or engine down, 500 a bug. An error

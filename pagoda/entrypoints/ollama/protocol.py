@@ -340,3 +340,32 @@ class ManageRequest(BaseModel):
 
 
 __all__ = ["ChatRequest", "GenerateRequest", "ManageRequest", "Message", "Options", "ShowRequest", "ToolCall"]
+
+
+# ---------------------------------------------------------------------- embeddings
+class _EmbeddingFields(_Strict):
+    model: str
+    options: Options | None = None  # none has an effect on a vector: set ones are a 400
+    keep_alive: KeepAliveField = None  # accepted: the model is always loaded
+
+    def check_supported(self) -> None:
+        used = sorted(self.options.model_dump(exclude_none=True)) if self.options is not None else []
+        if used:
+            raise bad_request(f"options {', '.join(used)} have no effect on embeddings; leave them out",
+                              param="options")  # fmt: skip
+
+
+class EmbedRequest(_EmbeddingFields):
+    """/api/embed: ``input`` a string or a list of them; ``truncate`` (Ollama's default true)
+    cuts an input longer than the context to its last tokens, false makes it a 400;
+    ``dimensions`` where the model is Matryoshka (as /v1/embeddings)."""
+
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = None
+
+
+class LegacyEmbeddingsRequest(_EmbeddingFields):
+    """/api/embeddings, Ollama's older route: one ``prompt``, one ``embedding`` back."""
+
+    prompt: str

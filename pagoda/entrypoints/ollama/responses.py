@@ -168,3 +168,15 @@ class ShowResponse(BaseModel):
 class VersionResponse(BaseModel):
     version: str
     pagoda_version: str
+
+
+class EmbedResponse(BaseModel):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int  # nanoseconds
+    load_duration: int
+    prompt_eval_count: int
+
+
+class LegacyEmbeddingsResponse(BaseModel):
+    embedding: list[float]

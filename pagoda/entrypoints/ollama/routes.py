@@ -9,6 +9,7 @@ on paths under /api/.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -27,15 +28,19 @@ from pagoda.entrypoints.ollama.model_facts import (
 from pagoda.entrypoints.ollama.protocol import (
     DEFAULT_SAMPLING,
     ChatRequest,
+    EmbedRequest,
     GenerateRequest,
+    LegacyEmbeddingsRequest,
     ManageRequest,
     ShowRequest,
 )
 from pagoda.entrypoints.ollama.responses import (
     NDJSON,
     ChatResponse,
+    EmbedResponse,
     ErrorResponse,
     GenerateResponse,
+    LegacyEmbeddingsResponse,
     ListedModel,
     ModelDetails,
     PsResponse,
@@ -47,8 +52,11 @@ from pagoda.entrypoints.ollama.responses import (
     rfc3339,
 )
 from pagoda.entrypoints.ollama.serving import OllamaServing, ollama_name
+from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from pagoda.entrypoints.openai.errors import APIError, validation_error_to_api_error
 from pagoda.entrypoints.openai.serving_chat import ChatServing
+from pagoda.entrypoints.openai.serving_embedding import EmbeddingServing
+from pagoda.entrypoints.openai.serving_engine import client_gone_response
 from pagoda.lora.request import LoRARequest
 
 # The Ollama API version whose endpoints and fields these routes follow; some clients
@@ -88,7 +96,7 @@ def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
     return {200: {"model": model, "content": ndjson}, **_ERRORS}
 
 
-def add_ollama_routes(app: FastAPI, chat: ChatServing) -> None:
+def add_ollama_routes(app: FastAPI, chat: ChatServing, embeddings: EmbeddingServing | None = None) -> None:
     serving = OllamaServing(chat)
     engine = chat.engine
     router = APIRouter(route_class=OllamaRoute, tags=["ollama"])
@@ -172,9 +180,42 @@ def add_ollama_routes(app: FastAPI, chat: ChatServing) -> None:
     async def chat_route(body: ChatRequest, raw_request: Request) -> Response:
         return await serving.chat_turn(body, raw_request)
 
+    if embeddings is not None:
+        _add_embedding_routes(router, serving, embeddings)
     _add_management_routes(router, chat.served_model_name)
     app.include_router(router)
     # (404 / 405 under /api/ come out in Ollama's shape through the shape registered in responses.py)
+
+
+def _add_embedding_routes(router: APIRouter, serving: OllamaServing, embeddings: EmbeddingServing) -> None:
+    """/api/embed and the older /api/embeddings: the same engine requests as /v1/embeddings
+    (a server started with --task embed; otherwise the same 400 as there)."""
+
+    async def vectors(body: EmbedRequest | LegacyEmbeddingsRequest, inputs: str | list[str], truncate: bool,
+                      dimensions: int | None, raw_request: Request) -> tuple[list[list[float]], int] | None:  # fmt: skip
+        lora = serving.lookup(body.model)
+        body.check_supported()
+        request = EmbeddingRequest(input=inputs, model=lora.lora_name if lora else serving.served_model_name,
+                                   dimensions=dimensions, truncate_prompt_tokens=-1 if truncate else None)
+        return await embeddings.vectors(request, raw_request)
+
+    @router.post("/api/embed", response_model=EmbedResponse, responses=_ERRORS)
+    async def embed(body: EmbedRequest, raw_request: Request) -> Response:
+        start = time.monotonic_ns()
+        result = await vectors(body, body.input, body.truncate, body.dimensions, raw_request)
+        if result is None:
+            return client_gone_response()
+        response = EmbedResponse(model=body.model, embeddings=result[0], total_duration=time.monotonic_ns() - start,
+                                 load_duration=0, prompt_eval_count=result[1])  # fmt: skip
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    @router.post("/api/embeddings", response_model=LegacyEmbeddingsResponse, responses=_ERRORS)
+    async def legacy_embeddings(body: LegacyEmbeddingsRequest, raw_request: Request) -> Response:
+        result = await vectors(body, body.prompt, True, None, raw_request)
+        if result is None:
+            return client_gone_response()
+        return Response(LegacyEmbeddingsResponse(embedding=result[0][0]).model_dump_json(),
+                        media_type="application/json")  # fmt: skip
 
 
 def _add_management_routes(router: APIRouter, served_model_name: str) -> None:

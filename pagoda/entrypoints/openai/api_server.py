@@ -356,7 +356,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return model_card(model_id)
 
     _add_lora_routes(app, engine, served_model_name, LoRAPathPolicy(config.allow_runtime_lora, config.lora_roots))
-    add_ollama_routes(app, chat)  # Ollama's API (pagoda/entrypoints/ollama)
+    add_ollama_routes(app, chat, embeddings)  # Ollama's API (pagoda/entrypoints/ollama)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:

@@ -35,6 +35,19 @@ from pagoda.validation import InvalidRequestError
 
 class EmbeddingServing(OpenAIServing):
     async def create(self, body: EmbeddingRequest, raw_request: Request) -> Response:
+        result = await self.vectors(body, raw_request)
+        if result is None:
+            return client_gone_response()
+        vectors, num_tokens = result
+        data = [EmbeddingData(index=i, embedding=encode_base64(v) if body.encoding_format == "base64" else v)
+                for i, v in enumerate(vectors)]  # fmt: skip
+        response = EmbeddingResponse(data=data, model=self.response_model(body.model),
+                                     usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def vectors(self, body: EmbeddingRequest, raw_request: Request) -> tuple[list[list[float]], int] | None:
+        """The inputs' vectors, in order, and their number of tokens (None: the client left).
+        Ollama's /api/embed and /api/embeddings run through here too."""
         if self.engine.pooler_config is None:
             raise bad_request("This model does not serve embeddings: the server generates text (task 'generate'). "
                               "Start it with --task embed for /v1/embeddings.", code="wrong_task")
@@ -51,18 +64,13 @@ class EmbeddingServing(OpenAIServing):
         try:
             outputs = await self.run_to_end(group)
         except ClientGone:
-            return client_gone_response()
-        data = []
-        for i, out in enumerate(outputs):
+            return None
+        vectors = []
+        for out in outputs:
             if not isinstance(out, EmbeddingRequestOutput) or out.finish_reason != "stop":
                 raise internal_error()  # the engine ended the request without a vector
-            vector = out.outputs.embedding
-            data.append(EmbeddingData(index=i, embedding=encode_base64(vector) if body.encoding_format == "base64"
-                                      else vector))  # fmt: skip
-        num_tokens = sum(len(s.prompt_token_ids) for s in subrequests)
-        response = EmbeddingResponse(data=data, model=self.response_model(body.model),
-                                     usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
-        return Response(response.model_dump_json(), media_type="application/json")
+            vectors.append(out.outputs.embedding)
+        return vectors, sum(len(s.prompt_token_ids) for s in subrequests)
 
     def _prepare(self, request_id: str, index: int, count: int, item: str | list[int], params: PoolingParams,
                  body: EmbeddingRequest, lora: LoRARequest | None) -> SubRequest:  # fmt: skip
