@@ -129,7 +129,7 @@ def test_bad_input_is_a_clear_400(real_server, client):
         ({"input": "x", "dimensions": 0}, "dimensions must be a positive integer"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "x", "normalize": False}, "Unrecognized request argument"),
-        ({"input": [1, 49152]}, "out of range"),
+        ({"input": [1, 49152]}, "out of vocabulary"),
         ({"input": ["ok", [1, 2]]}, "must be a string, a list of strings"),  # no mixing, as OpenAI
         ({"input": [[1, 2], [7] * (MAX_MODEL_LEN + 1)]},
          f"input[1]: This model's maximum context length (max_model_len) is {MAX_MODEL_LEN} tokens"),
