@@ -91,8 +91,7 @@ def _check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
         # vLLM's words ("Token id N is out of vocabulary"), naming up to five offenders.
         which = f"Token id {bad[0]} is" if len(bad) == 1 else f"Token ids {bad[:5]} are"
-        raise InvalidRequestError(f"{which} out of vocabulary (vocabulary size {vocab_size}).", "prompt",
-                                  "invalid_value")  # fmt: skip
+        raise InvalidRequestError(f"{which} out of vocabulary (vocabulary size {vocab_size}).")
     try:
         params.validate_for_vocab(vocab_size)
     except ValueError as e:
