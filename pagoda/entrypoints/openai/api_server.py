@@ -46,6 +46,7 @@ from pagoda.entrypoints.openai.responses import (
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
+from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.tenants import TenantSpec, tenants_of
 from pagoda.metrics.dashboard import dashboard_data
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -228,7 +229,8 @@ class ServerConfig:
     ``api_key_on_internal_endpoints``: require the API key on /metrics, /dashboard and /debug too.
     ``api_keys``: API key -> tenant (--api-keys-file); any of them is accepted, and names the
     request's tenant (fair scheduling, per-tenant max_queued and metrics). ``shutdown_timeout``:
-    seconds a SIGTERM drain waits for running requests.
+    seconds a SIGTERM drain waits for running requests. ``model_defaults``: the model's own
+    sampling defaults and system prompt (an Ollama model's layers, pagoda/model/stores.py).
     """
 
     served_model_name: str
@@ -244,6 +246,7 @@ class ServerConfig:
     enable_debug_endpoints: bool = False
     api_key_on_internal_endpoints: bool = False
     api_keys: dict[str, TenantSpec] | None = None
+    model_defaults: ModelDefaults = NO_DEFAULTS
 
     def __post_init__(self) -> None:
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
@@ -258,8 +261,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``config.served_model_name``."""
     served_model_name, api_keys, request_timeout = config.served_model_name, config.api_keys, config.request_timeout
     state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
-    completions = CompletionServing(engine, state, served_model_name, request_timeout)
-    chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser)
+    completions = CompletionServing(engine, state, served_model_name, request_timeout, config.model_defaults)
+    chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser,
+                       config.model_defaults)
     created = int(time.time())
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")

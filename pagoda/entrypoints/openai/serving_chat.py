@@ -34,6 +34,7 @@ from pagoda.entrypoints.openai.responses import (
 from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, client_gone_response
 from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolCallStreamer, get_tool_parser
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
+from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -55,14 +56,17 @@ class ChatServing(OpenAIServing):
         served_model_name: str,
         request_timeout: float | None,
         tool_call_parser: str = DEFAULT_TOOL_PARSER,
+        model_defaults: ModelDefaults = NO_DEFAULTS,
     ) -> None:
-        super().__init__(engine, state, served_model_name, request_timeout)
+        super().__init__(engine, state, served_model_name, request_timeout, model_defaults)
         self.tool_parser = get_tool_parser(tool_call_parser)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                plan: ToolPlan | None = None) -> str:  # fmt: skip
         """The prompt text the chat template makes of these messages (and of the tools ``plan``
-        puts in the prompt); 400 if the template refuses them."""
+        puts in the prompt), with the model's default system prompt when they have none;
+        400 if the template refuses them."""
+        messages = self.model_defaults.with_system(messages)
         messages, tools = prompt_inputs(self.tokenizer, messages, plan or ToolPlan("none"), self.tool_parser)
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -89,7 +93,7 @@ class ChatServing(OpenAIServing):
             structured, structured_param = plan.constraint(self.tool_parser), "tools"
 
         def to_params(default_max_tokens: int) -> SamplingParams:
-            return body.to_sampling_params(default_max_tokens, structured)
+            return body.to_sampling_params(default_max_tokens, structured, self.model_defaults.sampling)
 
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         sub = self.prepare(request_id, text, ids, to_params, "messages", max_param, structured_param,
