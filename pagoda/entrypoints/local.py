@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -26,9 +27,12 @@ if TYPE_CHECKING:
     from pagoda.model.stores import ModelDefaults
 
 HELP = """Available commands:
-  /clear   Clear the conversation (its history)
-  /bye     Exit (as do Ctrl-D and Ctrl-C at the prompt)
-  /?       Show this help (also /help)
+  /set parameter NAME VALUE   Set a sampling parameter for the next replies: temperature, top_p,
+                              top_k, min_p, repeat_penalty, seed, num_predict (Ollama's names)
+  /set system TEXT            Set the system prompt
+  /clear                      Clear the conversation (its history)
+  /bye                        Exit (as do Ctrl-D and Ctrl-C at the prompt)
+  /?                          Show this help (also /help)
 
 Ctrl-C during a reply stops that reply.
 """
@@ -66,25 +70,40 @@ class TerminalChat:
         self.args = args
         self.out = out
         self.history: list[dict[str, Any]] = []
+        self.system: str | None = args.system
+        # SamplingParams fields set on the command line or with /set parameter.
+        given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                 "seed": args.sampling_seed, "max_tokens": args.max_tokens}  # fmt: skip
+        self.overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+
+    def set_parameter(self, name: str, text: str) -> None:
+        """``/set parameter NAME VALUE`` (Ollama's parameter names); ValueError for a bad one."""
+        from pagoda.model.stores import ollama_params
+
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a number") from None
+        sampling, _ = ollama_params({name: value}, "/set parameter")
+        if not sampling:
+            raise ValueError(f"{name} cannot be set here (it is not a sampling parameter)")
+        self.overrides.update(sampling)
 
     def messages(self, user_text: str) -> list[dict[str, Any]]:
         """The conversation with a new user message: history, and a system prompt in front
         (--system, else the model's own)."""
         messages = [*self.history, {"role": "user", "content": user_text}]
-        if self.args.system is not None:
-            return [{"role": "system", "content": self.args.system}, *messages]
+        if self.system is not None:
+            return [{"role": "system", "content": self.system}, *messages]
         return self.defaults.with_system(messages)
 
     def params(self, prompt_tokens: int):
         """The model's defaults, over which the command line's options apply."""
         from pagoda.sampling_params import SamplingParams
 
-        kwargs = dict(self.defaults.sampling)
-        given = {"temperature": self.args.temperature, "top_p": self.args.top_p, "top_k": self.args.top_k,
-                 "seed": self.args.sampling_seed}  # fmt: skip
-        kwargs.update({k: v for k, v in given.items() if v is not None})
+        kwargs = {**self.defaults.sampling, **self.overrides}
         room = max(self.engine.max_model_len - prompt_tokens, 1)
-        limit = self.args.max_tokens if self.args.max_tokens is not None else kwargs.get("max_tokens")
+        limit = kwargs.get("max_tokens")
         kwargs["max_tokens"] = min(limit, room) if limit is not None else room
         return SamplingParams(**kwargs)
 
@@ -133,7 +152,7 @@ def _turn(loop: asyncio.AbstractEventLoop, chat: TerminalChat, line: str) -> boo
     try:
         reply = _interruptible(loop, chat.reply(line))
     except asyncio.CancelledError:
-        print("\n^C (reply stopped)", flush=True)
+        print("\n(reply stopped)", flush=True)
         return False
     except ValueError as e:  # the request was refused, e.g. longer than the context
         print(f"\nerror: {e}", file=sys.stderr)
@@ -143,6 +162,22 @@ def _turn(loop: asyncio.AbstractEventLoop, chat: TerminalChat, line: str) -> boo
         _print_stats(reply)
     chat.remember(line, reply)
     return True
+
+
+def _set(chat: TerminalChat, command: str) -> None:
+    words = command.split(maxsplit=3)
+    if len(words) >= 3 and words[1] == "system":
+        chat.system = command.split(maxsplit=2)[2]
+        print("Set the system prompt.")
+    elif len(words) == 4 and words[1] == "parameter":
+        try:
+            chat.set_parameter(words[2], words[3])
+        except ValueError as e:
+            print(f"error: {e}")
+            return
+        print(f"Set parameter {words[2]!r} to {words[3]!r}.")
+    else:
+        print("Usage: /set parameter NAME VALUE, or /set system TEXT")
 
 
 def _repl(loop: asyncio.AbstractEventLoop, chat: TerminalChat) -> int:
@@ -165,6 +200,8 @@ def _repl(loop: asyncio.AbstractEventLoop, chat: TerminalChat) -> int:
             print("Cleared the conversation.")
         elif command in ("/?", "/help"):
             print(HELP, end="")
+        elif command.startswith("/set "):
+            _set(chat, command)
         elif command.startswith("/") and " " not in command:
             print(f"Unknown command {command!r}. Type /? for help.")
         else:
@@ -225,7 +262,12 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from pagoda.model.stores import hf_hub_cache, list_models, models_folder, ollama_models
+    from pagoda.model.stores import (
+        hf_hub_cache,
+        list_models,
+        models_folder,
+        ollama_models,
+    )
 
     models = list_models()
     if not models:

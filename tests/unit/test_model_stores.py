@@ -13,8 +13,14 @@ from pagoda.config import EngineConfig
 from pagoda.entrypoints.cli import main
 from pagoda.entrypoints.openai.launch import default_served_model_name
 from pagoda.model.paths import ModelLoadError, resolve_model_path
-from pagoda.model.stores import list_models, resolve_model
-from tests.fake_stores import OLLAMA_PARAMS, OLLAMA_SYSTEM, CHATML_MESSAGES_TEMPLATE, OllamaStore, build_stores
+from pagoda.model.stores import ResolvedModel, list_models, resolve_model
+from tests.fake_stores import (
+    CHATML_MESSAGES_TEMPLATE,
+    OLLAMA_PARAMS,
+    OLLAMA_SYSTEM,
+    OllamaStore,
+    build_stores,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,7 @@ def _ollama_model_blob(stores, manifest: Path) -> Path:
 
 # ---------------------------------------------------------------------- each name form
 def test_models_folder_names(env):
-    assert resolve_model("mine") == resolve_model("mine").__class__(str(env.models / "mine.gguf"), "mine",
-                                                                    "models folder")
+    assert resolve_model("mine") == ResolvedModel(str(env.models / "mine.gguf"), "mine", "models folder")
     tiny = resolve_model("tinyhf")
     assert (tiny.path, tiny.source) == (str(env.models / "tinyhf"), "models folder")
     assert resolve_model_path("mine.gguf") == str(env.models / "mine.gguf")
@@ -53,7 +58,7 @@ def test_hf_cache_folder_and_gguf_quant(env):
     tiny = resolve_model("org/tiny")
     assert tiny.path == str(_snapshot(env, "org/tiny"))
     assert os.path.islink(os.path.join(tiny.path, "config.json"))  # resolved through the snapshot's links
-    assert json.load(open(os.path.join(tiny.path, "config.json")))["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads(Path(tiny.path, "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     snapshot = _snapshot(env, "org/smol-GGUF")
     for quant, file_name in (("Q4_1", "smol.Q4_1.gguf"), ("q8_0", "smol.Q8_0.gguf"), ("q4", "smol.Q4_1.gguf")):
         found = resolve_model(f"org/smol-GGUF:{quant}")

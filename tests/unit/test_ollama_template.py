@@ -9,7 +9,12 @@ import pytest
 
 from pagoda.model.gguf_file import GGUFFile
 from pagoda.model.ollama_template import OllamaTemplateError, translate_ollama_template
-from pagoda.tokenizer import ChatTemplateError, Tokenizer, _compile_template, with_chat_template
+from pagoda.tokenizer import (
+    ChatTemplateError,
+    Tokenizer,
+    _compile_template,
+    with_chat_template,
+)
 from tests.fake_stores import CHATML_LEGACY_TEMPLATE, CHATML_MESSAGES_TEMPLATE
 
 CONVERSATIONS = [
