@@ -181,6 +181,7 @@ def _prompts(screen: str) -> int:
     return len(re.findall(r"^>>> ", screen, re.MULTILINE))
 
 
+@pytest.mark.slow  # five replies: 6 s on an idle machine, over a minute on a busy one
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux for a pseudo-terminal")
 def test_run_chats_in_the_terminal(stores, tmp_path):
     # No length limit at first: the reply to stop with Ctrl-C could run to the context's end.
@@ -240,3 +241,44 @@ def test_run_ctrl_c_at_the_prompt_and_one_shot(stores, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     llm_answer = done.stdout.strip()
     assert llm_answer and ">>>" not in done.stdout
+
+
+def test_run_stopped_reply_gives_every_block_back(stores):
+    """What Ctrl-C does in ``pagoda run``: the reply's task is cancelled, and the engine
+    request is aborted at once, its KV blocks free for the next prompt."""
+    import argparse
+    import asyncio
+    import io
+
+    from pagoda.config import EngineConfig
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.entrypoints.local import TerminalChat, add_run_args
+    from pagoda.model.stores import model_defaults
+
+    parser = argparse.ArgumentParser()
+    add_run_args(parser)
+    config = EngineConfig(model="myns/plain:v1", num_kv_blocks=32, max_model_len=1024, show_progress=False)
+
+    async def scenario() -> None:
+        engine = AsyncLLM.from_config(config, multiprocess=False, log_stats=False, log_requests=False)
+        try:
+            out = io.StringIO()
+            chat = TerminalChat(engine, model_defaults(config.model), parser.parse_args([]), out)
+            task = asyncio.create_task(chat.reply("Tell me a long story about a dragon."))
+            while not out.getvalue():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert engine.num_unfinished_requests == 0
+            deadline = time.monotonic() + 10
+            while (stats := engine.latest_stats()).num_free_blocks != stats.num_blocks or stats.num_running_reqs:
+                assert time.monotonic() < deadline, f"blocks not given back: {stats}"
+                await asyncio.sleep(0.05)
+            # And the conversation goes on.
+            chat.set_parameter("num_predict", "4")
+            assert (await chat.reply("Hi!")).generated_tokens <= 4
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
