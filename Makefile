@@ -10,7 +10,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install browser serve test test-all bench clean
+.PHONY: install browser prometheus serve test test-all bench image image-test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,14 +40,33 @@ browser:
 	  echo "could not install chromium with apt: the dashboard test will skip"; \
 	else echo "no chromium and no apt as root: the dashboard test will skip"; fi
 
-test: $(STAMP) browser
+# The deploy tests' Prometheus and promtool (Debian's prometheus): the same way.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing prometheus (promtool) for the deploy tests"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } || \
+	  echo "could not install prometheus with apt: the Prometheus tests will skip"; \
+	else echo "no prometheus and no apt as root: the Prometheus tests will skip"; fi
+
+test: $(STAMP) browser prometheus
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test-all: $(STAMP) browser
+test-all: $(STAMP) browser prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/pagoda bench throughput --num-prompts 64 --input-len 128 --output-len 128 --compare-hf
+
+# The container image (Dockerfile), built with podman; image-test starts it and checks it
+# (docs/deploy.md). IMAGE names it.
+IMAGE ?= localhost/pagoda:latest
+image:
+	IMAGE=$(IMAGE) deploy/container/build.sh
+
+image-test: $(STAMP) image
+	$(PY) deploy/container/image_test.py $(IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.pooling import TASKS, PoolerOverrides
 from pagoda.spec_decode.config import SpeculativeConfig
 
 
@@ -60,11 +61,20 @@ class EngineConfig:
     enable_lora: bool = False             # serve LoRA adapters (pagoda/lora)
     max_loras: int = 1                    # adapters resident at once (one batch mixes up to this many)
     max_lora_rank: int = 16               # largest adapter rank accepted
+    max_logprobs: int = 20                # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a
+                                          # request may ask (-1: no bound; a request's -1 = whole vocabulary)
+    # auto | generate | embed (pagoda/pooling.py): auto embeds with an embedding checkpoint.
+    task: str = "auto"
+    # An embedding engine's pooling over the checkpoint's: a PoolerOverrides, or a dict / JSON
+    # string of its fields (pooling_type, normalize, is_matryoshka, matryoshka_dimensions).
+    override_pooler_config: PoolerOverrides | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no bound) or an integer >= 0, got {self.max_logprobs!r}")
         if self.block_size is None:
             # CPU: a sequence's K/V for a layer is read block by block, and this machine reads
             # scattered 6 KiB runs (16 tokens of the default model, float16) at a third of its
@@ -147,6 +157,9 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        object.__setattr__(self, "override_pooler_config", PoolerOverrides.parse(self.override_pooler_config))
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
         if self.speculative_config is not None and self.enable_lora:

@@ -15,6 +15,9 @@ class Logprob:
 # One dict per generated position: token id -> Logprob, holding the sampled
 # token and the requested top alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt position: None for the first (nothing precedes it), then the
+# prompt token's Logprob and the requested top alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -44,4 +47,28 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None   # when SamplingParams.prompt_logprobs is set
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's shape: ``out.outputs.embedding``), and
+    what an embedding request's stream yields: one output, finished, or an aborted one
+    (``finish_reason == "abort"``) with an empty embedding."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    finish_reason: str = "stop"
     num_cached_tokens: int = 0

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagoda.core.block_hash import BlockHash
     from pagoda.lora.request import LoRARequest
+    from pagoda.pooling import PoolingParams
     from pagoda.sampling_params import SamplingParams
 
 
@@ -59,7 +60,10 @@ class Request:
         cache_salt: str | None = None,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
+        """``pooling_params``: an embedding request, which computes its prompt, has it
+        pooled, and finishes (its ``sampling_params`` are then a placeholder)."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -81,6 +85,7 @@ class Request:
         self.host_block_ids: list[int] = []
         self.host_block_places: list[tuple[int, int]] = []
         self.lora_request = lora_request
+        self.pooling_params = pooling_params
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -21,8 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# The largest number of top alternatives a request may ask logprobs for.
+# The default bound on the top alternatives a request may ask logprobs for (the engine's
+# --max-logprobs; checked in pagoda/validation.py, since the operator may change it).
 MAX_LOGPROBS = 20
+# Tokens whose logprobs a request may track at every step (logprob_token_ids).
+MAX_LOGPROB_TOKEN_IDS = 1024
 # Bounds on per-request lists, so one request cannot make every step slow.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -156,7 +159,15 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
-    logprobs: int | None = None  # top alternatives; 0 = only the sampled token
+    logprobs: int | None = None  # top alternatives; 0 = only the sampled token; -1 = the whole vocabulary
+    # vLLM's extensions: the top alternatives at every prompt position (its first is None;
+    # -1 = the whole vocabulary), and tokens whose logprobs every generated position
+    # reports whatever their rank (they need ``logprobs``; it defaults to 0 with them).
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    # Sample best_of sequences, return the n with the highest cumulative logprob (vLLM V0's
+    # and OpenAI's completions). None = n.
+    best_of: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -173,12 +184,8 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
-                )
+        self._validate_logprobs()
+        self._validate_best_of()
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
@@ -190,6 +197,47 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
+
+    def _validate_logprobs(self) -> None:
+        """Counts >= -1 (-1: the whole vocabulary). Their upper bound is the engine's
+        --max-logprobs, checked by pagoda/validation.py."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _check_int(name, value)
+                if value < -1:
+                    raise ValueError(f"{name} must be -1 (the whole vocabulary) or >= 0, got {value}")
+                setattr(self, name, value)
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"logprob_token_ids must be a list of token ids, got {ids!r}")
+        if not ids or len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids must hold 1 to {MAX_LOGPROB_TOKEN_IDS} token ids, got {len(ids)}")
+        for token_id in ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logprob_token_ids must be token ids (ints >= 0), got {token_id!r}")
+        self.logprob_token_ids = list(dict.fromkeys(int(t) for t in ids))
+        if self.logprobs is None:
+            self.logprobs = 0  # the tracked tokens ride on the sampled token's logprobs
+
+    def _validate_best_of(self) -> None:
+        if self.best_of is None:
+            return
+        self.best_of = _check_int("best_of", self.best_of)
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.best_of > self.n and self.temperature < _GREEDY_EPS:
+            raise ValueError(
+                f"best_of must equal n when sampling greedily (temperature 0): "
+                f"its {self.best_of} samples would all be the same, got best_of={self.best_of}"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs for this request: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
 
     def _validate_sampling(self) -> None:
         self.temperature = _check_float("temperature", self.temperature)
@@ -313,13 +361,17 @@ class SamplingParams:
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Reject token ids the model cannot produce (call once the model is known)."""
-        for token_id in self.logit_bias or {}:
-            if token_id >= vocab_size:
-                raise ValueError(
-                    f"logit_bias token id {token_id} is out of range for vocab size {vocab_size}"
-                )
+        bad = [token_id for token_id in self.logit_bias or {} if token_id >= vocab_size]
+        if bad:
+            # vLLM's words, naming every offender.
+            raise ValueError(f"logit_bias token id(s) {bad} contain out-of-vocab token ids (vocab size {vocab_size})")
         for token_id in self.stop_token_ids or []:
             if token_id >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids token id {token_id} is out of range for vocab size {vocab_size}"
+                )
+        for token_id in self.logprob_token_ids or []:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"logprob_token_ids token id {token_id} is out of range for vocab size {vocab_size}"
                 )

@@ -19,17 +19,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from pagoda.sampling_params import INT64_MAX, INT64_MIN
+from pagoda.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from pagoda.lora.request import LoRARequest
+    from pagoda.pooling import PoolerConfig, PoolingParams
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "InvalidRequestError",
     "RequestLimits",
+    "WrongTaskError",
     "admission_check",
+    "check_logprobs",
     "check_priority",
+    "validate_pooling_request",
     "validate_request",
 ]
 
@@ -45,6 +49,13 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+class WrongTaskError(InvalidRequestError):
+    """A generation request to an embedding engine, or an embedding request to a generating one."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, None, "wrong_task")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What a request is checked against: the engine's facts and the settings that bound a request."""
@@ -53,6 +64,8 @@ class RequestLimits:
     vocab_size: int | None = None       # None: token ids are not checked (a scheduler with no model)
     scheduling_policy: str = "fcfs"
     enable_lora: bool = False
+    max_logprobs: int = MAX_LOGPROBS    # --max-logprobs; -1: up to the whole vocabulary
+    pooler: PoolerConfig | None = None  # an embedding engine's pooling (None: the engine generates)
 
 
 def check_priority(priority: object, policy: str) -> None:
@@ -76,14 +89,45 @@ def _check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_
     # min() and max() first: a scan in C; the list of offenders only when there are some.
     if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        # vLLM's words ("Token id N is out of vocabulary"), naming up to five offenders.
+        which = f"Token id {bad[0]} is" if len(bad) == 1 else f"Token ids {bad[:5]} are"
+        raise InvalidRequestError(f"{which} out of vocabulary (vocabulary size {vocab_size}).", "prompt",
+                                  "invalid_value")  # fmt: skip
     try:
         params.validate_for_vocab(vocab_size)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
 
 
-def _check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int | None) -> None:
+    """logprobs and prompt_logprobs within --max-logprobs (-1 asks for the whole vocabulary,
+    which counts as vocab_size; a bound of -1 allows it)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is None or max_logprobs == -1:
+            continue
+        if asked == -1 and (vocab_size is None or vocab_size > max_logprobs):
+            raise InvalidRequestError(
+                f"{name}=-1 asks for the whole vocabulary ({vocab_size} tokens), more than this server's "
+                f"limit of {max_logprobs} (--max-logprobs; -1 allows it)", name, "invalid_value",
+            )  # fmt: skip
+        if asked > max_logprobs:
+            raise InvalidRequestError(
+                f"{name} must be at most {max_logprobs} (this server's --max-logprobs), got {asked}",
+                name, "invalid_value",
+            )  # fmt: skip
+
+
+def _check_prompt_length(num_prompt_tokens: int, max_model_len: int, pooling: bool = False) -> None:
+    if pooling:
+        # An embedding generates nothing: the whole context is the prompt's.
+        if num_prompt_tokens > max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length (max_model_len) is {max_model_len} tokens, but the input "
+                f"has {num_prompt_tokens} tokens. Please reduce the input (or set truncate_prompt_tokens).",
+                "prompt", "context_length_exceeded",
+            )  # fmt: skip
+        return
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length (max_model_len) is {max_model_len} tokens, but the prompt "
@@ -106,12 +150,14 @@ def admission_check(
     limits: RequestLimits,
     priority: object = 0,
     lora_request: LoRARequest | None = None,
+    pooling: bool = False,
 ) -> None:
     """The core's re-check (see the module's docstring): token ids inside the vocabulary
-    (when ``limits`` knows it), room for one generated token, the priority, LoRA."""
+    (when ``limits`` knows it), room for one generated token (``pooling``, an embedding
+    request: room for the prompt), the priority, LoRA."""
     if limits.vocab_size is not None:
         _check_token_ids(prompt_token_ids, params, limits.vocab_size)
-    _check_prompt_length(len(prompt_token_ids), limits.max_model_len)
+    _check_prompt_length(len(prompt_token_ids), limits.max_model_len, pooling)
     check_priority(priority, limits.scheduling_policy)
     _check_lora(lora_request, limits.enable_lora)
 
@@ -132,9 +178,14 @@ def validate_request(
     stop_token_ids'); a prompt that leaves no room to generate; prompt plus max_tokens
     beyond the context length; the priority; a LoRA adapter with LoRA off; then the
     grammar, the one costly check, last."""
+    if limits.pooler is not None:
+        raise WrongTaskError("This model serves embeddings (task 'embed'), not text generation; use "
+                             "/v1/embeddings (LLM.embed), or start the engine with --task generate on a "
+                             "model with an LM head.")
     if not prompt_token_ids:
-        raise InvalidRequestError("the prompt is empty")
+        raise InvalidRequestError("The decoder prompt cannot be empty")  # vLLM's message
     admission_check(prompt_token_ids, params, limits, priority, lora_request)
+    check_logprobs(params, limits.max_logprobs, limits.vocab_size)
     n, max_tokens, max_len = len(prompt_token_ids), params.max_tokens, limits.max_model_len
     if max_tokens is not None and n + max_tokens > max_len:
         raise InvalidRequestError(
@@ -145,3 +196,27 @@ def validate_request(
         )  # fmt: skip
     if params.structured_outputs is not None and validate_grammar is not None:
         validate_grammar(params.structured_outputs)
+
+
+def validate_pooling_request(
+    prompt_token_ids: list[int],
+    pooling_params: PoolingParams,
+    limits: RequestLimits,
+    priority: object = 0,
+    lora_request: LoRARequest | None = None,
+) -> None:
+    """``validate_request`` for an embedding request: an embedding engine; a non-empty input
+    whose token ids are in the vocabulary and that fits the context (all of it: nothing is
+    generated); a width the model offers; the priority; LoRA."""
+    from pagoda.pooling import placeholder_sampling_params
+
+    if limits.pooler is None:
+        raise WrongTaskError("This model generates text (task 'generate'); it does not serve embeddings. Start "
+                             "the engine with --task embed for /v1/embeddings (LLM.embed).")
+    if not prompt_token_ids:
+        raise InvalidRequestError("the input is empty", "prompt", "invalid_value")
+    try:
+        limits.pooler.check_dimensions(pooling_params.dimensions)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), "dimensions", "invalid_value") from None
+    admission_check(prompt_token_ids, placeholder_sampling_params(), limits, priority, lora_request, pooling=True)

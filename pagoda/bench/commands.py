@@ -38,6 +38,8 @@ COMMANDS = (
                  "add_fairness_args", "run_fairness"),
     BenchCommand("long-prefill", "short prompts' TTFT behind a flood of long ones, knob off and on", "fairness",
                  "add_long_prefill_args", "run_long_prefill"),
+    BenchCommand("embed", "embeddings/s through LLM.embed vs HF transformers, same prompts, same run", "embed",
+                 "add_embed_args", "run_embed"),
     BenchCommand("lora", "throughput of a batch over several LoRA adapters vs all on the base model", "lora",
                  "add_lora_bench_args", "run_lora_bench"),
 )

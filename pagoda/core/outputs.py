@@ -12,11 +12,17 @@ import msgspec
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Logprob of one sampled token and the top alternatives at its position."""
+    """Logprob of one token (sampled, or a prompt token) and the top alternatives at its
+    position; ``rank``: 1 + the tokens more likely than it (None where not computed);
+    ``tracked_*``: the request's logprob_token_ids at this position."""
 
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None
+    tracked_token_ids: list[int] = []
+    tracked_logprobs: list[float] = []
+    tracked_ranks: list[int] = []
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -31,6 +37,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduled_time: float = 0.0
     # Set only on the final output: how often the request was preempted.
     num_preemptions: int = 0
+    # prompt_logprobs: entries for prompt positions prompt_logprobs_start, +1, ... (position
+    # i's entry is about prompt token i, computed from position i - 1's logits; 0 has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0
+    # An embedding request's only output: its pooled (and normalised) vector.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.core.outputs import TokenLogprobs
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -21,6 +23,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     lora_int_id: int = 0            # 0 = the base model
+    pooling_params: PoolingParams | None = None   # an embedding request: pool, never sample
 
 
 @dataclass
@@ -60,8 +63,14 @@ class ModelRunnerOutput:
     # One list per scheduled request: [] for a request still inside its
     # prompt (a prefill chunk samples nothing), else the sampled token(s).
     sampled_token_ids: list[list[int]]
-    # Per request: None, or one (logprob, top ids, top logprobs) per sampled token.
-    logprobs: list[list[tuple[float, list[int], list[float]]] | None] | None = None
+    # Per request: None, or one TokenLogprobs (or a (logprob, top ids, top logprobs) tuple)
+    # per sampled token.
+    logprobs: list[list[TokenLogprobs | tuple[float, list[int], list[float]]] | None] | None = None
     # Speculative decoding: req_id -> drafts verified this step (requests with at
     # least one). Its sampled_token_ids hold the kept drafts plus one target token.
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # prompt_logprobs: req_id -> (the first prompt position scored, one entry per position
+    # from there), for requests whose prompt chunk ran this step and asked for them.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: req_id -> the pooled vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -42,6 +42,13 @@ from pagoda.tenants import TenantSpec
 from pagoda.validation import RequestLimits, admission_check
 
 
+def needs_prompt_logits(request: Request) -> bool:
+    """A request that asked for prompt_logprobs and has not had them: it skips the prefix
+    cache, because a cached block's positions would never have their logits computed.
+    (Once it has sampled, its prompt logprobs went out; a resumed one may hit the cache.)"""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 512
@@ -134,7 +141,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         admission_check(request.prompt_token_ids, request.sampling_params, self.limits, request.priority,
-                        request.lora_request)  # fmt: skip
+                        request.lora_request, pooling=request.pooling_params is not None)  # fmt: skip
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.fair.on_add(tenant_of(request))
@@ -246,6 +253,7 @@ class Scheduler:
             or request.matcher is not None
             or params.structured_outputs is not None
             or params.logprobs is not None
+            or request.pooling_params is not None   # its prompt's last token is no decode
         ):
             return 0
         return max(0, min(k, request.max_output_tokens - request.num_output_tokens - 1, budget - 1))
@@ -427,6 +435,8 @@ class Scheduler:
             if swapped:
                 # Its KV comes back from the host pool; no prefix lookup.
                 hit_blocks, num_hit_tokens = [], request.num_computed_tokens
+            elif needs_prompt_logits(request):
+                hit_blocks, num_hit_tokens = [], 0
             else:
                 hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             want = request.num_tokens - num_hit_tokens
@@ -481,6 +491,7 @@ class Scheduler:
             num_computed_tokens=num_hit_tokens,
             eos_token_ids=request.eos_token_ids,
             lora_int_id=request.lora_int_id,
+            pooling_params=request.pooling_params,
         )
         step.charge(request, num_new, capped=num_new < want)
         return True
@@ -579,13 +590,19 @@ class Scheduler:
             failed = self.finish_requests(self._grammar_failures, RequestStatus.FINISHED_ABORTED)
             self._grammar_failures = []
             outputs.extend(EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in failed)
+        if runner_out.pooled:
+            outputs.extend(self._finish_pooled(runner_out.pooled))
         for idx, rid in enumerate(runner_out.req_ids):
             request = self.requests.get(rid)
             token_ids = runner_out.sampled_token_ids[idx]
-            if request is None or request.is_finished or not token_ids:
-                continue  # aborted meanwhile, or a prompt chunk that samples nothing
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted after it was scheduled
+            prompt_lps = runner_out.prompt_logprobs.get(rid)
+            if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile, or preempted after it was scheduled
+            if not token_ids:
+                if prompt_lps is not None:  # a prompt chunk samples nothing, but scored its tokens
+                    outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=prompt_lps[1],
+                                                    prompt_logprobs_start=prompt_lps[0]))
+                continue
             num_drafts = runner_out.num_draft_tokens.get(rid, 0)
             if num_drafts:
                 self._count_spec(num_drafts, len(token_ids) - 1)
@@ -605,8 +622,8 @@ class Scheduler:
             new_logprobs = None
             if runner_out.logprobs is not None and runner_out.logprobs[idx] is not None:
                 new_logprobs = [
-                    TokenLogprobs(lp, ids, lps)
-                    for lp, ids, lps in runner_out.logprobs[idx][: len(new_ids)]
+                    e if isinstance(e, TokenLogprobs) else TokenLogprobs(*e)
+                    for e in runner_out.logprobs[idx][: len(new_ids)]
                 ]
             finish_reason = None
             if request.is_finished:
@@ -630,8 +647,29 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     scheduled_time=(request.first_scheduled_time or 0.0) if first else 0.0,
                     num_preemptions=request.num_preemptions if finish_reason is not None else 0,
+                    prompt_logprobs=prompt_lps[1] if prompt_lps is not None else None,
+                    prompt_logprobs_start=prompt_lps[0] if prompt_lps is not None else 0,
                 )
             )
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[EngineCoreOutput]:
+        """Embedding requests whose prompt the step finished: each ends now with its vector,
+        and its blocks go back (what they hold stays in the prefix cache, as any freed block)."""
+        outputs = []
+        for rid, vector in pooled.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._remove_running(request)
+            self._free(request)
+            outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason="stop",
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                scheduled_time=request.first_scheduled_time or 0.0,
+                num_preemptions=request.num_preemptions, pooled=vector,
+            ))
         return outputs
 
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:

@@ -111,6 +111,7 @@ class AsyncLLM(EngineFrontEnd):
             # Until the first heartbeat: an idle engine with an empty pool.
             stats=SchedulerStats(num_blocks=self.info.num_blocks, num_free_blocks=self.info.num_blocks),
             stat_logger=StatLogger(metrics, log_stats_interval) if log_stats else None,
+            pooler_config=self.info.pooler,
         )  # fmt: skip
         self._output_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None

@@ -15,21 +15,24 @@ from dataclasses import dataclass
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from pagoda.validation import RequestLimits, validate_request
+from pagoda.validation import RequestLimits, validate_pooling_request, validate_request
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.core.outputs import SchedulerStats
     from pagoda.lora.request import LoRARequest
     from pagoda.metrics.stats import EngineMetrics
-    from pagoda.outputs import RequestOutput
+    from pagoda.outputs import EmbeddingRequestOutput, RequestOutput
+    from pagoda.pooling import PoolerConfig, PoolingParams
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
     from pagoda.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """One validated request, as ``generate`` hands it to an implementation's ``_generate``."""
+    """One validated request, as ``generate`` hands it to an implementation's ``_generate``.
+    With ``pooling_params`` it is an embedding request (``sampling_params``: a placeholder,
+    pagoda/pooling.py), whose stream yields one EmbeddingRequestOutput."""
 
     request_id: str
     prompt: str | None
@@ -39,6 +42,7 @@ class GenerateCall:
     cache_salt: str | None = None
     tenant: str | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -72,6 +76,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     lora_requests: Mapping[str, LoRARequest]    # the loaded adapters by name (each is a model)
+    pooler_config: PoolerConfig | None          # an embedding engine's pooling; None: it generates
     # What /metrics and the dashboard read (pagoda/metrics/prometheus.py MetricsSource):
     metrics: EngineMetrics | None               # the front end's recorder, None when not recording
     replicas: Sequence[EngineClient]            # data-parallel replicas, empty for one engine
@@ -82,6 +87,12 @@ class EngineClient(Protocol):
                          lora_request: LoRARequest | None = None) -> None:  # fmt: skip
         """Raise InvalidRequestError (pagoda/validation.py; GrammarError for a structured
         output constraint that does not compile) for a request the engine would not take."""
+        ...
+
+    def validate_pooling_request(self, prompt_token_ids: list[int], pooling_params: PoolingParams,
+                                 priority: int = 0, lora_request: LoRARequest | None = None) -> None:  # fmt: skip
+        """``validate_request`` for an embedding request (InvalidRequestError; WrongTaskError
+        on an engine that generates)."""
         ...
 
     def generate(
@@ -99,9 +110,10 @@ class EngineClient(Protocol):
         cancelling the iterator early aborts the request."""
         ...
 
-    def run_request(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
-        """``generate`` for a request ``validate_request`` has accepted already (the HTTP
-        server checks each prompt before admitting the request, and does not check twice)."""
+    def run_request(self, call: GenerateCall) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
+        """``generate`` for a request ``validate_request`` (``validate_pooling_request``) has
+        accepted already (the HTTP server checks each prompt before admitting the request, and
+        does not check twice)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -156,12 +168,17 @@ class EngineClientBase(EngineClient):
     def request_limits(self) -> RequestLimits:
         """Read at each check: a test may change the fake engine's limits between requests."""
         config = self.config
-        return RequestLimits(self.max_model_len, self.vocab_size, config.scheduling_policy, config.enable_lora)
+        return RequestLimits(self.max_model_len, self.vocab_size, config.scheduling_policy, config.enable_lora,
+                             max_logprobs=config.max_logprobs, pooler=self.pooler_config)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                          lora_request: LoRARequest | None = None) -> None:  # fmt: skip
         validate_request(prompt_token_ids, params, self.request_limits(), priority, lora_request,
                          validate_grammar=self._validate_grammar)  # fmt: skip
+
+    def validate_pooling_request(self, prompt_token_ids: list[int], pooling_params: PoolingParams,
+                                 priority: int = 0, lora_request: LoRARequest | None = None) -> None:  # fmt: skip
+        validate_pooling_request(prompt_token_ids, pooling_params, self.request_limits(), priority, lora_request)
 
     def _validate_grammar(self, structured: StructuredOutputsParams) -> None:
         """Compile a constraint in this process (cached), so that a bad schema is a 400 before
@@ -193,14 +210,14 @@ class EngineClientBase(EngineClient):
             async for out in stream:
                 yield out
 
-    async def run_request(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+    async def run_request(self, call: GenerateCall) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         stream = self._generate(call)
         # Closed with this iterator, so that an early close aborts the request at once.
         async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out
 
-    def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+    def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Run a validated request (an async generator in the implementations)."""
         raise NotImplementedError
 

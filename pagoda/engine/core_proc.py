@@ -60,7 +60,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         out.send(encode(Dead(traceback.format_exc())))
         _close(inp, out, ctx, own_context)
         return 1
-    out.send(encode(Ready(core.max_model_len, core.vocab_size, core.num_blocks, config.block_size)))
+    out.send(encode(Ready(core.max_model_len, core.vocab_size, core.num_blocks, config.block_size,
+                           core.pooler_config)))
 
     last_sent = 0.0
     code = 0

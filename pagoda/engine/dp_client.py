@@ -56,6 +56,7 @@ class DataParallelLLM(EngineClientBase):
         self.eos_token_ids = first.eos_token_ids
         self.max_model_len = min(r.max_model_len for r in replicas)
         self.vocab_size = first.vocab_size
+        self.pooler_config = first.pooler_config   # every replica runs the same task
         self.info = first.info
         # The dashboard shows replica 0; /metrics has every replica (label engine="i").
         self.metrics = first.metrics

@@ -26,7 +26,9 @@ from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
 from pagoda.model.stores import model_defaults
+from pagoda.pooling import PoolerConfig, resolve_pooler_config, resolve_task
 from pagoda.request import Request, RequestStatus
+from pagoda.validation import WrongTaskError
 from pagoda.worker.kv_sizing import kv_blocks_for
 from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage, kv_layout
 
@@ -117,6 +119,7 @@ class EngineCore:
         self.vocab_size = arch.vocab_size
         if self.tp_driver is not None:
             self.tp_driver.gather_weight_bytes(loaded.model)
+        self.pooler_config = self._pooler_config(config, loaded)
         draft = self._load_draft(config, loaded, device, dtype)
         plan = self._plan_kv(config, loaded, device, dtype, draft)
         self._build_scheduler(config, plan)
@@ -129,6 +132,23 @@ class EngineCore:
             elem = torch.empty(0, dtype=dtype).element_size()
             kv_elem = torch.empty(0, dtype=plan.kv_dtype).element_size() if plan.kv_quant == "auto" else 1
             self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=kv_elem)
+
+    @staticmethod
+    def _pooler_config(config: EngineConfig, loaded: LoadedModel) -> PoolerConfig | None:
+        """An embedding engine's pooling (pagoda/pooling.py); None for a generating one."""
+        task = resolve_task(config.task, loaded.path, loaded.arch.has_lm_head)
+        overrides = config.override_pooler_config
+        if task != "embed":
+            if overrides is not None and not overrides.is_empty:
+                raise ValueError("pooler options (--pooling-type, --no-normalize, --matryoshka-dimensions) apply "
+                                 "to an embedding engine; this one generates (start it with --task embed)")
+            return None
+        if config.speculative_config is not None:
+            raise ValueError("--speculative-config does not apply to an embedding engine (--task embed)")
+        pooler = resolve_pooler_config(loaded.path, loaded.arch.hidden_size, overrides)
+        logger.info("task embed: %s pooling, %snormalized, %d dimensions", pooler.pooling_type,
+                    "" if pooler.normalize else "not ", pooler.hidden_size)
+        return pooler
 
     def _load_draft(self, config: EngineConfig, loaded: LoadedModel, device: torch.device,
                     dtype: torch.dtype) -> LoadedModel | None:
@@ -193,8 +213,12 @@ class EngineCore:
 
     def _build_scheduler(self, config: EngineConfig, plan: _KVPlan) -> None:
         spec = config.speculative_config
-        # Windowed groups give back the blocks that slide out of their window.
-        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
+        # Windowed groups give back the blocks that slide out of their window. MEAN and CLS
+        # pooling read every position's hidden state, which a prefix-cache hit would skip:
+        # an embedding engine with them never looks prefixes up (LAST pooling does: a hit
+        # always leaves the last position to compute).
+        caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
+        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, caching,
                                          group_windows=plan.layout.group_windows)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -224,7 +248,7 @@ class EngineCore:
             self.lora = LoRAManager(loaded.model, loaded.arch, config.max_loras, config.max_lora_rank)
         self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, device, plan.kv_dtype, config.seed,
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
-                                  lora=self.lora)
+                                  lora=self.lora, pooler_config=self.pooler_config)
         self.executor = self.runner
         if self.tp_driver is not None:
             self.tp_driver.runner = self.runner
@@ -271,6 +295,10 @@ class EngineCore:
         """Queue a request. The front ends validated it (pagoda/validation.py); the scheduler
         re-checks what would break its invariants or the model's (InvalidRequestError)."""
         params = req.sampling_params
+        if (req.pooling_params is None) != (self.pooler_config is None):
+            raise WrongTaskError(
+                f"request {req.request_id!r} wants {'text generation' if req.pooling_params is None else 'an embedding'}"
+                f", but this engine {'serves embeddings' if self.pooler_config else 'generates text'} (--task)")
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         request = Request(
@@ -284,6 +312,7 @@ class EngineCore:
             cache_salt=req.cache_salt,
             tenant=req.tenant,
             lora_request=req.lora_request,
+            pooling_params=req.pooling_params,
         )
         if req.cache_salt and self.shared_prefixes is not None:
             request.num_shared_prefix_tokens = self.shared_prefixes.shared_len(req.prompt_token_ids)

@@ -13,6 +13,7 @@ that the HTTP tests run this same code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -24,6 +25,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.outputs import SchedulerStats
 from pagoda.engine.client import EngineClientBase, GenerateCall, EngineDeadError, LoRAExistsError, LoRANotFoundError
 from pagoda.engine.messages import (
+    EngineCoreRequest,
     AddLora,
     CheckIntegrity,
     Abort,
@@ -42,7 +44,9 @@ from pagoda.lora.errors import LoRAAdapterError, LoRAInUseError
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.log import StatLogger
 from pagoda.metrics.stats import EngineMetrics
-from pagoda.outputs import RequestOutput
+from pagoda.core.outputs import EngineCoreOutput
+from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagoda.pooling import PoolerConfig, placeholder_sampling_params
 from pagoda.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,7 +60,7 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
             logprobs=list(c.logprobs) if c.logprobs is not None else None,
         )
         for c in out.outputs
-    ])
+    ], prompt_logprobs=list(out.prompt_logprobs) if out.prompt_logprobs is not None else None)
 
 
 class EngineFrontEnd(EngineClientBase):
@@ -72,10 +76,11 @@ class EngineFrontEnd(EngineClientBase):
         metrics: EngineMetrics | None = None,
         stats: SchedulerStats | None = None,
         stat_logger: StatLogger | None = None,
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
         """``metrics``: the recorder /metrics and the dashboard read (None: none kept);
         ``stats``: the core's state until its first message; ``stat_logger``: logs a
-        throughput line now and then."""
+        throughput line now and then; ``pooler_config``: the core's, when it embeds."""
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids
@@ -88,6 +93,10 @@ class EngineFrontEnd(EngineClientBase):
             metrics.stats = self._stats
         self._stat_logger = stat_logger
         self._queues: dict[str, asyncio.Queue] = {}
+        self.pooler_config = pooler_config
+        # Embedding requests in the core: request id -> prompt token ids. They bypass the
+        # output processor (nothing to detokenize); their one output goes to their queue.
+        self._pooling: dict[str, list[int]] = {}
         self._dead: str | None = None
         self._last_output = time.monotonic()
         # Request/reply calls to the core (integrity checks, LoRA calls) by their token.
@@ -124,8 +133,11 @@ class EngineFrontEnd(EngineClientBase):
             metrics = self.metrics
             if metrics is not None:
                 metrics.on_engine_outputs(msg, now)
-            if msg.outputs:
-                outputs, to_stop = self.processor.process_outputs(msg.outputs)
+            core_outputs = msg.outputs
+            if self._pooling and core_outputs:
+                core_outputs = self._deliver_pooled(core_outputs)
+            if core_outputs:
+                outputs, to_stop = self.processor.process_outputs(core_outputs)
                 if metrics is not None:
                     metrics.on_request_outputs(outputs, now)
                 if to_stop:
@@ -147,9 +159,30 @@ class EngineFrontEnd(EngineClientBase):
         else:
             self._die(f"the engine core sent an unexpected {type(msg).__name__} message")
 
+    def _deliver_pooled(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Hand embedding requests' outputs to their streams; the rest (generation) is returned."""
+        rest = []
+        for out in outputs:
+            prompt = self._pooling.pop(out.request_id, None) if out.finished else None
+            if prompt is None:
+                rest.append(out)
+                continue
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(EmbeddingRequestOutput(out.request_id, prompt, EmbeddingOutput(out.pooled or []),
+                                                    finish_reason=out.finish_reason or "stop",
+                                                    num_cached_tokens=out.num_cached_tokens))
+        return rest
+
     async def _request_failed(self, core_request_id: str, error: Exception) -> None:
         """The core gave up on one of a request's core requests: abort the request, and its
         consumer gets ``error``."""
+        if core_request_id in self._pooling:
+            await self.abort(core_request_id)
+            q = self._queues.get(core_request_id)
+            if q is not None:
+                q.put_nowait(error)
+            return
         parent = self.processor.parent_id(core_request_id)
         if parent is not None:
             await self.abort(parent)
@@ -178,7 +211,12 @@ class EngineFrontEnd(EngineClientBase):
     def num_unfinished_requests(self) -> int:
         return len(self._queues)
 
-    async def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
+        if call.pooling_params is not None:
+            async with contextlib.aclosing(self._embed(call)) as stream:
+                async for out in stream:
+                    yield out
+            return
         request_id, prompt, prompt_token_ids, sampling_params = (
             call.request_id, call.prompt, call.prompt_token_ids, call.sampling_params)
         priority, cache_salt, tenant, lora_request = call.priority, call.cache_salt, call.tenant, call.lora_request
@@ -226,7 +264,47 @@ class EngineFrontEnd(EngineClientBase):
             if not finished:
                 await self.abort(request_id)
 
+    async def _embed(self, call: GenerateCall) -> AsyncIterator[EmbeddingRequestOutput]:
+        """An embedding request: one core request, one output (its vector) when the prompt is done."""
+        request_id = call.request_id
+        self._check_alive()
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self._ensure_tasks()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            arrival = time.monotonic()
+            self._pooling[request_id] = list(call.prompt_token_ids)
+            if self.metrics is not None:
+                self.metrics.add_request(request_id, arrival, len(call.prompt_token_ids), tenant=call.tenant,
+                                         priority=call.priority)
+            await self._send(EngineCoreRequest(
+                request_id=request_id, prompt_token_ids=call.prompt_token_ids,
+                sampling_params=placeholder_sampling_params(), arrival_time=arrival, priority=call.priority,
+                cache_salt=call.cache_salt, tenant=call.tenant, lora_request=call.lora_request,
+                pooling_params=call.pooling_params,
+            ))  # fmt: skip
+            item = await queue.get()
+            finished = True
+            if isinstance(item, Exception):
+                raise item
+            yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
     async def abort(self, request_id: str) -> None:
+        if self._pooling.pop(request_id, None) is not None:
+            if self.metrics is not None:
+                self.metrics.on_abort([request_id], time.monotonic())
+            if self._dead is None:
+                await self._send(Abort([request_id]))
+            return
         children = self.processor.child_ids(request_id)
         self.processor.abort_request(request_id)
         if self.metrics is not None:

@@ -8,14 +8,24 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from pagoda.config import EngineConfig
+from pagoda.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    finish_text,
+    top_candidates,
+)
 from pagoda.engine.engine_core import EngineCore
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest
 from pagoda.model.stores import model_defaults
 from pagoda.outputs import RequestOutput
+from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagoda.pooling import PoolingParams, placeholder_sampling_params, truncate_prompt
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer, build_tokenizer
-from pagoda.validation import RequestLimits, validate_request
+from pagoda.validation import RequestLimits, validate_pooling_request, validate_request
 
 PromptType = str | dict[str, Any]
 
@@ -25,6 +35,10 @@ class LLM:
 
     >>> llm = LLM()                      # the bundled SmolLM2-135M-Instruct
     >>> out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8))
+
+    With ``task="embed"`` (automatic for embedding checkpoints, pagoda/pooling.py) it embeds:
+    ``LLM(task="embed").embed(["a sentence"])[0].outputs.embedding``; generate() and chat()
+    of an embedding engine (and embed() of a generating one) raise WrongTaskError.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -38,7 +52,8 @@ class LLM:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.processor = OutputProcessor(self.tokenizer)
         self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
-                                    self.config.scheduling_policy, self.config.enable_lora)
+                                    self.config.scheduling_policy, self.config.enable_lora,
+                                    max_logprobs=self.config.max_logprobs, pooler=self.engine.pooler_config)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (a no-op for one process)."""
@@ -73,29 +88,70 @@ class LLM:
         items = []
         salts: list[str | None] = []
         for p in prompts:
-            if isinstance(p, dict):
-                unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
-                if unknown:
-                    raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
-                salt = p.get("cache_salt")
-                if salt is not None and (not isinstance(salt, str) or not salt):
-                    raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
-                salts.append(salt)
-            else:
-                salts.append(None)
-            if isinstance(p, str):
-                items.append((p, self.get_tokenizer().encode(p)))
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
-            elif isinstance(p, dict) and "prompt" in p:
-                items.append((p["prompt"], self.get_tokenizer().encode(p["prompt"])))
-            else:
-                raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
+            item, salt = self._prompt_item(p)
+            items.append(item)
+            salts.append(salt)
         if priority is not None:
             priority = list(priority)
             if len(priority) != len(items):
                 raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
         return self._run(items, sampling_params, use_tqdm, priority, salts, lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt, the best ``params.beam_width`` sequences
+        (pagoda/engine/beam_search.py). Every step runs the live beams of all prompts as one
+        batch of one-token requests; they share their KV blocks through the prefix cache."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        items = [self._prompt_item(p)[0] for p in prompts]
+        probe = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature)
+        for _, token_ids in items:
+            validate_request(token_ids, probe, self.limits, lora_request=lora_request)
+        searches = [BeamSearch(ids, params, self.eos_token_ids) for _, ids in items]
+        step = params.step_params()
+        while any(not s.done for s in searches):
+            owners = [(s, tokens) for s in searches for tokens in s.pending()]
+            outs = self._run([(None, tokens) for _, tokens in owners], step, use_tqdm, lora_request=lora_request,
+                             checked=True)  # fmt: skip
+            at = 0
+            for s in searches:
+                n = len(s.pending())
+                s.advance([top_candidates(o, step.logprobs or 0) for o in outs[at:at + n]])
+                at += n
+        results = []
+        for s in searches:
+            beams = s.result()
+            for beam in beams:
+                beam.text = finish_text(beam, params, self._decode, self.eos_token_ids) if self.tokenizer else None
+            results.append(BeamSearchOutput(beams))
+        return results
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.get_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _prompt_item(self, p: PromptType) -> tuple[tuple[str | None, list[int]], str | None]:
+        """A prompt as ((text, token ids), cache salt)."""
+        salt = None
+        if isinstance(p, dict):
+            unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
+            salt = p.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        if isinstance(p, str):
+            return (p, self.get_tokenizer().encode(p)), salt
+        if isinstance(p, dict) and "prompt_token_ids" in p:
+            return (p.get("prompt"), list(p["prompt_token_ids"])), salt
+        if isinstance(p, dict) and "prompt" in p:
+            return (p["prompt"], self.get_tokenizer().encode(p["prompt"])), salt
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
 
     def chat(
         self,
@@ -121,6 +177,59 @@ class LLM:
             items.append((text, tokenizer.encode(text, add_special_tokens=False)))
         return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, or a dict with ``prompt_token_ids``), batched by
+        the same scheduler; ``truncate_prompt_tokens``: keep each prompt's last k tokens."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids_list = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = self.get_tokenizer().encode(p)
+            elif isinstance(p, dict) and set(p) <= {"prompt", "prompt_token_ids"} and "prompt_token_ids" in p:
+                ids = list(p["prompt_token_ids"])
+            else:
+                raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
+            ids_list.append(truncate_prompt(ids, truncate_prompt_tokens, self.engine.max_model_len))
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(ids_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(ids_list):
+                raise ValueError(f"got {len(params_list)} pooling params for {len(ids_list)} prompts")
+        for ids, params in zip(ids_list, params_list):
+            validate_pooling_request(ids, params, self.limits, 0, lora_request)
+        if lora_request is not None:
+            self.engine.add_lora(lora_request)
+        rids = [f"embed-{uuid.uuid4().hex[:12]}" for _ in ids_list]
+        results: dict[str, EmbeddingRequestOutput] = {}
+        bar = tqdm(total=len(rids), desc="Embedding", unit="req", disable=not use_tqdm, leave=False)
+        try:
+            for rid, ids, params in zip(rids, ids_list, params_list):
+                self.engine.add_request(EngineCoreRequest(rid, ids, placeholder_sampling_params(),
+                                                          lora_request=lora_request, pooling_params=params))
+            while len(results) < len(rids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step().outputs:
+                    if out.pooled is not None:
+                        results[out.request_id] = EmbeddingRequestOutput(
+                            out.request_id, [], EmbeddingOutput(out.pooled), num_cached_tokens=out.num_cached_tokens)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_requests([r for r in rids if r not in results])
+            raise
+        finally:
+            bar.close()
+        for rid, ids in zip(rids, ids_list):
+            results[rid].prompt_token_ids = ids
+        return [results[rid] for rid in rids]
+
     # ---- the loop ------------------------------------------------------------------
 
     def _run(
@@ -131,7 +240,10 @@ class LLM:
         priorities: list[int] | None = None,
         salts: list[str | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        checked: bool = False,
     ) -> list[RequestOutput]:
+        """``checked``: the requests were validated already (beam search's step requests,
+        whose 2 x beam_width logprobs are the search's own, not bounded by --max-logprobs)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -155,8 +267,9 @@ class LLM:
             for k, ((prompt, token_ids), params, lora) in enumerate(zip(items, params_list, lora_list)):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
                 priority = priorities[k] if priorities is not None else 0
-                validate_request(token_ids, params, self.limits, priority, lora,
-                                 validate_grammar=lambda g: self.engine.structured.validate(g))
+                if not checked:
+                    validate_request(token_ids, params, self.limits, priority, lora,
+                                     validate_grammar=lambda g: self.engine.structured.validate(g))
                 self.processor.add_request(rid, prompt, token_ids, params)
                 ids.append(rid)
                 for req in make_core_requests(rid, token_ids, params, self.eos_token_ids, priority=priority,

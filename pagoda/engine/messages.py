@@ -8,7 +8,7 @@ stats, step records) are defined in ``pagoda.core.outputs``.
 
 Front end -> core (``ToCore``):
 
-- ``add``       EngineCoreRequest: one sequence to generate (one per sample of a request)
+- ``add``       EngineCoreRequest: one sequence to generate (one per sample of a request), or to embed
 - ``abort``     Abort: end requests now; the core answers with their final outputs
 - ``stop``      Stop: end requests whose stop string the front end matched
 - ``check``     CheckIntegrity: debug, run check_integrity() between steps; answered by ``integrity``
@@ -38,6 +38,7 @@ import msgspec
 
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, StepRecord
 from pagoda.lora.request import LoRARequest
+from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 __all__ = [
@@ -64,6 +65,8 @@ class EngineCoreRequest(Message, tag="add"):
     cache_salt: str | None = None
     tenant: str | None = None
     lora_request: LoRARequest | None = None
+    # An embedding request: pooled and finished after its prompt (sampling_params: a placeholder).
+    pooling_params: PoolingParams | None = None
 
 
 class Abort(Message, tag="abort"):
@@ -102,6 +105,7 @@ class Ready(Message, tag="ready"):
     vocab_size: int
     num_blocks: int
     block_size: int
+    pooler: PoolerConfig | None = None   # an embedding engine's pooling; None: it generates
 
 
 class EngineCoreOutputs(Message, tag="outputs"):

@@ -16,7 +16,13 @@ from pagoda.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from pagoda.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 
@@ -36,15 +42,21 @@ def make_core_requests(
     tenant: str | None = None,
     lora_request: LoRARequest | None = None,
 ) -> list[EngineCoreRequest]:
-    """One core request per sample. With a seed, sample i uses seed + i, so
-    the n samples differ yet the whole request is reproducible."""
+    """One core request per sample (best_of of them when set, else n). With a seed, sample
+    i uses seed + i, so the samples differ yet the whole request is reproducible. Only
+    sample 0 computes prompt_logprobs (they are the same for every sample). best_of's
+    samples report their sampled tokens' logprobs, which rank them."""
     reqs = []
-    for i in range(params.n):
+    num = params.num_samples
+    ranks_samples = params.best_of is not None and params.best_of > params.n
+    for i in range(num):
         seed = params.seed + i if params.seed is not None else None
-        child = dataclasses.replace(params, n=1, seed=seed)
+        logprobs = params.logprobs if params.logprobs is not None or not ranks_samples else 0
+        child = dataclasses.replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs,
+                                    prompt_logprobs=params.prompt_logprobs if i == 0 else None)
         reqs.append(
             EngineCoreRequest(
-                request_id=child_request_id(request_id, i, params.n),
+                request_id=child_request_id(request_id, i, num),
                 prompt_token_ids=prompt_token_ids,
                 sampling_params=child,
                 eos_token_ids=sorted(eos_token_ids),
@@ -74,19 +86,26 @@ class _ParentState:
     params: SamplingParams
     children: list[_ChildState]
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
         return all(c.output.finished for c in self.children)
 
     def to_output(self) -> RequestOutput:
+        outputs = [c.output for c in self.children]
+        if len(outputs) > self.params.n:
+            # best_of: the n samples of the highest cumulative logprob, renumbered in that order.
+            best = sorted(outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[: self.params.n]
+            outputs = [dataclasses.replace(o, index=i) for i, o in enumerate(best)]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.output for c in self.children],
+            outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -95,6 +114,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._children: dict[str, _ChildState] = {}
         self._parents: dict[str, _ParentState] = {}
+        self._token_text: dict[int, str] = {}
 
     def add_request(
         self,
@@ -108,7 +128,12 @@ class OutputProcessor:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer (the engine was started with skip_tokenizer_init)")
         parent = _ParentState(request_id, prompt, prompt_token_ids, params, [])
-        for i in range(params.n):
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
+        num = params.num_samples
+        # best_of ranks its samples by cumulative logprob, asked for or not.
+        tracks_cumulative = params.logprobs is not None or num > params.n
+        for i in range(num):
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
@@ -120,12 +145,12 @@ class OutputProcessor:
                 )
             out = CompletionOutput(
                 index=i, text="", token_ids=[],
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if tracks_cumulative else None,
                 logprobs=[] if params.logprobs is not None else None,
             )
             child = _ChildState(parent, i, out, detok)
             parent.children.append(child)
-            self._children[child_request_id(request_id, i, params.n)] = child
+            self._children[child_request_id(request_id, i, num)] = child
         self._parents[request_id] = parent
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -147,20 +172,39 @@ class OutputProcessor:
         return len(self._parents)
 
     def _logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> SampleLogprobs:
+        """One dict per position: the token itself first (with its rank when the core computed
+        it), then the top alternatives by rank, then any tracked logprob_token_ids."""
         out: SampleLogprobs = []
         for entry, token_id in zip(entries, token_ids):
             pos: dict[int, Logprob] = {}
             for rank, (tid, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
                 pos[tid] = Logprob(lp, rank, self._decode_one(tid))
             if token_id not in pos:
-                pos = {token_id: Logprob(entry.logprob, None, self._decode_one(token_id)), **pos}
+                pos = {token_id: Logprob(entry.logprob, entry.rank, self._decode_one(token_id)), **pos}
+            for tid, lp, rank in zip(entry.tracked_token_ids, entry.tracked_logprobs, entry.tracked_ranks):
+                pos.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
             out.append(pos)
         return out
 
+    def _add_prompt_logprobs(self, parent: _ParentState, core_out: EngineCoreOutput) -> None:
+        """Place a chunk's prompt logprobs by position (a recomputed chunk after preemption
+        writes the same values again)."""
+        if parent.prompt_logprobs is None or core_out.prompt_logprobs is None:
+            return
+        start = core_out.prompt_logprobs_start
+        ids = parent.prompt_token_ids[start:start + len(core_out.prompt_logprobs)]
+        for i, pos in enumerate(self._logprobs(core_out.prompt_logprobs, ids)):
+            parent.prompt_logprobs[start + i] = pos
+
     def _decode_one(self, token_id: int) -> str | None:
+        """A token's text, cached: logprobs over the whole vocabulary decode every token id
+        at every position. (At most one entry per token id.)"""
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's outputs. Returns the RequestOutputs of every parent
@@ -181,6 +225,7 @@ class OutputProcessor:
             out = child.output
             parent = child.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, core_out.num_cached_tokens)
+            self._add_prompt_logprobs(parent, core_out)
             new_ids = core_out.new_token_ids
             finish_reason = core_out.finish_reason
             stop_reason = core_out.stop_reason
@@ -191,9 +236,8 @@ class OutputProcessor:
                     lps = self._logprobs(core_out.new_logprobs, new_ids)
                     out.logprobs.extend(lps)
                     out.delta_logprobs = lps
-                    out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sum(
-                        e.logprob for e in core_out.new_logprobs
-                    )
+                if core_out.new_logprobs is not None and out.cumulative_logprob is not None:
+                    out.cumulative_logprob += sum(e.logprob for e in core_out.new_logprobs)
                 if child.detokenizer is not None:
                     matched = child.detokenizer.update(new_ids)
                     if matched is not None:
@@ -212,6 +256,8 @@ class OutputProcessor:
             touched[parent.request_id] = parent
         results = []
         for rid, parent in touched.items():
+            if len(parent.children) > parent.params.n and not parent.finished:
+                continue  # best_of: which samples are returned is known only at the end
             results.append(parent.to_output())
             if parent.finished:
                 del self._parents[rid]

@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / prompt_logprobs a request may ask for (vLLM's flag); -1: no bound, "
+                        "so that a request may ask for the whole vocabulary with -1")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: 64 on CPU, 16 on GPU; prefix caching reuses whole blocks)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
@@ -114,6 +117,22 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--max-loras", type=int, default=1,
                    help="LoRA adapters resident at once; one batch mixes requests of up to this many")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+    emb = p.add_argument_group("embeddings (docs/embeddings.md)")
+    emb.add_argument("--task", default="auto", choices=("auto", "generate", "embed"),
+                     help="generate text, or embed (POST /v1/embeddings: the final hidden states pooled); auto: "
+                          "embed for an embedding checkpoint (no LM head, or a sentence-transformers layout)")
+    emb.add_argument("--pooling-type", default=None, choices=("LAST", "MEAN", "CLS"),
+                     help="--task embed: pool the last token's, the mean of all, or the first token's hidden "
+                          "state (default: the checkpoint's sentence-transformers config, else LAST)")
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="--task embed: L2-normalise vectors (default: the checkpoint's Normalize module in a "
+                          "sentence-transformers layout, else on)")
+    emb.add_argument("--matryoshka-dimensions", default=None, metavar="any|N,N,...",
+                     help="--task embed: let requests ask for truncated vectors ('dimensions'): any width, or "
+                          "only these (default: the checkpoint's is_matryoshka / matryoshka_dimensions)")
+    emb.add_argument("--override-pooler-config", default=None,
+                     help='--task embed, vLLM\'s spelling: JSON of pooling_type, normalize, is_matryoshka, '
+                          'matryoshka_dimensions (the flags above win over it)')
     par = p.add_argument_group("parallelism (docs/parallel.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
@@ -148,6 +167,24 @@ def _init_method(args: argparse.Namespace) -> str | None:
     return f"tcp://{addr}:{port}"
 
 
+def _pooler_overrides(args: argparse.Namespace) -> dict | str | None:
+    """--override-pooler-config with --pooling-type / --normalize / --matryoshka-dimensions on top."""
+    from pagoda.pooling import PoolerOverrides
+
+    base = PoolerOverrides.parse(getattr(args, "override_pooler_config", None)) or PoolerOverrides()
+    fields = {k: v for k, v in vars(base).items() if v is not None}
+    if getattr(args, "pooling_type", None) is not None:
+        fields["pooling_type"] = args.pooling_type
+    if getattr(args, "normalize", None) is not None:
+        fields["normalize"] = args.normalize
+    dims = getattr(args, "matryoshka_dimensions", None)
+    if dims is not None:
+        fields["is_matryoshka"] = True
+        if dims.strip().lower() != "any":
+            fields["matryoshka_dimensions"] = dims
+    return fields or None
+
+
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     if getattr(args, "data_parallel_size", 1) > 1 and getattr(args, "command", None) != "serve" \
             and "data_parallel_size" not in extra:
@@ -172,6 +209,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_logprobs=getattr(args, "max_logprobs", 20),
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
@@ -191,6 +229,8 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_lora=getattr(args, "enable_lora", False),
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
+        task=getattr(args, "task", "auto"),
+        override_pooler_config=_pooler_overrides(args),
         **extra,
     )
 
@@ -257,11 +297,59 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.launch import run_server
 
-    if args.api_key is None:
-        args.api_key = os.environ.get("PAGODA_API_KEY") or None
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora needs --enable-lora")
+    if args.allow_runtime_lora and not args.lora_root:
+        raise ValueError("--allow-runtime-lora needs at least one --lora-root DIR (the folders adapters may be "
+                         "loaded from)")
+    if args.lora_root and not args.allow_runtime_lora:
+        raise ValueError("--lora-root is for --allow-runtime-lora (adapters loaded at run time)")
     return run_server(args, config_from_args(args))
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | os._Environ[str]) -> None:
+    """``PAGODA_<FLAG>`` environment variables as the defaults of a command's flags (as
+    containers and orchestrators configure a server): ``PAGODA_MAX_MODEL_LEN=4096`` is
+    ``--max-model-len 4096``, ``PAGODA_MODEL`` the model, ``PAGODA_ENABLE_LORA=1`` a switch
+    (1/true/yes/on or 0/false/no/off), a list flag's values separated by spaces. Flags on
+    the command line win. A value the flag would refuse is an error naming the variable;
+    ``PAGODA_*`` variables that name no flag (``PAGODA_CPU_ISA``, ...) are left alone."""
+    defaults = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or not action.dest or action.dest == argparse.SUPPRESS:
+            continue
+        name = f"PAGODA_{action.dest.upper()}"
+        if name not in environ:
+            continue
+        raw = environ[name].strip()
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction))
+        if not raw and not switch:
+            continue  # set but empty: as if unset
+        try:
+            if switch:
+                if raw.lower() not in _TRUE | _FALSE:
+                    raise argparse.ArgumentTypeError(f"expected 1/true/yes/on or 0/false/no/off, got {raw!r}")
+                value: object = raw.lower() in _TRUE
+            elif action.nargs in ("+", "*"):
+                value = [_env_value(action, item) for item in raw.split()]
+            else:
+                value = _env_value(action, raw)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            parser.error(f"environment variable {name}: {e}")
+        defaults[action.dest] = value
+    parser.set_defaults(**defaults)
+
+
+def _env_value(action: argparse.Action, raw: str) -> object:
+    value = action.type(raw) if callable(action.type) else raw
+    if action.choices is not None and value not in action.choices:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
@@ -272,6 +360,12 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     add_engine_args(serve, positional_model=True)
     serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                        help="LoRA adapters to load at start (needs --enable-lora), each served as model NAME")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default: "
+                            "a client could otherwise make the server read any folder); needs --lora-root")
+    serve.add_argument("--lora-root", nargs="+", action="extend", default=[], metavar="DIR",
+                       help="with --allow-runtime-lora: the only folders adapters may be loaded from "
+                            "(symlinks are followed before the check; repeatable)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
@@ -291,6 +385,19 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
                        help="the format tool calls are written in by the model and read from its output "
                             "(hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
+    from pagoda.reasoning import REASONING_PARSERS
+
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split the model's reasoning (<think>...</think>) from its answer: "
+                            "reasoning_content in chat completions, thinking blocks in /v1/messages "
+                            "(deepseek_r1: the template opens <think>; qwen3: both tags in the output)")
+    serve.add_argument("--responses-store-max-entries", type=int, default=1024,
+                       help="/v1/responses with store (OpenAI's default): keep at most this many responses in "
+                            "memory, least recently used evicted first (0: store nothing)")
+    serve.add_argument("--responses-store-max-bytes", type=int, default=64 << 20,
+                       help="... and at most this many bytes of them (their JSON size)")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="end every stream with a usage chunk, even without stream_options.include_usage")
     serve.add_argument("--api-key-on-internal-endpoints", action="store_true",
                        help="require --api-key on /metrics, /dashboard and /debug too (open by default, "
                             "for scrapers; they never show prompt or output text)")
@@ -303,6 +410,7 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--log-stats-interval", type=_positive_float, default=10.0,
                        help="seconds between two periodic stats lines while busy")
     serve.set_defaults(func=cmd_serve)
+    env_defaults(serve, os.environ)
 
     gen = sub.add_parser("generate", help="generate offline from prompts (arguments or stdin lines)")
     add_engine_args(gen)

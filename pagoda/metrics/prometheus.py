@@ -1,7 +1,8 @@
 """GET /metrics: the engine's metrics in Prometheus text format.
 
-Names mirror vLLM's (``vllm:X`` -> ``pagoda:X``) so that existing dashboards and
-alerts port over by renaming the prefix; every series carries ``model_name``.
+Names mirror vLLM's (``vllm:X`` -> ``pagoda:X``), and the metrics vLLM V1 exports are
+exported under their ``vllm:`` names too (``VLLM_ALIASES``), so that dashboards, alerts and
+autoscalers written for vLLM read pagoda unchanged; every series carries ``model_name``.
 
 The values live in EngineMetrics (front end) and SchedulerStats (engine core, the
 latest one received); a custom collector turns them into metric families at scrape
@@ -58,6 +59,28 @@ _HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# pagoda:X exported again as vllm:X: the vLLM V1 metrics a vLLM dashboard reads, where pagoda
+# has the same quantity with the same meaning and labels.
+VLLM_ALIASES: frozenset[str] = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos", "lora_requests_info",
+    # Every histogram but iteration_batch_size, which vLLM has not.
+    *(name for _, name, _ in _HISTOGRAMS if name != "iteration_batch_size"),
+})  # fmt: skip
+
+
+def _vllm_alias(family: Metric) -> Metric | None:
+    """The same family under vLLM's name (its samples renamed with it), if vLLM has it."""
+    name = family.name.removeprefix("pagoda:")
+    if name == family.name or name not in VLLM_ALIASES:
+        return None
+    alias = Metric(f"vllm:{name}", family.documentation, family.type, family.unit)
+    alias.samples = [s._replace(name="vllm:" + s.name.removeprefix("pagoda:")) for s in family.samples]
+    return alias
+
+
 class EngineCollector(Collector):
     """Reads the engine's state at scrape time. ``metrics`` may be None (an engine
     without a recorder, e.g. a test double): then only the gauges are exported."""
@@ -75,9 +98,14 @@ class EngineCollector(Collector):
         else:
             labels = ["model_name"]
             parts = [([self.model_name], self.engine.metrics, self.engine.latest_stats())]
-        yield from _families(labels, parts)
+        families = list(_families(labels, parts))
         if len(parts) == 1:  # LoRA runs without data parallelism (EngineConfig checks)
-            yield from self._lora_metrics(parts[0][2])
+            families.extend(self._lora_metrics(parts[0][2]))
+        yield from families
+        for family in families:
+            alias = _vllm_alias(family)
+            if alias is not None:
+                yield alias
 
     def _lora_metrics(self, stats: SchedulerStats) -> Iterator[Metric]:
         """Like vLLM: one series whose labels list the adapters with running and waiting

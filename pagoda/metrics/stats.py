@@ -194,6 +194,15 @@ class EngineMetrics:
                 continue  # not ours, or already ended (e.g. by a stop string)
             if out.scheduled_time:
                 state.scheduled = out.scheduled_time
+            if out.pooled is not None:
+                # An embedding request: its prompt computed and pooled, it is done.
+                state.first_engine = state.last_engine = engine_ts
+                self.prompt_tokens += state.num_prompt_tokens
+                for cls in (state.tenant, state.priority):
+                    if cls is not None:
+                        cls.prompt_tokens += state.num_prompt_tokens
+                self._finish(out.request_id, out.finish_reason or "stop", now)
+                continue
             n = len(out.new_token_ids)
             if n:
                 if state.num_generation_tokens == 0:

@@ -7,6 +7,7 @@ starting from the fields every decoder shares (``hf_fields`` / ``gguf_fields``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,15 @@ from pagoda.model.layers.rotary import SUPPORTED_ROPE_SCALING, rope_kind
 from pagoda.model.models import GGUF_ARCHITECTURES, UnsupportedModelError, hf_architectures, model_class
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
+
+
+def base_model_family(architecture: str) -> str | None:
+    """The causal-LM family of a transformers base-model name ("Qwen3Model" ->
+    "Qwen3ForCausalLM"), if pagoda serves that family; else None."""
+    if not architecture.endswith("Model"):
+        return None
+    family = architecture[: -len("Model")] + "ForCausalLM"
+    return family if family in hf_architectures() else None
 
 
 def periodic_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
@@ -115,6 +125,9 @@ class ModelArchConfig:
     o_proj_bias: bool = False
     router_bias: bool = False
     mlp_bias: bool = False
+    # False: an embedding checkpoint with no LM head (transformers' base model, e.g. Qwen3Model);
+    # its head is tied to the embedding, never used (pagoda/pooling.py).
+    has_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in hf_architectures():
@@ -171,6 +184,10 @@ class ModelArchConfig:
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_hidden_layers} layers")
 
+    def without_lm_head(self) -> ModelArchConfig:
+        """This architecture as an embedding checkpoint of it holds it: no LM head."""
+        return dataclasses.replace(self, has_lm_head=False, tie_word_embeddings=True)
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
@@ -211,6 +228,11 @@ class ModelArchConfig:
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
         archs = config.get("architectures") or []
         arch = next((a for a in archs if a in hf_architectures()), None)
+        base = next((a for a in archs if base_model_family(a) is not None), None) if arch is None else None
+        if base is not None:
+            # A base model (no LM head): an embedding checkpoint of a family we serve.
+            parsed = model_class(base_model_family(base)).arch_from_hf(config, base_model_family(base))
+            return parsed.without_lm_head()
         if arch is None:
             raise UnsupportedModelError(
                 f"architecture {archs or config.get('model_type')!r} is not supported; "

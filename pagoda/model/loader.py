@@ -231,6 +231,37 @@ def _checkpoint_reader(handles: list) -> Callable[[str], torch.Tensor]:
     return read
 
 
+class _BaseModelFile:
+    """A safetensors file of a transformers base model (an embedding checkpoint) read under the
+    causal LM's names: ``layers.0.mlp.up_proj.weight`` as ``model.layers.0.mlp.up_proj.weight``."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self._theirs = {n if n.startswith("model.") else f"model.{n}": n for n in handle.keys()}  # noqa: SIM118
+
+    def keys(self) -> list[str]:
+        return list(self._theirs)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self._theirs[name])
+
+    def get_slice(self, name: str):
+        return self.handle.get_slice(self._theirs[name])
+
+
+def _base_model_layout(arch: ModelArchConfig, handles: list, path: str) -> tuple[ModelArchConfig, list]:
+    """An embedding checkpoint as the causal LM's loader reads it: tensors saved from the base
+    model (no ``model.`` prefix) renamed, and a sentence-transformers model saved without its
+    (untied) LM head marked as having none."""
+    names = {n for h in handles for n in h.keys()}  # noqa: SIM118 (safetensors handles)
+    if not any(n.startswith("model.") for n in names) and any(n.startswith("layers.") for n in names):
+        handles = [_BaseModelFile(h) for h in handles]
+    st_layout = os.path.isfile(os.path.join(path, "modules.json"))
+    if st_layout and arch.has_lm_head and not arch.tie_word_embeddings and "lm_head.weight" not in names:
+        arch = arch.without_lm_head()
+    return arch, handles
+
+
 def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
                     tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
     from safetensors import safe_open
@@ -246,10 +277,10 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
+    arch, handles = _base_model_layout(arch, [safe_open(str(f), framework="pt") for f in files], path)
     model, plan = _instantiate(arch, dtype, device, tp)
     model_cls = type(model)
 
-    handles = [safe_open(str(f), framework="pt") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
     checkpoint = _checkpoint_reader(handles)
 
@@ -476,10 +507,10 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
         return None  # _load_hf_folder says what is missing
     with open(config_file) as f:
         arch = ModelArchConfig.from_hf_config(json.load(f))
+    arch, handles = _base_model_layout(arch, [safe_open(str(f), framework="pt") for f in files], path)
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
     slots = kept_weight_slots(model)
-    handles = [safe_open(str(f), framework="pt") for f in files]
     checkpoint = _checkpoint_reader(handles)
     cls = type(model)
     dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()

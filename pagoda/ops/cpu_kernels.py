@@ -10,6 +10,11 @@ the reason is logged once, and callers use their plain-torch path.
 Some kernels also have an AVX-512 VNNI version, compiled into the same module and
 chosen at run time where the CPU has it (``has_avx512_vnni``);
 ``PAGODA_CPU_ISA=avx2`` keeps to the AVX2 versions (for comparisons and tests).
+
+Images without a compiler (the container's runtime stage) ship the module prebuilt:
+``python -m pagoda.ops.cpu_kernels --install DIR`` builds it and copies it into DIR, and
+``PAGODA_KERNELS_DIR=DIR`` loads it from there when its name (the sources' hash) matches
+these sources; otherwise the usual build runs.
 """
 
 from __future__ import annotations
@@ -63,8 +68,12 @@ def _build() -> ModuleType:
     sources = sorted(_CSRC.glob("*.cpp"))
     files = sorted(sources + list(_CSRC.glob("*.h")))
     digest = hashlib.sha256(b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in files)).hexdigest()
+    name = f"pagoda_cpu_kernels_{digest[:12]}"
+    prebuilt = _prebuilt(name)
+    if prebuilt is not None:
+        return prebuilt
     return cpp_extension.load(
-        name=f"pagoda_cpu_kernels_{digest[:12]}",
+        name=name,
         sources=[str(p) for p in sources],
         # No FMA contraction of plain C++ arithmetic: the elementwise ops then round as
         # torch's do (the kernels' explicit FMA intrinsics are unaffected).
@@ -72,6 +81,35 @@ def _build() -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+def _prebuilt(name: str) -> ModuleType | None:
+    """The module built for these sources in ``PAGODA_KERNELS_DIR``, if there is one."""
+    folder = os.environ.get("PAGODA_KERNELS_DIR")
+    path = Path(folder) / f"{name}.so" if folder else None
+    if path is None or not path.is_file():
+        return None
+    import importlib.util
+
+    import torch  # noqa: F401  (the module links against torch's libraries, loaded first)
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def install(folder: str) -> Path:
+    """Builds the module (or finds it built) and copies it into ``folder``; returns its path."""
+    import shutil
+
+    module = _build()
+    target = Path(folder) / Path(module.__file__).name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if Path(module.__file__).resolve() != target.resolve():
+        shutil.copy2(module.__file__, target)
+    return target
 
 
 def kernels() -> ModuleType | None:
@@ -164,3 +202,11 @@ def onednn_units(kind: str) -> str:
         return "VNNI dot products"
     return "AVX2 integer multiply-adds"
 
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="build pagoda's CPU kernels ahead of use")
+    parser.add_argument("--install", metavar="DIR", required=True, help="copy the built module into DIR")
+    print(install(parser.parse_args().install))

@@ -17,7 +17,8 @@ processes every row in this order:
 4. Temperature divides the logits of random rows.
 5. Logprobs are ``log_softmax`` of these logits: "processed logprobs", after
    bias, penalties and temperature but before any truncation, so a token cut
-   by top-k/top-p/min-p still has a finite logprob.
+   by top-k/top-p/min-p still has a finite logprob. With them come the rank of
+   the sampled token and the logprobs (and ranks) of the row's ``logprob_token_ids``.
 6. Truncation of random rows: min-p, then top-k, then top-p (each on what the
    previous one left).
 7. Random rows sample with an exponential race: ``argmax(probs / q)`` with
@@ -64,6 +65,10 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [B] logprob of the sampled token
     topk_token_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked (may be 0)
     topk_logprobs: torch.Tensor | None  # [B, K] float32, sorted descending
+    sampled_ranks: torch.Tensor | None = None  # [B] int64: 1 + tokens more likely than the sampled one
+    # logprob_token_ids, flattened in the order of SamplingMetadata.tracked_rows/tokens:
+    tracked_logprobs: torch.Tensor | None = None  # [N] float32
+    tracked_ranks: torch.Tensor | None = None     # [N] int64
 
 
 @dataclass
@@ -100,7 +105,10 @@ class SamplingMetadata:
     ban_tokens: torch.Tensor | None
     generators: list[torch.Generator | None]  # per row; unused for greedy rows
     random_row_indices: list[int]  # kept as a list so drawing never syncs a device
-    max_num_logprobs: int | None  # None: no row asked for logprobs
+    max_num_logprobs: int | None  # None: no row asked for logprobs (-1, the whole vocabulary, is V here)
+    # logprob_token_ids of every row, as (row, token) pairs; None when no row tracks any.
+    tracked_rows: torch.Tensor | None = None
+    tracked_tokens: torch.Tensor | None = None
 
     @classmethod
     def from_rows(
@@ -176,7 +184,9 @@ class SamplingMetadata:
             grammar_banned = torch.ones(len(grammar_rows), vocab_size, dtype=torch.bool, device=device)
             grammar_banned[:, :width] = ~allowed[:, :width]
 
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        asked = [vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
+        # In range: validate_for_vocab checked them at admission.
+        tracked = [(i, t) for i, p in enumerate(params) for t in p.logprob_token_ids or ()]
         return cls(
             num_rows=len(rows),
             all_greedy=all(greedy),
@@ -201,6 +211,8 @@ class SamplingMetadata:
             generators=[row.generator for row in rows],
             random_row_indices=[i for i, g in enumerate(greedy) if not g],
             max_num_logprobs=max(asked) if asked else None,
+            tracked_rows=index([i for i, _ in tracked]) if tracked else None,
+            tracked_tokens=index([t for _, t in tracked]) if tracked else None,
         )
 
 
@@ -249,13 +261,22 @@ class Sampler(torch.nn.Module):
             if greedy_ids is not None:
                 sampled = torch.where(metadata.is_greedy, greedy_ids, sampled)
 
+        ranks = tracked = tracked_ranks = None
         if metadata.max_num_logprobs is not None:
             logprobs = all_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+            ranks = (all_logprobs > logprobs.unsqueeze(1)).sum(dim=1) + 1
+            if metadata.tracked_rows is not None:
+                rows = all_logprobs[metadata.tracked_rows]
+                tracked = rows.gather(1, metadata.tracked_tokens.unsqueeze(1)).squeeze(1)
+                tracked_ranks = (rows > tracked.unsqueeze(1)).sum(dim=1) + 1
         return SamplerOutput(
             sampled_token_ids=sampled,
             logprobs=logprobs,
             topk_token_ids=topk_ids,
             topk_logprobs=topk_logprobs,
+            sampled_ranks=ranks,
+            tracked_logprobs=tracked,
+            tracked_ranks=tracked_ranks,
         )
 
 

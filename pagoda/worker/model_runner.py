@@ -13,16 +13,19 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.core.kv_layout import KVLayout
+from pagoda.core.outputs import TokenLogprobs
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.ops import cpu_kernels
+from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
-from pagoda.sample.sampler import Sampler, SamplingMetadata, SamplingRow
+from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.proposer import DraftRequest, Proposer
+from pagoda.worker.pooler import Pooler
 
 
 @dataclass
@@ -35,6 +38,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_ids: frozenset[int]
     lora_int_id: int = 0
+    pooling_params: PoolingParams | None = None   # an embedding request: pooled, not sampled
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +100,59 @@ def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None
         dst.index_copy_(1, dst_idx, src.index_select(1, src_idx).to(dst.device))
 
 
+def _prompt_span(state: CachedRequestState, start: int, end: int, offset: int) -> tuple[str, int, range] | None:
+    """Where a request's prompt logprobs come from this step, if it asked for them: the
+    logits at position p score prompt token p + 1, so a chunk computing positions
+    [start, end) scores prompt tokens start + 1 .. min(end, P - 1) (the last position's
+    logits sample the first output instead). E.g. P = 5 in chunks [0, 3) and [3, 5): the
+    first scores tokens 1, 2, 3 from hidden rows offset + 0..2, the second token 4 from row
+    offset + 0. None for a request that did not ask, or a step past its prompt."""
+    if state.pooling_params is not None or state.sampling_params.prompt_logprobs is None:
+        return None  # (an embedding request's chunks are pooled, not scored)
+    last = min(end, len(state.prompt_token_ids) - 1)
+    if last <= start:
+        return None
+    return state.req_id, start + 1, range(offset, offset + last - start)
+
+
+def _logprob_entries(lps: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """One TokenLogprobs per row of [N, V] logprobs: the target token's logprob and rank, and the top k."""
+    target_lps = lps.gather(1, targets.unsqueeze(1)).squeeze(1)
+    ranks = ((lps > target_lps.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], targets[:, None][:, :0])
+    return [TokenLogprobs(lp, ids, tlps, rank)
+            for lp, ids, tlps, rank in zip(target_lps.tolist(), top_ids.tolist(), top_lps.tolist(), ranks)]
+
+
+def _sampled_logprobs(out: SamplerOutput, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Per sampled row, its logprobs entry (None where the request asked for none): each row
+    reads its own top-k of the batch's widest, and its tracked tokens in order."""
+    if out.logprobs is None:
+        return [None] * len(params)
+    lp = out.logprobs.tolist()
+    top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else [[] for _ in params]
+    top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else [[] for _ in params]
+    ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else [None] * len(params)
+    tracked = out.tracked_logprobs.tolist() if out.tracked_logprobs is not None else []
+    tracked_ranks = out.tracked_ranks.tolist() if out.tracked_ranks is not None else []
+    entries: list[TokenLogprobs | None] = []
+    at = 0
+    for j, p in enumerate(params):
+        if p.logprobs is None:
+            entries.append(None)
+            continue
+        k = len(top_ids[j]) if p.logprobs == -1 else p.logprobs
+        entry = TokenLogprobs(lp[j], top_ids[j][:k], top_lps[j][:k], ranks[j])
+        ids = list(p.logprob_token_ids or ())
+        if ids:  # in range: validate_for_vocab checked them at admission
+            entry.tracked_token_ids = ids
+            entry.tracked_logprobs = tracked[at:at + len(ids)]
+            entry.tracked_ranks = tracked_ranks[at:at + len(ids)]
+            at += len(ids)
+        entries.append(entry)
+    return entries
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -109,11 +166,13 @@ class ModelRunner:
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         lora: LoRAManager | None = None,
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
-        forward (its collectives) but rank 0 samples, and they learn the sampled
+        forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
         tokens from it (``apply_sampled``) before the next step. ``lora``: the
-        adapters, when LoRA is enabled (it has wrapped the model's projections)."""
+        adapters, when LoRA is enabled (it has wrapped the model's projections).
+        ``pooler_config``: an embedding engine's pooling (pagoda/worker/pooler.py)."""
         self.samples = samples
         self.model = model
         self.lora = lora
@@ -139,6 +198,7 @@ class ModelRunner:
             device, quantized if quantized is not None else kv_dtype, model.model.norm.weight.dtype
         )
         self.sampler = Sampler()
+        self.pooler = Pooler(pooler_config) if pooler_config is not None and samples else None
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption, so a seeded request draws the same
         # numbers whether or not it was preempted and recomputed.
@@ -168,14 +228,18 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+            if self.pooler is not None:
+                self.pooler.forget(rid)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
-                new.lora_int_id,
+                new.lora_int_id, new.pooling_params,
             )
+            if new.pooling_params is not None and self.pooler is not None:
+                self.pooler.start(new.req_id, new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for table, ids in zip(state.block_ids, cached.new_block_ids):
@@ -226,6 +290,9 @@ class ModelRunner:
         logits_indices: list[int] = []
         spec_rows: list[int] = []         # ... of requests verifying drafts
         spec_indices: list[int] = []      # their logits: last known token and every draft
+        # prompt_logprobs: per request, (first prompt token scored, hidden rows that score it and on).
+        prompt_spans: list[tuple[str, int, range]] = []
+        pool_rows: list[tuple[int, int]] = []   # (index into `order`, first hidden row) of embedding requests
         offset = 0
         for i, rid in enumerate(order):
             state = self.requests[rid]
@@ -239,9 +306,15 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             tables.append(state.block_ids)
+            span = _prompt_span(state, start, end, offset)
+            if span is not None:
+                prompt_spans.append(span)
             offset += n
-            # Only a request whose last known token is in this step samples.
-            if draft:
+            # Only a request whose last known token is in this step samples; an embedding
+            # request pools every chunk of its prompt instead.
+            if state.pooling_params is not None:
+                pool_rows.append((i, offset - n))
+            elif draft:
                 spec_rows.append(i)
                 spec_indices.extend(range(offset - len(draft) - 1, offset))
             elif end == len(state.all_token_ids):
@@ -265,9 +338,11 @@ class ModelRunner:
             self.proposer.sync(ids_t, pos_t, metas)
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list = [None for _ in order]
+        pooled = self._pool(order, query_lens, pool_rows, hidden) if pool_rows and self.pooler is not None else {}
         if spec_rows:
             spec_logits = self.model.compute_logits(hidden[torch.tensor(spec_indices, device=self.device)])
             self._verify([order[i] for i in spec_rows], drafts, spec_logits, sampled, spec_rows)
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_spans)
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
         if sample_rows and self.samples:
@@ -288,14 +363,10 @@ class ModelRunner:
             md = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
             out = self.sampler(logits, md)
             token_ids = out.sampled_token_ids.tolist()
-            lp = out.logprobs.tolist() if out.logprobs is not None else None
-            top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
-            top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
+            entries = _sampled_logprobs(out, [r.params for r in rows])
             for j, i in enumerate(sample_rows):
                 sampled[i] = [token_ids[j]]
-                k = rows[j].params.logprobs
-                if k is not None and lp is not None:
-                    logprobs[i] = [(lp[j], top_ids[j][:k], top_lps[j][:k])]
+                logprobs[i] = [entries[j]] if entries[j] is not None else None
         if not self.samples:
             for rid in order:
                 self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
@@ -314,9 +385,50 @@ class ModelRunner:
                 for table in state.block_ids:
                     del table[num_kept:]
         return ModelRunnerOutput(
-            order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d}
+            order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d},
+            prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
 
+    def _pool(self, order: list[str], query_lens: list[int], pool_rows: list[tuple[int, int]],
+              hidden: torch.Tensor) -> dict[str, list[float]]:  # fmt: skip
+        """Feed each embedding request's chunk of hidden states to the pooler; the vectors of
+        those whose prompt ended in this step."""
+        assert self.pooler is not None
+        pooled = {}
+        for i, first in pool_rows:
+            state = self.requests[order[i]]
+            rows = hidden[first:first + query_lens[i]]
+            vector = self.pooler.add(state.req_id, rows, state.num_computed_tokens, len(state.prompt_token_ids),
+                                     state.pooling_params)
+            if vector is not None:
+                pooled[state.req_id] = vector
+        return pooled
+
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         spans: list[tuple[str, int, range]]) -> dict[str, tuple[int, list[TokenLogprobs]]]:  # fmt: skip
+        """prompt_logprobs of this step's prompt chunks: the raw logprobs (log-softmax of the
+        logits, no sampling settings applied, as vLLM) of each next prompt token. Every rank
+        computes the logits (a collective under tensor parallelism); rank 0 reads them."""
+        if not spans:
+            return {}
+        rows = torch.tensor([r for _, _, span in spans for r in span], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        if not self.samples:
+            return {}
+        all_lps = torch.log_softmax(logits.float(), dim=-1)
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        first = 0
+        for rid, first_token, span in spans:
+            state = self.requests[rid]
+            lps = all_lps[first:first + len(span)]
+            first += len(span)
+            targets = torch.tensor(state.prompt_token_ids[first_token:first_token + len(span)], device=self.device)
+            k = state.sampling_params.prompt_logprobs
+            k = lps.shape[-1] if k == -1 else min(k, lps.shape[-1])
+            out[rid] = (first_token, _logprob_entries(lps, targets, k))
+        return out
     # ---- speculative decoding ---------------------------------------------------------
 
     def _propose(self, so: SchedulerOutput) -> dict[str, list[int]]:

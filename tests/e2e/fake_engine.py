@@ -5,8 +5,8 @@ engine core is fake: requests go through the real validation, core-request fan-o
 detokenizer, stop-string matching (held back while a stop string might still match),
 logprob assembly and abort paths, and every message to and from the "core" goes through
 the real msgpack codec (pagoda/engine/messages.py). The script: choice i of a request
-emits ``SCRIPT`` tokens starting at offset i, one token per step, and ends at max_tokens
-or a stop_token_id; its logprobs are made up (-0.25 - 0.01 * step, alternatives from
+emits ``SCRIPT`` tokens starting at offset i, one token per step, and ends at max_tokens,
+a stop_token_id or an EOS token; its logprobs are made up (-0.25 - 0.01 * step, alternatives from
 token 100 on, each one lower). Knobs let tests make it slow, dead, overloaded, hold
 requests before their first token, or fail mid-stream; it records every request and
 every abort.
@@ -217,6 +217,8 @@ class FakeEngine(EngineFrontEnd):
         finish_reason, stop_reason = None, None
         if token in (params.stop_token_ids or []):
             finish_reason, stop_reason = "stop", token
+        elif token in req.eos_token_ids and not params.ignore_eos:
+            finish_reason = "stop"  # as the real core: the model's end of turn, no stop_reason
         elif scripted.generated[core_id] >= (params.max_tokens or self.max_model_len):
             finish_reason = "length"
         if finish_reason is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -21,7 +22,10 @@ def lora_server(default_adapters):
 
     engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=1024,
                                                enable_lora=True, max_loras=2))
-    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+    # Runtime loading is off by default: allowed here, from the adapters' folder only.
+    root = os.path.dirname(default_adapters["all"])
+    with running_server(engine, served_model_name=MODEL, shutdown_engine=True, allow_runtime_lora=True,
+                        lora_roots=(root,)) as running:  # fmt: skip
         running.call(engine.add_lora("all", default_adapters["all"]))   # what --lora-modules does
         yield engine, running
 
@@ -104,14 +108,22 @@ def test_load_errors(lora_server, client, default_adapters, tmp_path):
     with pytest.raises(openai.BadRequestError, match="already been loaded"):
         client.post("/load_lora_adapter", cast_to=httpx.Response,
                     body={"lora_name": "all", "lora_path": default_adapters["all"]})
-    with pytest.raises(openai.BadRequestError, match="not a directory"):
-        client.post("/load_lora_adapter", cast_to=httpx.Response,
-                    body={"lora_name": "nope", "lora_path": str(tmp_path / "missing")})
-    (tmp_path / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["lm_head"]}')
-    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    # Outside the --lora-root folders, missing or not a folder: one answer that tells nothing more.
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}')
+    refused = set()
+    for path in (str(tmp_path / "missing"), str(tmp_path), default_adapters["all"] + "/adapter_config.json"):
+        with pytest.raises(openai.BadRequestError, match="must name an adapter folder inside") as info:
+            client.post("/load_lora_adapter", cast_to=httpx.Response, body={"lora_name": "nope", "lora_path": path})
+        refused.add(str(info.value))
+    assert len(refused) == 1
+    bad = os.path.join(os.path.dirname(default_adapters["all"]), "bad")
+    os.makedirs(bad, exist_ok=True)
+    with open(os.path.join(bad, "adapter_config.json"), "w") as f:
+        f.write('{"r": 4, "lora_alpha": 8, "target_modules": ["lm_head"]}')
+    with open(os.path.join(bad, "adapter_model.safetensors"), "wb"):
+        pass
     with pytest.raises(openai.BadRequestError, match="unsupported target module 'lm_head'"):
-        client.post("/load_lora_adapter", cast_to=httpx.Response,
-                    body={"lora_name": "bad", "lora_path": str(tmp_path)})
+        client.post("/load_lora_adapter", cast_to=httpx.Response, body={"lora_name": "bad", "lora_path": bad})
     with pytest.raises(openai.BadRequestError, match="lora_path"):
         client.post("/load_lora_adapter", cast_to=httpx.Response, body={"lora_name": "x"})
     assert {m.id for m in client.models.list().data} == {MODEL, "all"}

@@ -105,7 +105,7 @@ def test_logprobs_are_consistent(llm):
 def test_bad_requests_raise_and_engine_keeps_serving(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 2048}, SamplingParams(max_tokens=1), use_tqdm=False)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out of vocabulary"):
         llm.generate({"prompt_token_ids": [1, 10**6]}, use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)

@@ -61,9 +61,9 @@ def test_prompt_is_required() -> None:
 
 
 def test_unknown_field_names_it() -> None:
-    err = api_error_of(ChatCompletionRequest, {"messages": USER, "prompt_logprobs": 1})
-    assert err.param == "prompt_logprobs" and err.code == "unknown_parameter"
-    assert "prompt_logprobs" in err.message
+    err = api_error_of(ChatCompletionRequest, {"messages": USER, "prompt_logprob": 1})
+    assert err.param == "prompt_logprob" and err.code == "unknown_parameter"
+    assert "prompt_logprob" in err.message
 
 
 def test_strict_types() -> None:
@@ -112,7 +112,10 @@ def test_message_roles_and_fields() -> None:
     assert msgs[1]["name"] == "bob"
     assert msgs[3]["tool_calls"] and msgs[3]["content"] is None
     assert msgs[4]["tool_call_id"] == "1"
-    assert api_error_of(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}).param == (
+    # As vLLM: any role name (the template decides), extra keys kept for the template.
+    custom = ChatCompletionRequest.model_validate({"messages": [{"role": "robot", "content": "x", "mood": "calm"}]})
+    assert custom.template_messages() == [{"role": "robot", "content": "x", "mood": "calm"}]
+    assert api_error_of(ChatCompletionRequest, {"messages": [{"role": 7, "content": "x"}]}).param == (
         "messages.[0].role"
     )
     assert api_error_of(ChatCompletionRequest, {"messages": [{"role": "user"}]}).param == "messages.[0]"
@@ -153,7 +156,9 @@ def test_chat_accepted_no_ops() -> None:
 
 @pytest.mark.parametrize(
     "fields, param",
-    [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3, "n": 1}, "best_of")],
+    [({"suffix": "x"}, "suffix"), ({"best_of": 1, "n": 2}, "best_of"),
+     ({"best_of": 3, "stream": True}, "best_of"), ({"stream": True, "use_beam_search": True}, "use_beam_search"),
+     ({"length_penalty": 1.5}, "length_penalty"), ({"top_k": 3, "use_beam_search": True}, "top_k")],
 )
 def test_completion_unsupported(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:
@@ -206,7 +211,7 @@ def test_defaults() -> None:
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"1": 200}}, "logit_bias"),
-        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -2}, "top_logprobs"),  # > --max-logprobs: the engine's check
         ({"stop": ["a", ""]}, "stop"),
         ({"top_k": -2}, "top_k"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),

@@ -726,3 +726,31 @@ def test_schedule_again_before_output_arrives() -> None:
     assert a.is_finished
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     sched.check_integrity()
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_report_each_chunk():
+    """A request asking prompt_logprobs computes every prompt position even when its prefix
+    is cached, and each prompt chunk's logprobs reach the front end though it samples nothing."""
+    from pagoda.core.outputs import TokenLogprobs
+
+    sched = make_sched(budget=8)
+    prompt = list(range(100, 120))
+    make_req(sched, "warm", prompt, max_tokens=1)
+    run_to_completion(sched)
+    req = make_req(sched, "p", prompt, max_tokens=1, prompt_logprobs=0)
+    starts: list[int] = []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        n = so.num_scheduled_tokens["p"]
+        start = req.num_computed_tokens - n
+        done = req.num_computed_tokens == req.num_tokens
+        scored = list(range(start + 1, min(start + n, len(prompt) - 1) + 1))
+        entries = [TokenLogprobs(-1.0, [], [], 1) for _ in scored]
+        runner = ModelRunnerOutput(["p"], [[7] if done else []], prompt_logprobs={"p": (scored[0], entries)})
+        for out in sched.update_from_output(so, runner):
+            assert out.prompt_logprobs_start == scored[0] and len(out.prompt_logprobs) == len(scored)
+            starts.append(out.prompt_logprobs_start)
+        sched.check_integrity()
+    assert req.num_cached_tokens == 0  # the cached prefix was not taken
+    assert starts == [1, 9, 17]  # chunks of 8: positions 1..8, 9..16, 17..19
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks

@@ -19,9 +19,10 @@ PARAMS = SamplingParams(max_tokens=4)
 @pytest.mark.parametrize(
     "ids, params, kwargs, message, param, code",
     [
-        ([], PARAMS, {}, "the prompt is empty", None, None),
-        ([1, 100, -1, 5], PARAMS, {}, r"prompt token ids out of range \[0, 100\): \[100, -1\]", None, None),
-        ([1], SamplingParams(logit_bias={100: 1.0}), {}, "logit_bias token id 100", None, None),
+        ([], PARAMS, {}, "The decoder prompt cannot be empty", None, None),
+        ([1, 100, -1, 5], PARAMS, {}, r"Token ids \[100, -1\] are out of vocabulary \(vocabulary size 100\)", None, None),
+        ([1], SamplingParams(logit_bias={100: 1.0, 5: 1.0, 101: 2.0}), {},
+         r"logit_bias token id\(s\) \[100, 101\] contain out-of-vocab", None, None),
         ([1], SamplingParams(stop_token_ids=[7, 100]), {}, "stop_token_ids token id 100", None, None),
         ([1] * 32, PARAMS, {}, "maximum context length \\(max_model_len\\) is 32 tokens, but the prompt has 32",
          "prompt", "context_length_exceeded"),
@@ -62,7 +63,7 @@ def test_the_grammar_is_checked_last_and_only_when_asked() -> None:
 
 def test_the_scheduler_rechecks_with_the_same_messages() -> None:
     sched = Scheduler(SchedulerConfig(max_model_len=32, vocab_size=100), KVCacheManager(16, 4))
-    cases = [([1, 100], {}, "out of range"), ([1] * 32, {}, "max_model_len"),
+    cases = [([1, 100], {}, "out of vocabulary"), ([1] * 32, {}, "max_model_len"),
              ([1], {"priority": 1}, "--scheduling-policy priority"),
              ([1], {"lora_request": LoRARequest("a", 1, "/a")}, "without LoRA")]  # fmt: skip
     for i, (ids, kwargs, message) in enumerate(cases):

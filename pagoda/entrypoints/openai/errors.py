@@ -8,6 +8,8 @@ the same shape instead of FastAPI's ``{"detail": ...}``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import re
 from typing import Any
@@ -114,14 +116,32 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------------- handlers
+# The other dialects served on the same app (Anthropic's /v1/messages, Ollama's /api/*)
+# answer their routes' errors in their own shape: their modules register (path test,
+# renderer) here when imported, so this module needs none of them.
+_ERROR_SHAPES: list[tuple[Callable[[str], bool], Callable[[APIError], Response]]] = []
+
+
+def register_error_shape(matches: Callable[[str], bool], render: Callable[[APIError], Response]) -> None:
+    _ERROR_SHAPES.append((matches, render))
+
+
+def error_response(err: APIError, path: str) -> Response:
+    """``err`` in the shape of the API that ``path`` belongs to (OpenAI's unless registered)."""
+    for matches, render in _ERROR_SHAPES:
+        if matches(path):
+            return render(err)
+    return err.to_response()
+
+
 async def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.to_response()
+    return error_response(exc, request.url.path)
 
 
 async def _validation_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return validation_error_to_api_error(exc).to_response()
+    return error_response(validation_error_to_api_error(exc), request.url.path)
 
 
 async def _http_exception_handler(request: Request, exc: Exception) -> Response:
@@ -138,7 +158,7 @@ async def _http_exception_handler(request: Request, exc: Exception) -> Response:
         err_type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
         err = APIError(exc.status_code, str(exc.detail), type=err_type)
     err.headers.update(headers)
-    return err.to_response()
+    return error_response(err, request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

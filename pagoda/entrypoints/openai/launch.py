@@ -63,10 +63,16 @@ async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProces
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        responses_store_max_entries=getattr(args, "responses_store_max_entries", 1024),
+        responses_store_max_bytes=getattr(args, "responses_store_max_bytes", 64 << 20),
         enable_debug_endpoints=getattr(args, "enable_debug_endpoints", False),
         api_key_on_internal_endpoints=getattr(args, "api_key_on_internal_endpoints", False),
         api_keys=load_api_keys_file(config.api_keys_file) if config.api_keys_file else None,
         model_defaults=model_defaults(config.model),
+        enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
+        allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
+        lora_roots=tuple(getattr(args, "lora_root", None) or ()),
     ))  # fmt: skip
 
 

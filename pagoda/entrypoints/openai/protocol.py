@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
+from pagoda.engine.beam_search import BeamSearchParams
 from pagoda.entrypoints.openai import structured
 from pagoda.entrypoints.openai.errors import APIError, bad_request, unsupported
 from pagoda.entrypoints.openai.structured import ResponseFormat, StructuredOutputsRequest
@@ -96,7 +97,16 @@ ContentField = Annotated[
 # ---------------------------------------------------------------------- shared fields
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
     include_obfuscation: bool | None = None  # ignored: padding against length side channels
+
+
+# Fields whose effect beam search cannot give (it ranks whole sequences by logprob): a
+# request that sets one with use_beam_search gets a 400 rather than having it ignored.
+_NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens", "response_format",
+                  "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "prompt_logprobs", "logprob_token_ids")  # fmt: skip
 
 
 class _SamplingRequest(_Strict):
@@ -131,6 +141,11 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # vLLM's response extras: the prompt's and each choice's token ids; logprob tokens as "token_id:N".
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: keep only the last N prompt tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = None
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -138,10 +153,23 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's logprob extras and beam search (docs/logprobs.md).
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
+        """(usage in a last chunk, usage on every chunk), as vLLM decides them: ``force``
+        (--enable-force-include-usage) turns the first on whatever stream_options say."""
+        include = self.include_usage or force
+        continuous = include and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        return include, continuous
 
     def check_supported(self) -> None:
         if self.n > MAX_N:
@@ -149,6 +177,41 @@ class _SamplingRequest(_Strict):
                               code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("'prompt_logprobs' cannot be combined with 'stream'.", param="prompt_logprobs")
+        if self.truncate_prompt_tokens is not None and (
+            self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1
+        ):
+            raise bad_request("Invalid value for 'truncate_prompt_tokens': it must be -1 (up to max_model_len) or "
+                              f"a positive number of tokens, got {self.truncate_prompt_tokens}.",
+                              param="truncate_prompt_tokens", code="invalid_value")  # fmt: skip
+        if self.use_beam_search:
+            self._check_beam_search()
+        else:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise bad_request(f"'{name}' applies only to beam search ('use_beam_search': true).",
+                                      param=name)  # fmt: skip
+
+    def _check_beam_search(self) -> None:
+        if self.stream:
+            raise bad_request("'use_beam_search' cannot be combined with 'stream': the beams are ranked only "
+                              "once they are complete.", param="use_beam_search")  # fmt: skip
+        for name in _NOT_WITH_BEAM:
+            if getattr(self, name) is not None:
+                raise bad_request(f"'{name}' cannot be combined with 'use_beam_search'.", param=name)
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """Beam search with ``n`` beams (vLLM's server: beam_width = n), returning all n."""
+        kwargs: dict[str, Any] = {"beam_width": self.n, "max_tokens": max_tokens}
+        for name in ("temperature", "ignore_eos", "length_penalty", "early_stopping", "include_stop_str_in_output"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        try:
+            return BeamSearchParams(**kwargs)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=field, code="invalid_value") from None
 
     def structured_output(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The constraint the request asks for and the parameter that asked (400 on conflicts)."""
@@ -160,13 +223,18 @@ class _SamplingRequest(_Strict):
         if self.logit_bias is None:
             return None
         bias: dict[int, float] = {}
+        bad: list[str] = []
         for key, value in self.logit_bias.items():
             try:
                 bias[int(key)] = value
             except ValueError:
-                raise bad_request(
-                    f"Invalid value for 'logit_bias': keys must be token ids, got {key!r}.", param="logit_bias"
-                ) from None
+                bad.append(key)
+        if bad:
+            # Every offending key at once (vLLM's words), so one retry can fix them all.
+            raise bad_request(
+                f"Found token_id(s) {', '.join(repr(k) for k in bad)} in logit_bias, but token_id must be an "
+                "integer or string representing an integer.", param="logit_bias", code="invalid_value",
+            )  # fmt: skip
         return bias
 
     def _sampling_kwargs(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -180,6 +248,7 @@ class _SamplingRequest(_Strict):
             "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "prompt_logprobs": self.prompt_logprobs, "logprob_token_ids": self.logprob_token_ids,
         }  # fmt: skip
         # Leave absent ones out so the model's or SamplingParams' own defaults apply.
         base = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
@@ -215,13 +284,33 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise unsupported("echo", "is not supported by this server")
         if self.suffix:
             raise unsupported("suffix", "is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            # best_of > n would need sequence scoring; best_of < n is invalid anywhere.
-            raise unsupported("best_of", "other than n is not supported")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise bad_request(f"'best_of' must be >= 'n' ({self.n}), got {self.best_of}.", param="best_of",
+                                  code="invalid_value")  # fmt: skip
+            if self.best_of > MAX_N:
+                raise bad_request(f"Invalid value for 'best_of': at most {MAX_N}, got {self.best_of}.",
+                                  param="best_of", code="invalid_value")  # fmt: skip
+            if self.best_of > self.n and self.stream:
+                raise bad_request("'best_of' > 'n' cannot be combined with 'stream': which samples are returned "
+                                  "is known only when all are complete.", param="best_of")  # fmt: skip
+            if self.best_of != self.n and self.use_beam_search:
+                raise bad_request("With 'use_beam_search', 'n' is the beam width; 'best_of' must be unset or "
+                                  "equal to it.", param="best_of")  # fmt: skip
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise bad_request("'logprob_token_ids' requires 'logprobs'.", param="logprob_token_ids")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise bad_request("'echo' with 'logprobs' cannot be combined with 'stream' (the prompt's logprobs "
+                              "come with the whole response).", param="echo")  # fmt: skip
+        if self.use_beam_search and (self.echo or self.logprobs is not None):
+            name = "echo" if self.echo else "logprobs"
+            raise bad_request(f"'{name}' cannot be combined with 'use_beam_search'.", param=name)
+        if (self.echo and self.logprobs is not None and self.prompt_logprobs is not None
+                and self.prompt_logprobs != self.logprobs):
+            raise bad_request("With 'echo', 'logprobs' also sets the prompt tokens' logprobs; 'prompt_logprobs' "
+                              "must be unset or equal to it.", param="prompt_logprobs")  # fmt: skip
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list: each entry is its own set of n choices."""
@@ -239,12 +328,22 @@ class CompletionRequest(_SamplingRequest):
                                 else self._default_max_tokens(default_max_tokens, defaults))
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
+            if self.echo:  # the echoed prompt tokens come with their logprobs, as OpenAI's
+                kwargs["prompt_logprobs"] = self.logprobs
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            kwargs["best_of"] = self.best_of
         return make_sampling_params(kwargs)
 
 
 # ---------------------------------------------------------------------- /v1/chat/completions
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(BaseModel):
+    """One message. As in vLLM, any role name is accepted (the chat template decides what it
+    means) and keys beyond OpenAI's are kept and handed to the template with the message
+    (templates read e.g. ``reasoning_content``); the known keys are checked strictly."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str = Field(min_length=1)
     content: ContentField = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -264,7 +363,7 @@ class ChatMessage(_Strict):
     def to_template_dict(self) -> dict[str, Any]:
         # "developer" is OpenAI's new name for "system"; chat templates only know the latter.
         role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": self.content}
+        out: dict[str, Any] = {**(self.model_extra or {}), "role": role, "content": self.content}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -279,6 +378,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoiceField = None
     parallel_tool_calls: bool | None = None  # with tool_choice "required": whether several calls may come
+    # vLLM's: at most this many tokens of reasoning (with --reasoning-parser; thinking_budget.py).
+    thinking_token_budget: int | None = Field(default=None, ge=1)
     prompt_cache_key: str | None = None  # ignored: a routing hint; prefix caching is automatic
     safety_identifier: str | None = None  # ignored
     # OpenAI fields that would change the output and are not implemented: rejected unless unset.
@@ -290,9 +391,14 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: str | None = None
     web_search_options: Any = None
     verbosity: str | None = None
+    # vLLM's chat template controls.
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking...)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
         for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
                      "web_search_options", "verbosity"):  # fmt: skip
             if getattr(self, name) is not None:
@@ -301,6 +407,24 @@ class ChatCompletionRequest(_SamplingRequest):
             raise unsupported("modalities", "other than ['text'] are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise bad_request("'logprob_token_ids' requires 'logprobs' to be true.", param="logprob_token_ids")
+        if self.use_beam_search and self.logprobs:
+            raise bad_request("'logprobs' cannot be combined with 'use_beam_search'.", param="logprobs")
+
+    def check_thinking_budget(self, reasoning_parser: bool, constrained: bool) -> None:
+        """What a thinking budget cannot be combined with (it runs as two engine requests)."""
+        if self.thinking_token_budget is None:
+            return
+        if not reasoning_parser:
+            raise unsupported("thinking_token_budget", "needs a reasoning parser; start the server with "
+                                                       "--reasoning-parser for a reasoning model")  # fmt: skip
+        clashes = {"n > 1": self.n > 1, "logprobs": bool(self.logprobs),
+                   "structured output or a forced tool call": constrained}  # fmt: skip
+        for what, clash in clashes.items():
+            if clash:
+                raise unsupported("thinking_token_budget", f"cannot be combined with {what}: the reasoning is "
+                                                           "ended by a second engine request")  # fmt: skip
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
@@ -338,19 +462,49 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ---------------------------------------------------------------------- /tokenize, /detokenize
 class TokenizeRequest(_Strict):
-    """Either ``prompt`` (encoded as /v1/completions would) or ``messages`` (as /v1/chat/completions would)."""
+    """Either ``prompt`` (encoded as /v1/completions would) or ``messages`` (as /v1/chat/completions
+    would, with the same ``tools`` and template options)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    return_token_strs: bool | None = False  # also each token's text (vLLM's token_strs)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         return self
+
+    def check_supported(self) -> None:
+        if self.prompt is not None:
+            for name in ("continue_final_message", "chat_template_kwargs", "tools"):
+                if getattr(self, name):
+                    raise bad_request(f"'{name}' applies to 'messages', not to 'prompt'.", param=name)
+            return
+        check_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+
+# Template variables the server sets itself; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                         "chat_template", "documents", "tokenize"})  # fmt: skip
+
+
+def check_template_options(add_generation_prompt: bool, continue_final_message: bool,
+                           chat_template_kwargs: dict[str, Any] | None) -> None:  # fmt: skip
+    if continue_final_message and add_generation_prompt:
+        # vLLM's rule and words: the default add_generation_prompt=true must be turned off.
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          param="continue_final_message")  # fmt: skip
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(chat_template_kwargs or {}))
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own fields "
+                          "set them.", param="chat_template_kwargs")  # fmt: skip
 
 
 class DetokenizeRequest(_Strict):

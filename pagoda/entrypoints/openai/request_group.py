@@ -18,10 +18,12 @@ from typing import Any, Literal
 
 from starlette.requests import Request
 
+from pagoda.engine.beam_search import BeamSearchParams, run_beam_search
 from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, GenerateCall
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.tenants import TenantSpec
 
@@ -95,6 +97,8 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None
+    beam: BeamSearchParams | None = None    # run as a beam search (pagoda/engine/beam_search.py)
+    pooling_params: PoolingParams | None = None   # an embedding (params: a placeholder)
 
 
 class RequestStopped(Exception):
@@ -176,8 +180,10 @@ class RequestGroup:
         for i, sub in enumerate(self.subrequests):
             # OpenAIServing.prepare had the engine check each prompt: run it as it is.
             call = GenerateCall(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, self.priority,
-                                self.cache_salt, self.tenant, sub.lora_request)
-            self._pumps.append(loop.create_task(self._pump(i, self.engine.run_request(call))))
+                                self.cache_salt, self.tenant, sub.lora_request, sub.pooling_params)
+            stream = (self.engine.run_request(call) if sub.beam is None else
+                      run_beam_search(self.engine, call, sub.beam, self.engine.tokenizer.eos_token_ids))
+            self._pumps.append(loop.create_task(self._pump(i, stream)))
         if self.raw_request is not None:
             self._watcher = loop.create_task(self._watch_disconnect(self.raw_request))
         if self.timeout is not None:

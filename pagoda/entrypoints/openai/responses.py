@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 import pagoda
 
@@ -19,6 +19,19 @@ SYSTEM_FINGERPRINT = f"pagoda-{pagoda.__version__}"
 
 def _now() -> int:
     return int(time.time())
+
+
+class _TokenIdsOut(BaseModel):
+    """A model whose vLLM extension fields (``return_token_ids``' ids, ``prompt_logprobs``) are
+    left out of the JSON unless asked for, so that other responses keep OpenAI's exact shape."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids", "prompt_logprobs"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
 
 
 class PromptTokensDetails(BaseModel):
@@ -44,16 +57,32 @@ class Usage(BaseModel):
 # ---------------------------------------------------------------------- /v1/completions
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None only for the first token of an echoed prompt (nothing precedes it), as OpenAI's.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry, one per token id at a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position None (the first) or token id -> its entry.
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(_TokenIdsOut):
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # left out of the JSON unless asked for
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streaming: on a prompt's first chunk)
+    token_ids: list[int] | None = None         # return_token_ids (streaming: this chunk's tokens)
 
 
 class CompletionResponse(BaseModel):
@@ -97,24 +126,28 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    # vLLM's field, with --reasoning-parser: the text between <think> and </think>.
+    reasoning_content: str | None = None  # left out of the JSON when there is none
     tool_calls: list[ToolCall] | None = None  # left out of the JSON when there are none
 
     @model_serializer(mode="wrap")
-    def _drop_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _drop_empty_optional_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIdsOut):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIdsOut):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -122,16 +155,20 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsOut | None = None  # left out of the JSON unless asked for
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_TokenIdsOut):
     index: int
-    delta: dict[str, Any]  # only what changed: {"role", "content"} first, then {"content"}, {} at the end
+    # Only what changed: {"role", "content"} first, then {"content"} (the last one with finish_reason).
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIdsOut):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -139,6 +176,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 # ---------------------------------------------------------------------- misc endpoints
@@ -161,6 +199,18 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # return_token_strs
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info: the tokenizer's configuration, as vLLM's (tokenizer_config.json's keys)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
+class ServerLoadResponse(BaseModel):
+    server_load: int  # generation requests in flight (vLLM's GET /load)
 
 
 class DetokenizeResponse(BaseModel):

@@ -3,6 +3,12 @@
 With tools (see ``tools.py``), the output is read by the tool parser: calls become
 ``message.tool_calls`` (``delta.tool_calls`` while streaming: id, type and name first,
 then the arguments in fragments) and ``finish_reason`` becomes ``"tool_calls"``.
+
+With a reasoning parser (``--reasoning-parser``), what the model wrote between ``<think>`` and
+``</think>`` is ``message.reasoning_content`` (``delta.reasoning_content``), and only the rest
+is content: tool calls are read from it, and a structured output or forced tool constraint
+applies to it, after the reasoning the grammar leaves free. vLLM's ``thinking_token_budget``
+caps the reasoning (``thinking_budget.py``).
 """
 
 from __future__ import annotations
@@ -29,14 +35,17 @@ from pagoda.entrypoints.openai.responses import (
     ChatStreamChoice,
     FunctionCall,
     ToolCall,
+    Usage,
     sse,
 )
 from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, client_gone_response
 from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolCallStreamer, get_tool_parser
+from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
 from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.reasoning import ReasoningStreamer, get_reasoning_parser
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def new_call_id() -> str:
@@ -56,29 +65,39 @@ class ChatServing(OpenAIServing):
         served_model_name: str,
         request_timeout: float | None,
         tool_call_parser: str = DEFAULT_TOOL_PARSER,
+        reasoning_parser: str | None = None,
+        *,
         model_defaults: ModelDefaults = NO_DEFAULTS,
+        force_include_usage: bool = False,
     ) -> None:
-        super().__init__(engine, state, served_model_name, request_timeout, model_defaults)
+        super().__init__(engine, state, served_model_name, request_timeout, model_defaults,
+                         force_include_usage=force_include_usage)
         self.tool_parser = get_tool_parser(tool_call_parser)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               plan: ToolPlan | None = None) -> str:  # fmt: skip
+               plan: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:  # fmt: skip
         """The prompt text the chat template makes of these messages (and of the tools ``plan``
-        puts in the prompt), with the model's default system prompt when they have none;
-        400 if the template refuses them."""
+        puts in the prompt, and the client's ``template_kwargs``), with the model's default system
+        prompt when they have none; 400 if the template refuses them. ``continue_final_message``:
+        the text stops right after the last message's content, so that the model continues that
+        message (vLLM's prefill of an assistant answer)."""
         messages = self.model_defaults.with_system(messages)
         messages, tools = prompt_inputs(self.tokenizer, messages, plan or ToolPlan("none"), self.tool_parser)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools)  # fmt: skip
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools, **(template_kwargs or {}))  # fmt: skip
         except (ValueError, jinja2.TemplateError) as e:
             # ChatTemplateError (a ValueError) is the template's own raise_exception(), e.g. roles
             # that do not alternate; other template errors also come from what the messages hold.
             raise bad_request(f"The chat template could not render the messages: {e}", param="messages") from None
+        return open_final_message(text, messages[-1]) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    plan: ToolPlan | None = None) -> tuple[str, list[int]]:  # fmt: skip
-        text = self.render(messages, add_generation_prompt, plan)
+                    plan: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> tuple[str, list[int]]:  # fmt: skip
+        text = self.render(messages, add_generation_prompt, plan, template_kwargs, continue_final_message)
         # The template already wrote BOS and the role markers; adding special tokens would double BOS.
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -87,18 +106,35 @@ class ChatServing(OpenAIServing):
         body.check_supported()
         plan = body.tool_plan()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        text, ids = self.encode_chat(body.template_messages(), plan=plan)
+        rendered, ids = self.encode_chat(body.template_messages(), body.add_generation_prompt, plan,
+                                         body.chat_template_kwargs, body.continue_final_message)  # fmt: skip
+        text: str | None = rendered
+        kept = self.truncate(ids, body.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            ids, text = kept, None  # the kept tokens are the prompt now; no text of them to report
         structured, structured_param = body.structured_output()
         if plan.forced:
             structured, structured_param = plan.constraint(self.tool_parser), "tools"
+        body.check_thinking_budget(self.reasoning_parser is not None, structured is not None)
+        structured = self.with_reasoning(structured)
 
         def to_params(default_max_tokens: int) -> SamplingParams:
             return body.to_sampling_params(default_max_tokens, structured, self.model_defaults.sampling)
 
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if body.use_beam_search and plan.forced:
+            raise bad_request("'use_beam_search' cannot be combined with a forced tool call.", param="tool_choice")
         sub = self.prepare(request_id, text, ids, to_params, "messages", max_param, structured_param,
-                           lora_request=lora, priority=body.priority)  # fmt: skip
-        group = self.group(raw_request, [sub], body.priority, body.cache_salt)
+                           lora_request=lora, priority=body.priority,
+                           beam=body.beam_search_params if body.use_beam_search else None,
+                           logprobs_param="top_logprobs")  # fmt: skip
+        group: RequestGroup | BudgetedGroup = self.group(raw_request, [sub], body.priority, body.cache_salt)
+        if body.thinking_token_budget is not None and self.reasoning_parser is not None:
+            if body.use_beam_search:
+                raise bad_request("'thinking_token_budget' cannot be combined with 'use_beam_search'.",
+                                  param="thinking_token_budget")  # fmt: skip
+            group = BudgetedGroup(self, raw_request, sub, body.thinking_token_budget, self.reasoning_parser,
+                                  ("messages", max_param), body.priority, body.cache_salt)  # fmt: skip
         if body.stream:
             try:
                 first = await self.start_stream(group)
@@ -120,24 +156,47 @@ class ChatServing(OpenAIServing):
                     message=message,
                     logprobs=self._logprobs(body, c, c.token_ids, c.logprobs) if c else None,
                     finish_reason=finish_reason,
+                    token_ids=(list(c.token_ids) if c else []) if body.return_token_ids else None,
                 )
             )
         response = ChatCompletionResponse(
-            id=request_id, model=self.response_model(body.model), choices=choices, usage=self.usage([sub], outputs)
+            id=request_id, model=self.response_model(body.model), choices=choices, usage=self.usage([sub], outputs),
+            prompt_token_ids=sub.prompt_token_ids if body.return_token_ids else None,
         )
+        if body.prompt_logprobs is not None and out is not None and out.prompt_logprobs is not None:
+            response.prompt_logprobs = self.logprobs.prompt(out.prompt_logprobs)
         return Response(response.model_dump_json(), media_type="application/json")
+
+    def with_reasoning(self, constraint: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """With a reasoning parser, a constraint applies after the (free) reasoning section."""
+        if constraint is None or self.reasoning_parser is None:
+            return constraint
+        return self.reasoning_parser.constrain(constraint)
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished text; all content without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return None, text
+        split = self.reasoning_parser.extract(text)
+        return split.reasoning, split.content
 
     def _message(self, plan: ToolPlan, c: CompletionOutput | None) -> tuple[ChatMessageOut, str]:
         if c is None:
             return ChatMessageOut(content=""), "abort"
+        reasoning, content = self.split_reasoning(c.text)
         if not plan.active:
-            return ChatMessageOut(content=c.text), c.finish_reason or "abort"
-        extracted = self.tool_parser.extract(c.text, truncated=c.finish_reason == "length")
+            return ChatMessageOut(content=content, reasoning_content=reasoning), c.finish_reason or "abort"
+        if plan.forced and c.finish_reason == "length":
+            # A forced call cut by max_tokens is still a call: as vLLM, its arguments are the
+            # (unfinished) JSON text generated so far, and finish_reason stays "length".
+            extracted = self.tool_parser.extract_cut(content or "")
+        else:
+            extracted = self.tool_parser.extract(content or "", truncated=c.finish_reason == "length")
         calls = [
             ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in extracted.calls
         ]
-        message = ChatMessageOut(content=extracted.content, tool_calls=calls or None)
+        message = ChatMessageOut(content=extracted.content, reasoning_content=reasoning, tool_calls=calls or None)
         return message, _finish_reason(c, len(calls))
 
     def _logprobs(
@@ -145,41 +204,56 @@ class ChatServing(OpenAIServing):
     ) -> ChatLogprobs | None:
         if not body.logprobs or logprobs is None:
             return None
-        return ChatLogprobs(content=self.logprobs.chat(token_ids, logprobs, body.top_logprobs or 0))
+        return ChatLogprobs(content=self.logprobs.chat(token_ids, logprobs, body.top_logprobs or 0,
+                                                       body.logprob_token_ids or (),
+                                                       as_token_ids=bool(body.return_tokens_as_token_ids)))
 
     async def _events(
-        self, body: ChatCompletionRequest, plan: ToolPlan, request_id: str, group: RequestGroup,
+        self, body: ChatCompletionRequest, plan: ToolPlan, request_id: str, group: RequestGroup | BudgetedGroup,
         first: list[tuple[int, RequestOutput]],
     ) -> AsyncIterator[str]:  # fmt: skip
         created = int(time.time())
-        exclude = None if body.include_usage else {"usage"}
+        model = self.response_model(body.model)
+        include_usage, continuous_usage = body.stream_usage(self.force_include_usage)
         streamers: dict[int, ToolCallStreamer] = (
             {i: self.tool_parser.streamer() for i in range(body.n)} if plan.active else {}
         )
+        reasoners: dict[int, ReasoningStreamer] = (
+            {i: self.reasoning_parser.streamer() for i in range(body.n)} if self.reasoning_parser else {}
+        )
+        emitted = [0] * body.n  # tokens of each choice streamed so far (continuous usage counts them)
+        prompt_ids = group.subrequests[0].prompt_token_ids
 
         def chunk(index: int, delta: dict[str, Any], logprobs: ChatLogprobs | None = None,
-                  finish_reason: str | None = None) -> str:  # fmt: skip
-            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-            return sse(
-                ChatCompletionChunk(id=request_id, created=created, model=self.response_model(body.model), choices=[choice]),
-                exclude,
-            )
+                  finish_reason: str | None = None, token_ids: list[int] | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:  # fmt: skip
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                      token_ids=token_ids if body.return_token_ids else None)  # fmt: skip
+            usage = None
+            if continuous_usage:
+                last = group.last[0]
+                usage = Usage.of(len(prompt_ids), sum(emitted), last.num_cached_tokens if last is not None else 0)
+            payload = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage,
+                                          prompt_token_ids=prompt_token_ids)  # fmt: skip
+            # As OpenAI: with include_usage, every chunk has "usage" (null until the last).
+            return sse(payload, None if include_usage else {"usage"})
 
-        def tool_chunks(c: CompletionOutput, streamer: ToolCallStreamer, logprobs: ChatLogprobs | None) -> list[str]:
-            delta = streamer.feed(c.delta_text, final=c.just_finished)
-            events = []
+        def tool_pieces(c: CompletionOutput, text: str, streamer: ToolCallStreamer,
+                        logprobs: ChatLogprobs | None) -> list[tuple[dict[str, Any], ChatLogprobs | None]]:  # fmt: skip
+            delta = streamer.feed(text, final=c.just_finished)
+            pieces: list[tuple[dict[str, Any], ChatLogprobs | None]] = []
             if delta.content or logprobs:
-                events.append(chunk(c.index, {"content": delta.content}, logprobs))
+                pieces.append(({"content": delta.content}, logprobs))
             for call in delta.calls:
                 if call.name is not None:
                     # As OpenAI: id, type and name first (arguments ""), then the arguments in pieces.
                     head = {"index": call.index, "id": new_call_id(), "type": "function",
                             "function": {"name": call.name, "arguments": ""}}  # fmt: skip
-                    events.append(chunk(c.index, {"tool_calls": [head]}))
+                    pieces.append(({"tool_calls": [head]}, None))
                 if call.arguments:
                     piece = {"index": call.index, "function": {"arguments": call.arguments}}
-                    events.append(chunk(c.index, {"tool_calls": [piece]}))
-            return events
+                    pieces.append(({"tool_calls": [piece]}, None))
+            return pieces
 
         def chunks(out: RequestOutput) -> list[str]:
             events = []
@@ -187,19 +261,40 @@ class ChatServing(OpenAIServing):
                 if c.finished and not c.just_finished:
                     continue  # finished in an earlier update
                 logprobs = self._logprobs(body, c, c.delta_token_ids, c.delta_logprobs) if c.delta_logprobs else None
+                pieces: list[tuple[dict[str, Any], ChatLogprobs | None]] = []
+                text = c.delta_text
+                reasoner = reasoners.get(c.index)
+                if reasoner is not None:
+                    split = reasoner.feed(text, final=c.just_finished)
+                    if split.reasoning:
+                        # The logprobs ride on the first chunk of this step, whichever part it is.
+                        pieces.append(({"reasoning_content": split.reasoning}, logprobs))
+                        logprobs = None
+                    text = split.content
                 streamer = streamers.get(c.index)
                 if streamer is not None:
-                    events.extend(tool_chunks(c, streamer, logprobs))
-                elif c.delta_text or logprobs:
-                    events.append(chunk(c.index, {"content": c.delta_text}, logprobs))
+                    pieces.extend(tool_pieces(c, text, streamer, logprobs))
+                elif text or logprobs:
+                    pieces.append(({"content": text}, logprobs))
+                emitted[c.index] = len(c.token_ids)
+                finish_reason = None
                 if c.just_finished:
-                    # As OpenAI: the finish reason comes in a chunk of its own with an empty delta.
                     num_calls = streamer.num_calls if streamer is not None else 0
-                    events.append(chunk(c.index, {}, finish_reason=_finish_reason(c, num_calls)))
+                    finish_reason = _finish_reason(c, num_calls)
+                if not pieces and (finish_reason or (body.return_token_ids and c.delta_token_ids)):
+                    # Nothing to show, but the end or the tokens still go out (an empty delta).
+                    pieces = [({}, None)]
+                for k, (delta, lp) in enumerate(pieces):
+                    last = k == len(pieces) - 1
+                    # As vLLM: the last delta carries the finish reason (no empty chunk just for it),
+                    # and this update's token ids ride on its first chunk.
+                    events.append(chunk(c.index, delta, lp, finish_reason if last else None,
+                                        list(c.delta_token_ids) if k == 0 else []))  # fmt: skip
             return events
 
         for i in range(body.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": ""}, token_ids=[],
+                        prompt_token_ids=prompt_ids if body.return_token_ids else None)  # fmt: skip
         for _, out in first:
             for event in chunks(out):
                 yield event
@@ -210,8 +305,24 @@ class ChatServing(OpenAIServing):
         for i in range(body.n):
             c = last.outputs[i] if last is not None and i < len(last.outputs) else None
             if c is None or not c.finished:
-                yield chunk(i, {}, finish_reason="abort")
-        if body.include_usage:
+                yield chunk(i, {}, finish_reason="abort", token_ids=[])
+        if include_usage:
             usage = self.usage(group.subrequests, group.last)
-            yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.response_model(body.model), choices=[],
-                                          usage=usage))  # fmt: skip
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage))
+
+
+def open_final_message(text: str, final: dict[str, Any]) -> str:
+    """``text`` cut right after the final message's content, for continue_final_message: the
+    template closed that message (an end-of-turn marker, maybe a newline), and the model is to
+    continue it instead. The content is found from the end, where the final message is."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise bad_request("'continue_final_message' needs a final message with text content to continue.",
+                          param="continue_final_message")  # fmt: skip
+    # Templates often strip a message's content; the raw text is looked for first.
+    for needle in (content, content.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise bad_request("'continue_final_message': the chat template does not write the final message's content "
+                      "as given, so it cannot be continued.", param="continue_final_message")  # fmt: skip

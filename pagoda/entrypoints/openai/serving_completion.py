@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.request_group import RequestGroup, SubRequest
-from pagoda.entrypoints.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, sse
+from pagoda.entrypoints.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage, sse
 from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, client_gone_response
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -35,10 +35,14 @@ class CompletionServing(OpenAIServing):
                 ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             else:
                 text, ids = None, list(prompt)
+            kept = self.truncate(ids, body.truncate_prompt_tokens)
+            if len(kept) < len(ids):
+                ids, text = kept, None  # the kept tokens are the prompt now
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             subrequests.append(
                 self.prepare(sub_id, text, ids, to_params, "prompt", "max_tokens", structured_param,
-                             lora_request=lora, priority=body.priority)
+                             lora_request=lora, priority=body.priority,
+                             beam=body.beam_search_params if body.use_beam_search else None)
             )
         group = self.group(raw_request, subrequests, body.priority, body.cache_salt)
         if body.stream:
@@ -53,10 +57,26 @@ class CompletionServing(OpenAIServing):
         )
 
     # ---- one JSON response ------------------------------------------------------------
-    def _logprobs(self, body: CompletionRequest, c: CompletionOutput) -> CompletionLogprobs | None:
+    def _echo_text(self, sub: SubRequest) -> str:
+        """What echo puts before a choice's text: the prompt as given (token ids decoded)."""
+        if sub.prompt is not None:
+            return sub.prompt
+        return self.tokenizer.decode(sub.prompt_token_ids, skip_special_tokens=False)
+
+    def _logprobs(self, body: CompletionRequest, sub: SubRequest, out: RequestOutput,
+                  c: CompletionOutput) -> CompletionLogprobs | None:  # fmt: skip
+        """The legacy logprobs; with echo the prompt's tokens come first (the first with null
+        logprobs: nothing precedes it), as OpenAI returns them."""
         if body.logprobs is None or c.logprobs is None:
             return None
-        return self.logprobs.completion(c.token_ids, c.logprobs, body.logprobs, 0)[0]
+        tracked = body.logprob_token_ids or ()
+        as_ids = bool(body.return_tokens_as_token_ids)
+        offset, result = 0, None
+        if body.echo and out.prompt_logprobs is not None:
+            result, offset = self.logprobs.completion(sub.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0,
+                                                      tracked, as_token_ids=as_ids)  # fmt: skip
+        return self.logprobs.completion(c.token_ids, c.logprobs, body.logprobs, offset, tracked, result,
+                                        as_token_ids=as_ids)[0]  # fmt: skip
 
     def _full_response(
         self,
@@ -66,15 +86,22 @@ class CompletionServing(OpenAIServing):
         outputs: list[RequestOutput | None],
     ) -> CompletionResponse:
         choices = []
-        for p, out in enumerate(outputs):
+        for p, (sub, out) in enumerate(zip(subrequests, outputs)):
+            echo = self._echo_text(sub) if body.echo else ""
+            prompt_logprobs = None
+            if body.prompt_logprobs is not None and out is not None and out.prompt_logprobs is not None:
+                prompt_logprobs = self.logprobs.prompt(out.prompt_logprobs)
             for i in range(body.n):
                 c = out.outputs[i] if out is not None and i < len(out.outputs) else None
                 choices.append(
                     CompletionChoice(
-                        text=c.text if c else "",
+                        text=echo + (c.text if c else ""),
                         index=p * body.n + i,
-                        logprobs=self._logprobs(body, c) if c else None,
+                        logprobs=self._logprobs(body, sub, out, c) if c and out else None,
                         finish_reason=(c.finish_reason if c else None) or "abort",
+                        prompt_logprobs=prompt_logprobs,
+                        prompt_token_ids=subrequests[p].prompt_token_ids if body.return_token_ids else None,
+                        token_ids=(list(c.token_ids) if c else []) if body.return_token_ids else None,
                     )
                 )
         return CompletionResponse(
@@ -93,8 +120,18 @@ class CompletionServing(OpenAIServing):
         self, body: CompletionRequest, request_id: str, group: RequestGroup, first: list[tuple[int, RequestOutput]]
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        exclude = None if body.include_usage else {"usage"}
+        include_usage, continuous_usage = body.stream_usage(self.force_include_usage)
+        exclude = None if include_usage else {"usage"}  # as OpenAI: "usage": null until the last
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        emitted: dict[int, int] = {}  # choice index -> tokens streamed so far (continuous usage)
+        started: set[int] = set()  # choices that sent a chunk (the first carries prompt_token_ids)
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in group.subrequests)
+
+        def usage_now() -> Usage | None:
+            if not continuous_usage:
+                return None
+            cached = sum(o.num_cached_tokens for o in group.last if o is not None)
+            return Usage.of(prompt_tokens, sum(emitted.values()), cached)
 
         def chunks(p: int, out: RequestOutput) -> list[str]:
             events = []
@@ -103,19 +140,32 @@ class CompletionServing(OpenAIServing):
                 logprobs = None
                 if body.logprobs is not None and c.delta_logprobs:
                     logprobs, offsets[index] = self.logprobs.completion(
-                        c.delta_token_ids, c.delta_logprobs, body.logprobs, offsets.get(index, 0)
+                        c.delta_token_ids, c.delta_logprobs, body.logprobs, offsets.get(index, 0),
+                        body.logprob_token_ids or (), as_token_ids=bool(body.return_tokens_as_token_ids),
                     )
-                if not (c.delta_text or logprobs or c.just_finished):
+                emitted[index] = len(c.token_ids)
+                tokens_to_show = bool(body.return_token_ids and c.delta_token_ids)
+                if not (c.delta_text or logprobs or c.just_finished or tokens_to_show):
                     continue
+                first = index not in started
+                started.add(index)
                 choice = CompletionChoice(
                     text=c.delta_text, index=index, logprobs=logprobs,
                     finish_reason=c.finish_reason if c.just_finished else None,
+                    prompt_token_ids=group.subrequests[p].prompt_token_ids if body.return_token_ids and first else None,
+                    token_ids=list(c.delta_token_ids) if body.return_token_ids else None,
                 )  # fmt: skip
                 chunk = CompletionResponse(id=request_id, created=created, model=self.response_model(body.model),
-                                           choices=[choice])  # fmt: skip
+                                           choices=[choice], usage=usage_now())  # fmt: skip
                 events.append(sse(chunk, exclude))
             return events
 
+        if body.echo:  # the prompt first, in a chunk of its own per choice (echo with logprobs is a 400 here)
+            for p, sub in enumerate(group.subrequests):
+                for i in range(body.n):
+                    choice = CompletionChoice(text=self._echo_text(sub), index=p * body.n + i)
+                    yield sse(CompletionResponse(id=request_id, created=created, model=self.response_model(body.model),
+                                                 choices=[choice]), exclude)  # fmt: skip
         for p, out in first:
             for event in chunks(p, out):
                 yield event
@@ -127,11 +177,12 @@ class CompletionServing(OpenAIServing):
             for i in range(body.n):
                 c = last.outputs[i] if last is not None and i < len(last.outputs) else None
                 if c is None or not c.finished:
-                    choice = CompletionChoice(text="", index=p * body.n + i, finish_reason="abort")
+                    choice = CompletionChoice(text="", index=p * body.n + i, finish_reason="abort",
+                                              token_ids=[] if body.return_token_ids else None)  # fmt: skip
                     chunk = CompletionResponse(id=request_id, created=created, model=self.response_model(body.model),
-                                               choices=[choice])  # fmt: skip
+                                               choices=[choice], usage=usage_now())  # fmt: skip
                     yield sse(chunk, exclude)
-        if body.include_usage:
+        if include_usage:
             usage = self.usage(group.subrequests, group.last)
             chunk = CompletionResponse(
                 id=request_id, created=created, model=self.response_model(body.model), choices=[], usage=usage

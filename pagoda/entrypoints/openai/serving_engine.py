@@ -5,15 +5,27 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagoda.engine.beam_search import BeamSearchParams
 from pagoda.engine.client import EngineClient
-from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_error, model_not_found
+from pagoda.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    internal_error,
+    model_not_found,
+)
 from pagoda.entrypoints.openai.logprobs import LogprobFormatter
-from pagoda.entrypoints.openai.request_group import RequestGroup, RequestStopped, ServerState, SubRequest
+from pagoda.entrypoints.openai.request_group import (
+    RequestGroup,
+    RequestStopped,
+    ServerState,
+    SubRequest,
+)
 from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
 from pagoda.lora.request import LoRARequest
 from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
@@ -21,6 +33,18 @@ from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.backend import GrammarError
 from pagoda.validation import InvalidRequestError
+
+
+class EngineRequests(Protocol):
+    """What the serving steps below run: a ``RequestGroup``, or a group that runs its
+    request in phases (``thinking_budget.BudgetedGroup``)."""
+
+    async def __aenter__(self) -> Any: ...
+    async def __aexit__(self, *exc: object) -> None: ...
+    def start(self) -> None: ...
+    async def first_outputs(self) -> list[tuple[int, RequestOutput]]: ...
+    async def final_outputs(self) -> list[RequestOutput | None]: ...
+    async def close(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +92,14 @@ class OpenAIServing:
     def __init__(
         self, engine: EngineClient, state: ServerState, served_model_name: str, request_timeout: float | None,
         model_defaults: ModelDefaults = NO_DEFAULTS,
+        *, force_include_usage: bool = False,
     ) -> None:
         """``model_defaults``: what the model brings (an Ollama model's sampling defaults and
         system prompt, pagoda/model/stores.py), applied where a request sets nothing."""
         self.engine = engine
         self.model_defaults = model_defaults
+        # --enable-force-include-usage: streams end with a usage chunk even without stream_options.
+        self.force_include_usage = force_include_usage
         self.state = state
         self.served_model_name = served_model_name
         self.request_timeout = request_timeout
@@ -87,6 +114,20 @@ class OpenAIServing:
         if lora is None:
             raise model_not_found(model)
         return lora
+
+    def truncate(self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last N tokens of the prompt (-1: max_model_len);
+        a value beyond max_model_len is a 400, as there."""
+        if truncate_prompt_tokens is None:
+            return prompt_token_ids
+        max_len = self.engine.max_model_len
+        keep = max_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > max_len:
+            raise bad_request(
+                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_len}). "
+                "Please, select a smaller truncation size.", param="truncate_prompt_tokens", code="invalid_value",
+            )  # fmt: skip
+        return prompt_token_ids[-keep:]
 
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response names: the adapter's name when one was asked for."""
@@ -105,12 +146,16 @@ class OpenAIServing:
         structured_param: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        beam: Callable[[int], BeamSearchParams] | None = None,
+        logprobs_param: str = "logprobs",
     ) -> SubRequest:
         """Build one prompt's SamplingParams and have the engine check the request
         (pagoda/validation.py); 400 on any problem. ``prompt_param`` / ``max_tokens_param``:
         the request fields that a context length error names; ``structured_param``: the
         field the structured output constraint came from, named by the 400 for a schema,
-        regex or grammar the compiler rejects."""
+        regex or grammar the compiler rejects. ``beam``: max_tokens -> BeamSearchParams, for a
+        request run as a beam search (its SamplingParams are checked as those of its beams).
+        ``logprobs_param``: the field a logprobs limit error names (chat: top_logprobs)."""
         # Absent max_tokens: whatever room the context leaves, as vLLM does (at least one
         # token, so that a prompt with no room gets the engine's context length error).
         params = to_params(max(self.engine.max_model_len - len(prompt_token_ids), 1))
@@ -120,11 +165,16 @@ class OpenAIServing:
             raise bad_request(str(e), param=structured_param, code="invalid_structured_output") from None
         except InvalidRequestError as e:
             # Its message names the problem (context length, token ids out of range, priority...).
-            param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(e.param, e.param)
-            raise bad_request(str(e), param=param, code=e.code) from None
+            param = {"prompt": prompt_param, "max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(
+                e.param, e.param)
+            message = str(e)
+            if e.param and param != e.param and message.startswith(e.param + " "):
+                message = param + message[len(e.param):]  # in the request's own words (chat's top_logprobs)
+            raise bad_request(message, param=param, code=e.code) from None
         except ValueError as e:
             raise bad_request(str(e)) from None
-        return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request)
+        beam_params = beam(params.max_tokens or 1) if beam is not None else None
+        return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request, beam_params)
 
     def group(self, raw_request: Request, subrequests: list[SubRequest], priority: int = 0,
               cache_salt: str | None = None) -> RequestGroup:  # fmt: skip
@@ -136,7 +186,7 @@ class OpenAIServing:
 
     # ---- running ---------------------------------------------------------------------
     @staticmethod
-    async def run_to_end(group: RequestGroup) -> list[RequestOutput | None]:
+    async def run_to_end(group: EngineRequests) -> list[RequestOutput | None]:
         try:
             async with group:
                 return await group.final_outputs()
@@ -144,7 +194,7 @@ class OpenAIServing:
             raise _stopped_error(e) from None
 
     @staticmethod
-    async def start_stream(group: RequestGroup) -> list[tuple[int, RequestOutput]]:
+    async def start_stream(group: EngineRequests) -> list[tuple[int, RequestOutput]]:
         """Admit the group and wait for its first outputs; on failure it is closed and the error raised."""
         try:
             group.start()
@@ -157,8 +207,11 @@ class OpenAIServing:
             raise
 
     @staticmethod
-    def stream_response(group: RequestGroup, events: AsyncIterator[str]) -> SSEResponse:
-        return SSEResponse(_guarded(events), on_close=group.close)
+    def stream_response(group: EngineRequests, events: AsyncIterator[str],
+                        on_error: Callable[[APIError], str] = error_event, done: str | None = SSE_DONE) -> SSEResponse:
+        """``on_error``: the event(s) that report an error after the 200 went out; ``done``: the
+        last event of a stream the client did not cut (None: none, as in the Responses API)."""
+        return SSEResponse(_guarded(events, on_error, done), on_close=group.close)
 
     @staticmethod
     def usage(subrequests: Sequence[SubRequest], outputs: Sequence[RequestOutput | None]) -> Usage:
@@ -175,9 +228,10 @@ def _stopped_error(stopped: RequestStopped) -> Exception:
     return err if err is not None else ClientGone()
 
 
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded(events: AsyncIterator[str], on_error: Callable[[APIError], str] = error_event,
+                   done: str | None = SSE_DONE) -> AsyncIterator[str]:  # fmt: skip
     """Pass events through; an error after the 200 headers went out becomes an error event.
-    Every stream that was not cut by the client ends with [DONE]."""
+    Every stream that was not cut by the client ends with ``done`` ([DONE])."""
     try:
         try:
             async for event in events:
@@ -187,13 +241,14 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
             if err is None:
                 logger.info("client disconnected; request aborted")
                 return
-            yield error_event(err)
+            yield on_error(err)
         except APIError as e:
-            yield error_event(e)
+            yield on_error(e)
         except Exception:
             logger.exception("error while streaming a response")
-            yield error_event(internal_error())
-        yield SSE_DONE
+            yield on_error(internal_error())
+        if done is not None:
+            yield done
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:

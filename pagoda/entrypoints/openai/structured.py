@@ -78,12 +78,13 @@ def _build(param: str, **form: Any) -> StructuredOutputsParams:
         raise bad_request(f"Invalid value for '{param}': {e}", param=param, code="invalid_value") from None
 
 
-def from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams | None:
+def from_response_format(fmt: ResponseFormat, param: str = "response_format") -> StructuredOutputsParams | None:
+    """``param``: the request field an error names (``text.format`` in the Responses API)."""
     if fmt.type == "text":
         return None
     if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.json_schema is None:
-        return _build("response_format", json_object=True)
-    return _build("response_format", json=fmt.json_schema.json_schema)
+        return _build(param, json_object=True)
+    return _build(param, json=fmt.json_schema.json_schema)
 
 
 def from_structured_outputs(req: StructuredOutputsRequest) -> StructuredOutputsParams:

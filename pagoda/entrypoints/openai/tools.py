@@ -107,22 +107,44 @@ class ToolPlan:
         if not self.forced:
             return None
         chosen = [t for t in self.tools if self.mode == "required" or t.function.name == self.named]
-        schemas = [call_schema(t) for t in chosen]
-        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        if len(chosen) == 1:
+            schema = call_schema(chosen[0], "#/properties/arguments")
+        else:
+            schema = {"anyOf": [call_schema(t, f"#/anyOf/{i}/properties/arguments") for i, t in enumerate(chosen)]}
         return parser.constraint(schema, multiple=self.mode == "required" and self.parallel)
 
 
-def call_schema(tool: ChatTool) -> dict[str, Any]:
-    """The JSON ``{"name": <this tool>, "arguments": <matching its parameters>}``."""
+def call_schema(tool: ChatTool, arguments_at: str = "#/properties/arguments") -> dict[str, Any]:
+    """The JSON ``{"name": <this tool>, "arguments": <matching its parameters>}``, the parameters
+    sitting at the JSON pointer ``arguments_at`` of the whole schema. Their own local references
+    (``{"$ref": "#/$defs/Item"}``, written against the parameters' root) are moved there, so
+    they still point into the tool's own schema (recursive ones included)."""
     parameters = tool.function.parameters
     if not parameters:
         parameters = _EMPTY_PARAMETERS
+    parameters = _rebase_refs(parameters, arguments_at)
     return {
         "type": "object",
         "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _rebase_refs(schema: Any, root: str) -> Any:
+    """A copy of ``schema`` with each local ``$ref`` ("#", "#/...") prefixed by ``root``:
+    ``{"$ref": "#/$defs/A"}`` -> ``{"$ref": root + "/$defs/A"}``."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        else:
+            out[key] = _rebase_refs(value, root)
+    return out
 
 
 def plan_tools(

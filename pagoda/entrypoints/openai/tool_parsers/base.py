@@ -66,6 +66,12 @@ class ToolParser(ABC):
         (rather than the whole output being taken as text)."""
 
     @abstractmethod
+    def extract_cut(self, text: str) -> ExtractedToolCalls:
+        """The calls in the output of a forced call that max_tokens cut short: every call whose
+        name was written, the last one with its arguments as far as they got (unfinished JSON
+        text, as vLLM returns them); no content (the grammar allowed none)."""
+
+    @abstractmethod
     def streamer(self) -> ToolCallStreamer: ...
 
     @abstractmethod

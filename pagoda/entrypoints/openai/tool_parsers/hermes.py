@@ -117,6 +117,15 @@ class HermesToolParser(ToolParser):
         content = _content(segments)
         return ExtractedToolCalls(content=content if content.strip(_WS) else None, calls=calls)
 
+    def extract_cut(self, text: str) -> ExtractedToolCalls:
+        _, blocks = split_blocks(text)
+        calls: list[ParsedToolCall] = []
+        for inner, closed in blocks:
+            scanned, _ = scan_calls(inner, final=closed)
+            calls.extend(ParsedToolCall(c.name, c.final_arguments() if c.done else c.arguments)
+                         for c in scanned if c.name is not None)
+        return ExtractedToolCalls(content=None, calls=calls)
+
     def streamer(self) -> HermesStreamer:
         return HermesStreamer()
 
