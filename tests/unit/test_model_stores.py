@@ -12,7 +12,8 @@ import pytest
 from pagoda.config import EngineConfig
 from pagoda.entrypoints.cli import main
 from pagoda.entrypoints.openai.launch import default_served_model_name
-from pagoda.model.paths import ModelLoadError, resolve_model_path
+from pagoda.model.paths import ModelLoadError
+from pagoda.model.stores import resolve_model_path
 from pagoda.model.stores import ResolvedModel, list_models, resolve_model
 from tests.fake_stores import (
     CHATML_MESSAGES_TEMPLATE,
