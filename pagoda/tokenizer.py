@@ -445,9 +445,10 @@ def model_tokenizer(path: str, gguf_metadata: dict[str, Any] | None = None) -> T
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
     """The tokenizer alone, without the weights (the API server process needs only this)."""
-    from pagoda.model.paths import resolve_model_path
+    from pagoda.model.stores import resolve_model
 
-    return with_chat_template(model_tokenizer(resolve_model_path(config.model)), config.chat_template)
+    resolved = resolve_model(config.model)
+    return with_chat_template(model_tokenizer(resolved.path), config.chat_template, resolved.defaults.template)
 
 
 class ModelFiles(Protocol):
@@ -457,15 +458,36 @@ class ModelFiles(Protocol):
     gguf_metadata: dict[str, Any] | None
 
 
-def build_tokenizer(loaded: ModelFiles, chat_template: str | None) -> Tokenizer:
+def build_tokenizer(loaded: ModelFiles, chat_template: str | None, ollama_template: str | None = None) -> Tokenizer:
     """The tokenizer of a model already loaded (reusing the GGUF metadata it read)."""
-    return with_chat_template(model_tokenizer(loaded.path, loaded.gguf_metadata), chat_template)
+    return with_chat_template(model_tokenizer(loaded.path, loaded.gguf_metadata), chat_template, ollama_template)
 
 
-def with_chat_template(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer:
+def with_chat_template(tokenizer: Tokenizer, chat_template: str | None, ollama_template: str | None = None) -> Tokenizer:
+    """Set the chat template: ``chat_template`` (a string or a file) if given; else the
+    model's own; else ``ollama_template`` (an Ollama model's Go template, translated by
+    pagoda/model/ollama_template.py; an untranslatable one is an error only when the model
+    has no template of its own to use instead)."""
     if chat_template is not None:
         if os.path.isfile(chat_template):
             with open(chat_template) as f:
                 chat_template = f.read()
         tokenizer.chat_template = chat_template
+    elif ollama_template is not None:
+        from pagoda.model.ollama_template import OllamaTemplateError, translate_ollama_template
+
+        if tokenizer.chat_template is not None:
+            try:
+                translate_ollama_template(ollama_template)
+                logger.info("chat template: the GGUF file's own (Jinja), not the Ollama template layer")
+            except OllamaTemplateError as e:
+                logger.warning("chat template: the GGUF file's own; the Ollama template layer cannot be "
+                               "translated (%s)", e)
+        else:
+            try:
+                tokenizer.chat_template = translate_ollama_template(ollama_template)
+            except OllamaTemplateError as e:
+                raise OllamaTemplateError(f"the model has no chat template of its own and its Ollama template "
+                                          f"cannot be translated: {e}; pass one with --chat-template") from None
+            logger.info("chat template: the Ollama template layer, translated to Jinja")
     return tokenizer

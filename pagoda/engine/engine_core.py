@@ -25,6 +25,7 @@ from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
+from pagoda.model.stores import model_defaults
 from pagoda.pooling import PoolerConfig, resolve_pooler_config, resolve_task
 from pagoda.request import Request, RequestStatus
 from pagoda.validation import WrongTaskError
@@ -170,7 +171,10 @@ class EngineCore:
                  draft: LoadedModel | None) -> _KVPlan:
         """How many KV blocks (device and host) this engine holds, and the longest request
         they fit; sets max_model_len, num_blocks, num_host_blocks and logs the memory plan."""
-        max_model_len = config.max_model_len or loaded.arch.max_position_embeddings
+        # An Ollama model's num_ctx is its default context length (pagoda/model/stores.py).
+        default_len = model_defaults(config.model).max_model_len
+        max_model_len = config.max_model_len or min(default_len or loaded.arch.max_position_embeddings,
+                                                    loaded.arch.max_position_embeddings)
         kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)  # kv_quant: 8-bit with scales
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
         if draft is not None:

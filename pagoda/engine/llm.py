@@ -19,6 +19,8 @@ from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.lora.request import LoRARequest
+from pagoda.model.stores import model_defaults
+from pagoda.outputs import RequestOutput
 from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.pooling import PoolingParams, placeholder_sampling_params, truncate_prompt
 from pagoda.sampling_params import SamplingParams
@@ -42,9 +44,11 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = EngineCore(self.config, collect_stats=False)  # no metrics consumer offline
+        # An Ollama model's params, system prompt and template (pagoda/model/stores.py).
+        self.defaults = model_defaults(model)
         self.tokenizer: Tokenizer | None = None
         if not self.config.skip_tokenizer_init:
-            self.tokenizer = build_tokenizer(self.engine.loaded, self.config.chat_template)
+            self.tokenizer = build_tokenizer(self.engine.loaded, self.config.chat_template, self.defaults.template)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.processor = OutputProcessor(self.tokenizer)
         self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
@@ -54,6 +58,11 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (a no-op for one process)."""
         self.engine.shutdown()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without ``sampling_params`` uses: SamplingParams' defaults, over which
+        the model's own (an Ollama model's params layer: stop strings, temperature...) apply."""
+        return SamplingParams(**self.defaults.sampling)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -154,12 +163,14 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """A conversation without a system message gets the model's default one, if it has
+        one (an Ollama model's system layer)."""
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         items = []
         for conv in conversations:
             text = tokenizer.apply_chat_template(
-                list(conv), add_generation_prompt=add_generation_prompt,
+                self.defaults.with_system(list(conv)), add_generation_prompt=add_generation_prompt,
                 tools=tools, chat_template=chat_template,
             )
             # The template already writes any BOS token it wants.
@@ -234,7 +245,7 @@ class LLM:
         """``checked``: the requests were validated already (beam search's step requests,
         whose 2 x beam_width logprobs are the search's own, not bounded by --max-logprobs)."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(items)
         else:

@@ -1,4 +1,4 @@
-"""The `pagoda` command: serve, generate, chat, bench."""
+"""The `pagoda` command: serve, generate, chat, run, list, ps, bench."""
 
 from __future__ import annotations
 
@@ -43,9 +43,13 @@ def _lora_module(text: str) -> tuple[str, str]:
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
     if positional_model:
         p.add_argument("model", nargs="?", default=None,
-                       help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+                       help="HF model folder or .gguf file, or a name in $PAGODA_MODELS, the Hugging Face cache "
+                            "(org/name[:QUANT]) or Ollama's store (name[:tag]) (default: the bundled "
+                            "SmolLM2-135M-Instruct)")
     else:
-        p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2)")
+        p.add_argument("--model", default=None,
+                       help="HF model folder or .gguf file, or a model name (as `pagoda list` shows them; "
+                            "default: bundled SmolLM2)")
     p.add_argument("--dtype", default="auto",
                    help="auto|float32|bfloat16|float16 (auto = float32 on CPU); bfloat16 on the CPU is the bf16 "
                         "mode (same as --quantization bf16): bfloat16 weights and GEMM inputs on oneDNN (AMX / "
@@ -420,6 +424,10 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from pagoda.entrypoints.local import add_local_commands
+
+    add_local_commands(sub, add_engine_args, config_from_args)
 
     bench = sub.add_parser("bench", help="benchmarks")
     if with_bench_commands:

@@ -16,7 +16,8 @@ from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan
 from pagoda.model.models import model_class
-from pagoda.model.paths import ModelLoadError, default_model_path, resolve_model_path  # noqa: F401 (re-exported)
+from pagoda.model.paths import ModelLoadError, default_model_path  # noqa: F401 (re-exported)
+from pagoda.model.stores import resolve_model_path
 from pagoda.ops import cpu_kernels
 
 _DTYPES = {

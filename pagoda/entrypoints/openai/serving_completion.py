@@ -26,7 +26,7 @@ class CompletionServing(OpenAIServing):
         structured, structured_param = body.structured_output()
 
         def to_params(default_max_tokens: int) -> SamplingParams:
-            return body.to_sampling_params(default_max_tokens, structured)
+            return body.to_sampling_params(default_max_tokens, structured, self.model_defaults.sampling)
 
         subrequests = []
         for i, prompt in enumerate(prompts):

@@ -28,6 +28,7 @@ from pagoda.entrypoints.openai.request_group import (
 )
 from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
 from pagoda.lora.request import LoRARequest
+from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.backend import GrammarError
@@ -90,9 +91,13 @@ class SSEResponse(StreamingResponse):
 class OpenAIServing:
     def __init__(
         self, engine: EngineClient, state: ServerState, served_model_name: str, request_timeout: float | None,
+        model_defaults: ModelDefaults = NO_DEFAULTS,
         *, force_include_usage: bool = False,
     ) -> None:
+        """``model_defaults``: what the model brings (an Ollama model's sampling defaults and
+        system prompt, pagoda/model/stores.py), applied where a request sets nothing."""
         self.engine = engine
+        self.model_defaults = model_defaults
         # --enable-force-include-usage: streams end with a usage chunk even without stream_options.
         self.force_include_usage = force_include_usage
         self.state = state

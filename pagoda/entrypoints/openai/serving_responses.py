@@ -106,7 +106,7 @@ class _Run:
 
 class ResponsesServing(OpenAIServing):
     def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
-        super().__init__(chat.engine, chat.state, chat.served_model_name, chat.request_timeout)
+        super().__init__(chat.engine, chat.state, chat.served_model_name, chat.request_timeout, chat.model_defaults)
         self.chat = chat
         self.store = store
 
