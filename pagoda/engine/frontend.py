@@ -22,15 +22,21 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.core.outputs import SchedulerStats
-from pagoda.engine.client import EngineClientBase, GenerateCall, EngineDeadError, LoRAExistsError, LoRANotFoundError
+from pagoda.core.outputs import EngineCoreOutput, SchedulerStats
+from pagoda.engine.client import (
+    EngineClientBase,
+    EngineDeadError,
+    GenerateCall,
+    LoRAExistsError,
+    LoRANotFoundError,
+)
 from pagoda.engine.messages import (
-    EngineCoreRequest,
+    Abort,
     AddLora,
     CheckIntegrity,
-    Abort,
     Dead,
     EngineCoreOutputs,
+    EngineCoreRequest,
     FromCore,
     IntegrityResult,
     LoraResult,
@@ -44,7 +50,6 @@ from pagoda.lora.errors import LoRAAdapterError, LoRAInUseError
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.log import StatLogger
 from pagoda.metrics.stats import EngineMetrics
-from pagoda.core.outputs import EngineCoreOutput
 from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.pooling import PoolerConfig, placeholder_sampling_params
 from pagoda.tokenizer import Tokenizer
@@ -220,14 +225,7 @@ class EngineFrontEnd(EngineClientBase):
         request_id, prompt, prompt_token_ids, sampling_params = (
             call.request_id, call.prompt, call.prompt_token_ids, call.sampling_params)
         priority, cache_salt, tenant, lora_request = call.priority, call.cache_salt, call.tenant, call.lora_request
-        self._check_alive()
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        self._ensure_tasks()
-        if request_id in self._queues:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        queue = self._open_queue(request_id)
         finished = False
         try:
             self.processor.add_request(request_id, prompt, prompt_token_ids, sampling_params)
@@ -264,9 +262,8 @@ class EngineFrontEnd(EngineClientBase):
             if not finished:
                 await self.abort(request_id)
 
-    async def _embed(self, call: GenerateCall) -> AsyncIterator[EmbeddingRequestOutput]:
-        """An embedding request: one core request, one output (its vector) when the prompt is done."""
-        request_id = call.request_id
+    def _open_queue(self, request_id: str) -> asyncio.Queue:
+        """A new request's output queue, registered; raises when the engine is dead or the id is taken."""
         self._check_alive()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -275,6 +272,12 @@ class EngineFrontEnd(EngineClientBase):
             raise ValueError(f"duplicate request id {request_id!r}")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        return queue
+
+    async def _embed(self, call: GenerateCall) -> AsyncIterator[EmbeddingRequestOutput]:
+        """An embedding request: one core request, one output (its vector) when the prompt is done."""
+        request_id = call.request_id
+        queue = self._open_queue(request_id)
         finished = False
         try:
             arrival = time.monotonic()

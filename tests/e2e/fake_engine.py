@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from pagoda.config import EngineConfig
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
-from pagoda.engine.client import EngineDeadError, GenerateCall, EngineOverloadedError
+from pagoda.engine.client import EngineDeadError, EngineOverloadedError, GenerateCall
 from pagoda.engine.frontend import EngineFrontEnd
 from pagoda.engine.messages import (
     Abort,

@@ -128,3 +128,17 @@ def sse_events(body: str) -> list[Any]:
         data = block[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+@contextlib.contextmanager
+def real_engine_server(engine_config: Any = None, **server_kwargs: Any) -> Iterator[tuple[Any, RunningServer]]:
+    """The bundled model in an AsyncLLM (``engine_config``, an EngineConfig; default: no
+    progress bar, 1024 KV blocks, 2048 tokens) behind a real server on loopback, both
+    stopped on exit. ``server_kwargs``: running_server's (served_model_name, api_key, ...)."""
+    from pagoda.config import EngineConfig
+    from pagoda.engine.async_llm import AsyncLLM
+
+    config = engine_config or EngineConfig(show_progress=False, num_kv_blocks=1024, max_model_len=2048)
+    engine = AsyncLLM.from_config(config)
+    with running_server(engine, shutdown_engine=True, **server_kwargs) as running:
+        yield engine, running

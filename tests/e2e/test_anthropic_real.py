@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pagoda.config import EngineConfig
-from tests.e2e.server_utils import RunningServer, running_server
+from tests.e2e.server_utils import RunningServer, real_engine_server
 
 MODEL = "smollm2"
 KEY = "sk-real"
@@ -26,10 +26,8 @@ TOOLS = [{"name": "get_weather", "description": "Get the current weather in a ci
 
 @pytest.fixture(scope="module")
 def real_server() -> Iterator[RunningServer]:
-    from pagoda.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=512, max_model_len=2048))
-    with running_server(engine, served_model_name=MODEL, api_key=KEY, shutdown_engine=True) as running:
+    config = EngineConfig(show_progress=False, num_kv_blocks=512, max_model_len=2048)
+    with real_engine_server(config, served_model_name=MODEL, api_key=KEY) as (_, running):
         yield running
 
 

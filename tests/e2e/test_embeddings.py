@@ -19,7 +19,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.entrypoints.openai.embedding_protocol import encode_base64
-from tests.e2e.server_utils import running_server
+from tests.e2e.server_utils import real_engine_server, running_server
 
 MODEL = "smollm2-embed"
 PAIRS = [
@@ -35,10 +35,7 @@ ENGINE = {"task": "embed", "override_pooler_config": {"pooling_type": "MEAN"}, "
 
 @pytest.fixture(scope="module")
 def real_server():
-    from pagoda.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM.from_config(EngineConfig(**ENGINE))
-    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+    with real_engine_server(EngineConfig(**ENGINE), served_model_name=MODEL) as (engine, running):
         yield engine, running
 
 

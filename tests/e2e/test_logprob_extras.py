@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda.config import EngineConfig
-from tests.e2e.server_utils import running_server
+from tests.e2e.server_utils import real_engine_server
 
 MODEL = "smollm2"
 PROMPT = "The lighthouse keeper climbed the stairs every evening and lit the lamp that guided the boats home."
@@ -21,13 +21,10 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def real_server():
-    from pagoda.engine.async_llm import AsyncLLM
-
     # Steps of 32 tokens: prompts are prefilled in chunks.
     config = EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=1024, block_size=16,
                           max_num_batched_tokens=32)  # fmt: skip
-    engine = AsyncLLM.from_config(config)
-    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+    with real_engine_server(config, served_model_name=MODEL) as (engine, running):
         yield engine, running
 
 

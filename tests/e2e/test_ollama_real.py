@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from pagoda.config import EngineConfig
-from tests.e2e.server_utils import running_server
+from tests.e2e.server_utils import real_engine_server
 
 MODEL = "smollm2"
 GREEDY = {"temperature": 0, "seed": 7}
@@ -32,10 +32,8 @@ FEW_SHOT = [
 
 @pytest.fixture(scope="module")
 def real_server():
-    from pagoda.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=2048))
-    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+    config = EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=2048)
+    with real_engine_server(config, served_model_name=MODEL) as (engine, running):
         yield engine, running
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from pagoda.config import EngineConfig
-from tests.e2e.server_utils import running_server
+from tests.e2e.server_utils import real_engine_server, running_server
 
 MODEL = "smollm2"
 LONG_SYSTEM = (
@@ -29,10 +29,7 @@ LONG_SYSTEM = (
 
 @pytest.fixture(scope="module")
 def real_server():
-    from pagoda.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=1024, max_model_len=2048))
-    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+    with real_engine_server(served_model_name=MODEL) as (engine, running):
         yield engine, running
 
 

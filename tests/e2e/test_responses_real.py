@@ -13,8 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagoda.config import EngineConfig
-from tests.e2e.server_utils import running_server
+from tests.e2e.server_utils import real_engine_server
 from tests.e2e.test_real_engine import MODEL, _wait_idle
 
 QUESTION = "What is the capital of France? Answer with one word."
@@ -25,10 +24,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The current
 
 @pytest.fixture(scope="module")
 def real_server():
-    from pagoda.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=1024, max_model_len=2048))
-    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+    with real_engine_server(served_model_name=MODEL) as (engine, running):
         yield engine, running
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from pagoda.config import EngineConfig
-from tests.e2e.server_utils import RunningServer, running_server
+from tests.e2e.server_utils import RunningServer, real_engine_server
 
 MODEL = "smollm2"
 ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -21,10 +21,8 @@ ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def real_server() -> Iterator[RunningServer]:
-    from pagoda.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=1024))
-    with running_server(engine, served_model_name=MODEL, reasoning_parser="qwen3", shutdown_engine=True) as running:
+    config = EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=1024)
+    with real_engine_server(config, served_model_name=MODEL, reasoning_parser="qwen3") as (_, running):
         yield running
 
 
