@@ -115,3 +115,27 @@ def test_structured_output_applies_after_the_reasoning(client: openai.OpenAI, en
     assert accepted('<think>Look outside.</think>\n{"sunny": true}')
     assert accepted('{"sunny": false}')  # qwen3: thinking may be off
     assert not accepted('<think>Look outside.</think>{"sunny": "yes"}')
+
+
+def test_ollama_think(server: RunningServer, engine: FakeEngine) -> None:
+    """Ollama's ``think``: true gives the reasoning in ``thinking`` (chat and generate, streamed
+    or not), false leaves the whole text in the content; through the official ollama client."""
+    import ollama
+
+    oc = ollama.Client(host=server.base_url)
+    text = f"<think>{THOUGHT}</think>\n\nIt is sunny."
+    script(engine, text)
+    options = {"num_predict": len(engine.script) + 1}
+    r = oc.chat(model=MODEL, messages=ASK, think=True, options=options)
+    assert (r.message.thinking, r.message.content) == (THOUGHT, "\n\nIt is sunny.")
+    script(engine, text)
+    parts = list(oc.chat(model=MODEL, messages=ASK, think=True, stream=True, options=options))
+    assert sum(1 for p in parts if p.message.thinking) > 1, "the reasoning streams in several pieces"
+    assert "".join(p.message.thinking or "" for p in parts) == THOUGHT
+    assert "".join(p.message.content or "" for p in parts) == "\n\nIt is sunny."
+    script(engine, text)
+    g = oc.generate(model=MODEL, prompt="Weather?", think=True, options=options)
+    assert (g.thinking, g.response) == (THOUGHT, "\n\nIt is sunny.")
+    script(engine, text)
+    r = oc.chat(model=MODEL, messages=ASK, think=False, options=options)
+    assert r.message.content == text and not r.message.thinking

@@ -16,7 +16,11 @@ after a stream started is its last line, ``{"error": ...}``.
 answers to ``name:latest`` (Ollama clients append it), and is listed that way.
 
 ``keep_alive`` is checked (a number of seconds or a duration) and has no effect: the
-model is always loaded. ``think``: false or absent; true or a level is a 400 for now.
+model is always loaded. ``think``: true puts the reasoning in ``thinking`` (``message.thinking``
+on /api/chat, streamed as it comes), read by the server's ``--reasoning-parser`` (without one,
+a 400), with ``format`` applied after the reasoning; true and false reach the chat template
+as ``enable_thinking`` (Qwen3's switch); absent: the whole output is content. Levels
+('low', 'medium', 'high', GPT-OSS's) are a 400.
 ``logprobs`` / ``top_logprobs``: supported (Ollama's shape, as OpenAI's chat logprobs).
 
 /api/generate: ``prompt`` is rendered with the model's chat template as one user turn

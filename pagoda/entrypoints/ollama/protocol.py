@@ -168,10 +168,14 @@ class GenerationRequest(_Strict):
     truncate: bool | None = None  # Ollama's: cut a prompt longer than num_ctx; pagoda answers 400
     shift: bool | None = None  # Ollama's context shifting; pagoda never shifts
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``think`` as the chat templates that switch thinking read it (Qwen3's enable_thinking)."""
+        return None if self.think is None else {"enable_thinking": bool(self.think)}
+
     def check_common(self) -> None:
-        if self.think not in (None, False):
-            raise bad_request("'think' is not supported by this server yet; send false or leave it out.",
-                              param="think", code="unsupported_parameter")  # fmt: skip
+        if isinstance(self.think, str):
+            raise bad_request("'think' levels ('low', 'medium', 'high') are for models that take them (GPT-OSS); "
+                              "send true or false.", param="think", code="unsupported_parameter")  # fmt: skip
         if self.truncate:
             raise bad_request("'truncate' is not supported: a prompt longer than num_ctx is an error here.",
                               param="truncate", code="unsupported_parameter")  # fmt: skip

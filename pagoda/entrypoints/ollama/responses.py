@@ -70,6 +70,7 @@ class GenerateResponse(_Line):
     model: str
     created_at: str
     response: str
+    thinking: str | None = None  # with "think": true, the model's reasoning
     done: bool
     done_reason: str | None = None
     context: list[int] | None = None
@@ -96,6 +97,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str
+    thinking: str | None = None  # with "think": true, the model's reasoning
     tool_calls: list[ToolCallOut] | None = None
 
 

@@ -38,7 +38,7 @@ from pagoda.entrypoints.ollama.responses import (
     error_line,
     now_rfc3339,
 )
-from pagoda.entrypoints.openai.errors import APIError, internal_error
+from pagoda.entrypoints.openai.errors import APIError, bad_request, internal_error
 from pagoda.entrypoints.openai.request_group import (
     RequestGroup,
     RequestStopped,
@@ -99,8 +99,9 @@ class _ToolStream:
         self.pending: dict[int, list[str]] = {}  # call index -> [name, arguments so far]
         self.sent = 0
 
-    def feed(self, c: CompletionOutput) -> tuple[str, list[ToolCallOut]]:
-        delta = self.streamer.feed(c.delta_text, final=c.just_finished)
+    def feed(self, c: CompletionOutput, text: str) -> tuple[str, list[ToolCallOut]]:
+        """``text``: this step's new text of ``c`` (past any reasoning)."""
+        delta = self.streamer.feed(text, final=c.just_finished)
         content, ready = delta.content, []
         for call in delta.calls:
             if call.name is not None:
@@ -178,7 +179,8 @@ class OllamaServing(OpenAIServing):
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=not context)
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
-            text, ids = self.chat.encode_chat([*system, {"role": "user", "content": body.prompt}])
+            text, ids = self.chat.encode_chat([*system, {"role": "user", "content": body.prompt}],
+                                              template_kwargs=body.template_kwargs())  # fmt: skip
         if context:
             text, ids = None, context + ids
         sub = self._prepare(body, text, ids, lora, "prompt")
@@ -194,14 +196,26 @@ class OllamaServing(OpenAIServing):
                                 done=True, done_reason="load")  # fmt: skip
             return Response(load.line(), media_type="application/json")
         plan = plan_tools(body.tools, None, None)
-        text, ids = self.chat.encode_chat(body.template_messages(), plan=plan)
+        text, ids = self.chat.encode_chat(body.template_messages(), plan=plan, template_kwargs=body.template_kwargs())
         sub = self._prepare(body, text, ids, lora, "messages")
         return await self._respond(body, raw_request, sub, clock, plan)
 
     # ---- running ---------------------------------------------------------------------
+    def _thinking(self, body: GenerationRequest) -> bool:
+        """``think: true``: the reasoning comes back apart (``thinking``), read by the server's
+        --reasoning-parser; a 400 without one."""
+        if body.think is not True:
+            return False
+        if self.chat.reasoning_parser is None:
+            raise bad_request("'think' needs a server started with --reasoning-parser (the model's reasoning is "
+                              "read from its output).", param="think", code="unsupported_parameter")  # fmt: skip
+        return True
+
     def _prepare(self, body: GenerationRequest, text: str | None, ids: list[int], lora: LoRARequest | None,
                  prompt_param: str) -> SubRequest:  # fmt: skip
         structured = body.structured_output()
+        if self._thinking(body):
+            structured = self.chat.with_reasoning(structured)  # the format applies after the reasoning
         params = body.to_sampling_params(len(ids), self.engine.max_model_len, structured)
         prefix = "chat" if isinstance(body, ChatRequest) else "generate"
         return self.prepare(f"ollama-{prefix}-{uuid.uuid4().hex}", text, ids, lambda _: params, prompt_param,
@@ -242,12 +256,16 @@ class OllamaServing(OpenAIServing):
                                   "done_reason": reason, **clock.timings(len(sub.prompt_token_ids), len(token_ids))}
         if whole and c is not None:
             fields["logprobs"] = self._logprobs(body, c.token_ids, c.logprobs)
+        thinking, text = None, c.text if whole and c is not None else ""
+        if text and self._thinking(body):
+            thinking, content = self.chat.split_reasoning(text)
+            text = content or ""
         if isinstance(body, ChatRequest):
-            text = c.text if whole and c is not None else ""
             message = self._message(plan, text, reason == "length") if whole else ChatMessageOut(content="")
+            message.thinking = thinking
             return ChatResponse(message=message, **fields).line()
-        return GenerateResponse(response=c.text if whole and c is not None else "",
-                                context=sub.prompt_token_ids + list(token_ids), **fields).line()  # fmt: skip
+        return GenerateResponse(response=text, thinking=thinking, context=sub.prompt_token_ids + list(token_ids),
+                                **fields).line()  # fmt: skip
 
     def _message(self, plan: ToolPlan | None, text: str, truncated: bool) -> ChatMessageOut:
         if plan is None or not plan.active:
@@ -268,21 +286,26 @@ class OllamaServing(OpenAIServing):
                      first: list[tuple[int, RequestOutput]], clock: _Clock, plan: ToolPlan | None,
                      ) -> AsyncIterator[str]:  # fmt: skip
         tools = _ToolStream(self.chat.tool_parser.streamer()) if plan is not None and plan.active else None
+        reasoner = self.chat.reasoning_parser.streamer() if self._thinking(body) else None
 
         def lines(out: RequestOutput) -> list[str]:
             c = out.outputs[0]
             logprobs = self._logprobs(body, c.delta_token_ids, c.delta_logprobs)
+            text, thinking = c.delta_text, None
+            if reasoner is not None:
+                split = reasoner.feed(text, final=c.just_finished)
+                text, thinking = split.content, split.reasoning or None
             if isinstance(body, ChatRequest):
-                content, calls = tools.feed(c) if tools is not None else (c.delta_text, [])
-                if not (content or calls or logprobs):
+                content, calls = tools.feed(c, text) if tools is not None else (text, [])
+                if not (content or calls or thinking or logprobs):
                     return []
-                message = ChatMessageOut(content=content, tool_calls=calls or None)
+                message = ChatMessageOut(content=content, thinking=thinking, tool_calls=calls or None)
                 return [ChatResponse(model=body.model, created_at=now_rfc3339(), message=message, done=False,
                                      logprobs=logprobs).line()]  # fmt: skip
-            if not (c.delta_text or logprobs):
+            if not (text or thinking or logprobs):
                 return []
-            return [GenerateResponse(model=body.model, created_at=now_rfc3339(), response=c.delta_text, done=False,
-                                     logprobs=logprobs).line()]  # fmt: skip
+            return [GenerateResponse(model=body.model, created_at=now_rfc3339(), response=text, thinking=thinking,
+                                     done=False, logprobs=logprobs).line()]  # fmt: skip
 
         for _, out in first:
             for line in lines(out):
