@@ -100,6 +100,26 @@ def test_continue_final_message(http: httpx.Client, engine: FakeEngine) -> None:
     assert tokens == engine.calls[-2].prompt_token_ids
 
 
+def test_chat_echo(http: httpx.Client) -> None:
+    """vLLM's chat echo: the reply starts with the last message when it has the reply's role
+    (an assistant message being continued), streamed or not; otherwise nothing is added."""
+    messages = [*HI, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "max_tokens": 3, "continue_final_message": True, "add_generation_prompt": False,
+            "echo": True}
+    r = http.post("/v1/chat/completions", json=body).json()
+    content = r["choices"][0]["message"]["content"]
+    assert content.startswith("The answer is") and len(content) > len("The answer is")
+    plain = http.post("/v1/chat/completions", json={**body, "echo": False}).json()
+    assert content == "The answer is" + plain["choices"][0]["message"]["content"]
+    events = stream(http, "/v1/chat/completions", body)
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert streamed == content
+    # A user message last, a reply opened for the assistant: the roles differ, nothing is echoed.
+    r = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "echo": True}).json()
+    again = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3}).json()
+    assert r["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+
+
 # ---------------------------------------------------------------------- token ids in responses
 def test_return_token_ids(client: openai.OpenAI, http: httpx.Client, engine: FakeEngine) -> None:
     out = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, extra_body={"return_token_ids": True})

@@ -14,17 +14,24 @@ is not an integer, as with OpenAI.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
 from pagoda.engine.beam_search import BeamSearchParams
 from pagoda.entrypoints.openai import structured
 from pagoda.entrypoints.openai.errors import APIError, bad_request, unsupported
-from pagoda.entrypoints.openai.structured import ResponseFormat, StructuredOutputsRequest
-from pagoda.entrypoints.openai.tools import ChatTool, ToolChoiceField, ToolPlan, plan_tools
+from pagoda.entrypoints.openai.structured import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+)
+from pagoda.entrypoints.openai.tools import (
+    ChatTool,
+    ToolChoiceField,
+    ToolPlan,
+    plan_tools,
+)
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
-
 
 # Upper bound on ``n`` (OpenAI's own limit): each choice is a sequence with its own KV
 # cache, so an unbounded n lets one request occupy the engine for minutes.
@@ -395,6 +402,22 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking...)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    # vLLM's: the reply's content starts with the last message's when that message has the
+    # reply's role (with continue_final_message: the assistant text being continued).
+    echo: bool = False
+
+    def echo_text(self) -> str:
+        """What ``echo`` puts before each choice's content ("" when off or the roles differ)."""
+        if not self.echo:
+            return ""
+        last = self.template_messages()[-1]
+        role = "assistant" if self.add_generation_prompt else last.get("role")
+        content = last.get("content")
+        if last.get("role") != role or not content:
+            return ""
+        if isinstance(content, str):
+            return content
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
 
     def check_supported(self) -> None:
         super().check_supported()

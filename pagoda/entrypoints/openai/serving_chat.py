@@ -38,9 +38,17 @@ from pagoda.entrypoints.openai.responses import (
     Usage,
     sse,
 )
-from pagoda.entrypoints.openai.serving_engine import ClientGone, OpenAIServing, client_gone_response
-from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolCallStreamer, get_tool_parser
+from pagoda.entrypoints.openai.serving_engine import (
+    ClientGone,
+    OpenAIServing,
+    client_gone_response,
+)
 from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
+from pagoda.entrypoints.openai.tool_parsers import (
+    DEFAULT_TOOL_PARSER,
+    ToolCallStreamer,
+    get_tool_parser,
+)
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
 from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -147,9 +155,12 @@ class ChatServing(OpenAIServing):
             return client_gone_response()
         out = outputs[0]
         choices = []
+        echo = body.echo_text()
         for i in range(body.n):
             c = out.outputs[i] if out is not None and i < len(out.outputs) else None
             message, finish_reason = self._message(plan, c)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(
                 ChatChoice(
                     index=i,
@@ -292,9 +303,12 @@ class ChatServing(OpenAIServing):
                                         list(c.delta_token_ids) if k == 0 else []))  # fmt: skip
             return events
 
+        echo = body.echo_text()
         for i in range(body.n):
             yield chunk(i, {"role": "assistant", "content": ""}, token_ids=[],
                         prompt_token_ids=prompt_ids if body.return_token_ids else None)  # fmt: skip
+            if echo:
+                yield chunk(i, {"content": echo}, token_ids=[])
         for _, out in first:
             for event in chunks(out):
                 yield event
