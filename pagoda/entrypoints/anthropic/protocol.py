@@ -10,6 +10,7 @@ and a final assistant message (prefill) are refused with a 400 saying so.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -277,8 +278,12 @@ class MessagesRequest(_PromptRequest):
                 and self.thinking.budget_tokens >= self.max_tokens:  # fmt: skip
             raise bad_request("'thinking.budget_tokens' must be less than 'max_tokens'.", param="thinking.budget_tokens")
 
-    def to_sampling_params(self, structured: StructuredOutputsParams | None) -> SamplingParams:
-        kwargs: dict[str, Any] = {"max_tokens": self.max_tokens, "structured_outputs": structured}
+    def to_sampling_params(self, structured: StructuredOutputsParams | None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:  # fmt: skip
+        """``defaults``: the model's own sampling defaults (ModelDefaults.sampling), under the
+        request's fields; max_tokens is always the request's (Anthropic requires it)."""
+        kwargs: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        kwargs.update(max_tokens=self.max_tokens, structured_outputs=structured)
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
                             ("stop", self.stop_sequences)):  # fmt: skip
             if value is not None:

@@ -108,7 +108,7 @@ class MessagesServing:
         plan, text, ids = self._encode(body)
         structured = self.chat.with_reasoning(plan.constraint(self.chat.tool_parser)) if plan.forced else None
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
-        sub = self.chat.prepare(request_id, text, ids, lambda _: body.to_sampling_params(structured), "messages",
+        sub = self.chat.prepare(request_id, text, ids, lambda _: body.to_sampling_params(structured, self.chat.model_defaults.sampling), "messages",
                                 "max_tokens", "tool_choice", lora_request=lora)  # fmt: skip
         group = self._group(body, raw_request, sub)
         if body.stream:

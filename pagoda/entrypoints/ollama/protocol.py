@@ -8,6 +8,7 @@ listed in the package docstring (``pagoda/entrypoints/ollama/__init__.py``).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
@@ -93,9 +94,10 @@ class Options(_Strict):
         return (self.repeat_penalty not in (None, 1.0) or self.presence_penalty not in (None, 0.0)
                 or self.frequency_penalty not in (None, 0.0))  # fmt: skip
 
-    def sampling_kwargs(self, context_bound: int) -> dict[str, Any]:
-        """SamplingParams fields (without max_tokens and structured output)."""
-        kwargs = dict(DEFAULT_SAMPLING)
+    def sampling_kwargs(self, context_bound: int, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """SamplingParams fields (without max_tokens and structured output): the options set,
+        else the model's own defaults (an Ollama model's params layer), else Ollama's."""
+        kwargs = {**DEFAULT_SAMPLING, **{k: v for k, v in (defaults or {}).items() if k != "max_tokens"}}
         fields = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
                   "seed": self.seed, "stop": self.stop}  # fmt: skip
         kwargs.update({k: v for k, v in fields.items() if v is not None})
@@ -201,17 +203,19 @@ class GenerationRequest(_Strict):
         schema = JsonSchemaFormat(name="format", schema=self.format)
         return from_response_format(ResponseFormat(type="json_schema", json_schema=schema))
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int,
-                           structured: StructuredOutputsParams | None) -> SamplingParams:  # fmt: skip
-        """The request's SamplingParams: num_predict, bounded by what num_ctx leaves after the prompt."""
+    def to_sampling_params(self, prompt_len: int, max_model_len: int, structured: StructuredOutputsParams | None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:  # fmt: skip
+        """The request's SamplingParams: num_predict (else the model's default), bounded by what
+        num_ctx leaves after the prompt; ``defaults``: the model's own (ModelDefaults.sampling)."""
         opts = self.opts
         bound = opts.context_bound(max_model_len)
         if opts.num_ctx is not None and prompt_len >= bound:
             raise option_error("num_ctx", f"is {bound}, and the prompt alone is {prompt_len} tokens: raise num_ctx "
                                "or shorten the prompt (pagoda does not truncate prompts)")  # fmt: skip
         room = max(bound - prompt_len, 1)  # no room at all: the engine's own context length error
-        max_tokens = room if opts.num_predict in (None, -1) else min(opts.num_predict, room)  # type: ignore[type-var]
-        kwargs = opts.sampling_kwargs(bound)
+        num_predict = opts.num_predict if opts.num_predict is not None else (defaults or {}).get("max_tokens")
+        max_tokens = room if num_predict in (None, -1) else min(num_predict, room)  # type: ignore[type-var]
+        kwargs = opts.sampling_kwargs(bound, defaults)
         kwargs.update(max_tokens=max_tokens, structured_outputs=structured)
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0

@@ -216,7 +216,7 @@ class OllamaServing(OpenAIServing):
         structured = body.structured_output()
         if self._thinking(body):
             structured = self.chat.with_reasoning(structured)  # the format applies after the reasoning
-        params = body.to_sampling_params(len(ids), self.engine.max_model_len, structured)
+        params = body.to_sampling_params(len(ids), self.engine.max_model_len, structured, self.model_defaults.sampling)
         prefix = "chat" if isinstance(body, ChatRequest) else "generate"
         return self.prepare(f"ollama-{prefix}-{uuid.uuid4().hex}", text, ids, lambda _: params, prompt_param,
                             "options.num_predict", "format", lora_request=lora)  # fmt: skip

@@ -172,7 +172,10 @@ class ResponsesServing(OpenAIServing):
         response_id = new_id("resp")
 
         def to_params(default_max_tokens: int) -> SamplingParams:
-            kwargs: dict[str, Any] = {"structured_outputs": structured, "max_tokens": default_max_tokens}
+            # The model's own defaults (ModelDefaults.sampling) under the request's fields.
+            defaults = self.model_defaults.sampling
+            kwargs: dict[str, Any] = {**defaults, "structured_outputs": structured,
+                                      "max_tokens": min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))}
             if body.max_output_tokens is not None:
                 kwargs["max_tokens"] = body.max_output_tokens
             if body.temperature is not None:
