@@ -22,27 +22,11 @@ ANSWER = "\n\nIt is sunny."
 
 
 @pytest.fixture(scope="module")
-def _server() -> Iterator[tuple[EosFakeEngine, RunningServer]]:
+def _shared_server() -> Iterator[tuple[EosFakeEngine, RunningServer]]:
+    """(The engine, server and client fixtures of tests/e2e/conftest.py run on this one.)"""
     engine = EosFakeEngine()
     with running_server(engine, reasoning_parser="qwen3") as running:
         yield engine, running
-
-
-@pytest.fixture
-def engine(_server: tuple[EosFakeEngine, RunningServer]) -> EosFakeEngine:
-    _server[0].reset()
-    return _server[0]
-
-
-@pytest.fixture
-def server(_server: tuple[EosFakeEngine, RunningServer], engine: EosFakeEngine) -> RunningServer:
-    return _server[1]
-
-
-@pytest.fixture
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
-        yield c
 
 
 def think_then_answer(engine: EosFakeEngine, thought: str = THOUGHT, answer: str = ANSWER) -> int:

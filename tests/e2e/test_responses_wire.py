@@ -4,13 +4,11 @@ bounds, errors in OpenAI's shape, and aborts on disconnect and timeout."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import msgspec
 import openai
 import pytest
 
@@ -26,13 +24,8 @@ EOS = 2  # <|im_end|>
 
 
 class EosFakeEngine(FakeEngine):
-    """Ends a request at the model's EOS token as the real engine does (the fake core only
-    knows stop_token_ids, and the Responses API has no such parameter)."""
-
-    def _add(self, req: Any) -> None:
-        params = req.sampling_params
-        params = dataclasses.replace(params, stop_token_ids=[*(params.stop_token_ids or []), *req.eos_token_ids])
-        super()._add(msgspec.structs.replace(req, sampling_params=params))
+    """The fake engine with a way to script its answer (it ends a request at EOS, as the
+    real engine does)."""
 
     def say(self, text: str) -> None:
         """Generate ``text``, then EOS."""
@@ -40,27 +33,11 @@ class EosFakeEngine(FakeEngine):
 
 
 @pytest.fixture(scope="module")
-def _server() -> Iterator[tuple[EosFakeEngine, RunningServer]]:
+def _shared_server() -> Iterator[tuple[EosFakeEngine, RunningServer]]:
+    """(The engine, server and client fixtures of tests/e2e/conftest.py run on this one.)"""
     engine = EosFakeEngine()
     with running_server(engine) as running:
         yield engine, running
-
-
-@pytest.fixture
-def engine(_server: tuple[EosFakeEngine, RunningServer]) -> EosFakeEngine:
-    _server[0].reset()
-    return _server[0]
-
-
-@pytest.fixture
-def server(_server: tuple[EosFakeEngine, RunningServer], engine: EosFakeEngine) -> RunningServer:
-    return _server[1]
-
-
-@pytest.fixture
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
-        yield c
 
 
 def read_events(response: httpx.Response) -> list[dict[str, Any]]:
