@@ -119,7 +119,7 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm):
 
 
 def test_bad_model_paths(tmp_path):
-    with pytest.raises(ModelLoadError, match="does not exist"):
+    with pytest.raises(ModelLoadError, match="not found; looked for it at"):
         LLM(str(tmp_path / "missing"))
     corrupt = tmp_path / "broken.gguf"
     corrupt.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 7)
