@@ -28,6 +28,22 @@
 //   Q6_K  256: ql[128], qh[64], scales[16] (int8), d  w = (d * sc) * (q - 32)
 //   IQ4_XS 256: d, scales_h (u16), scales_l[4], qs[128]   w = (d * (sc - 32)) * kvalues[nibble]
 //   MXFP4  32: e (E8M0), qs[16]          w = 2^(e - 128) * e2m1x2[nibble] (GPT-OSS's experts)
+// pagoda's own (pagoda/model/hf_quant: GPTQ, AWQ, compressed-tensors' integer groups):
+//   PQ4Z   32: d, z (u8), qs[16]         w = d * (nibble - z)
+//   PQ8Z   32: d, z (i16), q[32] (u8)    w = d * (q - z)
+//   PQ4ZF, PQ8ZF: the same with d a float32 (scales a float16 cannot hold: bfloat16's
+//   smallest, float32's)
+// The integer q - z is exact, so one float32 rounding: the value float32(d) * (q - z) the
+// formats' reference dequantization computes (a Q4_1 block's d * q + m rounds twice).
+// pagoda's own float layouts (ids 220-223; pagoda/model/hf_quant/float_blocks.py: FP8, NVFP4):
+//   FP8_32   32: s (float32), q[32] (e4m3fn)       w = e4m3(q) * s        (FP8 checkpoints:
+//   FP8_128 128: s (float32), q[128] (e4m3fn)      per-tensor, per-channel or block scales)
+//   NVFP4_32   32: g (float32), s[2] (e4m3fn), qs[16]   w = e2m1[nibble] * (e4m3(s[j]) / g)
+//   NVFP4_128 128: g (float32), s[8] (e4m3fn), qs[64]   for weights 16j .. 16j + 15
+// e4m3(q) * s is one float32 product of exact factors, as the checkpoints' reference
+// dequantization (w.float() * scale); NVFP4's scale is compressed-tensors' float32
+// quotient e4m3(s) / g, then one product. FP8 values are not small integers: those
+// types only dequantize (rows and tiles), with no decoded-row or int8 products.
 // In a block of 32 with 16 bytes of nibbles, byte j holds weight j (low) and j + 16 (high).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,6 +52,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -51,6 +68,9 @@ enum GgmlType : int {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30,
   kMXFP4 = 39,
+  kPQ4Z = 200, kPQ8Z = 201, kPQ4ZF = 202, kPQ8ZF = 203,  // pagoda's own (OWN_TYPES, blocks.py)
+  // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
+  kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
 
 struct BlockFormat {
@@ -76,6 +96,14 @@ bool known_format(int type, BlockFormat* f) {
     case kQ6_K: *f = {256, 210}; return true;
     case kIQ4_XS: *f = {256, 136}; return true;
     case kMXFP4: *f = {32, 17}; return true;
+    case kPQ4Z: *f = {32, 19}; return true;
+    case kPQ8Z: *f = {32, 36}; return true;
+    case kPQ4ZF: *f = {32, 21}; return true;
+    case kPQ8ZF: *f = {32, 38}; return true;
+    case kFP8_32: *f = {32, 36}; return true;
+    case kFP8_128: *f = {128, 132}; return true;
+    case kNVFP4_32: *f = {32, 22}; return true;
+    case kNVFP4_128: *f = {128, 76}; return true;
     default: return false;
   }
 }
@@ -100,10 +128,55 @@ inline float e8m0_half(uint8_t e) {
   return f;
 }
 
+// The float16 bits of an e4m3fn byte's value / 256: its sign, and its exponent and
+// mantissa (7 bits) moved down 3 bits of exponent (float16's bias 15 is e4m3's 7 + 8).
+// Subnormals map to subnormals, so the conversion and the * 256 are exact.
+inline uint16_t e4m3_as_f16(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+}
+
+// An e4m3fn byte's value (S.1111.111 is NaN; e4m3fn has no infinities).
+inline float e4m3_to_f32(uint8_t b) {
+  if ((b & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  return pagoda::h2f(e4m3_as_f16(b)) * 256.f;
+}
+
+// y[j] = e4m3(q[j]) * s for n (a multiple of 16) bytes: one float32 product each, of
+// (value / 256) and s * 256 (both exact: the same product).
+inline void emit_fp8(const uint8_t* q, int n, float s, float* y) {
+  const __m256 sv = _mm256_set1_ps(s * 256.f);
+  const __m256 nan_bits = _mm256_set1_ps(1.875f);  // S.1111.111 / 256 as float16 bits: NaN
+  const __m256 sign = _mm256_set1_ps(-0.f), nan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  const __m256i m80 = _mm256_set1_epi16(0x80), m7f = _mm256_set1_epi16(0x7F);
+  for (int j = 0; j < n; j += 16) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, m80), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, m7f), 7));
+    for (int half = 0; half < 2; ++half) {
+      __m256 f = _mm256_cvtph_ps(half ? _mm256_extracti128_si256(h, 1) : _mm256_castsi256_si128(h));
+      f = _mm256_blendv_ps(f, nan, _mm256_cmp_ps(_mm256_andnot_ps(sign, f), nan_bits, _CMP_EQ_OQ));
+      _mm256_storeu_ps(y + j + 8 * half, _mm256_mul_ps(f, sv));
+    }
+  }
+}
+
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return pagoda::h2f(h);
+}
+
+// The scale d of one of pagoda's integer-group blocks (PQ4Z ...), and its size in bytes.
+constexpr int own_scale_bytes(int type) { return type == kPQ4ZF || type == kPQ8ZF ? 4 : 2; }
+template <int type>
+inline float own_scale(const uint8_t* p) {
+  if constexpr (own_scale_bytes(type) == 4) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  } else {
+    return f16_at(p);
+  }
 }
 
 inline __m256 load_q8(const int8_t* q) {
@@ -152,29 +225,19 @@ inline void split_nibbles32(const uint8_t* p, uint8_t* q) {
 // The K-quants' 6-bit scales and minimums of the 8 sub-blocks, from their 12 bytes, as 16
 // bytes (scales 0-7, then minimums 0-7): sub-block j < 4: scale = s[j] & 63, min =
 // s[j + 4] & 63; j >= 4: scale = low nibble of s[j + 4] | top 2 bits of s[j - 4] << 4, min
-// = high nibble of s[j + 4] | top 2 bits of s[j] << 4. Four bytes at a time, in registers.
+// = high nibble of s[j + 4] | top 2 bits of s[j] << 4. In one register: two byte shuffles
+// put each output byte's sources in place (a = s[0..3], s[8..11], s[4..7], s[8..11]; b =
+// s[0..3] and s[4..7] under the high halves), then masks and shifts (16-bit shifts: the
+// bits they carry in from the neighbouring byte are masked off). Reads 16 bytes from s
+// (the 12, then the next 4 of the block).
 inline __m128i k4_scales_mins(const uint8_t* s) {
-  uint32_t w0, w1, w2;
-  std::memcpy(&w0, s, 4);
-  std::memcpy(&w1, s + 4, 4);
-  std::memcpy(&w2, s + 8, 4);
-  const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-  const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-  return _mm_set_epi32(static_cast<int>(mn_hi), static_cast<int>(mn_lo), static_cast<int>(sc_hi),
-                       static_cast<int>(sc_lo));
-}
-
-inline void unpack_k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
-  const __m128i v = k4_scales_mins(s);
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(sc), v);
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(mn), _mm_unpackhi_epi64(v, v));
-}
-
-// out[j] = d * v[j] for 8 unsigned bytes v (exact conversions, one rounding each).
-inline void scale8(const uint8_t* v, float d, float* out) {
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), f));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0));
+  const __m128i high_nibble = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
+  const __m128i top2 = _mm_and_si128(_mm_srli_epi16(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(_mm_or_si128(low, high_nibble), top2);
 }
 
 // One block decoded: its weights are w[j] = a[s] * q[j] (+ b[s]) for j in sub-block
@@ -218,12 +281,21 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       const int off = type == kQ5_1 ? 4 : 2;
       uint32_t qh;
       std::memcpy(&qh, p + off, 4);
-      split_nibbles16(p + off + 4, uq);
-      for (int j = 0; j < 32; ++j) uq[j] |= ((qh >> j) & 1) << 4;
+      // Nibbles: low ones to weights 0-15, high ones to 16-31. Bit j of qh (the fifth bit
+      // of weight j): byte j gets qh's byte j / 8, then its bit j % 8 is tested.
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off + 4));
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(qh)),
+          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+      const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+      __m256i v = _mm256_or_si256(nib, fifth);
+      if (type == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
       d.a[0] = f16_at(p);
-      if (type == kQ5_0) {
-        for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(uq[j] - 16);
-      } else {
+      if (type == kQ5_1) {
         d.b[0] = f16_at(p + 2);
         d.offset = true;
       }
@@ -237,20 +309,70 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       lookup_nibbles16(p + 1, kMXFP4Values, q);
       d.a[0] = e8m0_half(p[0]);
       break;
+    case kNVFP4_32:
+    case kNVFP4_128: {
+      // g, then one e4m3 scale per 16 weights, then the nibbles (16 bytes per 32 weights).
+      constexpr int groups = (type == kNVFP4_32 ? 32 : 128) / 16;
+      float g;
+      std::memcpy(&g, p, 4);
+      for (int c = 0; c < groups / 2; ++c) lookup_nibbles16(p + 4 + groups + 16 * c, kMXFP4Values, q + 32 * c);
+      d.sub = 16;
+      d.nsub = groups;
+      // The values are doubled (kMXFP4Values), the scales halved: exact for any scale
+      // above float32's smallest normals.
+      for (int j = 0; j < groups; ++j) d.a[j] = (e4m3_to_f32(p[4 + j]) / g) * 0.5f;
+      break;
+    }
+    case kPQ4Z:
+    case kPQ4ZF: {
+      // nibble - z in int8 (z <= 127: exact), no offset.
+      constexpr int sb = own_scale_bytes(type);
+      split_nibbles16(p + sb + 1, uq);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(uq));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(uq), _mm256_sub_epi8(v, _mm256_set1_epi8(static_cast<char>(p[sb]))));
+      d.a[0] = own_scale<type>(p);
+      break;
+    }
+    case kPQ8Z:
+    case kPQ8ZF: {
+      // q - z spans more than int8: q - 128 (the byte's top bit flipped) and the offset
+      // d * (128 - z), for the products; dequantize_row_t computes d * (q - z) itself.
+      constexpr int sb = own_scale_bytes(type);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + sb + 2));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(uq), _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))));
+      int16_t z;
+      std::memcpy(&z, p + sb, 2);
+      d.a[0] = own_scale<type>(p);
+      d.b[0] = d.a[0] * static_cast<float>(128 - z);
+      d.offset = true;
+      break;
+    }
     case kQ2_K: {
       const uint8_t* scales = p;
       const uint8_t* qs = p + 16;
       const float dd = f16_at(p + 80), dmin = f16_at(p + 82);
-      // Weight half * 128 + s * 32 + l is bits 2s..2s+1 of qs[half * 32 + l].
-      for (int half = 0; half < 2; ++half)
+      // Weight half * 128 + s * 32 + l is bits 2s..2s+1 of qs[half * 32 + l] (16-bit
+      // shifts: the bits carried in from the neighbouring byte are masked off).
+      const __m256i m2 = _mm256_set1_epi8(3);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * half));
         for (int s = 0; s < 4; ++s)
-          for (int l = 0; l < 32; ++l) uq[half * 128 + s * 32 + l] = (qs[half * 32 + l] >> (2 * s)) & 3;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(uq + half * 128 + s * 32),
+                              _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m2));
+      }
       d.sub = 16;
       d.nsub = 16;
       d.offset = true;
-      for (int j = 0; j < 16; ++j) {
-        d.a[j] = dd * static_cast<float>(scales[j] & 0x0F);
-        d.b[j] = -(dmin * static_cast<float>(scales[j] >> 4));
+      // a = dd * (low nibble), b = -(dmin * high nibble): each product rounded, then negated.
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      const __m128i lo = _mm_and_si128(sc, m4), hi = _mm_and_si128(_mm_srli_epi16(sc, 4), m4);
+      const __m256 ddv = _mm256_set1_ps(dd), dminv = _mm256_set1_ps(dmin), sign = _mm256_set1_ps(-0.f);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i l8 = h ? _mm_unpackhi_epi64(lo, lo) : lo, h8 = h ? _mm_unpackhi_epi64(hi, hi) : hi;
+        _mm256_storeu_ps(d.a + 8 * h, _mm256_mul_ps(ddv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l8))));
+        _mm256_storeu_ps(d.b + 8 * h,
+                         _mm256_xor_ps(_mm256_mul_ps(dminv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h8))), sign));
       }
       break;
     }
@@ -261,13 +383,17 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       const float dd = f16_at(p + 108);
       // Weight w = half * 128 + s * 32 + l: 2 low bits from qs as in Q2_K, and minus 4
       // where bit w / 32 of hmask[l] is clear.
-      for (int half = 0; half < 2; ++half)
-        for (int sh = 0; sh < 4; ++sh)
-          for (int l = 0; l < 32; ++l) {
-            const int w = half * 128 + sh * 32 + l;
-            const int low = (qs[half * 32 + l] >> (2 * sh)) & 3;
-            q[w] = static_cast<int8_t>(low - (((hmask[l] >> (w / 32)) & 1) ? 0 : 4));
-          }
+      const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hmask));
+      const __m256i m2 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), zero = _mm256_setzero_si256();
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * half));
+        for (int sh = 0; sh < 4; ++sh) {
+          const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 2 * sh), m2);
+          const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8(1 << (half * 4 + sh))), zero);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + half * 128 + sh * 32),
+                              _mm256_sub_epi8(low, _mm256_and_si256(clear, four)));
+        }
+      }
       d.sub = 16;
       d.nsub = 16;
       for (int j = 0; j < 16; ++j) {
@@ -299,11 +425,12 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       }
       d.nsub = 8;
       d.offset = true;
-      uint8_t sc[8], mn[8];
-      unpack_k4_scales(s, sc, mn);
-      scale8(sc, dd, d.a);
-      // b = -(dmin * m): the product rounded, then negated (exact).
-      scale8(mn, -dmin, d.b);
+      // a = dd * scale; b = -(dmin * m): the product rounded, then negated (exact), as
+      // (-dmin) * m rounds.
+      const __m128i sm = k4_scales_mins(s);
+      _mm256_storeu_ps(d.a, _mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+      _mm256_storeu_ps(d.b, _mm256_mul_ps(_mm256_set1_ps(-dmin),
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)))));
       break;
     }
     case kQ6_K: {
@@ -311,26 +438,33 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       const uint8_t* qh = p + 128;
       const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
       const float dd = f16_at(p + 208);
-      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
       for (int half = 0; half < 2; ++half) {
         // Weights half * 128 + [0, 32): low nibbles of ql[0..31] | bits 0-1 of qh << 4;
         // [32, 64): low nibbles of ql[32..63] | bits 2-3; [64, 96): high nibbles of ql[0..31]
-        // | bits 4-5; [96, 128): high nibbles of ql[32..63] | bits 6-7. Minus 32.
+        // | bits 4-5; [96, 128): high nibbles of ql[32..63] | bits 6-7. Minus 32. The two
+        // bits reach bits 4-5 by one 16-bit shift each (none for bits 4-5), then a mask
+        // (which also drops what the shift carried in from the neighbouring byte).
         const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * half));
         const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * half + 32));
         const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * half));
         const __m256i lows[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
                                  _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
                                  _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-        for (int c = 0; c < 4; ++c) {
-          const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), m2);
-          const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lows[c], _mm256_slli_epi16(hb, 4)), bias);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * c), v);
-        }
+        const __m256i highs[4] = {_mm256_and_si256(_mm256_slli_epi16(h, 4), m30),
+                                  _mm256_and_si256(_mm256_slli_epi16(h, 2), m30), _mm256_and_si256(h, m30),
+                                  _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)};
+        for (int c = 0; c < 4; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * c),
+                              _mm256_sub_epi8(_mm256_or_si256(lows[c], highs[c]), bias));
       }
       d.sub = 16;
       d.nsub = 16;
-      for (int j = 0; j < 16; ++j) d.a[j] = dd * static_cast<float>(scales[j]);
+      // a = dd * scale (int8 scales, exact in float), 8 at a time.
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+      const __m256 ddv = _mm256_set1_ps(dd);
+      _mm256_storeu_ps(d.a, _mm256_mul_ps(ddv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+      _mm256_storeu_ps(d.a + 8, _mm256_mul_ps(ddv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)))));
       break;
     }
     case kIQ4_XS: {
@@ -360,7 +494,8 @@ void with_block_type(int type, F&& f) {
     PAGODA_BLOCK_TYPE(kQ4_0) PAGODA_BLOCK_TYPE(kQ4_1) PAGODA_BLOCK_TYPE(kQ5_0) PAGODA_BLOCK_TYPE(kQ5_1)
     PAGODA_BLOCK_TYPE(kQ8_0) PAGODA_BLOCK_TYPE(kIQ4_NL) PAGODA_BLOCK_TYPE(kQ2_K) PAGODA_BLOCK_TYPE(kQ3_K)
     PAGODA_BLOCK_TYPE(kQ4_K) PAGODA_BLOCK_TYPE(kQ5_K) PAGODA_BLOCK_TYPE(kQ6_K) PAGODA_BLOCK_TYPE(kIQ4_XS)
-    PAGODA_BLOCK_TYPE(kMXFP4)
+    PAGODA_BLOCK_TYPE(kMXFP4) PAGODA_BLOCK_TYPE(kPQ4Z) PAGODA_BLOCK_TYPE(kPQ8Z)
+    PAGODA_BLOCK_TYPE(kPQ4ZF) PAGODA_BLOCK_TYPE(kPQ8ZF) PAGODA_BLOCK_TYPE(kNVFP4_32) PAGODA_BLOCK_TYPE(kNVFP4_128)
 #undef PAGODA_BLOCK_TYPE
     default: TORCH_CHECK(false, "unsupported ggml type ", type);
   }
@@ -368,16 +503,43 @@ void with_block_type(int type, F&& f) {
 
 // Weights per sub-block (one scale each) and whether the type has offsets.
 constexpr int sub_block_of(int type) {
-  return (type == kQ2_K || type == kQ3_K || type == kQ6_K) ? 16 : 32;
+  return (type == kQ2_K || type == kQ3_K || type == kQ6_K || type == kNVFP4_32 || type == kNVFP4_128) ? 16 : 32;
 }
 constexpr bool has_offset(int type) {
-  return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K;
+  return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K || type == kPQ8Z ||
+         type == kPQ8ZF;
 }
-constexpr int block_of(int type) { return type >= kQ2_K && type != kIQ4_NL && type != kMXFP4 ? 256 : 32; }
+constexpr int block_of(int type) {
+  switch (type) {
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
+    case kNVFP4_128: return 128;
+    default: return 32;
+  }
+}
+
+// A PQ8Z / PQ8ZF row: w = d * (q - z), the integer difference converted exactly, one rounding.
+template <int T>
+void dequantize_pq8z_row(const uint8_t* p, int64_t K, float* y) {
+  constexpr int sb = own_scale_bytes(T);
+  for (int64_t blk = 0; blk < K / 32; ++blk, p += sb + 34, y += 32) {
+    int16_t z;
+    std::memcpy(&z, p + sb, 2);
+    const __m256 dv = _mm256_set1_ps(own_scale<T>(p));
+    const __m256i zv = _mm256_set1_epi32(z);
+    for (int j = 0; j < 32; j += 8) {
+      const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + sb + 2 + j)));
+      _mm256_storeu_ps(y + j, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, zv))));
+    }
+  }
+}
 
 // One row of K weights of block type T at p -> y (the type dispatched once per row).
 template <int T>
 void dequantize_row_t(const uint8_t* p, int64_t K, float* y) {
+  if constexpr (T == kPQ8Z || T == kPQ8ZF) {
+    dequantize_pq8z_row<T>(p, K, y);
+    return;
+  }
   constexpr int block = block_of(T), sub = sub_block_of(T);
   const int64_t bytes = format_of(T).bytes;
   alignas(32) int8_t q[256];
@@ -419,6 +581,16 @@ void dequantize_row(int type, const uint8_t* p, int64_t K, float* y) {
       for (; k < K; ++k) {
         const uint32_t bits = static_cast<uint32_t>(h[k]) << 16;
         std::memcpy(y + k, &bits, 4);
+      }
+      return;
+    }
+    case kFP8_32:
+    case kFP8_128: {
+      const int block = type == kFP8_32 ? 32 : 128;
+      for (int64_t b = 0; b < K / block; ++b, p += 4 + block) {
+        float s;
+        std::memcpy(&s, p, 4);
+        emit_fp8(p + 4, block, s, y + b * block);
       }
       return;
     }
@@ -501,17 +673,206 @@ std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile
 
 // ---- small steps of block types: products from decoded rows -------------------------
 // Per (row r, channel n) and sub-block s: d = sum_j x[r, j] q[j] over the sub-block in
-// eight float32 lanes (fused multiply-adds in j order), then acc += a[s] * d (lanes) and
-// off += b[s] * (the sub-block's sum of x); y = hsum(acc) + off (+ bias). That is the
-// float32 product with the dequantized weights a q + b, its sums grouped by sub-block
-// (within float32 rounding of it), and no dequantized weight is stored: per weight one
+// eight float32 lanes (fused multiply-adds in j order, lane l taking j = l, l + 8, ...),
+// then acc += a[s] * d (lanes) and off += b[s] * (the sub-block's sum of x), the product
+// and the sum rounded separately; y = hsum(acc) + off (+ bias). That is the float32
+// product with the dequantized weights a q + b, its sums grouped by sub-block (within
+// float32 rounding of it), and no dequantized weight is stored: per weight one
 // conversion and one FMA per row. The operations and their order are the same for
 // every (r, n) whatever the number of rows, so a row's result does not depend on its
-// batch (up to kSmallSteps rows). kChannels rows of W are decoded at a time (int8 q,
-// float scales: ~1.3 bytes per weight, in cache), then every row of x runs over them
-// with its sums in registers.
+// batch (up to kSmallSteps rows).
+//
+// kChannels rows of W are decoded a chunk at a time (256 weights: one K-quant block or
+// eight 32-weight blocks; int8 q and float scales, ~1.3 KiB, in L1), and every row of x
+// runs over the chunk before the next is decoded; the sums carry from chunk to chunk,
+// so chunking changes no operation and no order. The decoding (byte-wide, 32 weights
+// per instruction) costs less than unpacking nibbles next to each multiply, and the
+// chunk's int8 values are widened and converted right before their FMAs. The offset
+// terms run four channels to a register (b transposed per chunk: lane o is channel
+// o's scalar chain off += b[s] * xsum[s], the same roundings in the same order).
+// Each chunk also asks for the same bytes of the channels about kDirectAhead bytes
+// further on, the prefetches spread over the work rather than one burst per tile (one
+// row of M = 1, one thread, Q6_K down projection of a 1B model: 2.5 -> 1.2 ms with the
+// rest of this; the distance matters little between 8 and 128 KiB).
 
 constexpr int kChannels = 4;
+constexpr int64_t kDirectAhead = 48 * 1024;
+
+// Sums of x over each group of 16 inputs, per row: xs[r * (K / 16) + g].
+std::vector<float> group_sums16(const float* x, int64_t M, int64_t K) {
+  std::vector<float> xs(M * (K / 16));
+  for (int64_t i = 0; i < M * (K / 16); ++i) {
+    const float* p = x + i * 16;
+    xs[i] = pagoda::hsum256(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
+  }
+  return xs;
+}
+
+// A chunk of type T: `per` blocks of `block` weights, each of nsb sub-blocks of `sub`.
+template <int T>
+struct ChunkShape {
+  static constexpr int block = block_of(T), sub = sub_block_of(T), nsb = block / sub;
+  static constexpr int per = 256 / block;
+};
+
+// kChannels channels' chunk: q [channel][weight], a and b [channel][sub-block], and b
+// transposed ([sub-block][channel], for the offsets; up to 16 sub-blocks per chunk).
+struct DecodedChunk {
+  alignas(32) int8_t q[kChannels][256];
+  alignas(32) float a[kChannels][16];
+  alignas(32) float b[kChannels][16] = {};
+  alignas(32) float bt[16][kChannels];
+};
+
+// bt[s0 + s][o] = b[o][s0 + s] for s < 8 (4 x 8 -> 8 x 4, in registers).
+inline void transpose_offsets(DecodedChunk& ch, int s0) {
+  const __m256 r0 = _mm256_load_ps(ch.b[0] + s0), r1 = _mm256_load_ps(ch.b[1] + s0);
+  const __m256 r2 = _mm256_load_ps(ch.b[2] + s0), r3 = _mm256_load_ps(ch.b[3] + s0);
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);  // s 0 1 | 4 5
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);  // s 2 3 | 6 7
+  const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),  // s 0 | 4, 1 | 5
+                       _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};  // s 2 | 6, 3 | 7
+  for (int s = 0; s < 4; ++s) {
+    _mm_store_ps(ch.bt[s0 + s], _mm256_castps256_ps128(u[s]));
+    _mm_store_ps(ch.bt[s0 + s + 4], _mm256_extractf128_ps(u[s], 1));
+  }
+}
+
+// Blocks [b0, b0 + nb) of the kChannels rows -> ch.
+template <int T>
+inline void decode_chunk(const uint8_t* const* rows, int64_t bytes, int64_t b0, int nb, DecodedChunk& ch) {
+  using S = ChunkShape<T>;
+  for (int o = 0; o < kChannels; ++o)
+    for (int i = 0; i < nb; ++i) {
+      Decoded d{ch.q[o] + i * S::block, ch.a[o] + i * S::nsb, ch.b[o] + i * S::nsb, S::sub, S::nsb, false};
+      decode_block_t<T>(rows[o] + (b0 + i) * bytes, d);
+    }
+  if constexpr (has_offset(T)) {
+    transpose_offsets(ch, 0);
+    if (S::per * S::nsb > 8) transpose_offsets(ch, 8);
+  }
+}
+
+// acc[r0 + r][c0 + o] += the chunk's ns sub-blocks for rows r0 .. r0 + MR of x (xc: the
+// chunk's first input of row 0) and decoded channels c0 .. c0 + NC; the sums are held in
+// registers over the chunk.
+template <int T, int MR, int NC>
+inline void chunk_dot(const float* xc, int64_t K, const DecodedChunk& ch, int64_t r0, int c0, int ns,
+                      __m256 (&acc)[kDirectRows][kChannels]) {
+  constexpr int sub = ChunkShape<T>::sub;
+  __m256 sums[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) sums[r][o] = acc[r0 + r][c0 + o];
+  for (int s = 0; s < ns; ++s) {
+    __m256 d[MR][NC];
+    for (int c = 0; c < sub; c += 8) {
+      __m256 qv[NC];
+      for (int o = 0; o < NC; ++o) qv[o] = load_q8(ch.q[c0 + o] + s * sub + c);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_loadu_ps(xc + (r0 + r) * K + s * sub + c);
+        for (int o = 0; o < NC; ++o) d[r][o] = _mm256_fmadd_ps(xv, qv[o], c == 0 ? _mm256_setzero_ps() : d[r][o]);
+      }
+    }
+    for (int o = 0; o < NC; ++o) {
+      const __m256 av = _mm256_set1_ps(ch.a[c0 + o][s]);
+      for (int r = 0; r < MR; ++r) sums[r][o] = _mm256_fmadd_ps(av, d[r][o], sums[r][o]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int o = 0; o < NC; ++o) acc[r0 + r][c0 + o] = sums[r][o];
+}
+
+// off[r] (lane o: channel o) += b[s] * (the sub-block's sum of x) for the chunk's ns
+// sub-blocks, the first being sub-block s0 of the row; xsum as float_dot_reference takes
+// it (a sub-block of 32: the two sums of 16 added).
+template <int T, int MR>
+inline void chunk_offsets(const float* xs, int64_t K, int64_t s0, const DecodedChunk& ch, int ns, __m128 (&off)[kDirectRows]) {
+  constexpr int sub = ChunkShape<T>::sub;
+  const int64_t groups = K / 16;
+  for (int s = 0; s < ns; ++s) {
+    const __m128 bv = _mm_load_ps(ch.bt[s]);
+    for (int r = 0; r < MR; ++r) {
+      const float* g = xs + r * groups + (s0 + s) * (sub / 16);
+      const float xsum = sub == 32 ? g[0] + g[1] : g[0];
+      off[r] = _mm_add_ps(off[r], _mm_mul_ps(bv, _mm_set1_ps(xsum)));
+    }
+  }
+}
+
+// Bytes [from, from + len) of channels n .. n + kChannels of w (those it has) towards L1.
+inline void prefetch_channels(const Part& w, int64_t n, int64_t from, int64_t len) {
+  for (int o = 0; o < kChannels && n + o < w.rows; ++o) {
+    const char* p = reinterpret_cast<const char*>(w.data + (n + o) * w.row_bytes + from);
+    for (int64_t c = 0; c < len; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+  }
+}
+
+// Channels [n, n + nc) of part w (nc <= kChannels), the MR rows of x, block type T. A
+// channel past nc repeats the last one (its sums are not stored).
+template <int T, int MR>
+void direct_channels(const float* x, int64_t K, const Part& w, int64_t n, int nc, const float* xs, const float* bias,
+                     float* y, int64_t N, int64_t ahead) {
+  using S = ChunkShape<T>;
+  const int64_t bytes = format_of(T).bytes;
+  DecodedChunk ch;
+  const uint8_t* rows[kChannels];
+  for (int o = 0; o < kChannels; ++o) rows[o] = w.data + (n + std::min(o, nc - 1)) * w.row_bytes;
+  __m256 acc[kDirectRows][kChannels];
+  __m128 off[kDirectRows];
+  for (int r = 0; r < kDirectRows; ++r) {
+    off[r] = _mm_setzero_ps();
+    for (int o = 0; o < kChannels; ++o) acc[r][o] = _mm256_setzero_ps();
+  }
+  const int64_t nblocks = K / S::block;
+  for (int64_t b0 = 0; b0 < nblocks; b0 += S::per) {
+    const int nb = static_cast<int>(std::min<int64_t>(S::per, nblocks - b0));
+    prefetch_channels(w, n + ahead, b0 * bytes, nb * bytes);
+    decode_chunk<T>(rows, bytes, b0, nb, ch);
+    const int ns = nb * S::nsb;
+    const float* xc = x + b0 * S::block;
+    int64_t r = 0;
+    for (; r + 2 <= MR; r += 2) {
+      chunk_dot<T, 2, 2>(xc, K, ch, r, 0, ns, acc);
+      chunk_dot<T, 2, 2>(xc, K, ch, r, 2, ns, acc);
+    }
+    if (r < MR) chunk_dot<T, 1, kChannels>(xc, K, ch, r, 0, ns, acc);
+    if constexpr (has_offset(T)) chunk_offsets<T, MR>(xs, K, b0 * S::nsb, ch, ns, off);
+  }
+  for (int r = 0; r < MR; ++r) {
+    alignas(16) float of[kChannels];
+    _mm_store_ps(of, off[r]);
+    for (int o = 0; o < nc; ++o) {
+      float v = pagoda::hsum256(acc[r][o]) + of[o];
+      if (bias) v += bias[w.col + n + o];
+      y[r * N + w.col + n + o] = v;
+    }
+  }
+}
+
+// Channels [n0, n1) of part w, all M (<= kDirectRows) rows, in float32 (xs: the sums of
+// x per 16 inputs, group_sums16).
+void direct_tile(const float* x, int64_t M, int64_t K, const Part& w, int64_t n0, int64_t n1, const float* xs,
+                 const float* bias, float* y, int64_t N) {
+  const int64_t ahead = std::max<int64_t>(kChannels, (kDirectAhead / w.row_bytes + kChannels - 1) / kChannels * kChannels);
+  with_block_type(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    for (int64_t n = n0; n < n1; n += kChannels) {
+      const int nc = static_cast<int>(std::min<int64_t>(kChannels, n1 - n));
+      switch (M) {
+        case 1: direct_channels<T, 1>(x, K, w, n, nc, xs, bias, y, N, ahead); break;
+        case 2: direct_channels<T, 2>(x, K, w, n, nc, xs, bias, y, N, ahead); break;
+        case 3: direct_channels<T, 3>(x, K, w, n, nc, xs, bias, y, N, ahead); break;
+        default: direct_channels<T, 4>(x, K, w, n, nc, xs, bias, y, N, ahead); break;
+      }
+    }
+  });
+}
+
+// ---- whole decoded rows: the int8 mode's other block types, and the reference -------
+// kChannels whole rows of W decoded (int8_tile's products), and the products above as
+// first written (float_dot_reference: per (row, channel) the sums in order, offsets
+// scalar), which gguf_linear_direct_reference runs for the tests to hold the chunked
+// kernels to its bits.
 
 // Channels decoded for the products: q [kChannels][K], a and b [kChannels][K / sub].
 struct DecodedRows {
@@ -565,19 +926,9 @@ struct Sums {
   }
 };
 
-// Sums of x over each group of 16 inputs, per row: xs[r * (K / 16) + g].
-std::vector<float> group_sums16(const float* x, int64_t M, int64_t K) {
-  std::vector<float> xs(M * (K / 16));
-  for (int64_t i = 0; i < M * (K / 16); ++i) {
-    const float* p = x + i * 16;
-    xs[i] = pagoda::hsum256(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)));
-  }
-  return xs;
-}
-
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC) (channel n0 + c of part w).
 template <int T, int MR, int NC>
-void float_dot(const float* x, int64_t K, int64_t r0, const DecodedRows& dr, int c0, const float* xs,
+void float_dot_reference(const float* x, int64_t K, int64_t r0, const DecodedRows& dr, int c0, const float* xs,
                const Part& w, int64_t n0, const float* bias, float* y, int64_t N) {
   constexpr int sub = sub_block_of(T);
   const int64_t groups = K / 16;
@@ -629,9 +980,9 @@ void for_row_channel_blocks(int64_t m0, int64_t m1, int nc, Dot1x4 d14, Dot1x1 d
   }
 }
 
-// Channels [n0, n1) of part w, all M rows, in float32.
-void direct_tile(const float* x, int64_t M, int64_t K, const Part& w, int64_t n0, int64_t n1, const float* xs,
-                 const float* bias, float* y, int64_t N, DecodedRows& dr) {
+// direct_tile's reference: channels [n0, n1) of part w, all M rows.
+void direct_tile_reference(const float* x, int64_t M, int64_t K, const Part& w, int64_t n0, int64_t n1,
+                           const float* xs, const float* bias, float* y, int64_t N, DecodedRows& dr) {
   with_block_type(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
     for (int64_t n = n0; n < n1; n += kChannels) {
@@ -639,7 +990,7 @@ void direct_tile(const float* x, int64_t M, int64_t K, const Part& w, int64_t n0
       decode_rows<T>(w, n, nc, K, dr);
       auto dot = [&](auto mr, auto ncc) {
         return [&, mr, ncc](int64_t r, int c) {
-          float_dot<T, decltype(mr)::value, decltype(ncc)::value>(x, K, r, dr, c, xs, w, n, bias, y, N);
+          float_dot_reference<T, decltype(mr)::value, decltype(ncc)::value>(x, K, r, dr, c, xs, w, n, bias, y, N);
         };
       };
       using I1 = std::integral_constant<int, 1>;
@@ -651,6 +1002,11 @@ void direct_tile(const float* x, int64_t M, int64_t K, const Part& w, int64_t n0
 }
 
 bool is_float_type(int type) { return type == kF32 || type == kF16 || type == kBF16; }
+bool is_fp8_type(int type) { return type == kFP8_32 || type == kFP8_128; }
+// Types whose products always run on dequantized float32 tiles (no int8 values to decode).
+bool tiles_only(int type) { return is_float_type(type) || is_fp8_type(type); }
+// Types the int8-activation products read.
+bool int8_type(int type) { return !tiles_only(type); }
 
 // ---- fast mode: the blocks times int8 activations (llama.cpp's arithmetic) ----------
 // Each row of x is quantized per group of 32 inputs: dx = max|x| / 127, xq = x / dx
@@ -1215,7 +1571,6 @@ namespace {
 // rows of one tile kept per thread.
 // A thread's scratch for small_step_tile.
 struct FloatScratch {
-  DecodedRows dr;
   std::vector<float> buf;
 };
 
@@ -1223,7 +1578,7 @@ std::vector<Tile> small_step_tiles(const std::vector<Part>& parts, int64_t M, in
   *per_tile = std::max<int64_t>(3, (24576 / (4 * K)) / 3 * 3);
   std::vector<Tile> tiles;
   for (size_t p = 0; p < parts.size(); ++p) {
-    const int64_t step = is_float_type(parts[p].type) || M > kDirectRows ? *per_tile : 8;
+    const int64_t step = tiles_only(parts[p].type) || M > kDirectRows ? *per_tile : 8;
     for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
       tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
   }
@@ -1231,15 +1586,15 @@ std::vector<Tile> small_step_tiles(const std::vector<Part>& parts, int64_t M, in
 }
 
 // One such tile: block types up to kDirectRows rows multiply from decoded rows (xs: the
-// sums of x per 16, group_sums16), otherwise the tile's rows are dequantized to float32
-// (about 24 KiB) for the float32 micro-kernel.
+// sums of x per 16, group_sums16; direct_tile prefetches as it goes), otherwise the
+// tile's rows are dequantized to float32 (about 24 KiB) for the float32 micro-kernel.
 void small_step_tile(const float* xp, int64_t M, int64_t K, const Part& w, const Tile& tile, const float* xs,
-                     const float* bp, float* yp, int64_t N, int64_t per_tile, DecodedRows& dr, std::vector<float>& buf) {
-  prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
-  if (!is_float_type(w.type) && M <= kDirectRows) {
-    direct_tile(xp, M, K, w, tile.n0, tile.n1, xs, bp, yp, N, dr);
+                     const float* bp, float* yp, int64_t N, int64_t per_tile, std::vector<float>& buf) {
+  if (!tiles_only(w.type) && M <= kDirectRows) {
+    direct_tile(xp, M, K, w, tile.n0, tile.n1, xs, bp, yp, N);
     return;
   }
+  prefetch_rows(w, tile.n0 + 4 * (tile.n1 - tile.n0), tile.n0 + 5 * (tile.n1 - tile.n0));
   buf.resize(per_tile * K);
   for (int64_t n = tile.n0; n < tile.n1; ++n)
     dequantize_row(w.type, w.data + n * w.row_bytes, K, buf.data() + (n - tile.n0) * K);
@@ -1267,7 +1622,7 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
     int64_t per_tile;
     const std::vector<Tile> tiles = small_step_tiles(parts, M, K, &per_tile);
     for_each_unit<FloatScratch>(static_cast<int64_t>(tiles.size()), [&](int64_t t, FloatScratch& sc) {
-      small_step_tile(xp, M, K, parts[tiles[t].part], tiles[t], xs.data(), bp, yp, N, per_tile, sc.dr, sc.buf);
+      small_step_tile(xp, M, K, parts[tiles[t].part], tiles[t], xs.data(), bp, yp, N, per_tile, sc.buf);
     });
     return y;
   }
@@ -1292,6 +1647,23 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
         out.copy_(at::mm(x, panel.t()));
     }
   });
+  return y;
+}
+
+// gguf_linear's small steps of block types (1 to kDirectRows rows) through
+// direct_tile_reference, one thread: what the tests compare direct_tile's bits with.
+torch::Tensor gguf_linear_direct_reference(torch::Tensor x_in, std::vector<torch::Tensor> weights,
+                                           std::vector<int64_t> types, c10::optional<torch::Tensor> bias) {
+  const LinearCall call = check_linear(x_in, weights, types, bias, 8);
+  TORCH_CHECK(call.M >= 1 && call.M <= kDirectRows, "the reference covers steps of 1 to ", kDirectRows, " rows");
+  auto y = torch::empty({call.M, call.N}, call.x.options());
+  const std::vector<float> xs = group_sums16(call.x.data_ptr<float>(), call.M, call.K);
+  DecodedRows dr;
+  for (const Part& w : call.parts) {
+    TORCH_CHECK(!is_float_type(w.type), "the reference covers block types");
+    direct_tile_reference(call.x.data_ptr<float>(), call.M, call.K, w, 0, w.rows, xs.data(), call.bias,
+                          y.data_ptr<float>(), call.N, dr);
+  }
   return y;
 }
 
@@ -1337,7 +1709,7 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   const LinearCall call = check_linear(x_in, weights, types, bias, 32);
   const std::vector<Part>& parts = call.parts;
   for (const Part& p : parts)
-    TORCH_CHECK(!is_float_type(p.type), "the int8 product needs quantized blocks, not ggml type ", p.type);
+    TORCH_CHECK(int8_type(p.type), "the int8 product needs quantized blocks of integers, not ggml type ", p.type);
   const torch::Tensor& x = call.x;
   const int64_t M = call.M, K = call.K, N = call.N;
   const float* bp = call.bias;
@@ -1457,8 +1829,8 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
   for (int64_t e = 0; e < c.E; ++e) {
     if (c.rows[e].empty()) continue;
     Active a{e, static_cast<int64_t>(c.rows[e].size()), c.gate_up_parts(e), c.down_parts(e), c.gather(e)};
-    for (const Part& p : a.gu) TORCH_CHECK(!is_float_type(p.type), "the int8 product needs quantized blocks");
-    TORCH_CHECK(!is_float_type(a.dn[0].type), "the int8 product needs quantized blocks");
+    for (const Part& p : a.gu) TORCH_CHECK(int8_type(p.type), "the int8 product needs quantized blocks of integers");
+    TORCH_CHECK(int8_type(a.dn[0].type), "the int8 product needs quantized blocks of integers");
     act.push_back(std::move(a));
   }
   // Runs every (expert, tile) unit of one projection in one parallel region.
@@ -1546,10 +1918,10 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
       const Tile& t = units[u].second;
       if (first)
         small_step_tile(s.xe.data_ptr<float>(), s.n, H, s.gu[t.part], t, sums[a].data(), nullptr,
-                        s.ge.data_ptr<float>(), 2 * I, per_tile[a], sc.dr, sc.buf);
+                        s.ge.data_ptr<float>(), 2 * I, per_tile[a], sc.buf);
       else
         small_step_tile(s.he.data_ptr<float>(), s.n, I, s.dn[t.part], t, sums[a].data(), nullptr,
-                        s.ye.data_ptr<float>(), H, per_tile[a], sc.dr, sc.buf);
+                        s.ye.data_ptr<float>(), H, per_tile[a], sc.buf);
     });
   };
   project(true);

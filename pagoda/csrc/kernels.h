@@ -74,6 +74,8 @@ torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::optional<torch::Tensor> rows);
 torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                           c10::optional<torch::Tensor> bias);
+torch::Tensor gguf_linear_direct_reference(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                           std::vector<int64_t> types, c10::optional<torch::Tensor> bias);
 torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                                c10::optional<torch::Tensor> bias);
 torch::Tensor gguf_moe_int8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,

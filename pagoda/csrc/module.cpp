@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("data"), py::arg("ggml_type"), py::arg("in_features"), py::arg("rows") = py::none());
   m.def("gguf_linear", &gguf_linear, "x @ W^T (+ bias) in float32, W given as GGUF parts of any supported type",
         py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
+  m.def("gguf_linear_direct_reference", &gguf_linear_direct_reference, "tests only: gguf_linear's 1-4 row steps of "
+        "block types as first written (whole decoded rows), for the bit-for-bit comparison",
+        py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
   m.def("gguf_linear_int8", &gguf_linear_int8, "x @ W^T (+ bias) with x quantized to int8 per 32 and W's GGUF blocks "
         "as integers (llama.cpp's arithmetic)",
         py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());

@@ -91,6 +91,33 @@ def test_a_small_steps_rows_do_not_depend_on_the_batch():
     assert torch.equal(layer(x[5:12]), y16[5:12])
 
 
+@pytest.mark.parametrize("ggml_type", [t for t in TYPES if t not in (Q.F32, Q.F16, Q.BF16)], ids=lambda t: t.name)
+def test_small_steps_give_the_whole_row_kernels_bits(ggml_type):
+    """Steps of 1-4 rows multiply 256-weight chunks decoded into L1, the offsets four
+    channels at a time: the same float32 operations in the same order as the kernels
+    that decoded whole rows first (gguf_linear_direct_reference), so the same bits, on
+    one thread or two, for stacked parts with a bias, channel counts that leave tails,
+    long rows and signed zeros in x."""
+    threads = torch.get_num_threads()
+    try:
+        for cols in (256, 2048, 8192):
+            rng = np.random.default_rng(cols + ggml_type.value)
+            parts = [torch.from_numpy(random_blocks(ggml_type, rows, cols, rng)) for rows in (37, 6)]
+            types = [ggml_type.value] * 2
+            bias = torch.randn(43, generator=torch.Generator().manual_seed(cols))
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)) * 2
+                x[0, 3], x[-1, 5] = 0.0, -0.0
+                for n_threads in (1, 2):
+                    torch.set_num_threads(n_threads)
+                    for ws, ts, b in ((parts, types, bias), (parts[:1], types[:1], None)):
+                        got = ops.gguf_linear(x, ws, ts, b)
+                        ref = ops.gguf_linear_direct_reference(x, ws, ts, b)
+                        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (cols, rows, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_embedding_reads_only_its_rows():
     w, ref = _weight(Q.Q6_K, 100, 256, seed=5)
     emb = BlocksEmbedding(w)
