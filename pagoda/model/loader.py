@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.hf_quant import QuantMethod, method_for
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan
 from pagoda.model.models import model_class
@@ -87,8 +89,11 @@ def load_model(
     keep_blocks = (device.type == "cpu" and dtype == torch.float32 and tp is None
                    and cpu_kernels.kernels() is not None)
     if os.path.isdir(path):
-        loaded = (_load_hf_kept(path, device, show_progress) if keep_blocks else None) or \
-            _load_hf_folder(path, dtype, device, show_progress, tp)
+        method = _quant_method(path)
+        if method is not None:
+            method.check_quantization(quantization)
+        loaded = (_load_hf_kept(path, device, show_progress, method) if keep_blocks else None) or \
+            _load_hf_folder(path, dtype, device, show_progress, tp, method)
     elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
         loaded = _load_gguf_blocks(path, device, show_progress)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
@@ -263,8 +268,50 @@ def _base_model_layout(arch: ModelArchConfig, handles: list, path: str) -> tuple
     return arch, handles
 
 
+def _quant_method(path: str) -> QuantMethod | None:
+    """The pre-quantized format of an HF folder (``quantization_config``), if any."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        return method_for(json.load(f))
+
+
+def _checkpoint_tensors(model_cls: type[CausalLM], method: QuantMethod | None,
+                        checkpoint: Callable[[str], torch.Tensor]):
+    """(name, tensor) -> the model tensors it holds: a pre-quantized checkpoint's
+    method first (a quantized layer's weight as a ``BlockWeight``), then the family's
+    ``hf_tensors`` for everything else."""
+    from pagoda.model.layers.blocks import BlockWeight, release_checkpoint_pages
+
+    def convert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, Any]]:
+        out = method.tensors(name, tensor, checkpoint) if method is not None else None
+        if out is None:
+            yield from model_cls.hf_tensors(name, tensor, checkpoint)
+            return
+        repacked = False
+        for n, t in out:
+            if isinstance(t, BlockWeight):
+                repacked = repacked or not _shares_memory(t.data, tensor)
+                ours = model_cls.hf_name(n)
+                if ours is not None:
+                    yield ours, t
+            else:
+                yield from model_cls.hf_tensors(n, t, checkpoint)
+        if repacked:   # its bytes now live in the blocks: the checkpoint's pages can go
+            release_checkpoint_pages(tensor)
+
+    return convert
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-                    tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
+                    tp: tuple[Collectives, int, bool] | None = None,
+                    method: QuantMethod | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     from pagoda.model.layers.blocks import BlockWeight
@@ -283,13 +330,13 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     model_cls = type(model)
 
     total = sum(len(list(h.keys())) for h in handles)
-    checkpoint = _checkpoint_reader(handles)
+    convert = _checkpoint_tensors(model_cls, method, _checkpoint_reader(handles))
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
                 if model_cls.hf_name(name) is not None:
-                    for ours, t in model_cls.hf_tensors(name, handle.get_tensor(name), checkpoint):
+                    for ours, t in convert(name, handle.get_tensor(name)):
                         yield ours, (t.dequantize() if isinstance(t, BlockWeight) else t)
 
     _fill(model, tensors(), total, path, show_progress, plan)
@@ -493,11 +540,13 @@ def _check_block_type(path: str, name: str, ggml_type, supported) -> None:
                              f"(supported: {', '.join(sorted(t.name for t in supported))})")
 
 
-def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> LoadedModel | None:
+def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
+                  method: QuantMethod | None = None) -> LoadedModel | None:
     """An HF folder whose weights are bfloat16 or float16 (how most checkpoints ship),
     served in that dtype: projections, LM head and embedding as ``BlocksLinear`` /
     ``BlocksEmbedding`` over the checkpoint's own bytes (half of a float32 copy; products
-    in float32). None when the folder is float32 (loaded as ``nn.Linear`` layers)."""
+    in float32); a pre-quantized one (``method``) in its format's blocks. None when the
+    folder is float32 and not pre-quantized (loaded as ``nn.Linear`` layers)."""
     from safetensors import safe_open
 
     from pagoda.model.layers.blocks import TORCH_DTYPE_TYPES, BlockWeight
@@ -512,11 +561,11 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
     slots = kept_weight_slots(model)
-    checkpoint = _checkpoint_reader(handles)
     cls = type(model)
+    convert = _checkpoint_tensors(cls, method, _checkpoint_reader(handles))
     dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
               if cls.hf_name(n) in slots and len(h.get_slice(n).get_shape()) == 2}
-    if not dtypes or not dtypes <= {"BF16", "F16"}:
+    if method is None and (not dtypes or not dtypes <= {"BF16", "F16"}):
         return None
     blocks: dict[str, dict[int, BlockWeight]] = {}
     floats: dict[str, torch.Tensor] = {}
@@ -525,8 +574,8 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool) -> Loade
                          leave=False):
             if cls.hf_name(name) is None:
                 continue
-            for ours, t in cls.hf_tensors(name, handle.get_tensor(name), checkpoint):
-                if isinstance(t, BlockWeight):   # kept in its blocks (MXFP4 experts)
+            for ours, t in convert(name, handle.get_tensor(name)):
+                if isinstance(t, BlockWeight):   # kept in its blocks (MXFP4 experts, pre-quantized layers)
                     blocks.setdefault(slots[ours][0], {})[slots[ours][1]] = t
                     continue
                 slot = slots.get(ours) if t.dim() == 2 else None

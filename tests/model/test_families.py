@@ -473,7 +473,8 @@ def test_gpt_oss_mxfp4_checkpoint_is_served_from_its_blocks(tmp_path):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_greedy_matches_hf(hf, prompts, outputs, 24, "gpt-oss mxfp4")
     with pytest.raises(ValueError, match="quantized with 'awq' are not supported"):
-        cfg["quantization_config"] = {"quant_method": "awq"}
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                      "version": "gemm"}
         (tmp_path / "config.json").write_text(json.dumps(cfg))
         LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False)
 

@@ -9,7 +9,10 @@ reference dequantization and multiply in float32: the exact mode's numbers, with
 decode step reading 4.5-8.5 bits per weight instead of 32.
 
 A format is one entry of ``BLOCK_TYPES`` (the ggml types the kernels read); a type
-missing there is refused by the loader with the tensor's name.
+missing there is refused by the loader with the tensor's name. Pre-quantized HF formats
+(GPTQ, AWQ, FP8, ...: pagoda/model/hf_quant) whose groups no ggml type holds exactly have
+block layouts of pagoda's own: an ``OwnType`` each (``own_type``), ids past ggml's, read by
+the same kernels.
 """
 
 from __future__ import annotations
@@ -36,9 +39,80 @@ TORCH_DTYPE_TYPES = {torch.float32: _Q.F32, torch.float16: _Q.F16, torch.bfloat1
 _MADV_DONTNEED = 4  # Linux
 
 
+class OwnType(int):
+    """A block layout of pagoda's own: its id (past ggml's, the kernels' switch), name,
+    weights per block and bytes per block. Made by ``own_type``."""
+
+    name: str
+    block: int
+    nbytes: int
+
+    def __new__(cls, value: int, name: str, block: int, nbytes: int) -> OwnType:
+        obj = super().__new__(cls, value)
+        obj.name, obj.block, obj.nbytes = name, block, nbytes
+        return obj
+
+    def __repr__(self) -> str:
+        return f"<OwnType.{self.name}: {int(self)}>"
+
+
+# id -> layout. Ids 200-219: integer groups (GPTQ / AWQ / compressed-tensors int);
+# 220-239: float formats (FP8, NVFP4).
+OWN_TYPES: dict[int, OwnType] = {}
+
+
+def own_type(value: int, name: str, block: int, nbytes: int) -> OwnType:
+    """Register (once) and return a block layout of pagoda's own."""
+    if value < 200 or (value in OWN_TYPES and OWN_TYPES[value].name != name):
+        raise ValueError(f"block type id {value} is taken or below pagoda's range")
+    OWN_TYPES[value] = OWN_TYPES.get(value) or OwnType(value, name, block, nbytes)
+    return OWN_TYPES[value]
+
+
+def block_format(ggml_type: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a ggml type or one of pagoda's own."""
+    if int(ggml_type) in OWN_TYPES:
+        own = OWN_TYPES[int(ggml_type)]
+        return own.block, own.nbytes
+    return GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _file_mapped(start: int, end: int) -> bool:
+    """Whether [start, end) lies inside one mapping of a file (/proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= start and end <= hi:
+                    return len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/")
+    except OSError:
+        pass
+    return False
+
+
+def release_checkpoint_pages(*tensors: torch.Tensor) -> None:
+    """Let go of the resident pages of checkpoint tensors that were copied into blocks.
+
+    safetensors hands out views into a private map of the file, and the map stays alive
+    while any view of it does (a bfloat16 embedding kept as it is): without this, every
+    page a repacked weight was read from would stay in RSS next to its blocks. Only pages
+    wholly inside a tensor that lies in a file's map are dropped (MADV_DONTNEED: a later
+    read faults them in again from the file, unchanged, since nothing writes them); a
+    tensor in ordinary memory is left alone."""
+    page = mmap.PAGESIZE
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        start = (t.data_ptr() + page - 1) & ~(page - 1)
+        end = (t.data_ptr() + nbytes) & ~(page - 1)
+        if end <= start or not t.is_contiguous() or not _file_mapped(t.data_ptr(), t.data_ptr() + nbytes):
+            continue
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 class UnsupportedWeightType(ValueError):
@@ -48,23 +122,34 @@ class UnsupportedWeightType(ValueError):
 @dataclass(frozen=True)
 class BlockWeight:
     """A [out_features, in_features] weight as stored: ``data`` holds each output
-    channel's row of blocks (uint8 [out_features, bytes per row])."""
+    channel's row of blocks (uint8 [out_features, bytes per row]).
+
+    ``input_order`` (int64 [in_features], a permutation), when set, says the blocks hold
+    the input channels in another order: column j of the blocks is input channel
+    ``input_order[j]`` (GPTQ's act-order groups, made contiguous). ``BlocksLinear``
+    permutes x to match; ``dequantize`` returns the columns in the inputs' order."""
 
     data: torch.Tensor
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType | OwnType
     in_features: int
     # ``data`` is a view into a read-only (never written) private map of the model file.
     file_mapped: bool = False
+    input_order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.ggml_type not in BLOCK_TYPES:
+        if self.ggml_type not in BLOCK_TYPES and not isinstance(self.ggml_type, OwnType):
             raise UnsupportedWeightType(f"ggml type {self.ggml_type.name} is not supported")
-        block, nbytes = GGML_QUANT_SIZES[self.ggml_type]
+        block, nbytes = block_format(self.ggml_type)
         if self.in_features % block or self.data.dim() != 2 or self.data.dtype != torch.uint8:
             raise ValueError(f"{self.ggml_type.name} weight: expected uint8 rows of whole blocks of {block}")
         if self.data.shape[1] != self.in_features // block * nbytes:
             raise ValueError(f"{self.ggml_type.name} weight: {self.data.shape[1]} bytes per row "
                              f"do not hold {self.in_features} weights")
+        order = self.input_order
+        if order is not None and (order.dtype != torch.int64 or order.shape != (self.in_features,)
+                                  or not torch.equal(order.sort().values, torch.arange(self.in_features))):
+            raise ValueError(f"{self.ggml_type.name} weight: input_order must be a permutation of "
+                             f"its {self.in_features} input channels (int64)")
 
     @classmethod
     def from_tensor(cls, weight: torch.Tensor) -> BlockWeight:
@@ -102,7 +187,11 @@ class BlockWeight:
         same values)."""
         ops = cpu_kernels.kernels()
         if ops is not None:
-            return ops.gguf_dequantize(self.data, int(self.ggml_type), self.in_features, rows)
+            w = ops.gguf_dequantize(self.data, int(self.ggml_type), self.in_features, rows)
+            return w if self.input_order is None else torch.empty_like(w).index_copy_(1, self.input_order, w)
+        if isinstance(self.ggml_type, OwnType):
+            raise RuntimeError(f"pagoda's CPU kernels are needed to read {self.ggml_type.name} blocks "
+                               f"({cpu_kernels.error()})")
         from gguf import quants
 
         data = self.data if rows is None else self.data[rows]
@@ -132,6 +221,12 @@ class BlocksLinear(nn.Module):
         self.int8_activations = False
         self._data = [p.data for p in self.parts]
         self._types = [int(p.ggml_type) for p in self.parts]
+        # Input orders (BlockWeight.input_order): one shared by every part permutes x once;
+        # parts in different orders multiply one at a time.
+        orders = [p.input_order for p in self.parts]
+        self._input_order = orders[0]
+        self._split_orders = any(o is not None for o in orders) and not all(
+            o is not None and torch.equal(o, orders[0]) for o in orders)
         self._ops = cpu_kernels.kernels()
         if self._ops is None:
             raise RuntimeError(f"pagoda's CPU kernels are needed for weights kept as blocks ({cpu_kernels.error()})")
@@ -141,8 +236,22 @@ class BlocksLinear(nn.Module):
         if x2.dtype != torch.float32:
             x2 = x2.float()
         matmul = self._ops.gguf_linear_int8 if self.int8_activations else self._ops.gguf_linear
-        y = matmul(x2, self._data, self._types, self.bias)
+        if self._split_orders:
+            y = torch.cat([matmul(x2 if p.input_order is None else x2.index_select(1, p.input_order), [d], [t], None)
+                           for p, d, t in zip(self.parts, self._data, self._types, strict=True)], dim=1)
+            if self.bias is not None:
+                y += self.bias
+        else:
+            if self._input_order is not None:
+                x2 = x2.index_select(1, self._input_order)
+            y = matmul(x2, self._data, self._types, self.bias)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def permutes_inputs(self) -> bool:
+        """Whether a part holds its input channels in another order (``input_order``):
+        kernels called with the parts' bytes directly must permute x themselves."""
+        return any(p.input_order is not None for p in self.parts)
 
     @property
     def quantized_parts(self) -> bool:

@@ -197,6 +197,7 @@ class SparseMoeBlock(nn.Module):
             ok = (ops is not None and self.experts[0].act == "silu"
                   and all(isinstance(m, BlocksLinear) and m.bias is None for m in modules)
                   and all(len(g.parts) == 2 and len(d.parts) == 1 for g, d in layers)
+                  and not any(m.permutes_inputs for m in modules)   # GPTQ act-order: per expert
                   and len({m.int8_activations for m in modules}) == 1)
             self._fused = (
                 ops.gguf_moe_int8 if modules[0].int8_activations else ops.gguf_moe,

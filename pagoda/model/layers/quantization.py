@@ -175,21 +175,30 @@ class Int8Linear(nn.Module):
     about +-1.5 % with the 16 largest channels (per layer, from ``calibrate``) in
     float (docs/benchmarks.md)."""
 
-    def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None) -> None:
+    def __init__(self, linear: nn.Linear | None, outliers: torch.Tensor | None = None, *,
+                 int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        """From a float ``linear`` (quantized here, ``outliers`` kept in float), or from
+        ``int8`` = (int8 weights [out, in], float32 scales [out], bias or None) as a W8A8
+        checkpoint stores them (``Int8Linear.from_int8``: used as they are)."""
         super().__init__()
-        weight = linear.weight.detach().float().clone()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        idx = torch.empty(0, dtype=torch.long) if outliers is None else outliers.to(torch.long).sort().values
+        if int8 is not None:
+            qweight, scale, bias = int8
+            idx = torch.empty(0, dtype=torch.long)
+            outlier_weight = torch.empty(0, qweight.shape[0])
+        else:
+            weight = linear.weight.detach().float().clone()
+            idx = torch.empty(0, dtype=torch.long) if outliers is None else outliers.to(torch.long).sort().values
+            # [k, out]: the outlier columns, transposed so each is a contiguous row.
+            outlier_weight = weight[:, idx].t().contiguous()
+            weight[:, idx] = 0.0
+            # [out, in]; _int_mm multiplies by its transposed view at the same speed.
+            qweight, scale = int8_per_channel(weight)
+            bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.out_features, self.in_features = qweight.shape
         self.register_buffer("outlier_idx", idx)
-        # [k, out]: the outlier columns, transposed so each is a contiguous row.
-        self.register_buffer("outlier_weight", weight[:, idx].t().contiguous())
-        weight[:, idx] = 0.0
-        # [out, in]; _int_mm multiplies by its transposed view at the same speed.
-        qweight, scale = int8_per_channel(weight)
+        self.register_buffer("outlier_weight", outlier_weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("weight_scale", scale)
-        bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
         self._ops = cpu_kernels.kernels() if self.in_features % 16 == 0 else None
         self._small_rows = int8_small_step_rows()
@@ -221,6 +230,16 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         y = y + x2[:, self.outlier_idx] @ self.outlier_weight
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    @classmethod
+    def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """A W8A8 checkpoint's layer: int8 weights [out, in] and float32 scales [out] per
+        output channel, its activations quantized per token as the checkpoint was made for
+        (no float channels)."""
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.shape != (qweight.shape[0],):
+            raise ValueError("expected int8 weights [out, in] and one scale per output channel")
+        return cls(None, int8=(qweight.contiguous(), scale.float().contiguous(),
+                               None if bias is None else bias.float().contiguous()))
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 weights [out, in] (unpacked from the VNNI tile layout where that is the
@@ -419,6 +438,33 @@ def calibration_token_ids(path: str, gguf_metadata: dict | None) -> list[int]:
     return model_tokenizer(path, gguf_metadata).encode(CALIBRATION_TEXT)
 
 
+def checkpoint_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 weights [out, in], float32 scales [out]) of a layer kept as 8-bit integer
+    groups (a W8A8 / W8A16 checkpoint's ``PAGODA_Q8Z`` / ``PAGODA_Q8ZF`` blocks) whose
+    every output channel has one scale and one zero-point and values that fit int8 once the
+    zero is taken off: the int8 mode's arithmetic then is the checkpoint's own (per-channel
+    int8 weights, per-token int8 activations). None for any other layer."""
+    if not isinstance(module, BlocksLinear) or module.permutes_inputs:
+        return None
+    q8 = {201: (2, torch.float16), 203: (4, torch.float32)}   # PAGODA_Q8Z / Q8ZF: scale bytes, dtype
+    if not all(int(p.ggml_type) in q8 for p in module.parts):
+        return None
+    weights, scales = [], []
+    for part in module.parts:
+        nbytes, dtype = q8[int(part.ggml_type)]
+        blocks = part.data.view(part.out_features, -1, nbytes + 2 + 32)
+        scale = blocks[:, :, :nbytes].contiguous().view(dtype).float()   # [out, blocks, 1]
+        zero = blocks[:, :, nbytes:nbytes + 2].contiguous().view(torch.int16)
+        if not (torch.equal(scale, scale[:, :1].expand_as(scale)) and torch.equal(zero, zero[:, :1].expand_as(zero))):
+            return None   # groups within a row: not one scale per channel
+        q = blocks[:, :, nbytes + 2:].to(torch.int16) - zero
+        if q.numel() and (q.min() < -128 or q.max() > 127):
+            return None
+        weights.append(q.reshape(part.out_features, -1).to(torch.int8))
+        scales.append(scale[:, 0, 0])
+    return torch.cat(weights), torch.cat(scales)
+
+
 def quantize_model(model: nn.Module, mode: str, device: torch.device,
                    calibration_ids: list[int] | None = None, show_progress: bool = False) -> nn.Module:
     """Replace the model's projections and LM head with quantized layers, in place.
@@ -452,9 +498,13 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
     # A bar for the conversion (an 8B model: about a minute), as for the load itself.
     for name, module in tqdm(targets, desc=f"Converting to {mode}", unit="layer", leave=False,
                              disable=not show_progress):
-        module = _as_float_linear(module)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        stored = checkpoint_int8(module) if mode == "int8" else None
+        if stored is not None:   # a W8A8 checkpoint's layer: its own int8 weights and scales
+            setattr(parent, attr, Int8Linear.from_int8(*stored, module.bias))
+            continue
+        module = _as_float_linear(module)
         # q4 keeps the LM head at 8 bits, as GGUF files do (Q8_0/Q6_K output
         # weights): 4-bit logits cost more quality than the head's share of the
         # bytes saves (measured: q4 head -> wrong answers on the reference prompts).
