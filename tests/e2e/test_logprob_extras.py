@@ -78,6 +78,30 @@ def test_echo_with_logprobs_matches_transformers(client, prompt_ids, hf_prompt_l
     assert getattr(choice, "prompt_logprobs", None) is None  # not asked for: not in the response
 
 
+def test_streamed_echo_with_logprobs_equals_the_whole_response(client, prompt_ids):
+    kwargs = dict(model=MODEL, prompt=PROMPT, echo=True, logprobs=2, max_tokens=4, temperature=0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(**kwargs).choices[0]
+    text, tokens, token_logprobs, top, offsets = "", [], [], [], []
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    first = chunks[0].choices[0]
+    assert first.text == PROMPT and len(first.logprobs.tokens) == len(prompt_ids)  # the prompt comes first
+    for chunk in chunks:
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                token_logprobs += c.logprobs.token_logprobs
+                top += c.logprobs.top_logprobs
+                offsets += c.logprobs.text_offset
+    lp = whole.logprobs
+    assert text == whole.text
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    assert token_logprobs[0] is None and top[0] is None
+    assert token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert [sorted(t) for t in top[1:]] == [sorted(t) for t in lp.top_logprobs[1:]]
+
+
 def test_prompt_logprobs_on_completions_and_chat(client, prompt_ids, hf_prompt_logprobs):
     comp = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=1, temperature=0,
                                      extra_body={"prompt_logprobs": 1})  # fmt: skip
@@ -142,7 +166,6 @@ def test_beam_search_width_one_is_greedy_and_wider_beams_differ(client):
     ("completions", {"logprobs": -1}, "whole vocabulary"),
     ("completions", {"extra_body": {"length_penalty": 2.0}}, "beam"),
     ("completions", {"top_p": 0.5, "extra_body": {"use_beam_search": True}}, "top_p"),
-    ("completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
     ("completions", {"extra_body": {"logprob_token_ids": [1]}}, "logprob_token_ids"),
     ("completions", {"logprobs": 0, "extra_body": {"logprob_token_ids": [10**7]}}, "logprob_token_ids"),
     ("chat", {"logprobs": True, "top_logprobs": -1}, "whole vocabulary"),

@@ -308,9 +308,6 @@ class CompletionRequest(_SamplingRequest):
                                   "equal to it.", param="best_of")  # fmt: skip
         if self.logprob_token_ids is not None and self.logprobs is None:
             raise bad_request("'logprob_token_ids' requires 'logprobs'.", param="logprob_token_ids")
-        if self.echo and self.logprobs is not None and self.stream:
-            raise bad_request("'echo' with 'logprobs' cannot be combined with 'stream' (the prompt's logprobs "
-                              "come with the whole response).", param="echo")  # fmt: skip
         if self.use_beam_search and (self.echo or self.logprobs is not None):
             name = "echo" if self.echo else "logprobs"
             raise bad_request(f"'{name}' cannot be combined with 'use_beam_search'.", param=name)

@@ -160,10 +160,18 @@ class CompletionServing(OpenAIServing):
                 events.append(sse(chunk, exclude))
             return events
 
-        if body.echo:  # the prompt first, in a chunk of its own per choice (echo with logprobs is a 400 here)
+        if body.echo:  # the prompt first, in a chunk of its own per choice, with its logprobs if asked
+            first_of = dict(first)
             for p, sub in enumerate(group.subrequests):
+                echo_logprobs, offset = None, 0
+                out = first_of.get(p)
+                if body.logprobs is not None and out is not None and out.prompt_logprobs is not None:
+                    echo_logprobs, offset = self.logprobs.completion(
+                        sub.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0, body.logprob_token_ids or (),
+                        as_token_ids=bool(body.return_tokens_as_token_ids))  # fmt: skip
                 for i in range(body.n):
-                    choice = CompletionChoice(text=self._echo_text(sub), index=p * body.n + i)
+                    offsets[p * body.n + i] = offset
+                    choice = CompletionChoice(text=self._echo_text(sub), index=p * body.n + i, logprobs=echo_logprobs)
                     yield sse(CompletionResponse(id=request_id, created=created, model=self.response_model(body.model),
                                                  choices=[choice]), exclude)  # fmt: skip
         for p, out in first:
