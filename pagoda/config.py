@@ -191,6 +191,10 @@ class EngineConfig:
             raise ValueError("--ray-address needs --distributed-executor-backend ray or --data-parallel-backend ray")
         if not (tp_ray or dp_ray):
             return
+        if (self.ray_address or "").startswith("ray://"):
+            raise ValueError("--ray-address ray://... (Ray Client) is not supported: run pagoda on a node of the "
+                             "cluster (rank 0's node hosts the rendezvous, the API server's node the replicas' "
+                             "sockets) and give the head's host:port")
         if tp_ray and (self.nnodes > 1 or self.distributed_init_method is not None or torchrun_rank() is not None):
             raise ValueError("--distributed-executor-backend ray: Ray places the ranks on its nodes; --nnodes, "
                              "--node-rank, --master-addr/--master-port, --distributed-init-method and torchrun "

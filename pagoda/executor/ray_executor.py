@@ -259,7 +259,7 @@ class RayCoreProcess(_ActorProcess):
         self._join(timeout)
 
 
-class _ProcessActor:
+class PagodaProcess:
     """The actors' class (ray.remote is applied when Ray is imported): a process that runs
     one tensor-parallel rank or one engine core."""
 
@@ -283,12 +283,12 @@ def _start(ray: ModuleType, placement: _Placement, kind: type[_ActorProcess], cp
            specs: list[tuple[str, int, str, tuple]], timeout: float) -> list[Any]:
     """One actor per (name, bundle, method, args), calling ``method(*args)``; returns once
     each has said its pid, so that an actor that cannot start fails here."""
-    remote = ray.remote(_ProcessActor)
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote = ray.remote(PagodaProcess)
     actors, pid_refs, refs = [], [], []
     try:
         for name, bundle, method, args in specs:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
             actor = remote.options(
                 name=name, namespace=NAMESPACE, num_cpus=cpus, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement.pg, placement_group_bundle_index=bundle),

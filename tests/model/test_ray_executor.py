@@ -23,8 +23,8 @@ from pagoda.config import EngineConfig
 from tests.model.test_tensor_parallel import _PROMPTS, _restore_threads  # noqa: F401 - autouse fixture
 
 _CPUS = 4
-_GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)
-_ENGINE = dict(num_kv_blocks=96, max_model_len=1024, max_num_batched_tokens=24, show_progress=False)
+_GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+_ENGINE = dict(num_kv_blocks=96, max_model_len=1024, show_progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from pagoda.entrypoints.cli import build_parser, config_from_args
       "distributed_init_method": "tcp://h:1"}, "Ray places the ranks"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray", "device": "cuda"}, "CPU only"),
     ({"data_parallel_size": 2, "data_parallel_backend": "ray", "device": "cuda"}, "CPU only"),
+    ({"data_parallel_size": 2, "data_parallel_backend": "ray", "ray_address": "ray://h:10001"}, "Ray Client"),
 ])
 def test_invalid_parallel_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
