@@ -108,7 +108,9 @@ def _check_same_cluster(wanted: str, connected: str) -> None:
     host, port = wanted.rsplit(":", 1)
     c_host, c_port = connected.rsplit(":", 1)
     try:
-        same = port == c_port and socket.gethostbyname(host) == socket.gethostbyname(c_host)
+        ip = socket.gethostbyname(host)
+        # localhost: Ray names a cluster on this machine by the node's address.
+        same = port == c_port and (ip.startswith("127.") or ip == socket.gethostbyname(c_host))
     except OSError:
         same = False
     if not same:

@@ -162,3 +162,28 @@ def test_killed_ray_worker_ends_the_request_with_an_error(tiny_llama_tok_dir, ra
 
     asyncio.run(run())
     _all_cpus_free(ray)
+
+
+def test_ray_address_of_another_cluster_is_refused(ray_cluster):
+    """This process is connected to the test's cluster; an engine may not name another."""
+    from pagoda.executor.ray_executor import start_ray_workers
+
+    host, port = ray_cluster.rsplit(":", 1)
+    other = EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray",
+                         ray_address=f"{host}:{int(port) + 1}")
+    with pytest.raises(ValueError, match="connected to the Ray cluster at"):
+        start_ray_workers(other, 0)
+
+
+def test_a_placement_the_cluster_cannot_hold_is_an_error(ray_cluster):
+    """Two ranks of 3 CPUs on a 4-CPU cluster: refused after --distributed-timeout, saying
+    what is free, and nothing stays reserved."""
+    import ray
+
+    from pagoda.executor.ray_executor import start_ray_workers
+
+    config = EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray", threads_per_rank=3,
+                          distributed_timeout=2.0)
+    with pytest.raises(RuntimeError, match=r"Ray could not place 2 tensor-parallel ranks .*free in the cluster"):
+        start_ray_workers(config, 0)
+    _all_cpus_free(ray)
