@@ -47,6 +47,11 @@ class EngineConfig:
     node_rank: int = 0                    # 0 = the node running the engine core (rank 0)
     distributed_timeout: float = 120.0    # seconds a collective may wait for a peer
     threads_per_rank: int | None = None   # torch threads per rank; None = 1 when parallel on CPU
+    # Who starts the processes (docs/parallel.md): mp = subprocesses (torch.distributed's launch), or
+    # ray = Ray actors (pip install pagoda[ray]): tensor-parallel workers / data-parallel engine cores.
+    distributed_executor_backend: str = "mp"
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None        # a Ray cluster; None = RAY_ADDRESS, a `ray start` here, else a new one
     # Speculative decoding: a SpeculativeConfig, or a dict / JSON string of one (vLLM's shape).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Scheduling (docs/scheduling.md).
@@ -127,6 +132,7 @@ class EngineConfig:
         if self.data_parallel_size > 1 and (self.nnodes > 1 or self.distributed_init_method is not None):
             raise ValueError("--data-parallel-size > 1 runs its replicas on this node; it cannot be "
                              "combined with a multi-node or explicit tensor-parallel rendezvous")
+        self._check_backends()
         if self.scheduling_policy not in ("fcfs", "priority", "fair"):
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
         _positive("max_long_partial_prefills", self.max_long_partial_prefills, allow_none=True)
@@ -168,6 +174,37 @@ class EngineConfig:
             raise ValueError("--speculative-config is not supported with --kv-cache-dtype int8|fp8 or "
                              "--preemption-mode swap|auto yet")
 
+    def _check_backends(self) -> None:
+        """--distributed-executor-backend / --data-parallel-backend / --ray-address."""
+        for name in ("distributed_executor_backend", "data_parallel_backend"):
+            if getattr(self, name) not in ("mp", "ray"):
+                raise ValueError(f"{name} must be mp or ray, got {getattr(self, name)!r}")
+        tp_ray = self.distributed_executor_backend == "ray"
+        dp_ray = self.data_parallel_backend == "ray"
+        if tp_ray and self.tensor_parallel_size < 2:
+            raise ValueError("--distributed-executor-backend ray runs the tensor-parallel workers as Ray "
+                             "actors: it needs --tensor-parallel-size > 1")
+        if dp_ray and self.data_parallel_size < 2:
+            raise ValueError("--data-parallel-backend ray runs the data-parallel replicas as Ray actors: "
+                             "it needs --data-parallel-size > 1")
+        if self.ray_address is not None and not (tp_ray or dp_ray):
+            raise ValueError("--ray-address needs --distributed-executor-backend ray or --data-parallel-backend ray")
+        if not (tp_ray or dp_ray):
+            return
+        if (self.ray_address or "").startswith("ray://"):
+            raise ValueError("--ray-address ray://... (Ray Client) is not supported: run pagoda on a node of the "
+                             "cluster (rank 0's node hosts the rendezvous, the API server's node the replicas' "
+                             "sockets) and give the head's host:port")
+        if tp_ray and (self.nnodes > 1 or self.distributed_init_method is not None or torchrun_rank() is not None):
+            raise ValueError("--distributed-executor-backend ray: Ray places the ranks on its nodes; --nnodes, "
+                             "--node-rank, --master-addr/--master-port, --distributed-init-method and torchrun "
+                             "belong to the mp launch")
+        if self.device != "cpu":
+            raise ValueError("the Ray backends run on CPU only (Ray's GPU assignment is not wired to the ranks' "
+                             f"devices yet); got --device {self.device}")
+        from pagoda.executor.ray_executor import require_ray
+
+        require_ray()
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

@@ -155,9 +155,14 @@ class CoreProcess:
     output_addr: str
 
 
-def start_core_process(config: EngineConfig) -> CoreProcess:
+def ipc_addresses() -> tuple[str, str, str]:
+    """A fresh folder and the engine core's input and output ipc addresses in it."""
     tmpdir = tempfile.mkdtemp(prefix="pagoda-")
-    in_addr, out_addr = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
+    return tmpdir, f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
+
+
+def start_core_process(config: EngineConfig) -> CoreProcess:
+    tmpdir, in_addr, out_addr = ipc_addresses()
     proc = multiprocessing.get_context("spawn").Process(
         target=engine_core_process_main, args=(config, in_addr, out_addr), name="pagoda-engine-core", daemon=True,
     )
@@ -167,7 +172,6 @@ def start_core_process(config: EngineConfig) -> CoreProcess:
 
 def engine_core_process_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned engine-core process."""
-    import os
     import signal
     import sys
 
@@ -177,9 +181,15 @@ def engine_core_process_main(config: EngineConfig, input_addr: str, output_addr:
     # message, and we exit on our own if the server process disappears.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(serve_engine_core(config, input_addr, output_addr))
+
+
+def serve_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> int:
+    """The engine-core process's body: a spawned process's, or a Ray actor's
+    (pagoda/executor/ray_executor.py). Returns the exit code."""
     logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine-core %(levelname)s %(message)s")
     from pagoda.executor.multiproc import configure_threads
 
     configure_threads(config)
-    sys.exit(run_engine_core(config, input_addr, output_addr))
+    return run_engine_core(config, input_addr, output_addr)

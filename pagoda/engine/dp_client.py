@@ -37,8 +37,16 @@ class DataParallelLLM(EngineClientBase):
         n = config.data_parallel_size
         # Different seeds, so that unseeded random sampling differs between replicas.
         configs = [dataclasses.replace(config, seed=config.seed + i) for i in range(n)]
+        cores: list[dict[str, Any]] = [{} for _ in configs]
+        if config.data_parallel_backend == "ray":
+            if not multiprocess:
+                raise ValueError("--data-parallel-backend ray runs the replicas' engine cores as Ray actors; "
+                                 "multiprocess=False runs them in threads")
+            from pagoda.executor.ray_executor import start_core_actors
+
+            cores = [{"core": c} for c in start_core_actors(configs)]
         with ThreadPoolExecutor(n) as pool:
-            futures = [pool.submit(AsyncLLM, c, multiprocess, **kwargs) for c in configs]
+            futures = [pool.submit(AsyncLLM, c, multiprocess, **kwargs, **core) for c, core in zip(configs, cores)]
             replicas, errors = [], []
             for f in futures:
                 try:
@@ -48,6 +56,9 @@ class DataParallelLLM(EngineClientBase):
         if errors:
             for r in replicas:
                 r._cleanup()
+            for core in cores:  # Ray actors: give their bundles back (spawned processes are daemons)
+                if core:
+                    core["core"].proc.kill()
             raise errors[0]
         self.replicas: list[AsyncLLM] = replicas
         first = replicas[0]

@@ -153,6 +153,15 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                      help="seconds a collective waits for a peer before the engine reports it failed")
     par.add_argument("--threads-per-rank", type=int, default=None,
                      help="torch threads per rank or replica on CPU (default 1 when parallel, else all)")
+    par.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "ray"),
+                     help="who starts the tensor-parallel workers: mp = subprocesses, ray = Ray actors in a "
+                          "placement group (pip install 'pagoda[ray]')")
+    par.add_argument("--data-parallel-backend", default="mp", choices=("mp", "ray"),
+                     help="who starts the data-parallel engine cores: mp = subprocesses, ray = Ray actors "
+                          "on this node")
+    par.add_argument("--ray-address", default=None,
+                     help="the Ray cluster to use (host:port of `ray start --head`); default: RAY_ADDRESS, "
+                          "else a cluster started on this machine, else a new local one")
 
 
 def _init_method(args: argparse.Namespace) -> str | None:
@@ -198,6 +207,9 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         "distributed_init_method": _init_method(args),
         "distributed_timeout": getattr(args, "distributed_timeout", 120.0),
         "threads_per_rank": getattr(args, "threads_per_rank", None),
+        "distributed_executor_backend": getattr(args, "distributed_executor_backend", "mp"),
+        "data_parallel_backend": getattr(args, "data_parallel_backend", "mp"),
+        "ray_address": getattr(args, "ray_address", None),
     }
     parallel.update({k: extra.pop(k) for k in list(extra) if k in parallel})
     return EngineConfig(**parallel,

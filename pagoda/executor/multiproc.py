@@ -21,6 +21,7 @@ import logging
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,17 @@ def ranks_of_node(config: EngineConfig, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
+class WorkerProcess(Protocol):
+    """A worker rank's process as rank 0 sees it: subprocess.Popen (the mp launch), or
+    ray_executor.RayWorker (an actor; --distributed-executor-backend ray)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...  # raises subprocess.TimeoutExpired
+
+
 @dataclass
 class StepMessage:
     sched_out: SchedulerOutput
@@ -64,7 +76,7 @@ class StepMessage:
 class TensorParallelDriver:
     """Rank 0's side: the engine core's executor. Same ``execute_model`` as ModelRunner."""
 
-    def __init__(self, group: TPGroup, workers: list[subprocess.Popen]) -> None:
+    def __init__(self, group: TPGroup, workers: list[WorkerProcess]) -> None:
         self.group = group
         self.workers = workers
         self.runner = None
@@ -130,14 +142,20 @@ def start_driver(config: EngineConfig) -> tuple[TensorParallelDriver, torch.devi
             raise ValueError(f"the engine core must be RANK 0 of WORLD_SIZE={world}; "
                              f"got RANK={rank}, WORLD_SIZE={world_env}")
         store = rendezvous_store(config.distributed_init_method or "env://", 0, world, config.distributed_timeout)
-        workers: list[subprocess.Popen] = []
+        workers: list[WorkerProcess] = []
     elif config.distributed_init_method is None:
-        # One node: rank 0 hosts the store on a port the OS picks, then starts the others.
+        # One node (or Ray's nodes): rank 0 hosts the store on a port the OS picks (it listens
+        # on every interface), then starts the others.
         local_rank = 0
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=_td(config.distributed_timeout))
-        init = f"tcp://127.0.0.1:{store.port}"
-        workers = [spawn_worker(config, r, init, local_rank=r) for r in range(1, world)]
+        if config.distributed_executor_backend == "ray":
+            from pagoda.executor.ray_executor import start_ray_workers
+
+            workers = start_ray_workers(config, store.port)
+        else:
+            init = f"tcp://127.0.0.1:{store.port}"
+            workers = [spawn_worker(config, r, init, local_rank=r) for r in range(1, world)]
     else:
         if config.node_rank != 0:
             raise ValueError("the engine core runs on node 0; other nodes run workers only")
