@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 # Busy with no output for this long = stalled (one CPU step is well under it).
 STALL_TIMEOUT_S = 60.0
+# How long shutdown waits to hand the core its Shutdown message (a gone core never takes it).
+_SHUTDOWN_SEND_S = 5.0
 
 
 def _tokenizer_for(config: EngineConfig) -> Tokenizer:
@@ -185,10 +187,13 @@ class AsyncLLM(EngineFrontEnd):
         return super().is_healthy
 
     async def shutdown(self) -> None:
+        self._check_alive()  # the watcher only runs once a request started
         if self._dead is None:
+            # Bounded: a core that is gone or hung must not hold the shutdown (a send to
+            # a socket with no peer waits forever); _join then stops the process.
             try:
-                await self._send(Shutdown())
-            except zmq.ZMQError:
+                await asyncio.wait_for(self._send(Shutdown()), _SHUTDOWN_SEND_S)
+            except (zmq.ZMQError, asyncio.TimeoutError):
                 pass
         for task in (self._output_task, self._watch_task):
             if task is not None:

@@ -81,3 +81,20 @@ def test_engine_killed_mid_load():
         r = httpx.post(f"{url}/v1/chat/completions", timeout=10,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 503
+
+
+def test_shutdown_returns_when_the_engine_died_before_any_request():
+    # No request ever ran, so no watcher noticed the death: shutdown must not wait on a
+    # Shutdown message the gone core never takes (a SIGINT to `pagoda serve` then hung).
+    import asyncio
+
+    from pagoda.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_config(EngineConfig(show_progress=False, num_kv_blocks=64, max_model_len=256),
+                                  log_requests=False, log_stats=False)  # fmt: skip
+    os.kill(engine._proc.pid, signal.SIGKILL)
+    engine._proc.join(10)
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(engine.shutdown(), 30))
+    assert time.monotonic() - t0 < 15
+    assert not engine.is_healthy
