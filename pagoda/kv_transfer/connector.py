@@ -289,6 +289,11 @@ class KVSender:
         return done
 
     @property
+    def has_done(self) -> bool:
+        with self._lock:
+            return bool(self._done)
+
+    @property
     def num_parked(self) -> int:
         with self._lock:
             return len(self._parked)
@@ -403,6 +408,7 @@ class ReceivedKV:
     meta: TransferMeta
     rows: list[torch.Tensor]
     _holder: Any = field(repr=False, default=None)
+    skip_blocks: int = 0    # table entries below this were not asked for (this pool's prefix cache has them)
 
     def row_of(self) -> dict[tuple[int, int], int]:
         return {(g, i): r for r, (g, i) in enumerate(self.meta.entries)}
@@ -468,6 +474,11 @@ class KVReceiver:
             out, self._results = self._results, []
             self._num_pending -= len(out)
         return out
+
+    @property
+    def has_results(self) -> bool:
+        with self._lock:
+            return bool(self._results)
 
     @property
     def busy(self) -> bool:
