@@ -24,10 +24,7 @@ transports, which the decode side asks for per fetch:
 
 ``auto`` takes shm when both sides run on one machine (the same host name and boot id).
 
-Wire format (multipart messages; the first frame names the kind, the second is msgpack):
-  decode -> prefill   ``fetch`` FetchRequest | ``release`` {"transfer_id"}
-  prefill -> decode   ``tcp`` TransferMeta, part frames... | ``shm`` TransferMeta |
-                      ``err`` {"transfer_id", "message"} | ``ok`` {"transfer_id"} (release ack)
+The messages are those of pagoda/kv_transfer/wire.py.
 """
 
 from __future__ import annotations
@@ -48,9 +45,9 @@ import torch
 import zmq
 import zmq.utils.monitor
 
-from pagoda.core.outputs import TokenLogprobs
 from pagoda.kv_transfer.blocks import LayerCache, cache_parts, gather_into, install, layout_of, part_views, row_bytes
 from pagoda.kv_transfer.params import check_tcp_address
+from pagoda.kv_transfer.wire import FetchRequest, TransferError, TransferMeta, encode as _encode, machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -58,48 +55,6 @@ SHM_DIR = "/dev/shm"
 _POLL_MS = 100
 
 
-class TransferMeta(msgspec.Struct, omit_defaults=True):
-    """What travels with a transfer's blocks: enough for the decode side to check that they
-    are the blocks of its request, and to continue it."""
-
-    transfer_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]                 # sampled on the prefill instance (the first token)
-    block_size: int
-    layout: list[Any]                           # blocks.layout_of of the sender's cache
-    block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
-    logprobs: list[TokenLogprobs] | None = None  # of output_token_ids, if the request asked
-    finish_reason: str | None = None            # "stop" if the prefill instance's request ended for good
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0                  # prompt tokens the prefill instance found cached
-    entries: list[tuple[int, int]] = []         # (KV group, table index) of each row sent
-    shm_path: str | None = None                 # shm transport: the file holding the rows
-    shm_size: int = 0
-
-
-class FetchRequest(msgspec.Struct):
-    transfer_id: str
-    skip_blocks: int                            # leading table entries the decode side holds already
-    transport: str                              # auto | shm | tcp
-    machine: str                                # the decode side's machine_id()
-
-
-class TransferError(RuntimeError):
-    """A transfer failed; the message says why (it reaches the client in a 503)."""
-
-
-def machine_id() -> str:
-    """This machine: host name and kernel boot id (two processes with the same id share /dev/shm)."""
-    boot = ""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        pass
-    return f"{socket.gethostname()}/{boot}"
-
-
-_enc = msgspec.msgpack.Encoder()
 
 
 # ---------------------------------------------------------------------- transports
@@ -326,22 +281,22 @@ class KVSender:
             tid = msgspec.msgpack.decode(body).get("transfer_id", "")
             with self._lock:
                 self._release_locked(tid)
-            self._sock.send_multipart([peer, b"ok", _enc.encode({"transfer_id": tid})])
+            self._sock.send_multipart([peer, b"ok", _encode({"transfer_id": tid})])
             return
         if kind != b"fetch":
-            self._sock.send_multipart([peer, b"err", _enc.encode({"transfer_id": "", "message": f"unknown "
+            self._sock.send_multipart([peer, b"err", _encode({"transfer_id": "", "message": f"unknown "
                                                                   f"message kind {kind[:20]!r}"})])
             return
         try:
             req = msgspec.msgpack.decode(body, type=FetchRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._sock.send_multipart([peer, b"err", _enc.encode({"transfer_id": "", "message": str(e)})])
+            self._sock.send_multipart([peer, b"err", _encode({"transfer_id": "", "message": str(e)})])
             return
         try:
             reply = self._reply(req)
         except Exception as e:
             logger.exception("KV sender: transfer %s failed", req.transfer_id)
-            reply = [b"err", _enc.encode({"transfer_id": req.transfer_id, "message": f"{type(e).__name__}: {e}"})]
+            reply = [b"err", _encode({"transfer_id": req.transfer_id, "message": f"{type(e).__name__}: {e}"})]
         self._sock.send_multipart([peer, *reply], copy=False)
 
     def _reply(self, req: FetchRequest) -> list[Any]:
@@ -349,7 +304,7 @@ class KVSender:
         with self._lock:
             parked = self._parked.get(tid)
             if parked is None or parked.released:
-                return [b"err", _enc.encode({"transfer_id": tid, "message": f"no parked transfer {tid!r} on "
+                return [b"err", _encode({"transfer_id": tid, "message": f"no parked transfer {tid!r} on "
                                              f"{self.address} (expired after {self.timeout_s:g} s, released, "
                                              "fetched already, or never parked)"})]
             parked.sending = True
@@ -365,7 +320,7 @@ class KVSender:
             frames = transport.pack(self.parts, block_ids, meta)
             if meta.shm_path:
                 self._files.append((meta.shm_path, time.monotonic()))
-            reply = [transport.name.encode(), _enc.encode(meta), *frames]
+            reply = [transport.name.encode(), _encode(meta), *frames]
         finally:
             with self._lock:
                 # Gathered (or failed): the blocks are no longer read; the engine frees them.
@@ -463,7 +418,7 @@ class KVReceiver:
         comes out of ``poll``."""
         with self._lock:
             self._num_pending += 1
-        self._cmd.send_multipart([b"fetch", _enc.encode([request_id, transfer_id, remote_address, skip_blocks])])
+        self._cmd.send_multipart([b"fetch", _encode([request_id, transfer_id, remote_address, skip_blocks])])
 
     def cancel(self, transfer_id: str) -> None:
         """Stop waiting for a transfer and tell its prefill instance to free the blocks."""
@@ -529,14 +484,14 @@ class KVReceiver:
                         rid, tid, address, skip = msgspec.msgpack.decode(body)
                         pending[tid] = _Pending(rid, address, time.monotonic() + self.timeout_s)
                         req = FetchRequest(tid, skip, self.transport, self.machine)
-                        dealer(address).send_multipart([b"fetch", _enc.encode(req)])
+                        dealer(address).send_multipart([b"fetch", _encode(req)])
                     elif kind == b"cancel":
                         tid = body.decode()
                         p = pending.pop(tid, None)
                         if p is not None:
                             with self._lock:
                                 self._num_pending -= 1
-                            dealer(p.address).send_multipart([b"release", _enc.encode({"transfer_id": tid})])
+                            dealer(p.address).send_multipart([b"release", _encode({"transfer_id": tid})])
                 for sock in list(socks.values()):
                     if sock in events:
                         self._on_reply(sock.recv_multipart(copy=False), pending)
@@ -596,19 +551,3 @@ class KVReceiver:
     def _put(self, result: ReceivedKV | FetchFailed) -> None:
         with self._lock:
             self._results.append(result)
-
-
-def release_transfer(remote_address: str, transfer_id: str, timeout_s: float = 2.0) -> bool:
-    """Tell a prefill endpoint to free a parked transfer (a router whose decode side failed);
-    True once it acknowledged. Blocking, for a thread or an executor."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(remote_address)
-        sock.send_multipart([b"release", _enc.encode({"transfer_id": transfer_id})])
-        if sock.poll(int(timeout_s * 1000)):
-            return sock.recv_multipart()[0] == b"ok"
-        return False
-    finally:
-        sock.close(linger=0)

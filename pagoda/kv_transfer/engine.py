@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from pagoda.core.kv_cache_manager import cdiv
 from pagoda.core.outputs import EngineCoreOutput
 from pagoda.kv_transfer.blocks import LayerCache, cache_parts
-from pagoda.kv_transfer.connector import FetchFailed, KVReceiver, KVSender, ReceivedKV, TransferMeta
+from pagoda.kv_transfer.connector import FetchFailed, KVReceiver, KVSender, ReceivedKV
+from pagoda.kv_transfer.wire import TransferMeta
 from pagoda.kv_transfer.params import KVTransferConfig
 from pagoda.request import Request, RequestStatus
 
