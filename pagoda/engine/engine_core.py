@@ -408,7 +408,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.kv_transfer is not None:
             self.kv_transfer.after_update(outputs)
-            outputs = arrived + outputs
+            outputs = self.kv_transfer.merge(arrived, outputs)
         end = time.monotonic()
         out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)
         if collector is not None:

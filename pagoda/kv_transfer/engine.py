@@ -203,6 +203,26 @@ class PDTransfer:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return
 
+    @staticmethod
+    def merge(arrived: list[EngineCoreOutput], outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """The step's outputs after those of requests whose KV arrived: one output per request
+        (the front end reads one per step), so a request admitted in the step that took its KV in
+        gets its first token and the next in one output."""
+        if not arrived:
+            return outputs
+        first = {o.request_id: o for o in arrived}
+        rest = []
+        for o in outputs:
+            a = first.get(o.request_id)
+            if a is None:
+                rest.append(o)
+                continue
+            a.new_token_ids = a.new_token_ids + o.new_token_ids
+            if o.new_logprobs is not None:
+                a.new_logprobs = (a.new_logprobs or []) + o.new_logprobs
+            a.finish_reason, a.stop_reason, a.num_preemptions = o.finish_reason, o.stop_reason, o.num_preemptions
+        return arrived + rest
+
     def install(self, sched_out: SchedulerOutput) -> None:
         """Copy the received rows of the requests admitted this step into their blocks."""
         for rid, copies in sched_out.kv_in:

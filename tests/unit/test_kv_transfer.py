@@ -119,14 +119,16 @@ def test_shm_transport_refused_across_machines(pair):
     _wait_done(sender, "t2")
 
 
-def test_auto_transport_takes_tcp_across_machines(pair):
+@pytest.mark.parametrize("same_machine", [True, False])
+def test_auto_transport_takes_shm_on_one_machine_else_tcp(pair, same_machine):
     src = _float_buffers()
     sender, receiver = pair(src, _float_buffers(seed=3), "auto")
-    receiver.machine = "elsewhere/boot"
+    if not same_machine:
+        receiver.machine = "elsewhere/boot"
     sender.send_blocks("t3", [[5, 6]], [], _meta("t3"))
     receiver.recv_blocks("r", "t3", sender.address)
     got = _wait(receiver)
-    assert isinstance(got, ReceivedKV) and got.meta.shm_path is None
+    assert isinstance(got, ReceivedKV) and (got.meta.shm_path is not None) == same_machine
     assert torch.equal(got.rows[0], src[0][:, [5, 6]])
 
 
