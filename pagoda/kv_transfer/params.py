@@ -16,10 +16,11 @@ An instance's ``--kv-transfer-config`` (JSON) sets its KV endpoint and limits; s
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, fields
 from typing import Any
+
+from pagoda.json_options import json_object
 
 KV_ROLES = ("prefill", "decode")
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -67,13 +68,7 @@ class KVTransferParams:
         """None, a KVTransferParams or a dict of its fields (unknown keys refused)."""
         if value is None or isinstance(value, KVTransferParams):
             return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_params must be an object, got {value!r}")
-        unknown = sorted(set(value) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"kv_transfer_params: unknown key(s) {', '.join(map(repr, unknown))}; known: "
-                             f"{', '.join(f.name for f in fields(cls))}")
-        return cls(**value)
+        return cls(**json_object("kv_transfer_params", value, (f.name for f in fields(cls))))
 
 
 @dataclass(frozen=True)
@@ -130,20 +125,11 @@ class KVTransferConfig:
             if value is not None:
                 raise ValueError("--kv-transfer-config needs --kv-role prefill|decode")
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        value = {} if value is None else value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
+        value = {} if value is None else json_object("kv_transfer_config", value,
+                                                     (f.name for f in fields(cls) if f.name != "role"))
         per_role = {"prefill": {"host", "port", "advertise_host", "timeout_s"}, "decode": {"transport", "timeout_s"}}
         allowed = per_role.get(role, set())
         for key in sorted(value):
-            if key not in {f.name for f in fields(cls)} - {"role"}:
-                raise ValueError(f"kv_transfer_config: unknown key {key!r}; known: transport, host, port, "
-                                 "advertise_host, timeout_s")
             if key not in allowed:
                 raise ValueError(f"kv_transfer_config: {key!r} does not apply to a {role} instance (it takes "
                                  f"{', '.join(sorted(allowed))})")
