@@ -82,7 +82,9 @@ class Instance:
 
 class PDRouter:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], max_attempts: int = 3,
-                 cooldown_s: float = 5.0, connect_timeout_s: float = 5.0) -> None:  # fmt: skip
+                 cooldown_s: float = 5.0, connect_timeout_s: float = 5.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:  # fmt: skip
+        """``transport``: httpx's, for tests (default: real connections)."""
         if not prefill_urls or not decode_urls:
             raise ValueError("the router needs at least one --prefill and one --decode instance")
         if max_attempts < 1:
@@ -91,7 +93,7 @@ class PDRouter:
                           + [Instance(u.rstrip("/"), "decode") for u in decode_urls])  # fmt: skip
         self.max_attempts = max_attempts
         self.cooldown_s = cooldown_s
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout_s),
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout_s), transport=transport,
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.counts = {"requests": 0, "succeeded": 0, "failed": 0, "retries": 0, "client_errors": 0}
 
