@@ -435,7 +435,7 @@ class Scheduler:
                 return True
         cap = self.config.max_long_partial_prefills
         threshold = self.config.long_prefill_threshold
-        if cap is not None and threshold is not None:
+        if cap is not None and threshold is not None and request.kv_received is None:  # (received: one token)
             uncached = request.num_tokens - request.num_computed_tokens
             if uncached > threshold and step.num_long >= cap:
                 # (Judged before the prefix lookup; a mostly cached prompt may wait needlessly.)

@@ -1,4 +1,4 @@
-"""The `pagoda` command: serve, generate, chat, run, list, ps, bench."""
+"""The `pagoda` command: serve, router, generate, chat, run, list, ps, bench."""
 
 from __future__ import annotations
 

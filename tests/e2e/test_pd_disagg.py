@@ -151,6 +151,27 @@ def test_greedy_answers_equal_colocated(instances, decode):
     _wait_all_free(p_url, d_url)
 
 
+def test_logprobs_grammar_and_stop_strings_equal_colocated(instances):
+    """The first token's logprobs come from the prefill instance; a grammar constrains both halves;
+    a stop string is matched across the first token and the rest."""
+    (_, p_url), (_, d_url) = instances[0], instances[1]
+    with serve_router([p_url], [d_url]) as (url, _):
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Is the sea blue?"}], "max_tokens": 6,
+                "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        want = httpx.post(f"{p_url}/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]
+        got = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]
+        assert got["message"]["content"] == want["message"]["content"]
+        assert [(t["token"], round(t["logprob"], 3), [a["token"] for a in t["top_logprobs"]])
+                for t in got["logprobs"]["content"]] == [
+            (t["token"], round(t["logprob"], 3), [a["token"] for a in t["top_logprobs"]])
+            for t in want["logprobs"]["content"]]
+        for extra in ({"structured_outputs": {"choice": ["maybe so", "no way at all"]}}, {"stop": [" of"]}):
+            want = _complete(p_url, **extra).json()["choices"][0]
+            got = _complete(url, **extra).json()["choices"][0]
+            assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"]), extra
+    _wait_all_free(p_url, d_url)
+
+
 def test_router_refuses_what_it_cannot_split(instances):
     (_, p_url), (_, d_url) = instances[0], instances[1]
     with serve_router([p_url], [d_url]) as (url, _):
