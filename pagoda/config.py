@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.kv_transfer.params import KVTransferConfig
 from pagoda.pooling import TASKS, PoolerOverrides
 from pagoda.spec_decode.config import SpeculativeConfig
 
@@ -73,6 +74,10 @@ class EngineConfig:
     # An embedding engine's pooling over the checkpoint's: a PoolerOverrides, or a dict / JSON
     # string of its fields (pooling_type, normalize, is_matryoshka, matryoshka_dimensions).
     override_pooler_config: PoolerOverrides | dict[str, Any] | str | None = None
+    # Prefill-decode disaggregation (pagoda/kv_transfer, docs/parallel.md): prefill | decode | None
+    # (colocated), and the instance's KV endpoint settings: a KVTransferConfig, or a dict / JSON string.
+    kv_role: str | None = None
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
@@ -173,6 +178,23 @@ class EngineConfig:
         if self.speculative_config is not None and (self.kv_cache_dtype != "auto" or self.preemption_mode != "recompute"):
             raise ValueError("--speculative-config is not supported with --kv-cache-dtype int8|fp8 or "
                              "--preemption-mode swap|auto yet")
+        object.__setattr__(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_role, self.kv_transfer_config))
+        if self.kv_role is not None:
+            self._check_kv_role()
+
+    def _check_kv_role(self) -> None:
+        """What a prefill or decode instance cannot be combined with (yet)."""
+        clashes = {
+            "--tensor-parallel-size > 1": self.tensor_parallel_size > 1,
+            "--data-parallel-size > 1": self.data_parallel_size > 1,
+            "--speculative-config": self.speculative_config is not None,
+            "--enable-lora": self.enable_lora,
+            "--task embed": self.task == "embed",
+        }
+        for what, clash in clashes.items():
+            if clash:
+                raise ValueError(f"--kv-role {self.kv_role} cannot be combined with {what} yet: one engine core "
+                                 "per instance, its whole KV cache in one process, one sequence per request")
 
     def _check_backends(self) -> None:
         """--distributed-executor-backend / --data-parallel-backend / --ray-address."""

@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.json_options import json_object
+
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
@@ -88,18 +90,8 @@ class PoolerOverrides:
         """A PoolerOverrides, or a dict / JSON object of its fields (vLLM's --override-pooler-config)."""
         if value is None or isinstance(value, PoolerOverrides):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"override_pooler_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"override_pooler_config must be an object of pooler fields, got {value!r}")  # noqa: TRY004
-        unknown = set(value) - {"pooling_type", "normalize", "is_matryoshka", "matryoshka_dimensions"}
-        if unknown:
-            raise ValueError(f"override_pooler_config: unknown field(s) {sorted(unknown)} (known: pooling_type, "
-                             f"normalize, is_matryoshka, matryoshka_dimensions)")
-        return cls(**value)
+        return cls(**json_object("override_pooler_config", value,
+                                 ("pooling_type", "normalize", "is_matryoshka", "matryoshka_dimensions")))
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,12 @@ class Request:
         # Structured output: a Future while the grammar compiles, then a matcher.
         self.grammar = None
         self.matcher = None
+        # Prefill-decode disaggregation (pagoda/kv_transfer): on a prefill instance, keep the
+        # blocks when the request finishes (parked for a decode instance); on a decode
+        # instance, the KV received from the prefill instance (a ReceivedKV), installed into
+        # the request's blocks when it is admitted.
+        self.kv_park = False
+        self.kv_received = None
         # Generation stops at max_tokens or when the context is full.
         limit = sampling_params.max_tokens
         if max_model_len is not None:

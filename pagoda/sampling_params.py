@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.kv_transfer.params import KVTransferParams
+
 # The default bound on the top alternatives a request may ask logprobs for (the engine's
 # --max-logprobs; checked in pagoda/validation.py, since the operator may change it).
 MAX_LOGPROBS = 20
@@ -170,6 +172,9 @@ class SamplingParams:
     best_of: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefill-decode disaggregation (pagoda/kv_transfer/params.py): this request's part in a
+    # KV transfer between a prefill and a decode instance; a dict of its fields is accepted.
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -197,6 +202,7 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
+        self._validate_kv_transfer()
 
     def _validate_logprobs(self) -> None:
         """Counts >= -1 (-1: the whole vocabulary). Their upper bound is the engine's
@@ -233,6 +239,16 @@ class SamplingParams:
                 f"best_of must equal n when sampling greedily (temperature 0): "
                 f"its {self.best_of} samples would all be the same, got best_of={self.best_of}"
             )
+
+    def _validate_kv_transfer(self) -> None:
+        kv = self.kv_transfer_params = KVTransferParams.parse(self.kv_transfer_params)
+        if kv is None:
+            return
+        if self.n != 1 or self.best_of is not None:
+            raise ValueError("kv_transfer_params needs n=1 and no best_of: one sequence's KV blocks are transferred")
+        if kv.do_remote_prefill and self.prompt_logprobs is not None:
+            raise ValueError("kv_transfer_params (do_remote_prefill) cannot be combined with prompt_logprobs: the "
+                             "prompt was computed on the prefill instance")
 
     @property
     def num_samples(self) -> int:

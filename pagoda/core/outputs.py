@@ -43,6 +43,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs_start: int = 0
     # An embedding request's only output: its pooled (and normalised) vector.
     pooled: list[float] | None = None
+    # The request failed (finish_reason "abort"): why. The front end raises it to the caller;
+    # set where the core gives up on a request mid-way (a KV transfer, pagoda/kv_transfer).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -51,6 +51,9 @@ class SchedulerOutput:
     # Swap preemption: copy these KV blocks before the forward, out first, then in.
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    # Prefill-decode disaggregation: requests admitted with KV received from a prefill instance,
+    # each with the (KV group, table index, block id) its received rows go to before the forward.
+    kv_in: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -131,6 +131,9 @@ class Scheduler:
         self.num_swap_preemptions = 0
         # Host blocks of requests swapped in by the last step, released at the next one.
         self._host_release: list[int] = []
+        # Prefill-decode disaggregation: finished requests whose blocks are kept for a decode
+        # instance (Request.kv_park) until release_parked (pagoda/kv_transfer/engine.py).
+        self.parked: dict[str, Request] = {}
 
     # ---- requests in and out -------------------------------------------------
 
@@ -138,14 +141,18 @@ class Scheduler:
         """Queue a request. It gets the admission re-check of pagoda/validation.py (a request
         that bypassed a front end must not break the invariants here or reach the model with
         a token id outside the vocabulary); InvalidRequestError, or ValueError for an id in use."""
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        admission_check(request.prompt_token_ids, request.sampling_params, self.limits, request.priority,
-                        request.lora_request, pooling=request.pooling_params is not None)  # fmt: skip
+        self.check_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.fair.on_add(tenant_of(request))
         enqueue(self.waiting, request, self.policy)
+
+    def check_request(self, request: Request) -> None:
+        """``add_request``'s checks alone (a request that waits for its KV first checks early)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        admission_check(request.prompt_token_ids, request.sampling_params, self.limits, request.priority,
+                        request.lora_request, pooling=request.pooling_params is not None)  # fmt: skip
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step loop (abort, stop string)."""
@@ -165,6 +172,14 @@ class Scheduler:
             ended.append(request)
         return ended
 
+    def release_parked(self, request_id: str) -> bool:
+        """Free a parked request's blocks (fetched, released or expired); False if unknown."""
+        request = self.parked.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -172,8 +187,12 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def _free(self, request: Request) -> None:
-        self.kv.free(request)
+    def _free(self, request: Request, park: bool = False) -> None:
+        """Forget a finished request; ``park``: keep its blocks (in ``parked``) for a decode instance."""
+        if park:
+            self.parked[request.request_id] = request
+        else:
+            self.kv.free(request)
         if request.host_block_ids:
             self.host.free(request.host_block_ids)
             request.host_block_ids = []
@@ -361,6 +380,7 @@ class Scheduler:
             num_spec_tokens=step.num_spec,
             swap_out=step.swap_out,
             swap_in=step.swap_in,
+            kv_in=step.kv_in,
         )
 
     # ---- pieces of a step --------------------------------------------------------
@@ -415,7 +435,7 @@ class Scheduler:
                 return True
         cap = self.config.max_long_partial_prefills
         threshold = self.config.long_prefill_threshold
-        if cap is not None and threshold is not None:
+        if cap is not None and threshold is not None and request.kv_received is None:  # (received: one token)
             uncached = request.num_tokens - request.num_computed_tokens
             if uncached > threshold and step.num_long >= cap:
                 # (Judged before the prefix lookup; a mostly cached prompt may wait needlessly.)
@@ -431,10 +451,21 @@ class Scheduler:
             if not (priority and self._preempt_lower(request, step)):
                 return False
         swapped = bool(request.host_block_ids)
+        received = request.kv_received is not None
         while True:
             if swapped:
                 # Its KV comes back from the host pool; no prefix lookup.
                 hit_blocks, num_hit_tokens = [], request.num_computed_tokens
+            elif received:
+                # Its KV came from a prefill instance: every token but the last is computed, in
+                # the blocks received and in blocks of this pool's prefix cache that hold the
+                # prefix the fetch skipped (allocate_slots adopts those, allocates the rest).
+                hit_blocks, num_cached = self.kv.get_computed_blocks(request)
+                if num_cached < request.kv_received.skip_blocks * self.kv.block_size:
+                    # That cached prefix was evicted meanwhile: recompute, as after a preemption.
+                    request.kv_received, received = None, False
+                    continue
+                num_hit_tokens = request.num_tokens - 1
             elif needs_prompt_logits(request):
                 hit_blocks, num_hit_tokens = [], 0
             else:
@@ -469,6 +500,14 @@ class Scheduler:
             self._host_release.extend(request.host_block_ids)
             request.host_block_ids = []
             request.host_block_places = []
+        elif received:
+            # The received rows go into the blocks allocated for them, before this step's forward.
+            end = -(-num_hit_tokens // self.kv.block_size)
+            step.kv_in.append((request.request_id, [
+                (g, len(hit_blocks[g]) + j, b.block_id)
+                for g, new in enumerate(new_blocks) for j, b in enumerate(new)
+                if b is not None and len(hit_blocks[g]) + j < end
+            ]))  # fmt: skip
         else:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
         request.status = RequestStatus.RUNNING
@@ -629,7 +668,7 @@ class Scheduler:
             if request.is_finished:
                 finish_reason = request.status.finish_reason
                 self._remove_running(request)
-                self._free(request)
+                self._free(request, park=request.kv_park)
             elif rid in sched_out.num_spec_tokens:
                 # Roll back to what was verified: every emitted token but the last
                 # is computed now; slots of rejected (or never proposed) drafts are not.
@@ -729,8 +768,8 @@ class Scheduler:
         known = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         if known != set(self.requests):
             raise AssertionError("request map out of sync with the queues")
-        if set(self.kv.req_to_blocks) - {r.request_id for r in self.running}:
-            raise AssertionError("a request that is not running holds blocks")
+        if set(self.kv.req_to_blocks) - {r.request_id for r in self.running} - set(self.parked):
+            raise AssertionError("a request that is neither running nor parked holds blocks")
         for request in self.running:
             held = self.kv.num_table_blocks(request.request_id)
             if held * self.kv.block_size < request.num_computed_tokens:
@@ -756,6 +795,7 @@ class _Step:
         self.num_long = 0   # long prefills in progress (admission phase)
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.kv_in: list[tuple[str, list[tuple[int, int, int]]]] = []
         self.num_spec: dict[str, int] = {}  # rid -> draft slots (in num_scheduled)
         self.served: dict[str, int] = {}   # tenant -> tokens scheduled so far in this step
 

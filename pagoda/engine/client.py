@@ -49,6 +49,11 @@ class EngineDeadError(RuntimeError):
     """The engine-core process died or stopped making progress."""
 
 
+class KVTransferError(RuntimeError):
+    """A request's KV blocks did not arrive from its prefill instance (prefill-decode
+    disaggregation, pagoda/kv_transfer): the request ended; another instance pair may serve it."""
+
+
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (--max-num-queued-requests); retry later."""
 

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
+KV_POLL_MS = 5      # while a decode instance waits for KV blocks (pagoda/kv_transfer)
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -61,7 +62,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         _close(inp, out, ctx, own_context)
         return 1
     out.send(encode(Ready(core.max_model_len, core.vocab_size, core.num_blocks, config.block_size,
-                           core.pooler_config)))
+                           core.pooler_config, core.kv_transfer.address if core.kv_transfer else None)))
 
     last_sent = 0.0
     code = 0
@@ -71,7 +72,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             if os.getppid() != parent:
                 logger.error("the API server process is gone; engine core exiting")
                 break
-            timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+            timeout = 0 if core.has_unfinished_requests() else KV_POLL_MS if core.has_pending_transfers() else IDLE_POLL_MS
             shutdown = False
             while inp.poll(timeout):
                 timeout = 0

@@ -124,6 +124,13 @@ class EngineCore:
         plan = self._plan_kv(config, loaded, device, dtype, draft)
         self._build_scheduler(config, plan)
         self._build_runner(config, loaded, device, dtype, plan, draft)
+        self.kv_transfer = None   # prefill-decode disaggregation (pagoda/kv_transfer/engine.py)
+        if config.kv_role is not None:
+            from pagoda.kv_transfer.engine import PDTransfer
+
+            if self.pooler_config is not None:
+                raise ValueError("--kv-role applies to an engine that generates, not to an embedding engine")
+            self.kv_transfer = PDTransfer(config.kv_transfer_config, self.scheduler, self.runner.kv_buffers)
         self.shared_prefixes = self._shared_prefixes(config, loaded)
         self._structured = None
         self.step_stats: StepStatsCollector | None = None
@@ -319,6 +326,11 @@ class EngineCore:
         if params.structured_outputs is not None:
             # Compiled off the step loop; the scheduler waits for it.
             request.grammar = self.structured.submit(params.structured_outputs)
+        if self.kv_transfer is not None and self.kv_transfer.add_request(request):
+            return  # its KV is on its way from a prefill instance
+        if self.kv_transfer is None and params.kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params: this instance takes no part in prefill-decode disaggregation "
+                             "(start it with --kv-role prefill|decode)")
         self.scheduler.add_request(request)
 
     # ---- LoRA adapters -------------------------------------------------------------
@@ -350,24 +362,34 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [
+        outputs = [
             EngineCoreOutput(r.request_id, [], finish_reason="abort",
                              num_cached_tokens=max(r.num_cached_tokens, 0))
             for r in ended
         ]
+        if self.kv_transfer is not None:
+            outputs += self.kv_transfer.abort(request_ids)
+        return outputs
 
     def finish_stopped(self, request_ids: list[str]) -> None:
         """End requests that the front end stopped (a stop string matched)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (self.kv_transfer is not None and self.kv_transfer.has_work())
+
+    def has_pending_transfers(self) -> bool:
+        """KV is on its way to this (decode) instance: nothing to step, but soon."""
+        return self.kv_transfer is not None and self.kv_transfer.has_pending()
 
     # ---- one step ----------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
         start = time.monotonic()
+        arrived = self.kv_transfer.poll() if self.kv_transfer is not None else []
         sched_out = self.scheduler.schedule()
+        if sched_out.kv_in:
+            self.kv_transfer.install(sched_out)
         collector = self.step_stats
         record = None
         if collector is not None:
@@ -384,6 +406,9 @@ class EngineCore:
         if self.threads is not None:
             self.threads.step_done()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_update(outputs)
+            outputs = self.kv_transfer.merge(arrived, outputs)
         end = time.monotonic()
         out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)
         if collector is not None:
@@ -419,6 +444,9 @@ class EngineCore:
             self.tp_driver.check_workers()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+        """Stop the tensor-parallel workers, if any, and the KV connector (idempotent)."""
         if self.tp_driver is not None:
             self.tp_driver.shutdown()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            self.kv_transfer = None

@@ -27,6 +27,7 @@ from pagoda.engine.client import (
     EngineClientBase,
     EngineDeadError,
     GenerateCall,
+    KVTransferError,
     LoRAExistsError,
     LoRANotFoundError,
 )
@@ -139,6 +140,11 @@ class EngineFrontEnd(EngineClientBase):
             if metrics is not None:
                 metrics.on_engine_outputs(msg, now)
             core_outputs = msg.outputs
+            if any(o.error is not None for o in core_outputs):
+                for o in core_outputs:
+                    if o.error is not None:
+                        await self._request_failed(o.request_id, KVTransferError(o.error))
+                core_outputs = [o for o in core_outputs if o.error is None]
             if self._pooling and core_outputs:
                 core_outputs = self._deliver_pooled(core_outputs)
             if core_outputs:

@@ -106,6 +106,7 @@ class Ready(Message, tag="ready"):
     num_blocks: int
     block_size: int
     pooler: PoolerConfig | None = None   # an embedding engine's pooling; None: it generates
+    kv_address: str | None = None        # a prefill instance's KV endpoint (pagoda/kv_transfer)
 
 
 class EngineCoreOutputs(Message, tag="outputs"):

@@ -1,4 +1,4 @@
-"""The `pagoda` command: serve, generate, chat, run, list, ps, bench."""
+"""The `pagoda` command: serve, router, generate, chat, run, list, ps, bench."""
 
 from __future__ import annotations
 
@@ -243,6 +243,8 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         task=getattr(args, "task", "auto"),
         override_pooler_config=_pooler_overrides(args),
+        kv_role=getattr(args, "kv_role", None),
+        kv_transfer_config=getattr(args, "kv_transfer_config", None),
         **extra,
     )
 
@@ -319,6 +321,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.lora_root and not args.allow_runtime_lora:
         raise ValueError("--lora-root is for --allow-runtime-lora (adapters loaded at run time)")
     return run_server(args, config_from_args(args))
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from pagoda.kv_transfer.router import run_router
+
+    return run_router(args)
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
@@ -421,8 +429,34 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
                        help="do not log the periodic throughput / queue / KV cache line")
     serve.add_argument("--log-stats-interval", type=_positive_float, default=10.0,
                        help="seconds between two periodic stats lines while busy")
+    pd = serve.add_argument_group("prefill-decode disaggregation (docs/parallel.md)")
+    pd.add_argument("--kv-role", default=None, choices=("prefill", "decode"),
+                    help="prefill: compute prompts and their first token, and keep their KV blocks for a decode "
+                         "instance; decode: fetch those blocks and decode on (`pagoda router` pairs them); "
+                         "default: neither (prefill and decode here)")
+    pd.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                    help='the KV endpoint: on a prefill instance {"host", "port", "advertise_host", "timeout_s"} '
+                         '(default 127.0.0.1, a free port, 30 s to fetch parked blocks), on a decode instance '
+                         '{"transport": "auto|shm|tcp", "timeout_s"} (auto: shared memory on one host, else tcp)')
     serve.set_defaults(func=cmd_serve)
     env_defaults(serve, os.environ)
+
+    router = sub.add_parser("router", help="one OpenAI endpoint over prefill and decode instances (prefill-decode "
+                                           "disaggregation, docs/parallel.md)")
+    router.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="base URLs of `pagoda serve --kv-role prefill` instances")
+    router.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="base URLs of `pagoda serve --kv-role decode` instances")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--max-attempts", type=int, default=3,
+                        help="instance pairs a request is tried on while nothing has reached the client")
+    router.add_argument("--cooldown", type=_positive_float, default=5.0,
+                        help="seconds an unreachable instance is skipped")
+    router.add_argument("--startup-timeout", type=_positive_float, default=120.0,
+                        help="seconds to wait at start for a prefill and a decode instance to answer")
+    router.add_argument("--uvicorn-log-level", default="warning")
+    router.set_defaults(func=cmd_router)
 
     gen = sub.add_parser("generate", help="generate offline from prompts (arguments or stdin lines)")
     add_engine_args(gen)

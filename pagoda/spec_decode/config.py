@@ -9,9 +9,10 @@ Unknown keys are rejected, never ignored.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from pagoda.json_options import json_object
 
 METHODS = ("ngram", "layer_skip", "draft_model")
 # Keys each method accepts besides "method" and "num_speculative_tokens".
@@ -69,17 +70,7 @@ class SpeculativeConfig:
         """None, a SpeculativeConfig, a dict or a JSON object string."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        value = json_object("speculative_config", value, (f.name for f in fields(cls)))
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise ValueError(f"speculative_config needs {required!r}")

@@ -129,5 +129,5 @@ def test_request_checks():
     with pytest.raises(ValueError):
         truncate_prompt([1], 17, 16)
     assert PoolerOverrides.parse('{"pooling_type": "mean"}').pooling_type == "MEAN"
-    with pytest.raises(ValueError, match="unknown field"):
+    with pytest.raises(ValueError, match="unknown key"):
         PoolerOverrides.parse({"pooling": "MEAN"})

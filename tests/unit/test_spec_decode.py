@@ -41,7 +41,7 @@ def test_config_from_dict_json_and_object():
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens must be"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown key"),
         ({"method": "ngram", "num_speculative_tokens": 2, "num_layers": 3}, "does not apply"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
          "prompt_lookup_min (5) > prompt_lookup_max (3)"),

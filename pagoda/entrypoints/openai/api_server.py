@@ -449,6 +449,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return stats
 
     _add_observability_routes(app, engine, served_model_name)
+    if engine.config.kv_role is not None:
+        from pagoda.kv_transfer.api import add_kv_transfer_routes
+
+        add_kv_transfer_routes(app, engine, served_model_name)
     if config.enable_debug_endpoints:
         _add_debug_routes(app, engine)
     return app

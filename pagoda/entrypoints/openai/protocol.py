@@ -113,7 +113,7 @@ class StreamOptions(_Strict):
 _NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens", "response_format",
                   "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "prompt_logprobs", "logprob_token_ids")  # fmt: skip
+                  "prompt_logprobs", "logprob_token_ids", "kv_transfer_params")  # fmt: skip
 
 
 class _SamplingRequest(_Strict):
@@ -166,6 +166,8 @@ class _SamplingRequest(_Strict):
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | None = None
+    # Prefill-decode disaggregation (vLLM's field; pagoda/kv_transfer/params.py): set by `pagoda router`.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -256,6 +258,7 @@ class _SamplingRequest(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "prompt_logprobs": self.prompt_logprobs, "logprob_token_ids": self.logprob_token_ids,
+            "kv_transfer_params": self.kv_transfer_params,
         }  # fmt: skip
         # Leave absent ones out so the model's or SamplingParams' own defaults apply.
         base = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
@@ -440,7 +443,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise unsupported("thinking_token_budget", "needs a reasoning parser; start the server with "
                                                        "--reasoning-parser for a reasoning model")  # fmt: skip
         clashes = {"n > 1": self.n > 1, "logprobs": bool(self.logprobs),
-                   "structured output or a forced tool call": constrained}  # fmt: skip
+                   "structured output or a forced tool call": constrained,
+                   "kv_transfer_params": self.kv_transfer_params is not None}  # fmt: skip
         for what, clash in clashes.items():
             if clash:
                 raise unsupported("thinking_token_budget", f"cannot be combined with {what}: the reasoning is "

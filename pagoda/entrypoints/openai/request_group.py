@@ -19,7 +19,7 @@ from typing import Any, Literal
 from starlette.requests import Request
 
 from pagoda.engine.beam_search import BeamSearchParams, run_beam_search
-from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, GenerateCall
+from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, GenerateCall, KVTransferError
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
@@ -127,6 +127,8 @@ def map_engine_error(exc: BaseException) -> BaseException:
         return too_many_requests(str(exc) or "The engine queue is full; retry later.", exc.retry_after)
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"The engine is not running: {exc}", "engine_dead")
+    if isinstance(exc, KVTransferError):
+        return service_unavailable(str(exc), "kv_transfer_failed")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return exc
