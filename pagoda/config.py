@@ -224,8 +224,6 @@ class EngineConfig:
         if self.device != "cpu":
             raise ValueError("the Ray backends run on CPU only (Ray's GPU assignment is not wired to the ranks' "
                              f"devices yet); got --device {self.device}")
-        from pagoda.executor.ray_executor import require_ray
-
         require_ray()
 
     @property
@@ -347,3 +345,20 @@ def torchrun_rank() -> tuple[int, int, int] | None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         return rank, world, int(os.environ.get("LOCAL_RANK", rank))
     return None
+
+
+RAY_MISSING = ("the Ray backends (--distributed-executor-backend ray, --data-parallel-backend ray) need Ray, "
+               "an optional extra: pip install 'pagoda[ray]'")
+
+
+def require_ray() -> None:
+    """Raise ImportError naming the extra when Ray is not installed (without importing it)."""
+    import importlib.util
+    import sys
+
+    if "ray" in sys.modules:
+        missing = sys.modules["ray"] is None
+    else:
+        missing = importlib.util.find_spec("ray") is None
+    if missing:
+        raise ImportError(RAY_MISSING)

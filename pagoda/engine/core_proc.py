@@ -187,7 +187,7 @@ def engine_core_process_main(config: EngineConfig, input_addr: str, output_addr:
 
 def serve_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> int:
     """The engine-core process's body: a spawned process's, or a Ray actor's
-    (pagoda/executor/ray_executor.py). Returns the exit code."""
+    (pagoda/engine/ray_dp.py). Returns the exit code."""
     logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine-core %(levelname)s %(message)s")
     from pagoda.executor.multiproc import configure_threads

@@ -42,7 +42,7 @@ class DataParallelLLM(EngineClientBase):
             if not multiprocess:
                 raise ValueError("--data-parallel-backend ray runs the replicas' engine cores as Ray actors; "
                                  "multiprocess=False runs them in threads")
-            from pagoda.executor.ray_executor import start_core_actors
+            from pagoda.engine.ray_dp import start_core_actors
 
             cores = [{"core": c} for c in start_core_actors(configs)]
         with ThreadPoolExecutor(n) as pool:

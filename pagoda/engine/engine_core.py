@@ -81,7 +81,10 @@ class EngineCore:
             if loaded is not None:
                 raise ValueError("a tensor-parallel engine loads its own shard; do not pass `loaded`")
             configure_threads(config)
-            self.tp_driver, device = start_driver(config)
+            ray_launcher = None
+            if config.distributed_executor_backend == "ray":
+                from pagoda.executor.ray_executor import start_ray_workers as ray_launcher
+            self.tp_driver, device = start_driver(config, ray_launcher)
             try:
                 loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                     tp_group=self.tp_driver.group, tp_rank=0,

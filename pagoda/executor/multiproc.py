@@ -21,6 +21,7 @@ import logging
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -131,9 +132,14 @@ class TensorParallelDriver:
                 proc.wait()
 
 
-def start_driver(config: EngineConfig) -> tuple[TensorParallelDriver, torch.device]:
+def start_driver(
+    config: EngineConfig, start_ray_workers: Callable[[EngineConfig, int], list[WorkerProcess]] | None = None
+) -> tuple[TensorParallelDriver, torch.device]:
     """Rank 0: start this node's workers, join the group. Returns the driver (its
-    ``runner`` is set by the engine core once the KV cache is sized) and rank 0's device."""
+    ``runner`` is set by the engine core once the KV cache is sized) and rank 0's device.
+    ``start_ray_workers(config, store_port)``: the Ray backend's launcher
+    (pagoda.executor.ray_executor.start_ray_workers), given by the caller where
+    --distributed-executor-backend ray asks for it."""
     world = config.tensor_parallel_size
     launched = torchrun_rank()
     if launched is not None:
@@ -150,8 +156,8 @@ def start_driver(config: EngineConfig) -> tuple[TensorParallelDriver, torch.devi
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=_td(config.distributed_timeout))
         if config.distributed_executor_backend == "ray":
-            from pagoda.executor.ray_executor import start_ray_workers
-
+            if start_ray_workers is None:
+                raise ValueError("--distributed-executor-backend ray: no Ray launcher given to start_driver")
             workers = start_ray_workers(config, store.port)
         else:
             init = f"tcp://127.0.0.1:{store.port}"

@@ -24,33 +24,15 @@ import subprocess
 import threading
 import uuid
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pagoda.config import EngineConfig
-
-if TYPE_CHECKING:
-    from pagoda.engine.core_proc import CoreProcess
+from pagoda.config import RAY_MISSING, EngineConfig
 
 logger = logging.getLogger(__name__)
 
-RAY_MISSING = ("the Ray backends (--distributed-executor-backend ray, --data-parallel-backend ray) need Ray, "
-               "an optional extra: pip install 'pagoda[ray]'")
 NAMESPACE = "pagoda"  # the actors' names live here: pagoda-tp-<tag>-rank-<r>, pagoda-dp-<tag>-replica-<i>
 # Ray's own custom resource "node:<ip>"; a tiny share of it pins a bundle to that node.
-_PIN = 0.001
-
-
-def require_ray() -> None:
-    """Raise ImportError naming the extra when Ray is not installed (without importing it)."""
-    import importlib.util
-    import sys
-
-    if "ray" in sys.modules:
-        missing = sys.modules["ray"] is None
-    else:
-        missing = importlib.util.find_spec("ray") is None
-    if missing:
-        raise ImportError(RAY_MISSING)
+PIN = 0.001
 
 
 def import_ray() -> ModuleType:
@@ -74,7 +56,7 @@ class _Connection:
     owned = False
 
 
-def _connect(config: EngineConfig) -> ModuleType:
+def connect(config: EngineConfig) -> ModuleType:
     ray = import_ray()
     with _Connection.lock:
         if not ray.is_initialized():
@@ -150,7 +132,7 @@ class _Placement:
             _disconnect(self.ray)
 
 
-def _place(ray: ModuleType, bundles: list[dict[str, float]], strategy: str, actors: int, what: str,
+def place(ray: ModuleType, bundles: list[dict[str, float]], strategy: str, actors: int, what: str,
            timeout: float) -> _Placement:
     """Reserve the bundles (all or nothing); a cluster that cannot hold them in time is an error."""
     from ray.util.placement_group import placement_group
@@ -164,7 +146,7 @@ def _place(ray: ModuleType, bundles: list[dict[str, float]], strategy: str, acto
     return placement
 
 
-def _this_node(ray: ModuleType) -> tuple[str, float]:
+def this_node(ray: ModuleType) -> tuple[str, float]:
     """This node's address as Ray knows it (where rank 0 and the API server are), and its CPUs."""
     node_id = ray.get_runtime_context().get_node_id()
     cpus = next((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["NodeID"] == node_id), 0.0)
@@ -263,7 +245,8 @@ class RayCoreProcess(_ActorProcess):
 
 class PagodaProcess:
     """The actors' class (ray.remote is applied when Ray is imported): a process that runs
-    one tensor-parallel rank or one engine core."""
+    one tensor-parallel rank. (The data-parallel engine cores' actor class, which runs the
+    engine core, lives with the engine: pagoda/engine/ray_dp.py.)"""
 
     def pid(self) -> int:
         return os.getpid()
@@ -275,19 +258,14 @@ class PagodaProcess:
                             format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
         return run_worker(config, rank, rank, init_method)
 
-    def run_engine_core(self, config: EngineConfig, input_addr: str, output_addr: str) -> int:
-        from pagoda.engine.core_proc import serve_engine_core
 
-        return serve_engine_core(config, input_addr, output_addr)
-
-
-def _start(ray: ModuleType, placement: _Placement, kind: type[_ActorProcess], cpus: float,
-           specs: list[tuple[str, int, str, tuple]], timeout: float) -> list[Any]:
+def start_actors(ray: ModuleType, placement: _Placement, kind: type[_ActorProcess], cpus: float,
+                 specs: list[tuple[str, int, str, tuple]], timeout: float, actor_cls: type = PagodaProcess) -> list[Any]:
     """One actor per (name, bundle, method, args), calling ``method(*args)``; returns once
     each has said its pid, so that an actor that cannot start fails here."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    remote = ray.remote(PagodaProcess)
+    remote = ray.remote(actor_cls)
     actors, pid_refs, refs = [], [], []
     try:
         for name, bundle, method, args in specs:
@@ -319,48 +297,20 @@ def start_ray_workers(config: EngineConfig, store_port: int) -> list[RayWorker]:
     node (its CPUs are counted, unless this process is an actor already: a data-parallel
     replica, counted by its own bundle). STRICT_PACK when this node has the CPUs for
     every rank, else PACK across nodes."""
-    ray = _connect(config)
+    ray = connect(config)
     world = config.tensor_parallel_size
     cpus = float(config.threads_per_rank or 1)
-    ip, node_cpus = _this_node(ray)
-    pin = {f"node:{ip}": _PIN}
+    ip, node_cpus = this_node(ray)
+    pin = {f"node:{ip}": PIN}
     in_actor = ray.get_runtime_context().get_actor_id() is not None
     bundles = [pin if in_actor else {"CPU": cpus, **pin}] + [{"CPU": cpus} for _ in range(1, world)]
     strategy = "STRICT_PACK" if node_cpus >= sum(b.get("CPU", 0.0) for b in bundles) else "PACK"
-    placement = _place(ray, bundles, strategy, world - 1, f"{world} tensor-parallel ranks",
+    placement = place(ray, bundles, strategy, world - 1, f"{world} tensor-parallel ranks",
                        config.distributed_timeout)
     tag = uuid.uuid4().hex[:8]
     init = f"tcp://{ip}:{store_port}"
     specs = [(f"pagoda-tp-{tag}-rank-{r}", r, "run_worker", (config, r, init)) for r in range(1, world)]
-    workers = _start(ray, placement, RayWorker, cpus, specs, config.distributed_timeout)
+    workers = start_actors(ray, placement, RayWorker, cpus, specs, config.distributed_timeout)
     logger.info("Ray: tensor-parallel ranks 1..%d in actors %s (%s, rendezvous %s)", world - 1,
                 [w.name for w in workers], strategy, init)
     return workers
-
-
-def start_core_actors(configs: list[EngineConfig]) -> list[CoreProcess]:
-    """The data-parallel replicas' engine cores as actors on this node (one bundle each,
-    STRICT_PACK), connecting to ipc addresses as a spawned core process does. A replica's
-    bundle holds its mp tensor-parallel workers too (they are its subprocesses)."""
-    from pagoda.engine.core_proc import CoreProcess, ipc_addresses
-
-    config = configs[0]
-    ray = _connect(config)
-    ip, _ = _this_node(ray)
-    ranks = config.tensor_parallel_size if config.distributed_executor_backend == "mp" else 1
-    cpus = float((config.threads_per_rank or 1) * ranks)
-    bundles = [{"CPU": cpus, f"node:{ip}": _PIN} for _ in configs]
-    placement = _place(ray, bundles, "STRICT_PACK", len(configs), f"{len(configs)} data-parallel replicas",
-                       config.distributed_timeout)
-    tag = uuid.uuid4().hex[:8]
-    addrs = [ipc_addresses() for _ in configs]
-    specs = [(f"pagoda-dp-{tag}-replica-{i}", i, "run_engine_core", (c, a[1], a[2]))
-             for i, (c, a) in enumerate(zip(configs, addrs))]
-    try:
-        procs = _start(ray, placement, RayCoreProcess, cpus, specs, config.distributed_timeout)
-    except BaseException:
-        for tmpdir, _, _ in addrs:
-            os.rmdir(tmpdir)
-        raise
-    logger.info("Ray: data-parallel engine cores in actors %s", [p.name for p in procs])
-    return [CoreProcess(p, *a) for p, a in zip(procs, addrs)]
