@@ -29,8 +29,13 @@ TEXT = (
 )  # ~230 tokens: a shorter text's perplexity moves by +-2 % with float-level noise
 # Allowed relative perplexity change.
 BOUNDS = {"int8": 0.02, "q4": 0.05, "gguf": 0.05, "bf16": 0.01}
+NEAR_TIE = 0.5  # nats between fp32's greedy token and a quantized mode's where they part
 QUESTIONS = ("What is the capital of France?", "What color is the sky on a clear day?",
              "How many legs does a spider have?", "Name a famous composer.")
+
+
+def _logprob(entry) -> float:
+    return entry.logprob if hasattr(entry, "logprob") else float(entry)
 
 
 def perplexity(llm: LLM, ids: list[int], chunk: int | None = None) -> float:
@@ -86,11 +91,18 @@ def test_answers_are_sensible_and_batch_invariant(exact, quantized):
     print(f"{mode} greedy answers identical to fp32: {same}/{len(convs)}")
     print([q.outputs[0].text for q in batched])
     # Quantization rounding moves logits by a few hundredths, so near-ties flip (the
-    # France answer's first two tokens are 0.08 apart in fp32): every answer starts
-    # with one of fp32's top 3 tokens, and most answers are fp32's, token for token.
+    # France answer's first two tokens are 0.08 apart in fp32): an answer is fp32's token
+    # for token up to the first place where fp32 itself nearly ties, and there takes one of
+    # fp32's top 3 tokens, within NEAR_TIE of fp32's choice (measured: gaps of 0.01-0.3).
     for q, r in zip(batched, reference):
-        assert q.outputs[0].token_ids[0] in r.outputs[0].logprobs[0]
-    assert same >= len(convs) // 2
+        got, want = q.outputs[0].token_ids, r.outputs[0].token_ids
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if k is None:
+            continue
+        top = r.outputs[0].logprobs[k]
+        assert got[k] in top, f"{mode}: token {k} of {q.outputs[0].text!r} is not among fp32's top 3"
+        gap = _logprob(top[want[k]]) - _logprob(top[got[k]])
+        assert gap < NEAR_TIE, f"{mode}: left fp32's answer at token {k}, {gap:.3f} below its choice"
     # Activations are quantized per token (int8) or per token and group of 32 (q4), never
     # across a batch: one request alone gets its batched tokens.
     alone = llm.chat(convs[1:2], params, use_tqdm=False)
