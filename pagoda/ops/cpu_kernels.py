@@ -72,9 +72,16 @@ def _build() -> ModuleType:
     prebuilt = _prebuilt(name)
     if prebuilt is not None:
         return prebuilt
+    # One build folder per checkout: the sources' paths are in the build files, so two
+    # checkouts of the same sources sharing a folder would rebuild it in turn (and wait on
+    # each other's lock).
+    place = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    build_dir = Path(cpp_extension.get_default_build_root()) / name / place
+    build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
         name=name,
         sources=[str(p) for p in sources],
+        build_directory=str(build_dir),
         # No FMA contraction of plain C++ arithmetic: the elementwise ops then round as
         # torch's do (the kernels' explicit FMA intrinsics are unaffected).
         extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
