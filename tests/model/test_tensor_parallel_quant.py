@@ -63,10 +63,10 @@ LAYER_CLASS = {"none": "BlocksLinear", "gguf": "BlocksLinear", "int8": "Int8Line
                "bf16": "Bf16Linear"}
 
 
-def _run(path: str, tp: int, mode: str):
+def _run(path: str, tp: int, mode: str, **kw):
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)
     llm = LLM(path, tensor_parallel_size=tp, quantization=mode, num_kv_blocks=96, max_model_len=256,
-              max_num_batched_tokens=24, show_progress=False, skip_tokenizer_init=True)
+              max_num_batched_tokens=24, show_progress=False, skip_tokenizer_init=True, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params, use_tqdm=False)
         weights = [parameter_bytes(llm.engine.loaded.model)] if tp == 1 else llm.engine.tp_driver.weight_bytes
@@ -83,6 +83,38 @@ def test_tp2_matches_tp1_of_the_same_mode(gguf_path, mode):
     holds half of the weights (of the blocks, or of the mode's)."""
     base, (full,), _ = _run(gguf_path, 1, mode)
     tp2, per_rank, model = _run(gguf_path, 2, mode)
+    _assert_same_greedy(tp2, base, mode)
+    assert type(model.model.layers[0].self_attn.o_proj.local).__name__ == LAYER_CLASS[mode]
+    assert type(model.model.embed_tokens.local).__name__ == "BlocksEmbedding"
+    for b in per_rank:   # half of everything but the (replicated) norms
+        assert 0.45 * full < b < 0.56 * full, (b, full)
+
+
+# Qwen3-MoE-like: 4 experts of 512 (2 per token), layer 1's experts' down in Q4_K.
+MOE = ModelShape("qwen3moe", 512, 2, 8, 4, 1024, False, 1000000.0, head_dim=64, qk_norm=True, experts=4,
+                 experts_used=2, expert_ffn=512)
+
+
+@pytest.mark.parametrize(("mode", "expert_parallel"), [("int8", False), ("gguf", True)])
+def test_tp2_moe_matches_tp1_of_the_same_mode(tmp_path, mode, expert_parallel):
+    """Experts split by rows in int8 (each expert's down a row-parallel layer: its float
+    channels and scales over both ranks, a collective per active expert) and whole experts
+    in the gguf mode (their blocks read in place, half of them per rank)."""
+    path = write_model(str(tmp_path / "moe.gguf"), MOE, "Q8_0", show_progress=False, quantized=True,
+                       overrides={"blk.1.ffn_down_exps.weight": Q.Q4_K})
+    base, _, one = _run(path, 1, mode)
+    tp2, _, model = _run(path, 2, mode, enable_expert_parallel=expert_parallel)
+    _assert_same_greedy(tp2, base, mode)
+    experts = model.model.layers[1].mlp.experts
+    if expert_parallel:
+        assert [type(e).__name__ for e in experts] == ["GatedMLP", "GatedMLP", "Identity", "Identity"]
+    else:
+        assert type(experts[0].down_proj.local).__name__ == "Int8Linear" and experts[0].down_proj.columns == (0, 256, 512)
+        # Calibration saw every expert (one process's MoE kernel for blocks calls none).
+        assert all(e.down_proj.outlier_idx.numel() == 16 for e in one.model.layers[1].mlp.experts)
+
+
+def _assert_same_greedy(tp2, base, mode: str) -> None:
     tie = NEAR_TIE if mode == "none" else ROUNDING_TIE
     compared = 0
     for i, (a, b) in enumerate(zip(tp2, base)):
@@ -93,10 +125,6 @@ def test_tp2_matches_tp1_of_the_same_mode(gguf_path, mode):
             print(*cmp.excused)   # reported (pytest -s)
         compared += next((p for p, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
     assert compared >= 32, compared   # most tokens compared, not excused after an early tie
-    assert type(model.model.layers[0].self_attn.o_proj.local).__name__ == LAYER_CLASS[mode]
-    assert type(model.model.embed_tokens.local).__name__ == "BlocksEmbedding"
-    for b in per_rank:   # half of everything but the (replicated) norms
-        assert 0.45 * full < b < 0.56 * full, (b, full)
 
 
 class _Threads:

@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 from pagoda.config import release_freed_memory
 from pagoda.model.layers.blocks import BlocksLinear, BlockWeight
+from pagoda.model.layers.decoder import SparseMoeBlock
 from pagoda.model.layers.parallel import Collectives, RowParallelLinear, checkpoint_name
 from pagoda.ops import cpu_kernels
 
@@ -397,6 +398,12 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
         return hook
 
     hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, (nn.Linear, BlocksLinear))]
+    # MoE layers one product per expert, so that each expert's hooks see its inputs (the
+    # exact mode's one-call kernel for a layer kept as blocks calls no expert module).
+    moe = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    fused = [m._fused for m in moe]
+    for m in moe:
+        m._fused = False
     try:
         block = 16
         num_blocks = -(-len(token_ids) // block)
@@ -411,6 +418,8 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
     finally:
         for h in hooks:
             h.remove()
+        for m, f in zip(moe, fused, strict=True):
+            m._fused = f
     return ranges
 
 
