@@ -129,8 +129,6 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size < 2:
             raise ValueError("--enable-expert-parallel splits experts over tensor-parallel ranks: "
                              "it needs --tensor-parallel-size > 1")
-        if self.tensor_parallel_size > 1 and self.quantization != "none":
-            raise ValueError(f"--quantization {self.quantization} is not supported with --tensor-parallel-size > 1")
         if self.nnodes > 1 and self.distributed_init_method is None:
             raise ValueError("a multi-node group needs a rendezvous: --master-addr/--master-port "
                              "or --distributed-init-method tcp://host:port")

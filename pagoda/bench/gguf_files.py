@@ -28,11 +28,44 @@ QUANTIZABLE = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q
 E8M0_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {_Q.MXFP4: (0,)}
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> Q4_K blocks (uint8 [rows, cols / 256 * 144]): each group of
+    32 weights as d * sc * q - dmin * m (q in 0..15) with its minimum and range, sc and m
+    6-bit multiples of the block's d and dmin (a plain min/max fit, not llama.cpp's search;
+    the gguf library only dequantizes K-quants)."""
+    rows, cols = w.shape
+    if cols % 256:
+        raise ValueError(f"{cols} columns are not whole Q4_K blocks of 256")
+    nb = rows * cols // 256
+    x = w.reshape(nb, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale, mins = (x.max(-1) - lo) / 15.0, -lo
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = (mins.max(-1) / 63.0).astype(np.float16)
+
+    def safe(v: np.ndarray) -> np.ndarray:
+        return np.where(v > 0, v, 1.0).astype(np.float32)
+
+    sc = np.clip(np.round(scale / safe(d)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / safe(dmin)[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.round((x + (dmin.astype(np.float32)[:, None] * m)[..., None]) / safe(step)[..., None]), 0, 15)
+    q = q.astype(np.uint8)
+    packed = np.empty((nb, 12), np.uint8)   # ggml's get_scale_min_k4 layout
+    packed[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = (m[:, 0:4] & 0x3F) | ((m[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(nb, 128)   # 32 bytes: groups 2j (low), 2j + 1 (high)
+    blocks = np.concatenate([d.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2), packed, qs], axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
 def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
                   std: float = 0.02, reference_quantizer: bool = True) -> np.ndarray:
     """uint8 [rows, bytes per row]: a random [rows, cols] weight stored as ``ggml_type``;
     quantized from random floats by the gguf library where it can (and
-    ``reference_quantizer``), else random blocks (fast: for files of billions of weights)."""
+    ``reference_quantizer``), else random blocks (fast: for files of billions of weights;
+    random K-quant blocks are neither zero-mean nor near ``std``)."""
     if ggml_type in (_Q.F32, _Q.F16) or (ggml_type in QUANTIZABLE and reference_quantizer):
         w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
         if ggml_type == _Q.F32:
@@ -178,11 +211,13 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
 
 def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_M", tokenizer_from: str | None = None,
                 seed: int = 0, show_progress: bool = True,
-                overrides: dict[str, GGMLQuantizationType] | None = None) -> str:
+                overrides: dict[str, GGMLQuantizationType] | None = None, quantized: bool = False) -> str:
     """Write a random-weight GGUF file of a named shape (or any ``ModelShape``), tensor by
     tensor (peak memory: one tensor), with the bundled model's tokenizer and chat
     template. ``overrides``: tensor name -> type, for tests (a type this module has no
-    random blocks for is written as zeros)."""
+    random blocks for is written as zeros). ``quantized``: weights quantized from random
+    normal floats where the gguf library or ``quantize_q4_k`` can (slower; a model whose
+    numbers behave like a real one's, for tests that compare outputs), else random blocks."""
     import gguf
     from tqdm import tqdm
 
@@ -256,7 +291,12 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
                     else rng.standard_normal(np_shape, dtype=np.float32) * np.float32(0.02))
         elif t in QUANTIZABLE or t in FP16_FIELDS or t in E8M0_FIELDS:
             rows = int(np.prod(np_shape[:-1]))
-            data = random_blocks(t, rows, np_shape[-1], rng, reference_quantizer=False).reshape(*np_shape[:-1], -1)
+            if quantized and t == _Q.Q4_K:
+                normal = rng.standard_normal((rows, np_shape[-1]), dtype=np.float32) * np.float32(0.02)
+                data = quantize_q4_k(normal).reshape(*np_shape[:-1], -1)
+            else:
+                data = random_blocks(t, rows, np_shape[-1], rng, reference_quantizer=quantized)
+                data = data.reshape(*np_shape[:-1], -1)
         else:
             block, nbytes = GGML_QUANT_SIZES[t]
             data = np.zeros((*np_shape[:-1], np_shape[-1] // block * nbytes), np.uint8)

@@ -87,9 +87,11 @@ namespace {
 // Per-token quantization of x's inlier channels: xs[m] = max|x[m, inliers]| / 127,
 // q[m, k] = round(x[m, k] / xs[m]) (ties to even; 0 at the outlier channels), stored as
 // int8, or as unsigned q + 128 when to_unsigned (VNNI's unsigned operand). xo[m, j]:
-// the outlier channels' float activations.
+// the outlier channels' float activations. token_amax (or null): max|x[m, inliers]| given
+// by the caller, used in place of this row's own (a row-parallel layer's tokens: the max
+// over every rank's channels, so that each rank rounds with the scale one process uses).
 void quantize_tokens(const float* xp, int64_t M, int64_t K, const int64_t* oi, int64_t NO, bool to_unsigned,
-                     int8_t* qp, float* xs, float* xo) {
+                     int8_t* qp, float* xs, float* xo, const float* token_amax) {
   std::vector<float> row(K);
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
   const __m128i flip = _mm_set1_epi8(to_unsigned ? static_cast<char>(0x80) : 0);
@@ -108,6 +110,7 @@ void quantize_tokens(const float* xp, int64_t M, int64_t K, const int64_t* oi, i
     _mm256_store_ps(lanes, vmax);
     float amax = *std::max_element(lanes, lanes + 8);
     for (; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+    if (token_amax) amax = token_amax[m];
     const float sc = std::max(amax, 1e-12f) / 127.f;
     xs[m] = sc;
     // round(x / scale), ties to even (the default rounding of cvtps_epi32 and nearbyint).
@@ -340,7 +343,8 @@ std::vector<torch::Tensor> int8_pack_vnni(torch::Tensor qweight) {
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor weight_scale,
                           c10::optional<torch::Tensor> bias, int64_t small_rows,
                           torch::Tensor outlier_idx, torch::Tensor outlier_w,
-                          c10::optional<torch::Tensor> vnni_weight, c10::optional<torch::Tensor> vnni_comp) {
+                          c10::optional<torch::Tensor> vnni_weight, c10::optional<torch::Tensor> vnni_comp,
+                          c10::optional<torch::Tensor> token_amax) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   x = x.contiguous();
   // N from the scales: with the VNNI layout given, qweight may be empty (the layer keeps
@@ -370,7 +374,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   }
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   std::vector<float> xs(M), xo(M * NO);
-  quantize_tokens(x.data_ptr<float>(), M, K, oi, NO, vnni, xq.data_ptr<int8_t>(), xs.data(), xo.data());
+  const bool given = token_amax.has_value() && token_amax->defined();
+  TORCH_CHECK(!given || (token_amax->scalar_type() == torch::kFloat32 && token_amax->is_contiguous() &&
+                         token_amax->numel() == M), "token_amax must be contiguous float32 [M]");
+  quantize_tokens(x.data_ptr<float>(), M, K, oi, NO, vnni, xq.data_ptr<int8_t>(), xs.data(), xo.data(),
+                  given ? token_amax->data_ptr<float>() : nullptr);
   auto y = torch::empty({M, N}, x.options());
   const Int8Epilogue e{xs.data(), weight_scale.data_ptr<float>(), bp, xo.data(), outlier_w.data_ptr<float>(),
                        NO, N, y.data_ptr<float>()};

@@ -48,7 +48,8 @@ std::vector<torch::Tensor> int8_pack_vnni(torch::Tensor qweight);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor weight_scale,
                           c10::optional<torch::Tensor> bias, int64_t small_rows,
                           torch::Tensor outlier_idx, torch::Tensor outlier_w,
-                          c10::optional<torch::Tensor> vnni_weight, c10::optional<torch::Tensor> vnni_comp);
+                          c10::optional<torch::Tensor> vnni_weight, c10::optional<torch::Tensor> vnni_comp,
+                          c10::optional<torch::Tensor> token_amax);
 
 // ---- attention.cpp ----
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,

@@ -13,7 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "int8 mode's linear layer: float outlier channels, per-token int8 product of the rest",
         py::arg("x"), py::arg("qweight"), py::arg("weight_scale"), py::arg("bias"), py::arg("small_rows"),
         py::arg("outlier_idx"), py::arg("outlier_w"), py::arg("vnni_weight") = py::none(),
-        py::arg("vnni_comp") = py::none());
+        py::arg("vnni_comp") = py::none(), py::arg("token_amax") = py::none());
   m.def("int8_pack_vnni", &int8_pack_vnni, "int8 weights [N, K] -> (AVX-512 VNNI tile layout, -128 x channel sums)");
   m.def("avx512_enabled", &use_avx512, "whether the AVX-512 VNNI kernels run (the CPU has them, PAGODA_CPU_ISA is not avx2)");
   m.def("silu_mul", &silu_mul, "F.silu(gate) * up of the fused [M, 2 x I] gate/up output, bit for bit");

@@ -60,6 +60,13 @@ class TPGroup:
         _wait(self.compute.allreduce([t]))
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Largest value over ranks, element by element, in place (returns ``t``)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        _wait(self.compute.allreduce([t], opts))
+        return t
+
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``t`` (same shape on all ranks) along ``dim``."""
         t = t.contiguous()

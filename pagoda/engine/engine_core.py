@@ -87,7 +87,7 @@ class EngineCore:
             self.tp_driver, device = start_driver(config, ray_launcher)
             try:
                 loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
-                                    tp_group=self.tp_driver.group, tp_rank=0,
+                                    quantization=config.quantization, tp_group=self.tp_driver.group, tp_rank=0,
                                     expert_parallel=config.enable_expert_parallel)
                 self._init_rest(config, loaded, device, dtype, collect_stats)
             except BaseException:

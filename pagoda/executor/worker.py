@@ -26,7 +26,7 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: st
     from pagoda.executor.multiproc import configure_threads, gather_weight_bytes, rank_device
     from pagoda.model.loader import load_model, parse_dtype
     from pagoda.worker.kv_sizing import kv_blocks_for
-    from pagoda.worker.model_runner import ModelRunner
+    from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage
 
     configure_threads(config)
     world = config.tensor_parallel_size
@@ -34,11 +34,15 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: st
     dtype = parse_dtype(config.dtype)
     store = rendezvous_store(init_method, rank, world, config.distributed_timeout)
     group = TPGroup(store, rank, world, device, config.distributed_timeout)
-    loaded = load_model(config.model, dtype, device, show_progress=False, tp_group=group, tp_rank=rank,
-                        expert_parallel=config.enable_expert_parallel)
+    loaded = load_model(config.model, dtype, device, show_progress=False, quantization=config.quantization,
+                        tp_group=group, tp_rank=rank, expert_parallel=config.enable_expert_parallel)
     gather_weight_bytes(group, loaded.model)
-    num_blocks = group.all_reduce_min(kv_blocks_for(config, loaded.model, device, dtype))
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, dtype, config.seed, samples=False)
+    # The KV cache as rank 0 keeps it (float16 in the quantized modes), sized by the same rule.
+    kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)
+    per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
+    num_blocks = group.all_reduce_min(kv_blocks_for(config, loaded.model, device, dtype, per_block))
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, kv_dtype, config.seed, samples=False,
+                         kv_cache_dtype=kv_quant)
     logger.info("rank %d/%d ready: %d KV blocks", rank, world, num_blocks)
     try:
         while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,11 +17,13 @@ from tqdm import tqdm
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.hf_quant import QuantMethod, method_for
 from pagoda.model.layers.decoder import CausalLM
-from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan
+from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan, checkpoint_name
 from pagoda.model.models import model_class
 from pagoda.model.paths import ModelLoadError, default_model_path  # noqa: F401 (re-exported)
 from pagoda.model.stores import resolve_model_path
 from pagoda.ops import cpu_kernels
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -75,27 +78,33 @@ def load_model(
     checkpoint's in its dtype (``BlocksLinear``, ``BlocksEmbedding``). With ``tp_group`` (a
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
-    part of each tensor kept as it is read."""
-    from pagoda.model.layers.quantization import calibration_token_ids, quantize_model
+    part of each tensor kept as it is read (blocks cut along block boundaries); the
+    quantized modes then convert the shard, every rank in step (``quantize_model``)."""
+    from pagoda.model.layers.quantization import QUANTIZATION_MODES, calibration_token_ids, quantize_model
 
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {quantization!r}")
     path = resolve_model_path(model)
     device = torch.device(device)
-    tp = None if tp_group is None else (tp_group, tp_rank, expert_parallel)
-    if tp is not None and quantization != "none":
-        raise ValueError("quantization is not supported with tensor parallelism")
+    tp = None if tp_group is None else _TP(tp_group, tp_rank, expert_parallel, quantization)
     # Weights stay as stored (GGUF blocks, float16/bfloat16) where pagoda's CPU kernels
-    # multiply them: the exact mode in float32 on one process. Otherwise (CUDA, another
-    # dtype, tensor parallelism, no kernels) they are dequantized to ``dtype`` at load.
-    keep_blocks = (device.type == "cpu" and dtype == torch.float32 and tp is None
-                   and cpu_kernels.kernels() is not None)
+    # multiply them: the exact mode in float32. Otherwise (CUDA, another dtype, no kernels)
+    # they are dequantized to ``dtype`` at load.
+    keep_blocks = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.kernels() is not None
     if os.path.isdir(path):
         method = _quant_method(path)
         if method is not None:
             method.check_quantization(quantization)
-        loaded = (_load_hf_kept(path, device, show_progress, method) if keep_blocks else None) or \
+        # Under tensor parallelism a pre-quantized checkpoint is dequantized at load (its
+        # groups are not cut along the ranks' shares).
+        kept = keep_blocks and (tp is None or method is None)
+        if keep_blocks and not kept:
+            logger.info("tensor parallelism: the %s checkpoint's weights are dequantized to %s at load",
+                        method.name, dtype)
+        loaded = (_load_hf_kept(path, device, show_progress, method, tp) if kept else None) or \
             _load_hf_folder(path, dtype, device, show_progress, tp, method)
     elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
-        loaded = _load_gguf_blocks(path, device, show_progress)
+        loaded = _load_gguf_blocks(path, device, show_progress, tp)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
         loaded = _load_gguf(path, dtype, device, show_progress, tp)
     else:
@@ -106,26 +115,50 @@ def load_model(
     return loaded
 
 
+@dataclass(frozen=True)
+class _TP:
+    """A tensor-parallel load: the group, this rank, experts split by expert, and the
+    quantized mode (q4 splits inputs in its groups of 32)."""
+
+    group: Collectives
+    rank: int
+    expert_parallel: bool
+    quantization: str
+
+
+# Weights per block along the input dimension of the layers the quantized modes build
+# from a float shard: q4's groups.
+_MODE_INPUT_UNITS = {"q4": 32}
+
+
+def _shard_model(model: CausalLM, arch: ModelArchConfig, tp: _TP,
+                 units: dict[str, int] | None = None) -> ShardPlan:
+    """Build this rank's plan and swap its layers into ``model`` (on the meta device).
+    ``units``: the blocks the row-parallel layers' weights are kept in (``ShardPlan.build``)."""
+    cls = type(model)
+    if not cls.tensor_parallel:
+        raise UnsupportedModelError(f"{arch.architecture} cannot be served with tensor parallelism")
+    mode = _MODE_INPUT_UNITS.get(tp.quantization, 1)
+    merged = {k: max((units or {}).get(k, 1), mode) for k in ("o_proj", "down_proj")}
+    plan = ShardPlan.build(arch, tp.rank, tp.group.world_size, tp.expert_parallel, merged)
+    with torch.device("meta"):
+        plan.apply(model, tp.group)
+    return plan
+
+
 def _has_gguf_magic(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
 
 
 def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 tp: tuple[Collectives, int, bool] | None = None) -> tuple[CausalLM, ShardPlan | None]:
+                 tp: _TP | None = None) -> tuple[CausalLM, ShardPlan | None]:
     cls = model_class(arch.architecture)
-    if tp is not None and not cls.tensor_parallel:
-        raise UnsupportedModelError(f"{arch.architecture} cannot be served with tensor parallelism")
     # Build on the meta device: no time spent on random init of weights we overwrite,
     # and a tensor-parallel rank allocates only its shard.
     with torch.device("meta"):
         model = cls(arch)
-    plan = None
-    if tp is not None:
-        group, rank, expert_parallel = tp
-        plan = ShardPlan.build(arch, rank, group.world_size, expert_parallel)
-        with torch.device("meta"):
-            plan.apply(model, group)
+    plan = None if tp is None else _shard_model(model, arch, tp)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(device)  # buffers are not loaded from checkpoints
     model.eval().requires_grad_(False)
@@ -173,7 +206,7 @@ def _fill(
     plan: ShardPlan | None = None,
 ) -> None:
     """``plan``: keep only this rank's part of each tensor (tensor parallelism)."""
-    params = dict(model.named_parameters())
+    params = {checkpoint_name(n): p for n, p in model.named_parameters()}
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
     # Every parameter (or row range of a stacked one) must be written exactly once.
@@ -310,8 +343,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-                    tp: tuple[Collectives, int, bool] | None = None,
-                    method: QuantMethod | None = None) -> LoadedModel:
+                    tp: _TP | None = None, method: QuantMethod | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     from pagoda.model.layers.blocks import BlockWeight
@@ -425,7 +457,7 @@ def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-               tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
+               tp: _TP | None = None) -> LoadedModel:
     gf, arch, names, meta_model = _read_gguf(path)
     heads = _qk_heads(arch, type(meta_model))
     model, plan = _instantiate(arch, dtype, device, tp)
@@ -458,28 +490,45 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
 def kept_weight_slots(model: CausalLM) -> dict[str, tuple[str, int]]:
     """Where checkpoint matrices go when weights are kept as stored: HF weight name ->
     (module path, shard of a stacked projection), for every projection, the LM head and
-    the embedding. Other tensors (norms, biases) become float32 parameters."""
+    the embedding (a tensor-parallel layer's local layer under its layer's name). Other
+    tensors (norms, biases) become float32 parameters."""
     mapping = type(model).packed_modules_mapping
     slots = {}
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
-        prefix, _, last = path.rpartition(".")
+        prefix, _, last = checkpoint_name(path).rpartition(".")
         for i, proj in enumerate(mapping.get(last, (last,))):
             slots[f"{prefix}.{proj}.weight" if prefix else f"{proj}.weight"] = (path, i)
     return slots
 
 
-def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> LoadedModel:
+def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: _TP | None = None) -> LoadedModel:
     """A GGUF model whose projections, LM head and embedding stay in the file's blocks:
     views into a copy-on-write memory map (nothing read until a kernel reads it), except
-    Q and K of Llama-converted files, whose rows are put back in HF order (a copy)."""
-    from pagoda.model.layers.blocks import BLOCK_TYPES, BlockWeight
+    Q and K of Llama-converted files, whose rows are put back in HF order (a copy). With
+    ``tp``, this rank's part of each: its rows (still views of the map), its columns of
+    the row-parallel layers in whole blocks (a copy)."""
+    from pagoda.model.layers.blocks import BLOCK_TYPES, BlockWeight, block_format
 
     gf, arch, names, model = _read_gguf(path)
     md = gf.metadata
     heads = _qk_heads(arch, type(model))
+    plan = None
+    if tp is not None:
+        units: dict[str, int] = {}
+        for gguf_name, info in gf.tensors.items():
+            hf = names.get(gguf_name)
+            kind = (hf[0] if isinstance(hf, list) else hf or "").rpartition(".")[0].rpartition(".")[2]
+            if kind in ("o_proj", "down_proj") and len(info.shape) >= 2 and info.ggml_type in BLOCK_TYPES:
+                units[kind] = max(units.get(kind, 1), block_format(info.ggml_type)[0])
+        plan = _shard_model(model, arch, tp, units)
     slots = kept_weight_slots(model)
+
+    def narrow(name: str, w):
+        if plan is None:
+            return w
+        return plan.narrow_blocks(name, w) if isinstance(w, BlockWeight) else plan.narrow(name, w)
 
     blocks: dict[str, dict[int, BlockWeight]] = {}   # module path -> shard -> weight
     floats: dict[str, torch.Tensor] = {}              # parameter / bias name -> tensor
@@ -495,16 +544,17 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
             continue
         if isinstance(hf_name, list):   # a layer's experts, stacked: one view of rows each
             _check_experts(path, gguf_name, info.shape, len(hf_name))
+            held = [(e, n) for e, n in enumerate(hf_name) if plan is None or plan.holds(n)]
             if len(info.shape) == 2:   # their biases (GPT-OSS): [experts, rows]
                 t = gf.load_tensor(gguf_name, dtype=torch.float32)
-                floats.update((n, t[e]) for e, n in enumerate(hf_name))
+                floats.update((n, narrow(n, t[e])) for e, n in held)
                 continue
             _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
             rows, data = info.shape[1], gf.tensor_rows(gguf_name)
-            for e, n in enumerate(hf_name):
+            for e, n in held:
                 module, shard = slots[n]
-                blocks.setdefault(module, {})[shard] = BlockWeight(data[e * rows:(e + 1) * rows], info.ggml_type,
-                                                                   info.shape[2], True)
+                blocks.setdefault(module, {})[shard] = narrow(n, BlockWeight(data[e * rows:(e + 1) * rows],
+                                                                             info.ggml_type, info.shape[2], True))
             continue
         proj = hf_name.split(".")[-2] if "." in hf_name else ""
         slot = slots.get(hf_name) if len(info.shape) == 2 else None
@@ -512,18 +562,19 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool) -> L
             _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
             mapped = proj not in heads
             data = gf.tensor_rows(gguf_name) if mapped else unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
-            blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight(data, info.ggml_type, info.shape[1], mapped)
+            w = BlockWeight(data, info.ggml_type, info.shape[1], mapped)
+            blocks.setdefault(slot[0], {})[slot[1]] = narrow(hf_name, w)
             continue
         t = gf.load_tensor(gguf_name, dtype=torch.float32)
         if proj in heads and hf_name.endswith(".bias"):
             t = unpermute_rope(t, heads[proj])
-        floats[hf_name] = t
+        floats[hf_name] = narrow(hf_name, t)
     bar.close()
     gf.close()  # the header's map; the weights keep the copy-on-write map alive
     if unexpected:
         raise ModelLoadError(f"{path}: tensors pagoda does not know: {unexpected[:8]}")
     _kept_weights_model(model, blocks, floats, path, device)
-    return LoadedModel(model, arch, path, gguf_metadata=md)
+    return LoadedModel(model, arch, path, gguf_metadata=md, shard=plan)
 
 
 def _check_experts(path: str, name: str, shape: tuple[int, ...], experts: int) -> None:
@@ -541,12 +592,13 @@ def _check_block_type(path: str, name: str, ggml_type, supported) -> None:
 
 
 def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
-                  method: QuantMethod | None = None) -> LoadedModel | None:
+                  method: QuantMethod | None = None, tp: _TP | None = None) -> LoadedModel | None:
     """An HF folder whose weights are bfloat16 or float16 (how most checkpoints ship),
     served in that dtype: projections, LM head and embedding as ``BlocksLinear`` /
     ``BlocksEmbedding`` over the checkpoint's own bytes (half of a float32 copy; products
     in float32); a pre-quantized one (``method``) in its format's blocks. None when the
-    folder is float32 and not pre-quantized (loaded as ``nn.Linear`` layers)."""
+    folder is float32 and not pre-quantized (loaded as ``nn.Linear`` layers). With ``tp``
+    (a checkpoint that is not pre-quantized), this rank's rows and columns of each."""
     from safetensors import safe_open
 
     from pagoda.model.layers.blocks import TORCH_DTYPE_TYPES, BlockWeight
@@ -560,13 +612,16 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
     arch, handles = _base_model_layout(arch, [safe_open(str(f), framework="pt") for f in files], path)
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
-    slots = kept_weight_slots(model)
+    slots = kept_weight_slots(model)   # (of the whole model: the checkpoint's dtypes)
     cls = type(model)
     convert = _checkpoint_tensors(cls, method, _checkpoint_reader(handles))
     dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
               if cls.hf_name(n) in slots and len(h.get_slice(n).get_shape()) == 2}
     if method is None and (not dtypes or not dtypes <= {"BF16", "F16"}):
         return None
+    # (A bfloat16/float16 weight is a block of one weight: any share of its columns is whole.)
+    plan = None if tp is None else _shard_model(model, arch, tp)
+    slots = kept_weight_slots(model)
     blocks: dict[str, dict[int, BlockWeight]] = {}
     floats: dict[str, torch.Tensor] = {}
     for handle in handles:
@@ -575,16 +630,21 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
             if cls.hf_name(name) is None:
                 continue
             for ours, t in convert(name, handle.get_tensor(name)):
+                if plan is not None and not plan.holds(ours):
+                    continue   # another rank's expert
                 if isinstance(t, BlockWeight):   # kept in its blocks (MXFP4 experts, pre-quantized layers)
-                    blocks.setdefault(slots[ours][0], {})[slots[ours][1]] = t
+                    blocks.setdefault(slots[ours][0], {})[slots[ours][1]] = (
+                        t if plan is None else plan.narrow_blocks(ours, t))
                     continue
                 slot = slots.get(ours) if t.dim() == 2 else None
+                if plan is not None:
+                    t = plan.narrow(ours, t)
                 if slot is not None and t.dtype in TORCH_DTYPE_TYPES:
                     blocks.setdefault(slot[0], {})[slot[1]] = BlockWeight.from_tensor(t)
                 elif "rotary_emb" not in ours:
                     floats[ours] = t.float()
     _kept_weights_model(model, blocks, floats, path, device)
-    return LoadedModel(model, arch, path)
+    return LoadedModel(model, arch, path, shard=plan)
 
 
 def _kept_weights_model(model: CausalLM, blocks: dict, floats: dict[str, torch.Tensor], path: str,
@@ -593,8 +653,10 @@ def _kept_weights_model(model: CausalLM, blocks: dict, floats: dict[str, torch.T
     from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
 
     arch = model.config
-    if "lm_head" not in blocks and arch.tie_word_embeddings and "model.embed_tokens" in blocks:
-        blocks["lm_head"] = blocks["model.embed_tokens"]
+    slots = kept_weight_slots(model)
+    head, embedding = (slots.get(n, (None,))[0] for n in ("lm_head.weight", "model.embed_tokens.weight"))
+    if head not in blocks and arch.tie_word_embeddings and embedding in blocks:
+        blocks[head] = blocks[embedding]
     _assemble_blocks(model, blocks, floats, path, BlocksLinear, BlocksEmbedding)
     model.init_rope(device)
     model.eval().requires_grad_(False)

@@ -47,14 +47,15 @@ def compare_greedy(
     want: list[int],
     gap_at: "callable",
     label: str,
+    tie: float = NEAR_TIE,
 ) -> Comparison:
     """Token-for-token equality, except a first divergence at a position
     whose top-2 logits (per ``gap_at(pos)``, the smallest gap either side saw)
-    are within NEAR_TIE. After an excused divergence the rest may differ."""
+    are within ``tie``. After an excused divergence the rest may differ."""
     for pos, (a, b) in enumerate(zip(got, want)):
         if a != b:
             gap = gap_at(pos)
-            if gap < NEAR_TIE:
+            if gap < tie:
                 return Comparison(True, [f"{label}: near-tie at position {pos} (top-2 gap {gap:.2e})"])
             return Comparison(False, [f"{label}: position {pos}: got {a}, want {b}, top-2 gap {gap:.2e}"])
     if len(got) != len(want):

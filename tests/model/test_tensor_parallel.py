@@ -88,29 +88,14 @@ def test_shard_plan_narrow_vocab_padding():
 _PROMPTS = [list(range(3, 9)), list(range(20, 61)), [7] * 19, list(range(100, 133))]
 
 
-def _float_parameter_bytes(model) -> int:
-    """The weights' bytes in float32: a layer kept as GGUF blocks (BlocksLinear,
-    BlocksEmbedding; a tied LM head shares the embedding's) at its float32 size."""
-    from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
-
-    unique = {id(p): p.numel() * p.element_size() for p in model.parameters()}
-    for m in model.modules():
-        if isinstance(m, BlocksLinear):
-            unique.update({id(p.data): 4 * p.out_features * p.in_features for p in m.parts})
-        elif isinstance(m, BlocksEmbedding):
-            unique[id(m.blocks.data)] = 4 * m.num_embeddings * m.embedding_dim
-    return sum(unique.values())
-
-
 def _greedy(path: str | None, tp: int, **kw):
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)
     llm = LLM(path, tensor_parallel_size=tp, num_kv_blocks=96, max_model_len=256, show_progress=False,
               skip_tokenizer_init=True, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params, use_tqdm=False)
-        # Without tensor parallelism the exact mode keeps GGUF weights in their blocks
-        # (TP ranks dequantize them): compare float32 sizes.
-        weights = [_float_parameter_bytes(llm.engine.loaded.model)]
+        # (A GGUF file's weights stay in their blocks on every rank: tests/model/test_tensor_parallel_quant.py.)
+        weights = [parameter_bytes(llm.engine.loaded.model)]
         if tp > 1:
             weights = llm.engine.tp_driver.weight_bytes
             assert len(weights) == tp
@@ -157,11 +142,6 @@ def test_tp2_matches_tp1_default_model(default_model_path):
     _assert_same_greedy(base, tp2, "SmolLM2-135M")
     for b in per_rank:
         assert 0.45 * full < b < 0.56 * full, (b, full)
-
-
-def test_tp_rejects_quantization():
-    with pytest.raises(ValueError, match="quantization"):
-        LLM(None, tensor_parallel_size=2, quantization="int8")
 
 
 def _child_pids() -> set[int]:

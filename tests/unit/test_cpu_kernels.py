@@ -297,6 +297,32 @@ def test_i8_mm_is_exact_and_int8_linear_is_batch_invariant():
                            ops.int8_linear(x, *args, 1 << 62, *rest))
 
 
+@needs_kernels
+def test_int8_linear_token_amax_is_the_scale_of_every_rank():
+    """``token_amax`` (a row-parallel layer: each token's max over every rank's inlier
+    channels): equal to the row's own max it changes nothing; larger, the row is rounded
+    with that scale, as the torch path of Int8Linear rounds it."""
+    from pagoda.model.layers.quantization import Int8Linear
+
+    torch.manual_seed(9)
+    layer = Int8Linear(torch.nn.Linear(64, 40), outliers=torch.tensor([5, 30]))
+    x = torch.randn(7, 64)
+    args = (layer.int8_weight().contiguous(), layer.weight_scale, layer.bias, 1 << 62, layer.outlier_idx,
+            layer.outlier_weight)
+    own = x.abs().index_fill(1, layer.outlier_idx, 0.0).amax(1)
+    assert torch.equal(ops.int8_linear(x, *args, None, None, own), ops.int8_linear(x, *args))
+    wider = own * torch.linspace(1.0, 3.0, 7)
+    got = ops.int8_linear(x, *args, None, None, wider)
+    inliers = x.index_fill(1, layer.outlier_idx, 0.0)
+    scale = wider[:, None] / 127.0
+    acc = torch.round(inliers / scale) @ layer.int8_weight().float().t()
+    want = acc * (scale * layer.weight_scale) + layer.bias + x[:, layer.outlier_idx] @ layer.outlier_weight
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, ops.int8_linear(x, *args), rtol=1e-4, atol=0)
+    with pytest.raises(RuntimeError, match="token_amax"):
+        ops.int8_linear(x, *args, None, None, own[:3])
+
+
 needs_vnni = pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="this CPU lacks AVX-512 VNNI")
 
 

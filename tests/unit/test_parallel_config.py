@@ -14,7 +14,6 @@ from pagoda.entrypoints.cli import build_parser, config_from_args
     ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_method": "tcp://h:1"}, "multiple of nnodes"),
     ({"tensor_parallel_size": 2, "nnodes": 2}, "rendezvous"),
     ({"node_rank": 1}, "node_rank"),
-    ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization"),
     ({"data_parallel_size": 2, "distributed_init_method": "tcp://h:1"}, "data-parallel"),
     ({"distributed_timeout": 0}, "distributed_timeout"),
     ({"threads_per_rank": 0}, "threads_per_rank"),
@@ -34,6 +33,12 @@ from pagoda.entrypoints.cli import build_parser, config_from_args
 def test_invalid_parallel_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["int8", "q4", "gguf", "bf16"])
+def test_tensor_parallelism_takes_every_quantized_mode(mode):
+    c = EngineConfig(tensor_parallel_size=2, quantization=mode)
+    assert (c.tensor_parallel_size, c.quantization, c.resolved_kv_cache_dtype) == (2, mode, "float16")
 
 
 def _config(argv: list[str]) -> EngineConfig:

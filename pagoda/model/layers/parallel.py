@@ -12,6 +12,10 @@ code itself never mentions parallelism (as in gpt-fast).
 - embedding: vocab-parallel; each rank looks up the ids in its vocab range,
   zeros for the rest, then all-reduce.
 - LM head: vocab-parallel; each rank computes its logits, then all-gather.
+- The parallel layers wrap a ``local`` layer that multiplies this rank's part: a float
+  ``nn.Linear`` / ``nn.Embedding`` as built here, which the loader or the quantized modes
+  replace as they replace any projection (GGUF blocks, int8, q4, bf16). Checkpoint names
+  skip the wrapper (``o_proj.local.weight`` is ``o_proj.weight``: ``checkpoint_name``).
 - MoE layers: every rank routes every token (the router is replicated) and adds up its
   experts' weighted outputs; the partial sums are all-reduced once per layer. With expert
   parallelism (``--enable-expert-parallel``) a rank holds whole experts, a contiguous share
@@ -24,19 +28,29 @@ shares need not be equal: E.g. 6 query heads, 3 KV heads (groups of 2) on
 query heads 4-5. With fewer KV heads than ranks, each KV head is replicated on
 ranks // kv_heads ranks, which split its group of query heads: E.g. 4 query
 heads, 1 KV head on 2 ranks -> both hold KV head 0, with query heads 0-1 and 2-3.
+
+Weights kept in blocks along the input dimension (GGUF blocks, q4's groups of 32) split
+row-parallel layers' inputs on block boundaries only (``ShardPlan.build``'s
+``input_units``): the intermediate size in whole blocks (shares as equal as that allows),
+the heads' columns of o_proj checked, with an error naming the layer where a rank's
+share is not whole blocks.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig
+
+if TYPE_CHECKING:
+    from pagoda.model.layers.blocks import BlockWeight
 
 
 # An expert's tensor or module in a checkpoint name: ``...mlp.experts.{index}.gate_proj...``.
@@ -48,6 +62,8 @@ class Collectives(Protocol):
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor: ...
+
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
 
 
@@ -56,6 +72,69 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(n, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+def split_units(n: int, unit: int, parts: int, index: int, what: str) -> tuple[int, int]:
+    """``split_range`` in whole units of ``unit``: split_units(768, 256, 2, 1) -> (512, 768)."""
+    if unit == 1:
+        return split_range(n, parts, index)
+    if n % unit or n // unit < parts:
+        raise ValueError(f"tensor parallelism splits {what} ({n}) over {parts} ranks in whole blocks of "
+                         f"{unit} weights: {'it is not a multiple of' if n % unit else 'too few blocks of'} {unit}")
+    start, end = split_range(n // unit, parts, index)
+    return start * unit, end * unit
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """The part of a checkpoint tensor one rank keeps: the row ranges ``rows`` (of dim 0,
+    concatenated; None: every row), then the columns ``cols`` (of dim 1; None: all), then
+    zero rows up to ``pad_rows``; ``zero``: zeros of the tensor's shape (a bias that
+    another rank adds)."""
+
+    rows: tuple[tuple[int, int], ...] | None = None
+    cols: tuple[int, int] | None = None
+    pad_rows: int = 0
+    zero: bool = False
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        if self.zero:
+            return torch.zeros_like(t)
+        if self.rows is not None:
+            t = torch.cat([t[a:b] for a, b in self.rows]) if len(self.rows) > 1 else t[self.rows[0][0]:self.rows[0][1]]
+        if self.cols is not None:
+            t = t[:, self.cols[0]:self.cols[1]]
+        pad = self.pad_rows - t.shape[0]
+        return F.pad(t, (0, 0, 0, pad)) if pad > 0 else t
+
+    def apply_blocks(self, w: BlockWeight, name: str) -> BlockWeight:
+        """The same part of a weight kept as blocks: whole rows of blocks (a view of the
+        file's map where one range of rows is kept), columns in whole blocks only (a copy),
+        padding rows of zero bytes (which every block type reads as zeros; they are never
+        looked up, and their logits are cut off)."""
+        from pagoda.model.layers.blocks import BlockWeight, block_format
+
+        data, in_features, mapped, order = w.data, w.in_features, w.file_mapped, w.input_order
+        if self.rows is not None:
+            if len(self.rows) > 1:
+                data, mapped = torch.cat([data[a:b] for a, b in self.rows]), False
+            else:
+                data = data[self.rows[0][0]:self.rows[0][1]]
+        if self.cols is not None:
+            block, nbytes = block_format(w.ggml_type)
+            c0, c1 = self.cols
+            if c0 % block or c1 % block or order is not None:
+                why = ("its input channels are stored permuted (act-order)" if order is not None else
+                       f"columns [{c0}, {c1}) of {in_features} are not whole {w.ggml_type.name} blocks of {block}")
+                raise ValueError(f"tensor parallelism splits {name} ({w.out_features} x {in_features}, "
+                                 f"{w.ggml_type.name}) by its input columns, and this rank's share cannot be cut "
+                                 f"from the blocks: {why}; use a tensor-parallel size whose shares are whole blocks")
+            data = data[:, c0 // block * nbytes:c1 // block * nbytes].contiguous()
+            in_features, mapped = c1 - c0, False
+        pad = self.pad_rows - data.shape[0]
+        if pad > 0:
+            data, mapped = torch.cat([data, data.new_zeros(pad, data.shape[1])]), False
+        return BlockWeight(data, w.ggml_type, in_features, mapped, order)
 
 
 @dataclass(frozen=True)
@@ -79,26 +158,26 @@ class ShardPlan:
     total_intermediate: int = 0
 
     @classmethod
-    def build(cls, arch: ModelArchConfig, rank: int, world_size: int, expert_parallel: bool = False) -> ShardPlan:
+    def build(cls, arch: ModelArchConfig, rank: int, world_size: int, expert_parallel: bool = False,
+              input_units: dict[str, int] | None = None) -> ShardPlan:
+        """``input_units``: the blocks (weights along the input dimension) the row-parallel
+        layers' weights are kept in, ``{"o_proj": 256, "down_proj": 32}``: the intermediate
+        sizes (dense and experts') are split in whole ``down_proj`` blocks, and every rank's
+        share of o_proj's input (its heads) must be whole ``o_proj`` blocks."""
+        units = input_units or {}
         heads, kv = arch.num_attention_heads, arch.num_key_value_heads
-        group = heads // kv
-        if heads < world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's {heads} attention heads")
-        if kv >= world_size:
-            kv_range = split_range(kv, world_size, rank)
-            q_range = (kv_range[0] * group, kv_range[1] * group)
-        else:
-            if world_size % kv:
+        q_range, kv_range = _heads_of(heads, kv, world_size, rank)
+        o_unit = units.get("o_proj", 1)
+        for r in range(world_size):   # every rank's share: each rank raises the same error
+            q0, q1 = _heads_of(heads, kv, world_size, r)[0]
+            if (q1 - q0) * arch.head_dim % o_unit:
                 raise ValueError(
-                    f"the model has {kv} KV heads: tensor_parallel_size={world_size} must be at most "
-                    f"{kv} or a multiple of it (each KV head is then replicated on the same number of ranks)")
-            copies = world_size // kv
-            if group < copies:
-                raise ValueError(f"tensor_parallel_size={world_size} leaves ranks without query heads")
-            head = rank // copies
-            sub = split_range(group, copies, rank % copies)
-            kv_range = (head, head + 1)
-            q_range = (head * group + sub[0], head * group + sub[1])
+                    f"tensor_parallel_size={world_size} gives rank {r} {q1 - q0} of the {heads} attention heads: "
+                    f"{(q1 - q0) * arch.head_dim} of o_proj's {heads * arch.head_dim} input columns (o_proj is "
+                    f"{arch.hidden_size} x {heads * arch.head_dim}), not whole blocks of {o_unit} weights, the "
+                    f"blocks its weights are kept in; use a tensor-parallel size that splits the heads into "
+                    f"multiples of {o_unit // math.gcd(o_unit, arch.head_dim)}")
+        down_unit = units.get("down_proj", 1)
         per = -(-arch.vocab_size // world_size)
         vocab = (min(rank * per, arch.vocab_size), min((rank + 1) * per, arch.vocab_size))
         experts, expert_rows = (0, 0), None
@@ -111,8 +190,15 @@ class ShardPlan:
                 raise ValueError(f"tensor_parallel_size={world_size} exceeds the experts' intermediate size "
                                  f"{arch.moe_intermediate_size}")
             experts = (0, arch.num_experts)
-            expert_rows = split_range(arch.moe_intermediate_size, world_size, rank)
-        return cls(rank, world_size, q_range, kv_range, split_range(arch.intermediate_size, world_size, rank),
+            expert_rows = split_units(arch.moe_intermediate_size, down_unit, world_size, rank,
+                                      "the experts' intermediate size")
+        if arch.num_experts and arch.intermediate_size % down_unit:
+            # A MoE model's dense width that no layer may use: a dense layer's down_proj,
+            # if any, reports its blocks when it is read.
+            intermediate = split_range(arch.intermediate_size, world_size, rank)
+        else:
+            intermediate = split_units(arch.intermediate_size, down_unit, world_size, rank, "the intermediate size")
+        return cls(rank, world_size, q_range, kv_range, intermediate,
                    vocab, per, arch.head_dim, arch.vocab_size, experts, expert_rows, heads, kv,
                    arch.intermediate_size)
 
@@ -130,14 +216,15 @@ class ShardPlan:
         """Swap in this rank's layers. The model must be on the meta device."""
         d = self.head_dim
         i0, i1 = self.intermediate
+        q_cols = (self.q_heads[0] * d, self.q_heads[1] * d, self.total_heads * d)
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.num_heads, attn.num_kv_heads = self.num_heads, self.num_kv_heads
             attn.q_size, attn.kv_size = self.num_heads * d, self.num_kv_heads * d
             bias = attn.qkv_proj.bias is not None
             attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_size + 2 * attn.kv_size, bias=bias)
-            attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, comm,
-                                            bias=attn.o_proj.bias is not None)
+            attn.o_proj = RowParallelLinear(nn.Linear(attn.q_size, attn.o_proj.out_features, bias=False), comm,
+                                            q_cols, bias=attn.o_proj.bias is not None)
             if getattr(attn, "sinks", None) is not None:   # GPT-OSS: this rank's heads' sinks
                 attn.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
             if getattr(attn, "qk_norm", None) == "full":   # OLMo 2: each rank's rows of the norms
@@ -155,17 +242,21 @@ class ShardPlan:
                 r0, r1 = self.expert_rows
                 for expert in mlp.experts:
                     bias = expert.gate_up_proj.bias is not None
+                    total = expert.intermediate_size
                     expert.intermediate_size = r1 - r0
                     expert.gate_up_proj = nn.Linear(expert.gate_up_proj.in_features, 2 * (r1 - r0), bias=bias)
-                    expert.down_proj = nn.Linear(r1 - r0, expert.down_proj.out_features, bias=bias)
+                    # Its columns' partial sum; the MoE block all-reduces the experts' sum.
+                    expert.down_proj = RowParallelLinear(nn.Linear(r1 - r0, expert.down_proj.out_features, bias=False),
+                                                         comm, (r0, r1, total), bias=bias, reduce=False)
                 mlp.comm = comm
                 continue
             mlp.intermediate_size = i1 - i0
             mlp.gate_up_proj = nn.Linear(mlp.gate_up_proj.in_features, 2 * (i1 - i0), bias=False)
-            mlp.down_proj = RowParallelLinear(i1 - i0, mlp.down_proj.out_features, comm)
+            mlp.down_proj = RowParallelLinear(nn.Linear(i1 - i0, mlp.down_proj.out_features, bias=False), comm,
+                                              (i0, i1, self.total_intermediate))
         hidden = model.model.embed_tokens.embedding_dim
-        model.model.embed_tokens = VocabParallelEmbedding(self.vocab, self.vocab_per_rank, hidden, comm)
-        model.lm_head = ParallelLMHead(self.vocab_per_rank, hidden, self.vocab_size, comm)
+        model.model.embed_tokens = VocabParallelEmbedding(self.vocab, nn.Embedding(self.vocab_per_rank, hidden), comm)
+        model.lm_head = ParallelLMHead(nn.Linear(hidden, self.vocab_per_rank, bias=False), self.vocab_size, comm)
 
     # ---- sharding the checkpoint's tensors as they are read ---------------------------
 
@@ -175,96 +266,167 @@ class ShardPlan:
         expert = EXPERT_NAME.search(name)
         return expert is None or self.experts[0] <= int(expert[1]) < self.experts[1]
 
-    def narrow(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """This rank's part of checkpoint tensor ``name`` (HF naming)."""
+    def shard(self, name: str, shape: tuple[int, ...]) -> TensorShard | None:
+        """This rank's part of checkpoint tensor ``name`` (HF naming) of shape ``shape``;
+        None: the whole tensor."""
         if EXPERT_NAME.search(name):
-            return t if self.expert_rows is None else self._expert_rows(name, t)
+            return None if self.expert_rows is None else self._expert_rows(name)
         d = self.head_dim
         kind = name.split(".")[-2] if "." in name else name
+        q = (self.q_heads[0] * d, self.q_heads[1] * d)
+        kv = (self.kv_heads[0] * d, self.kv_heads[1] * d)
         if kind == "qkv_proj":   # stacked in the checkpoint: each part's rows of this rank
-            q, k, v = t.split([self.total_heads * d, self.total_kv_heads * d, self.total_kv_heads * d])
-            kv = slice(self.kv_heads[0] * d, self.kv_heads[1] * d)
-            return torch.cat([q[self.q_heads[0] * d:self.q_heads[1] * d], k[kv], v[kv]])
+            nq, nkv = self.total_heads * d, self.total_kv_heads * d
+            return TensorShard(rows=(q, (nq + kv[0], nq + kv[1]), (nq + nkv + kv[0], nq + nkv + kv[1])))
         if kind == "gate_up_proj":
-            gate, up = t.split([self.total_intermediate] * 2)
-            rows = slice(*self.intermediate)
-            return torch.cat([gate[rows], up[rows]])
-        if kind == "q_norm" and t.shape[0] == self.total_heads * d:     # whole-width (OLMo 2)
-            return t[self.q_heads[0] * d:self.q_heads[1] * d]
-        if kind == "k_norm" and t.shape[0] == self.total_kv_heads * d:
-            return t[self.kv_heads[0] * d:self.kv_heads[1] * d]
+            i0, i1 = self.intermediate
+            return TensorShard(rows=((i0, i1), (self.total_intermediate + i0, self.total_intermediate + i1)))
+        if kind == "q_norm" and shape[0] == self.total_heads * d:     # whole-width (OLMo 2)
+            return TensorShard(rows=(q,))
+        if kind == "k_norm" and shape[0] == self.total_kv_heads * d:
+            return TensorShard(rows=(kv,))
         if kind == "q_proj":
-            return t[self.q_heads[0] * d:self.q_heads[1] * d]
+            return TensorShard(rows=(q,))
         if name.endswith("self_attn.sinks"):
-            return t[self.q_heads[0]:self.q_heads[1]]
+            return TensorShard(rows=(self.q_heads,))
         if kind in ("k_proj", "v_proj"):
-            return t[self.kv_heads[0] * d:self.kv_heads[1] * d]
+            return TensorShard(rows=(kv,))
         if kind in ("gate_proj", "up_proj"):
-            return t[self.intermediate[0]:self.intermediate[1]]
+            return TensorShard(rows=(self.intermediate,))
         if kind == "o_proj" and name.endswith("weight"):
-            return t[:, self.q_heads[0] * d:self.q_heads[1] * d]
+            return TensorShard(cols=q)
         if kind == "down_proj" and name.endswith("weight"):
-            return t[:, self.intermediate[0]:self.intermediate[1]]
+            return TensorShard(cols=self.intermediate)
         if kind in ("embed_tokens", "lm_head"):
-            rows = t[self.vocab[0]:self.vocab[1]]
-            pad = self.vocab_per_rank - rows.shape[0]
-            return F.pad(rows, (0, 0, 0, pad)) if pad else rows
-        return t
+            return TensorShard(rows=(self.vocab,), pad_rows=self.vocab_per_rank)
+        return None
 
+    def narrow(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (HF naming)."""
+        shard = self.shard(name, tuple(t.shape))
+        return t if shard is None else shard.apply(t)
 
-    def _expert_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def narrow_blocks(self, name: str, w: BlockWeight) -> BlockWeight:
+        """This rank's part of checkpoint weight ``name`` kept as blocks."""
+        shard = self.shard(name, (w.out_features, w.in_features))
+        return w if shard is None else shard.apply_blocks(w, name)
+
+    def _expert_rows(self, name: str) -> TensorShard:
         """This rank's rows of an expert's tensor (experts split by rows)."""
         kind = name.split(".")[-2]
-        rows = slice(*self.expert_rows)
         if kind in ("gate_proj", "up_proj"):
-            return t[rows]
+            return TensorShard(rows=(self.expert_rows,))
         if kind == "down_proj" and name.endswith("weight"):
-            return t[:, rows]
+            return TensorShard(cols=self.expert_rows)
         if kind == "down_proj":   # a bias: added once, by rank 0
-            return t if self.rank == 0 else torch.zeros_like(t)
+            return TensorShard() if self.rank == 0 else TensorShard(zero=True)
         raise ValueError(f"cannot split expert tensor {name} by rows")
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard @ W_shard^T) (+ the whole bias, added once after the sum):
-    the input is split over ranks."""
+def _heads_of(heads: int, kv: int, world_size: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """([start, end) of the query heads, of the KV heads) of ``rank``: whole GQA groups,
+    or a KV head replicated on world_size // kv ranks that split its query heads."""
+    group = heads // kv
+    if heads < world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's {heads} attention heads")
+    if kv >= world_size:
+        kv_range = split_range(kv, world_size, rank)
+        return (kv_range[0] * group, kv_range[1] * group), kv_range
+    if world_size % kv:
+        raise ValueError(
+            f"the model has {kv} KV heads: tensor_parallel_size={world_size} must be at most "
+            f"{kv} or a multiple of it (each KV head is then replicated on the same number of ranks)")
+    copies = world_size // kv
+    if group < copies:
+        raise ValueError(f"tensor_parallel_size={world_size} leaves ranks without query heads")
+    head = rank // copies
+    sub = split_range(group, copies, rank % copies)
+    return (head * group + sub[0], head * group + sub[1]), (head, head + 1)
 
-    def __init__(self, in_features_per_rank: int, out_features: int, comm: Collectives, bias: bool = False) -> None:
+
+def checkpoint_name(name: str) -> str:
+    """A parameter or module name as checkpoints spell it: a parallel layer's ``local``
+    layer is the layer itself (``model.layers.0.self_attn.o_proj.local.weight`` ->
+    ``model.layers.0.self_attn.o_proj.weight``)."""
+    parts = name.split(".")
+    return ".".join(p for p in parts if p != LOCAL)
+
+
+LOCAL = "local"   # the attribute of a parallel layer that holds its local layer
+
+
+class _LocalWeight(nn.Module):
+    """A parallel layer whose ``weight`` is its local layer's (so the model's
+    ``tie_weights``, lm_head.weight = embed_tokens.weight, reaches the local layers)."""
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            return getattr(self.local, "weight")
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            setattr(self.local, "weight", value)
+        else:
+            super().__setattr__(name, value)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(local(x_shard)) (+ the whole bias, added once after the sum): the
+    input is split over ranks, this rank holding input columns ``columns`` = (start, end,
+    total). ``reduce=False``: the caller sums the ranks' outputs (an expert split by rows,
+    whose MoE block all-reduces once; its bias is rank 0's alone). ``output_dtype``: the
+    dtype one process's layer rounds its output to (the bf16 mode's bfloat16): the sum is
+    rounded to it, the local layer returning unrounded float32 sums."""
+
+    def __init__(self, local: nn.Module, comm: Collectives, columns: tuple[int, int, int], bias: bool = False,
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features_per_rank))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.local = local
+        self.out_features = local.out_features
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.comm = comm
+        self.columns = columns
+        self.reduce = reduce
+        self.output_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.local(x)
+        if self.reduce:
+            y = self.comm.all_reduce(y)
+        if self.output_dtype is not None:
+            y = y.to(self.output_dtype).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Rows [start, end) of the embedding (padded to ``rows`` rows); the rank that
-    holds a token's row contributes it, the others zeros, and all-reduce sums them."""
+class VocabParallelEmbedding(_LocalWeight):
+    """Rows [start, end) of the embedding (``local``, padded to the same rows on every
+    rank); the rank that holds a token's row contributes it, the others zeros, and
+    all-reduce sums them."""
 
-    def __init__(self, vocab: tuple[int, int], rows: int, hidden: int, comm: Collectives) -> None:
+    def __init__(self, vocab: tuple[int, int], local: nn.Module, comm: Collectives) -> None:
         super().__init__()
         self.start, self.end = vocab
-        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.local = local
+        self.embedding_dim = local.embedding_dim
         self.comm = comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.start) & (ids < self.end)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        out = self.local(local)
+        out = out * mine[:, None].to(out.dtype)
         return self.comm.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
-    """Each rank's logits for its vocab rows, all-gathered, padding cut off."""
+class ParallelLMHead(_LocalWeight):
+    """Each rank's logits for its vocab rows (``local``), all-gathered, padding cut off."""
 
-    def __init__(self, rows: int, hidden: int, vocab_size: int, comm: Collectives) -> None:
+    def __init__(self, local: nn.Module, vocab_size: int, comm: Collectives) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.local = local
         self.vocab_size = vocab_size
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather(F.linear(x, self.weight), dim=-1)[..., : self.vocab_size]
+        return self.comm.all_gather(self.local(x), dim=-1)[..., : self.vocab_size]

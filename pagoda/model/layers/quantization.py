@@ -53,6 +53,8 @@ from tqdm import tqdm
 
 from pagoda.config import release_freed_memory
 from pagoda.model.layers.blocks import BlocksLinear, BlockWeight
+from pagoda.model.layers.decoder import SparseMoeBlock
+from pagoda.model.layers.parallel import Collectives, RowParallelLinear, checkpoint_name
 from pagoda.ops import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -106,22 +108,28 @@ def q4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return packed, scales, mins
 
 
-def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_per_channel(weight: torch.Tensor, comm: Collectives | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], float32 scales [N]): each output channel rounded
-    to int8 of scale max|w| / 127, a block of rows at a time."""
+    to int8 of scale max|w| / 127, a block of rows at a time. ``comm``: the tensor-parallel
+    ranks that hold the rest of each row (a row-parallel layer's columns): the max over
+    the whole row, so that every rank's part is rounded as one process rounds it."""
     n, k = weight.shape
     qweight = torch.empty(n, k, dtype=torch.int8)
-    scales = torch.empty(n, dtype=torch.float32)
+    amax = torch.empty(n, dtype=torch.float32)
     # One scratch block for every step (fresh temporaries per block would be freed into
     # malloc's heap, which pagoda lets grow for its steps: gigabytes kept after an 8B load).
     scratch = torch.empty(min(n, QUANTIZE_ROWS), k)
     for r in range(0, n, QUANTIZE_ROWS):
         w = weight[r : r + QUANTIZE_ROWS].float()
+        amax[r : r + QUANTIZE_ROWS] = torch.abs(w, out=scratch[: w.shape[0]]).amax(dim=1)
+    if comm is not None:
+        comm.all_reduce_max(amax)
+    scales = (amax / 127.0).clamp(min=1e-12)
+    for r in range(0, n, QUANTIZE_ROWS):
+        w = weight[r : r + QUANTIZE_ROWS].float()
         t = scratch[: w.shape[0]]
-        scale = (torch.abs(w, out=t).amax(dim=1) / 127.0).clamp(min=1e-12)
-        torch.div(w, scale[:, None], out=t).round_().clamp_(-127, 127)
+        torch.div(w, scales[r : r + QUANTIZE_ROWS, None], out=t).round_().clamp_(-127, 127)
         qweight[r : r + QUANTIZE_ROWS].copy_(t)  # whole numbers: the conversion is exact
-        scales[r : r + QUANTIZE_ROWS] = scale
     return qweight, scales
 
 
@@ -176,11 +184,19 @@ class Int8Linear(nn.Module):
     float (docs/benchmarks.md)."""
 
     def __init__(self, linear: nn.Linear | None, outliers: torch.Tensor | None = None, *,
-                 int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> None:
+                 int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+                 split: Collectives | None = None) -> None:
         """From a float ``linear`` (quantized here, ``outliers`` kept in float), or from
         ``int8`` = (int8 weights [out, in], float32 scales [out], bias or None) as a W8A8
-        checkpoint stores them (``Int8Linear.from_int8``: used as they are)."""
+        checkpoint stores them (``Int8Linear.from_int8``: used as they are).
+
+        ``split``: the tensor-parallel ranks holding the layer's other input channels (a
+        row-parallel layer's local part): each channel's weight scale and each token's
+        activation scale are the max over every rank's channels (an all-reduce at load,
+        and one of [tokens] floats per step), so each rank rounds its part as one process
+        rounds the whole layer and the ranks' sums add up to its result."""
         super().__init__()
+        self.split = split
         if int8 is not None:
             qweight, scale, bias = int8
             idx = torch.empty(0, dtype=torch.long)
@@ -192,7 +208,7 @@ class Int8Linear(nn.Module):
             outlier_weight = weight[:, idx].t().contiguous()
             weight[:, idx] = 0.0
             # [out, in]; _int_mm multiplies by its transposed view at the same speed.
-            qweight, scale = int8_per_channel(weight)
+            qweight, scale = int8_per_channel(weight, split)
             bias = linear.bias.detach().float() if linear.bias is not None else None
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("outlier_idx", idx)
@@ -215,14 +231,19 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
+        token_amax = None
+        if self.split is not None:   # max |x| of each token's inliers over every rank's channels
+            token_amax = self.split.all_reduce_max(x2.abs().index_fill_(1, self.outlier_idx, 0.0).amax(dim=1))
         if self._ops is not None:
             # The same operations as below, in one C++ call (a decode step's linear
             # layers were mostly per-op overhead).
             y = self._ops.int8_linear(x2, self.qweight, self.weight_scale, self.bias, self._small_rows,
-                                      self.outlier_idx, self.outlier_weight, self.vnni_weight, self.vnni_comp)
+                                      self.outlier_idx, self.outlier_weight, self.vnni_weight, self.vnni_comp,
+                                      token_amax)
             return y.view(*shape[:-1], self.out_features).to(x.dtype)
         inliers = x2.index_fill(1, self.outlier_idx, 0.0)
-        x_scale = inliers.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+        amax = inliers.abs().amax(dim=1) if token_amax is None else token_amax
+        x_scale = amax[:, None].clamp(min=1e-12) / 127.0
         xq = torch.round(inliers / x_scale).to(torch.int8)
         acc = torch._int_mm(xq, self.int8_weight().t())
         y = acc.float() * (x_scale * self.weight_scale)
@@ -279,13 +300,20 @@ def bf16_gemm_path() -> str:
 class Bf16Linear(nn.Module):
     """``bf16`` mode: bfloat16 weights x activations rounded to bfloat16, summed in float32
     (``bf16_gemm_path``), the result rounded to bfloat16 and returned as float32 (the
-    bias, if any, added in float32)."""
+    bias, if any, added in float32).
 
-    def __init__(self, linear: nn.Linear, path: str | None = None) -> None:
+    ``partial``: a row-parallel layer's local part (tensor parallelism): its float32 sums
+    are returned unrounded, on pagoda's kernel (or torch in float32), for the layer to round
+    the ranks' total as one process rounds its sum (``RowParallelLinear.output_dtype``)."""
+
+    def __init__(self, linear: nn.Linear, path: str | None = None, partial: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.partial = partial
         self.path = path or bf16_gemm_path()
+        if partial:   # (oneDNN's bfloat16 products return bfloat16)
+            self.path = "pagoda" if cpu_kernels.kernels() is not None else "torch"
         weight = linear.weight.detach().to(torch.bfloat16).contiguous()
         # One copy of the weight: packed for oneDNN, in pagoda's block layer, or as it is.
         self.blocks = BlocksLinear([BlockWeight.from_tensor(weight)]) if self.path == "pagoda" else None
@@ -297,7 +325,10 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
-        if self.path == "onednn":
+        if self.partial:
+            xf = xb.float()
+            y = self.blocks(xf) if self.blocks is not None else torch.nn.functional.linear(xf, self.weight.float())
+        elif self.path == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "").float()
         elif self.path == "pagoda":
             y = self.blocks(xb).float()  # float32 sums, returned in x's dtype: rounded to bfloat16
@@ -308,7 +339,8 @@ class Bf16Linear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 on {self.path}"
+        part = ", float32 partial sums" if self.partial else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 on {self.path}{part}"
 
 
 class Int8WeightLinear(nn.Module):
@@ -357,7 +389,6 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
     (unquantized) model computes ``token_ids`` as one prompt: name -> [in_features]."""
     from pagoda.model.attention import AttentionMetadata
 
-    c = model.config
     ranges: dict[str, torch.Tensor] = {}
 
     def record(name):
@@ -367,12 +398,19 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
         return hook
 
     hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, (nn.Linear, BlocksLinear))]
+    # MoE layers one product per expert, so that each expert's hooks see its inputs (the
+    # exact mode's one-call kernel for a layer kept as blocks calls no expert module).
+    moe = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    fused = [m._fused for m in moe]
+    for m in moe:
+        m._fused = False
     try:
         block = 16
         num_blocks = -(-len(token_ids) // block)
         dtype = model.model.norm.weight.dtype
-        caches = [torch.zeros(2, num_blocks, block, c.num_key_value_heads, c.head_dim, dtype=dtype)
-                  for _ in range(c.num_hidden_layers)]
+        # (The KV heads this process holds: a tensor-parallel rank's share.)
+        caches = [torch.zeros(2, num_blocks, block, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+                  for spec in model.kv_specs()]
         meta = AttentionMetadata.build([len(token_ids)], [0], [list(range(num_blocks))], block, torch.device("cpu"))
         with torch.inference_mode():
             hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), caches, meta)
@@ -380,6 +418,8 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
     finally:
         for h in hooks:
             h.remove()
+        for m, f in zip(moe, fused, strict=True):
+            m._fused = f
     return ranges
 
 
@@ -465,6 +505,22 @@ def checkpoint_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | No
     return torch.cat(weights), torch.cat(scales)
 
 
+def _split_outliers(ranges: torch.Tensor | None, layer: RowParallelLinear) -> torch.Tensor | None:
+    """A row-parallel layer's float channels among this rank's inputs: the largest of the
+    whole layer's (the ranks' calibration ranges put together), as one process picks them;
+    None where calibration did not reach the layer (an expert no token chose)."""
+    start, end, total = layer.columns
+    whole = torch.zeros(total + 1)   # the last: whether a rank saw the layer
+    if ranges is not None:
+        whole[start:end] = ranges
+        whole[total] = 1.0
+    layer.comm.all_reduce_max(whole)   # each rank fills its columns; ranges are >= 0
+    if whole[total] == 0:
+        return None
+    idx = whole[:total].topk(min(INT8_OUTLIER_CHANNELS, total // 4)).indices
+    return idx[(idx >= start) & (idx < end)] - start
+
+
 def quantize_model(model: nn.Module, mode: str, device: torch.device,
                    calibration_ids: list[int] | None = None, show_progress: bool = False) -> nn.Module:
     """Replace the model's projections and LM head with quantized layers, in place.
@@ -485,8 +541,12 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
     keep = tuple(getattr(model, "unquantized_modules", ()))   # MoE routers stay in float
     targets = [
         (name, module) for name, module in model.named_modules()
-        if isinstance(module, (nn.Linear, BlocksLinear)) and not name.endswith(keep)
+        if isinstance(module, (nn.Linear, BlocksLinear)) and not checkpoint_name(name).endswith(keep)
     ]
+    # Tensor parallelism: the local layers of row-parallel layers (their input split over ranks;
+    # an expert's, split by rows, is summed over ranks by its MoE block, after its weighting:
+    # in the bf16 mode each rank rounds its part of such an expert's output).
+    row_parallel = {f"{n}.local": m for n, m in model.named_modules() if isinstance(m, RowParallelLinear)}
     bf16_path = bf16_gemm_path() if mode == "bf16" else None   # the same for every layer
     _log_gemm_paths(mode, bf16_path)
     ranges: dict[str, torch.Tensor] = {}
@@ -509,11 +569,20 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         # weights): 4-bit logits cost more quality than the head's share of the
         # bytes saves (measured: q4 head -> wrong answers on the reference prompts).
         if mode == "bf16":
-            layer = Bf16Linear(module, bf16_path)
+            split = row_parallel.get(name)
+            if split is not None and split.reduce:   # the ranks' float32 sums, rounded once added
+                layer = Bf16Linear(module, bf16_path, partial=True)
+                split.output_dtype = torch.bfloat16
+            else:
+                layer = Bf16Linear(module, bf16_path)
         elif mode == "int8":
-            k = min(INT8_OUTLIER_CHANNELS, module.in_features // 4)
-            layer = Int8Linear(module, ranges[name].topk(k).indices if name in ranges else None)
-        elif name == "lm_head" and module.bias is None:
+            split = row_parallel.get(name)
+            if split is None:
+                k = min(INT8_OUTLIER_CHANNELS, module.in_features // 4)
+                layer = Int8Linear(module, ranges[name].topk(k).indices if name in ranges else None)
+            else:
+                layer = Int8Linear(module, _split_outliers(ranges.get(name), split), split=split.comm)
+        elif checkpoint_name(name) == "lm_head" and module.bias is None:
             layer = Int8WeightLinear(module)
         else:
             layer = Q4Linear(module)
