@@ -21,7 +21,7 @@ import torch
 
 from pagoda.model.hf_quant.base import QuantConfigError, register
 from pagoda.model.hf_quant.int_groups import (
-    IntGroupsMethod,
+    PackedWordsMethod,
     companion,
     group_blocks,
     unpack_int32,
@@ -30,7 +30,6 @@ from pagoda.model.hf_quant.int_groups import (
 # Nibble k of a word holds column AWQ_ORDER[k] of its 8; column m is nibble _COLUMN_NIBBLE[m].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _COLUMN_NIBBLE = torch.tensor([AWQ_ORDER.index(m) for m in range(8)])
-_COMPANIONS = (".qzeros", ".scales")
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
@@ -40,8 +39,9 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class AWQMethod(IntGroupsMethod):
+class AWQMethod(PackedWordsMethod):
     name = "awq"
+    companions = (".qzeros", ".scales")
 
     def __init__(self, qconfig: dict[str, Any]) -> None:
         super().__init__(qconfig)
@@ -58,14 +58,6 @@ class AWQMethod(IntGroupsMethod):
         if not isinstance(self.group_size, int) or (self.group_size != -1 and self.group_size <= 0):
             raise QuantConfigError(f"config.json: quantization_config.group_size {self.group_size!r} is not a "
                                    "group size")
-
-    def tensors(self, name, tensor, checkpoint):
-        if name.endswith(_COMPANIONS):
-            return iter(())
-        if not name.endswith(".qweight"):
-            return None
-        prefix = name[: -len(".qweight")]
-        return iter([(prefix + ".weight", self._weight(prefix, tensor, checkpoint))])
 
     def _weight(self, prefix, qweight, checkpoint):
         name = prefix + ".qweight"

@@ -25,7 +25,7 @@ import torch
 
 from pagoda.model.hf_quant.base import QuantConfigError, register
 from pagoda.model.hf_quant.int_groups import (
-    IntGroupsMethod,
+    PackedWordsMethod,
     act_order,
     companion,
     group_blocks,
@@ -33,12 +33,12 @@ from pagoda.model.hf_quant.int_groups import (
 )
 from pagoda.model.paths import ModelLoadError
 
-_COMPANIONS = (".qzeros", ".scales", ".g_idx")
 
 
 @register
-class GPTQMethod(IntGroupsMethod):
+class GPTQMethod(PackedWordsMethod):
     name = "gptq"
+    companions = (".qzeros", ".scales", ".g_idx")
 
     def __init__(self, qconfig: dict[str, Any]) -> None:
         super().__init__(qconfig)
@@ -61,14 +61,6 @@ class GPTQMethod(IntGroupsMethod):
                                    "supported (int32)")
         if qconfig.get("dynamic"):
             raise QuantConfigError("config.json: quantization_config.dynamic (per-module bits) is not supported")
-
-    def tensors(self, name, tensor, checkpoint):
-        if name.endswith(_COMPANIONS):
-            return iter(())
-        if not name.endswith(".qweight"):
-            return None
-        prefix = name[: -len(".qweight")]
-        return iter([(prefix + ".weight", self._weight(prefix, tensor, checkpoint))])
 
     def _weight(self, prefix, qweight, checkpoint):
         name = prefix + ".qweight"

@@ -25,6 +25,7 @@ keeps that order (``BlockWeight.input_order``: the layer permutes x to match).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -157,3 +158,21 @@ class IntGroupsMethod(QuantMethod):
         raise QuantConfigError(f"the checkpoint is quantized with {self.name!r}; --quantization {mode} would "
                                "quantize its dequantized weights again. Leave it out (the checkpoint's own "
                                "weights, float32 products) or use gguf (its weights against int8 activations)")
+
+
+class PackedWordsMethod(IntGroupsMethod):
+    """GPTQ and AWQ: a layer is ``prefix.qweight`` (int32 words of packed codes) with
+    companions (``companions``: scales, zero points, ...) read through the checkpoint."""
+
+    companions: ClassVar[tuple[str, ...]]
+
+    def tensors(self, name, tensor, checkpoint):
+        if name.endswith(self.companions):
+            return iter(())
+        if not name.endswith(".qweight"):
+            return None
+        prefix = name[: -len(".qweight")]
+        return iter([(prefix + ".weight", self._weight(prefix, tensor, checkpoint))])
+
+    def _weight(self, prefix: str, qweight: torch.Tensor, checkpoint) -> BlockWeight:
+        raise NotImplementedError
