@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class EngineCore:
         outputs and now and then a KV pool picture, for metrics and the dashboard."""
         self.config = config
         device = torch.device(config.device)
-        parallel = config.tensor_parallel_size > 1 or config.data_parallel_size > 1
+        parallel = config.world_size > 1 or config.data_parallel_size > 1
         if device.type == "cpu" and not parallel:  # parallel ranks: configure_threads (threads_per_rank)
             threads = cpu_threads_policy(config.num_threads)
             if threads is not None:
@@ -73,19 +74,23 @@ class EngineCore:
             keep_freed_memory()
         dtype = parse_dtype(config.dtype)
         self.tp_driver = None
+        # Pipeline parallelism: steps started, not finished yet (_step_pipelined), at most this many.
+        self.pipeline_depth = config.pipeline_parallel_size
+        self._in_flight: deque = deque()
         self.threads: ThreadGovernor | None = None  # the thread count's governor, where it moves
-        if config.tensor_parallel_size > 1:
-            # Rank 0 of a tensor-parallel group (pagoda/executor/multiproc.py).
+        if config.world_size > 1:
+            # Rank 0 of a tensor- and/or pipeline-parallel group (pagoda/executor/multiproc.py).
             from pagoda.executor.multiproc import configure_threads, start_driver
 
             if loaded is not None:
-                raise ValueError("a tensor-parallel engine loads its own shard; do not pass `loaded`")
+                raise ValueError("a parallel engine loads its own part of the model; do not pass `loaded`")
             configure_threads(config)
             self.tp_driver, device = start_driver(config)
             try:
+                group = self.tp_driver.group
                 loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
-                                    tp_group=self.tp_driver.group, tp_rank=0,
-                                    expert_parallel=config.enable_expert_parallel)
+                                    tp_group=group.tp, tp_rank=0, expert_parallel=config.enable_expert_parallel,
+                                    pipe=group.pipe)
                 self._init_rest(config, loaded, device, dtype, collect_stats)
             except BaseException:
                 # The workers may be waiting in a collective: stop them, do not talk to them.
@@ -114,7 +119,8 @@ class EngineCore:
         (LoRA, speculative decoding), shared prefixes and step statistics."""
         self.loaded = loaded
         arch = loaded.arch
-        self._moe = arch.num_experts > 0
+        # (Under pipeline parallelism rank 0 holds only its stage's experts: not reported.)
+        self._moe = arch.num_experts > 0 and config.pipeline_parallel_size == 1
         self._last_expert_load = float("-inf")
         self.vocab_size = arch.vocab_size
         if self.tp_driver is not None:
@@ -138,6 +144,9 @@ class EngineCore:
         """An embedding engine's pooling (pagoda/pooling.py); None for a generating one."""
         task = resolve_task(config.task, loaded.path, loaded.arch.has_lm_head)
         overrides = config.override_pooler_config
+        if task == "embed" and config.pipeline_parallel_size > 1:
+            raise ValueError(f"{loaded.path} is an embedding model (--task embed), which is not supported with "
+                             f"--pipeline-parallel-size > 1 yet")
         if task != "embed":
             if overrides is not None and not overrides.is_empty:
                 raise ValueError("pooler options (--pooling-type, --no-normalize, --matryoshka-dimensions) apply "
@@ -361,12 +370,44 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or steps still in flight (pipeline parallelism)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     # ---- one step ----------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         start = time.monotonic()
+        sched_out, record, masks = self._schedule(start)
+        runner_out = self.executor.execute_model(sched_out, masks)
+        return self._finish_step(sched_out, runner_out, record, start)
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """Pipeline parallelism: keep up to ``pipeline_depth`` steps (micro-batches) in flight
+        so that the stages do not wait for each other (vLLM V1's batch queue), then finish the
+        oldest. The steps cover disjoint requests: the scheduler gives a request no tokens
+        while its sampled token is pending, but may send a prompt's next chunk behind the one
+        before, since every stage runs the steps in the order sent (so K/V written by one step
+        are in place for the next, and blocks freed and reused meanwhile are written in order).
+        E.g. depth 2: start A, start B, finish A (B runs on stage 1 meanwhile), start C, ..."""
+        outputs: list[EngineCoreOutput] = []
+        while len(self._in_flight) < self.pipeline_depth:
+            start = time.monotonic()
+            sched_out, record, masks = self._schedule(start)
+            if sched_out.is_empty:
+                # Nothing to start (or all in flight); the ranks still forget ended requests.
+                if sched_out.finished_req_ids or not self._in_flight:
+                    outputs += self.scheduler.update_from_output(sched_out, self.executor.execute_model(sched_out))
+                break
+            self._in_flight.append((sched_out, record, start, self.executor.submit(sched_out, masks)))
+        if not self._in_flight:
+            return self._stats_out(outputs, None, time.monotonic())
+        sched_out, record, start, batch = self._in_flight.popleft()
+        return self._finish_step(sched_out, self.executor.collect(batch), record, start, outputs)
+
+    def _schedule(self, start: float):
+        """This step's SchedulerOutput, its stats record and its requests' grammar masks."""
         sched_out = self.scheduler.schedule()
         collector = self.step_stats
         record = None
@@ -380,17 +421,23 @@ class EngineCore:
                 [reqs[rid].matcher for rid in sched_out.structured_req_ids], self.vocab_size
             )
             masks = dict(zip(sched_out.structured_req_ids, rows))
-        runner_out = self.executor.execute_model(sched_out, masks)
+        return sched_out, record, masks
+
+    def _finish_step(self, sched_out, runner_out, record, start: float,
+                     outputs: list[EngineCoreOutput] | None = None) -> EngineCoreOutputs:
         if self.threads is not None:
             self.threads.step_done()
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = (outputs or []) + self.scheduler.update_from_output(sched_out, runner_out)
         end = time.monotonic()
+        if record is not None:
+            record.duration = end - start
+        return self._stats_out(outputs, record, end)
+
+    def _stats_out(self, outputs: list[EngineCoreOutput], record, end: float) -> EngineCoreOutputs:
         out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)
-        if collector is not None:
-            if record is not None:
-                record.duration = end - start
+        if self.step_stats is not None:
             out.step = record
-            out.kv_block_map = collector.maybe_block_map(self.kv_manager.pool, end)
+            out.kv_block_map = self.step_stats.maybe_block_map(self.kv_manager.pool, end)
         out.expert_load = self._maybe_expert_load(end)
         return out
 

@@ -17,6 +17,7 @@ from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.hf_quant import QuantMethod, method_for
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan
+from pagoda.model.layers.pipeline import StageLink, StagePlan
 from pagoda.model.models import model_class
 from pagoda.model.paths import ModelLoadError, default_model_path  # noqa: F401 (re-exported)
 from pagoda.model.stores import resolve_model_path
@@ -46,6 +47,7 @@ class LoadedModel:
     path: str
     gguf_metadata: dict | None = None   # for building the tokenizer from a GGUF file
     shard: ShardPlan | None = None       # this rank's part of a tensor-parallel model
+    stage: StagePlan | None = None       # this rank's stage of a pipeline-parallel model
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -68,6 +70,7 @@ def load_model(
     tp_group: Collectives | None = None,
     tp_rank: int = 0,
     expert_parallel: bool = False,
+    pipe: StageLink | None = None,
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
     code itself never branches on quantization). On the CPU in float32, a GGUF
@@ -75,7 +78,9 @@ def load_model(
     checkpoint's in its dtype (``BlocksLinear``, ``BlocksEmbedding``). With ``tp_group`` (a
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
-    part of each tensor kept as it is read."""
+    part of each tensor kept as it is read. With ``pipe`` (a pipeline stage's links), build
+    only that stage's layers (pagoda/model/layers/pipeline.py): other stages' tensors are
+    never read."""
     from pagoda.model.layers.quantization import calibration_token_ids, quantize_model
 
     path = resolve_model_path(model)
@@ -83,21 +88,23 @@ def load_model(
     tp = None if tp_group is None else (tp_group, tp_rank, expert_parallel)
     if tp is not None and quantization != "none":
         raise ValueError("quantization is not supported with tensor parallelism")
+    if pipe is not None and quantization != "none":
+        raise ValueError("quantization is not supported with pipeline parallelism")
     # Weights stay as stored (GGUF blocks, float16/bfloat16) where pagoda's CPU kernels
     # multiply them: the exact mode in float32 on one process. Otherwise (CUDA, another
     # dtype, tensor parallelism, no kernels) they are dequantized to ``dtype`` at load.
-    keep_blocks = (device.type == "cpu" and dtype == torch.float32 and tp is None
+    keep_blocks = (device.type == "cpu" and dtype == torch.float32 and tp is None and pipe is None
                    and cpu_kernels.kernels() is not None)
     if os.path.isdir(path):
         method = _quant_method(path)
         if method is not None:
             method.check_quantization(quantization)
         loaded = (_load_hf_kept(path, device, show_progress, method) if keep_blocks else None) or \
-            _load_hf_folder(path, dtype, device, show_progress, tp, method)
+            _load_hf_folder(path, dtype, device, show_progress, tp, method, pipe)
     elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
         loaded = _load_gguf_blocks(path, device, show_progress)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
-        loaded = _load_gguf(path, dtype, device, show_progress, tp)
+        loaded = _load_gguf(path, dtype, device, show_progress, tp, pipe)
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
     quantize_model(loaded.model, quantization, device,
@@ -112,7 +119,8 @@ def _has_gguf_magic(path: str) -> bool:
 
 
 def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 tp: tuple[Collectives, int, bool] | None = None) -> tuple[CausalLM, ShardPlan | None]:
+                 tp: tuple[Collectives, int, bool] | None = None,
+                 pipe: StageLink | None = None) -> tuple[CausalLM, ShardPlan | None, StagePlan | None]:
     cls = model_class(arch.architecture)
     if tp is not None and not cls.tensor_parallel:
         raise UnsupportedModelError(f"{arch.architecture} cannot be served with tensor parallelism")
@@ -126,10 +134,15 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
         plan = ShardPlan.build(arch, rank, group.world_size, expert_parallel)
         with torch.device("meta"):
             plan.apply(model, group)
+    stage = None
+    if pipe is not None:
+        stage = StagePlan.build(arch.num_hidden_layers, pipe.stage, pipe.num_stages, arch.tie_word_embeddings)
+        with torch.device("meta"):
+            stage.apply(model, pipe)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(device)  # buffers are not loaded from checkpoints
     model.eval().requires_grad_(False)
-    return model, plan
+    return model, plan, stage
 
 
 def packed_projections(cls: type[CausalLM]) -> dict[str, tuple[str, int]]:
@@ -171,10 +184,14 @@ def _fill(
     path: str,
     show_progress: bool,
     plan: ShardPlan | None = None,
+    stage: StagePlan | None = None,
 ) -> None:
-    """``plan``: keep only this rank's part of each tensor (tensor parallelism)."""
+    """``plan``: keep only this rank's part of each tensor (tensor parallelism); ``stage``:
+    only this pipeline stage's tensors (the readers skip the others unread)."""
     params = dict(model.named_parameters())
-    if model.config.tie_word_embeddings:
+    # A tied LM head is the embedding here, unless a pipeline stage holds only one of them.
+    tied = model.config.tie_word_embeddings and "model.embed_tokens.weight" in params
+    if tied:
         params.pop("lm_head.weight", None)
     # Every parameter (or row range of a stacked one) must be written exactly once.
     mapping = type(model).packed_modules_mapping
@@ -192,10 +209,14 @@ def _fill(
     with torch.no_grad():
         for name, tensor in tensors:
             bar.update(1)
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied:
                 continue
             if plan is not None and not plan.holds(name):
                 continue   # another rank's expert
+            if stage is not None:
+                if not stage.holds(name):
+                    continue   # another stage's
+                name = stage.rename(name)
             target, rows = _target(model, name)
             param = params.get(target)
             if param is None:
@@ -219,7 +240,8 @@ def _fill(
             f"{path}: weights do not match the architecture; missing {missing[:8]}"
             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
         )
-    model.tie_weights()
+    if tied:
+        model.tie_weights()
 
 
 # ---- HF folders --------------------------------------------------------------
@@ -311,7 +333,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
                     tp: tuple[Collectives, int, bool] | None = None,
-                    method: QuantMethod | None = None) -> LoadedModel:
+                    method: QuantMethod | None = None, pipe: StageLink | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     from pagoda.model.layers.blocks import BlockWeight
@@ -326,7 +348,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
     arch, handles = _base_model_layout(arch, [safe_open(str(f), framework="pt") for f in files], path)
-    model, plan = _instantiate(arch, dtype, device, tp)
+    model, plan, stage = _instantiate(arch, dtype, device, tp, pipe)
     model_cls = type(model)
 
     total = sum(len(list(h.keys())) for h in handles)
@@ -335,12 +357,13 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
-                if model_cls.hf_name(name) is not None:
-                    for ours, t in convert(name, handle.get_tensor(name)):
-                        yield ours, (t.dequantize() if isinstance(t, BlockWeight) else t)
+                ours = model_cls.hf_name(name)
+                if ours is not None and (stage is None or stage.holds(ours)):
+                    for target, t in convert(name, handle.get_tensor(name)):
+                        yield target, (t.dequantize() if isinstance(t, BlockWeight) else t)
 
-    _fill(model, tensors(), total, path, show_progress, plan)
-    return LoadedModel(model, arch, path, shard=plan)
+    _fill(model, tensors(), total, path, show_progress, plan, stage)
+    return LoadedModel(model, arch, path, shard=plan, stage=stage)
 
 
 # ---- GGUF --------------------------------------------------------------------
@@ -425,10 +448,10 @@ def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-               tp: tuple[Collectives, int, bool] | None = None) -> LoadedModel:
+               tp: tuple[Collectives, int, bool] | None = None, pipe: StageLink | None = None) -> LoadedModel:
     gf, arch, names, meta_model = _read_gguf(path)
     heads = _qk_heads(arch, type(meta_model))
-    model, plan = _instantiate(arch, dtype, device, tp)
+    model, plan, stage = _instantiate(arch, dtype, device, tp, pipe)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name in gf.tensors:
@@ -438,6 +461,8 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
             if hf_name is None:
                 yield gguf_name, torch.empty(0)
                 continue
+            if stage is not None and not stage.holds(hf_name[0] if isinstance(hf_name, list) else hf_name):
+                continue   # another pipeline stage's: not read
             t = gf.load_tensor(gguf_name, dtype=torch.float32)
             if isinstance(hf_name, list):   # a layer's experts, stacked
                 _check_experts(path, gguf_name, tuple(t.shape), len(hf_name))
@@ -448,8 +473,8 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
                 t = unpermute_rope(t, heads[proj])
             yield hf_name, t.to(dtype)
 
-    _fill(model, tensors(), len(gf.tensors), path, show_progress, plan)
-    return LoadedModel(model, arch, path, gguf_metadata=gf.metadata, shard=plan)
+    _fill(model, tensors(), len(gf.tensors), path, show_progress, plan, stage)
+    return LoadedModel(model, arch, path, gguf_metadata=gf.metadata, shard=plan, stage=stage)
 
 
 # ---- weights kept in their blocks (GGUF) or dtype (HF bfloat16 / float16) ---------
