@@ -39,12 +39,14 @@ class EngineConfig:
     num_threads: int | None = None        # torch threads of the engine; None = the thread governor (engine/cpu_threads.py)
     # Parallel runtime (docs/parallel.md).
     tensor_parallel_size: int = 1
+    # Decoder layers split into this many stages (processes), each a TP group (world = TP x PP).
+    pipeline_parallel_size: int = 1
     # MoE models under tensor parallelism: each rank holds a share of every layer's experts
     # (whole experts; their outputs summed over ranks).
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     distributed_init_method: str | None = None  # tcp://host:port or env://; None = local, automatic
-    nnodes: int = 1                       # nodes the tensor-parallel group spans
+    nnodes: int = 1                       # nodes the tensor/pipeline-parallel group spans
     node_rank: int = 0                    # 0 = the node running the engine core (rank 0)
     distributed_timeout: float = 120.0    # seconds a collective may wait for a peer
     threads_per_rank: int | None = None   # torch threads per rank; None = 1 when parallel on CPU
@@ -95,9 +97,9 @@ class EngineConfig:
         _positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive("num_threads", self.num_threads, allow_none=True)
-        if self.num_threads is not None and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
-            raise ValueError("--num-threads sets the threads of a single engine; with tensor or data "
-                             "parallelism use --threads-per-rank")
+        if self.num_threads is not None and (self.world_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("--num-threads sets the threads of a single engine; with tensor, pipeline or "
+                             "data parallelism use --threads-per-rank")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantization == "int4":
@@ -116,14 +118,16 @@ class EngineConfig:
             raise ValueError("--quantization bf16 is the CPU's bf16 mode (float32 model, bfloat16 GEMMs); on a GPU "
                              "use --dtype bfloat16")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("nnodes", self.nnodes)
         _positive("threads_per_rank", self.threads_per_rank, allow_none=True)
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
-                             f"nnodes={self.nnodes} (the same number of ranks on every node)")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size} must be a multiple of nnodes={self.nnodes} "
+                             f"(the same number of ranks on every node)")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
         if self.enable_expert_parallel and self.tensor_parallel_size < 2:
@@ -171,6 +175,8 @@ class EngineConfig:
         object.__setattr__(self, "override_pooler_config", PoolerOverrides.parse(self.override_pooler_config))
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline_parallel()
         if self.speculative_config is not None and self.enable_lora:
             raise ValueError("--speculative-config is not supported with --enable-lora yet")
         if self.speculative_config is not None and (self.kv_cache_dtype != "auto" or self.preemption_mode != "recompute"):
@@ -184,6 +190,7 @@ class EngineConfig:
         """What a prefill or decode instance cannot be combined with (yet)."""
         clashes = {
             "--tensor-parallel-size > 1": self.tensor_parallel_size > 1,
+            "--pipeline-parallel-size > 1": self.pipeline_parallel_size > 1,
             "--data-parallel-size > 1": self.data_parallel_size > 1,
             "--speculative-config": self.speculative_config is not None,
             "--enable-lora": self.enable_lora,
@@ -223,6 +230,29 @@ class EngineConfig:
             raise ValueError("the Ray backends run on CPU only (Ray's GPU assignment is not wired to the ranks' "
                              f"devices yet); got --device {self.device}")
         require_ray()
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline parallelism does not combine with (yet), each named."""
+        refused = [
+            (self.quantization != "none", f"--quantization {self.quantization}"
+                                          + (" (the CPU's --dtype bfloat16 mode)" if self.quantization == "bf16" else "")),
+            (self.speculative_config is not None, "--speculative-config"),
+            (self.enable_lora, "--enable-lora"),
+            (self.kv_cache_dtype != "auto", f"--kv-cache-dtype {self.kv_cache_dtype}"),
+            (self.preemption_mode != "recompute", f"--preemption-mode {self.preemption_mode}"),
+            (self.data_parallel_size > 1, "--data-parallel-size > 1"),
+            (self.task == "embed", "--task embed"),
+            (self.distributed_executor_backend == "ray", "--distributed-executor-backend ray"),
+        ]
+        names = [name for bad, name in refused if bad]
+        if names:
+            raise ValueError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with "
+                             f"--pipeline-parallel-size > 1 yet")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine's parallel group: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

@@ -1,14 +1,14 @@
-"""`pagoda bench parallel`: throughput of TP=1 vs TP=2 and DP=1 vs DP=2, same workload.
+"""`pagoda bench parallel`: throughput of TP=1 vs TP=2 vs PP=2 and DP=1 vs DP=2, same workload.
 
 Each setting starts the engine the server would (AsyncLLM, or DataParallelLLM
 for DP > 1, engine cores in their own processes), sends ``--num-prompts``
 random prompts of ``--input-len`` tokens at once (greedy, ``--output-len``
 tokens each, ignore_eos) and reports output tokens per second. Every rank or
-replica gets ``--threads-per-rank`` torch threads (default 1), so TP=2 and
+replica gets ``--threads-per-rank`` torch threads (default 1), so TP=2, PP=2 and
 DP=2 use twice the cores of TP=1 / DP=1: the question is how much of the
 second core each turns into throughput.
 
-    pagoda bench parallel --settings tp1,tp2,dp1,dp2 --num-prompts 32 --input-len 128 --output-len 64
+    pagoda bench parallel --settings tp1,tp2,pp2,dp1,dp2 --num-prompts 32 --input-len 128 --output-len 64
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import time
 
 from pagoda.config import EngineConfig
 
-_SETTINGS = {"tp1": (1, 1), "tp2": (2, 1), "dp1": (1, 1), "dp2": (1, 2), "tp2dp2": (2, 2)}
+# name -> (tensor, pipeline, data) parallel sizes
+_SETTINGS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "dp1": (1, 1, 1),
+             "dp2": (1, 1, 2), "tp2dp2": (2, 1, 2)}
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -80,13 +82,13 @@ def run_parallel(args: argparse.Namespace, config: EngineConfig) -> int:
     threads = config.threads_per_rank or 1
     results = {}
     for name in names:
-        tp, dp = _SETTINGS[name]
-        cfg = dataclasses.replace(config, tensor_parallel_size=tp, data_parallel_size=dp,
+        tp, pp, dp = _SETTINGS[name]
+        cfg = dataclasses.replace(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                                   threads_per_rank=threads, show_progress=False)
         r = asyncio.run(_run_one(cfg, prompts, args.output_len))
-        r.update(tensor_parallel_size=tp, data_parallel_size=dp, threads_per_rank=threads)
+        r.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, threads_per_rank=threads)
         results[name] = r
-        print(f"{name:>7}: TP={tp} DP={dp}, {threads} thread(s) per rank: "
+        print(f"{name:>7}: TP={tp} PP={pp} DP={dp}, {threads} thread(s) per rank: "
               f"{r['output_tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens in {r['elapsed_s']:.1f} s)",
               flush=True)
     if args.save_result:

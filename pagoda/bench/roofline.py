@@ -187,9 +187,9 @@ def add_roofline_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_roofline(args: argparse.Namespace, config: EngineConfig) -> int:
-    if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
+    if config.world_size > 1 or config.data_parallel_size > 1:
         raise SystemExit("pagoda bench roofline times one process's forward; it does not take "
-                         "--tensor-parallel-size or --data-parallel-size")
+                         "--tensor-parallel-size, --pipeline-parallel-size or --data-parallel-size")
     if config.device == "cpu":
         threads = cpu_threads_policy(config.num_threads)
         if threads is not None:

@@ -1,31 +1,39 @@
-"""A tensor-parallel process group over torch.distributed (gloo on CPU, nccl on CUDA).
+"""The process groups of a tensor- and pipeline-parallel engine, over torch.distributed
+(gloo on CPU, nccl on CUDA).
 
-Each engine owns its group object; nothing goes through torch.distributed's
-global default group, so several groups (tests, data-parallel replicas) can
-live side by side. Two process groups share one rendezvous store:
+World: ``tp_size * pp_size`` ranks; rank r is TP rank ``r % tp_size`` of pipeline stage
+``r // tp_size``. E.g. TP=2 x PP=2: stage 0 = ranks 0, 1; stage 1 = ranks 2, 3. Rank 0 (stage 0,
+TP rank 0) is the engine core. Each engine owns its groups; nothing goes through
+torch.distributed's global default group, so several engines (tests, data-parallel replicas)
+can live side by side. Every group of a rank shares one rendezvous store:
 
-- ``compute``: the collectives inside a forward (all-reduce after row-parallel
-  layers, all-gather of logits), bounded by ``timeout`` so that a hung peer
-  ends in an error, not a hang;
-- ``control``: gloo, rank 0 broadcasting each step's inputs to the workers.
-  Workers wait on it while the engine idles, so its timeout is long; a peer
-  that dies closes its sockets, which ends the wait at once.
+- ``control`` (gloo, every rank): rank 0 sends each step's inputs to the others, point to
+  point, without waiting (``RankGroups.send_step``). Workers wait on it while the engine
+  idles, so its timeout is long; a peer that dies closes its sockets, which ends a wait at once.
+- ``TPGroup`` (one per stage, ``tp_size`` ranks): the collectives inside a forward (all-reduce
+  after row-parallel layers, all-gather of logits), bounded by ``timeout`` so that a hung peer
+  ends in an error, not a hang.
+- ``PipeLink`` (every rank, when ``pp_size > 1``): point-to-point sends and receives between a
+  stage and the next (hidden states and residual) and from the last stage to rank 0 (logits).
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 # A worker may wait this long for rank 0's next step (the engine can idle for days).
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# Point-to-point tags: one FIFO channel per kind of message between two ranks.
+_TAG_SIZE, _TAG_STEP, _TAG_ACTIVATIONS, _TAG_LOGITS = 1, 2, 3, 4
 
 
 class DistributedError(RuntimeError):
-    """A peer of the tensor-parallel group is gone or did not answer in time."""
+    """A peer of the parallel group is gone or did not answer in time."""
 
 
 def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
@@ -36,24 +44,46 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: floa
     return store
 
 
+def _gloo_or_nccl(store: dist.Store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class _Sends:
+    """Point-to-point sends in flight. A gloo send completes only once the peer posted its
+    receive, so the sender does not wait: it keeps the tensor alive and waits for the oldest
+    only when more than ``limit`` are pending (the peer consumes them in order)."""
+
+    def __init__(self, group, limit: int) -> None:
+        self.group = group
+        self.limit = limit
+        self._pending: deque = deque()
+
+    def post(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._pending.append((self.group.send([t], dst, tag), t))
+        while len(self._pending) > self.limit:
+            _wait(self._pending.popleft()[0])
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every pending send (each at most ``timeout`` seconds, if given)."""
+        while self._pending:
+            work = self._pending.popleft()[0]
+            _wait(work, None if timeout is None else datetime.timedelta(seconds=timeout))
+
+
 class TPGroup:
+    """One stage's tensor-parallel ranks: ``rank`` and ``world_size`` count within the stage
+    (what the parallel layers and the shard plan read)."""
+
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
                  timeout: float) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        td = datetime.timedelta(seconds=timeout)
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("pagoda/control", store), rank, world_size,
-                                             _CONTROL_TIMEOUT)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = td
-            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("pagoda/compute", store), rank, world_size, opts)
-        else:
-            self.compute = dist.ProcessGroupGloo(dist.PrefixStore("pagoda/compute", store), rank, world_size, td)
-        self._store = store  # kept alive: rank 0's TCP store serves the others
-
-    # ---- collectives used by the parallel layers -----------------------------------
+        self.compute = _gloo_or_nccl(store, rank, world_size, device, datetime.timedelta(seconds=timeout))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (returns ``t``)."""
@@ -74,34 +104,122 @@ class TPGroup:
         _wait(self.compute.allgather([parts], [t]))
         return torch.cat(parts, dim=dim)
 
+
+class PipeLink:
+    """A rank's links to the neighbouring pipeline stages: its counterpart (same TP rank) in
+    the stage before and the stage after, and, from the last stage's TP rank 0, rank 0
+    (which samples). Every stage runs the micro-batches in the order rank 0 sent them, so
+    each link is a FIFO channel; sends do not wait (``_Sends``)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, tp_size: int, device: torch.device,
+                 timeout: float) -> None:
+        self.rank = rank
+        self.tp_size = tp_size
+        self.stage = rank // tp_size
+        self.num_stages = world_size // tp_size
+        self.device = device
+        self.group = _gloo_or_nccl(store, rank, world_size, device, datetime.timedelta(seconds=timeout))
+        # Up to two micro-batches per stage may be on their way (see _Sends).
+        self._sends = _Sends(self.group, 2 * self.num_stages)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def send_next(self, t: torch.Tensor) -> None:
+        """To this TP rank of the next stage."""
+        self._sends.post(t.contiguous(), self.rank + self.tp_size, _TAG_ACTIVATIONS)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """From this TP rank of the stage before (blocks until it arrives)."""
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        _wait(self.group.recv([t], self.rank - self.tp_size, _TAG_ACTIVATIONS))
+        return t
+
+    def send_logits(self, t: torch.Tensor) -> None:
+        """The last stage's logits to rank 0 (TP rank 0 sends; the others hold the same)."""
+        if self.rank % self.tp_size == 0:
+            self._sends.post(t.contiguous(), 0, _TAG_LOGITS)
+
+    def recv_logits(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rank 0: the logits of the last stage (float32). The other ranks of stage 0 do not
+        sample: an empty [rows, 0] tensor."""
+        if self.rank != 0:
+            return torch.empty(shape[0], 0, device=self.device)
+        t = torch.empty(shape, dtype=torch.float32, device=self.device)
+        _wait(self.group.recv([t], (self.num_stages - 1) * self.tp_size, _TAG_LOGITS))
+        return t
+
+
+class RankGroups:
+    """Every group one rank joins: the control channel, its stage's TP group (None when
+    ``tp_size == 1``) and its pipeline link (None when ``pp_size == 1``)."""
+
+    def __init__(self, store: dist.Store, rank: int, tp_size: int, pp_size: int, device: torch.device,
+                 timeout: float) -> None:
+        self.rank = rank
+        self.world_size = tp_size * pp_size
+        self.tp_size, self.pp_size = tp_size, pp_size
+        self.stage, self.tp_rank = divmod(rank, tp_size)
+        self.device = device
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("pagoda/control", store), rank, self.world_size,
+                                             _CONTROL_TIMEOUT)
+        self.tp = TPGroup(dist.PrefixStore(f"pagoda/compute/{self.stage}", store), self.tp_rank, tp_size, device,
+                          timeout) if tp_size > 1 else None
+        self.pipe = PipeLink(dist.PrefixStore("pagoda/pipe", store), rank, self.world_size, tp_size, device,
+                             timeout) if pp_size > 1 else None
+        # Every rank, bounded by ``timeout`` (the startup collectives): the pipeline's group, or
+        # with one stage the TP group.
+        self._world = self.pipe.group if self.pipe is not None else self.tp.compute
+        # Rank 0's step messages on their way (two per step and worker).
+        self._steps = _Sends(self.control, 4 * self.world_size * pp_size)
+        self._store = store  # kept alive: rank 0's TCP store serves the others
+
+    # ---- rank 0 -> workers -----------------------------------------------------------
+
+    def send_step(self, obj: object) -> None:
+        """Rank 0: send ``obj`` (pickled) to every other rank, without waiting for them."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        for dst in range(1, self.world_size):
+            self._steps.post(size, dst, _TAG_SIZE)
+            self._steps.post(data, dst, _TAG_STEP)
+
+    def recv_step(self) -> object:
+        """A worker: the next object rank 0 sent (blocks until it comes)."""
+        size = torch.empty(1, dtype=torch.long)
+        _wait(self.control.recv([size], 0, _TAG_SIZE))
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        _wait(self.control.recv([data], 0, _TAG_STEP))
+        return pickle.loads(data.numpy().tobytes())
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every step message sent has been received (at most ``timeout`` seconds each)."""
+        self._steps.drain(timeout)
+
+    # ---- collectives over every rank (startup) ------------------------------------------
+
     def all_reduce_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        _wait(self.compute.allreduce([t], opts))
+        _wait(self._world.allreduce([t], opts))
         return int(t.item())
 
-    # ---- rank 0 -> workers -----------------------------------------------------------
-
-    def broadcast_object(self, obj: object = None) -> object:
-        """Rank 0 sends ``obj`` (pickled); the other ranks receive and return it."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.long)
-            _wait(self.control.broadcast([size], opts))
-            _wait(self.control.broadcast([data], opts))
-            return obj
-        size = torch.empty(1, dtype=torch.long)
-        _wait(self.control.broadcast([size], opts))
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        _wait(self.control.broadcast([data], opts))
-        return pickle.loads(data.numpy().tobytes())
+    def all_gather_int(self, value: int) -> list[int]:
+        """Every rank's ``value``, in rank order."""
+        mine = torch.tensor([value], dtype=torch.long, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        _wait(self._world.allgather([parts], [mine]))
+        return [int(p.item()) for p in parts]
 
 
-def _wait(work) -> None:
+def _wait(work, timeout: datetime.timedelta | None = None) -> None:
     try:
-        work.wait()
+        work.wait() if timeout is None else work.wait(timeout)
     except RuntimeError as e:
-        raise DistributedError(f"tensor-parallel peer failed: {e}") from e
+        raise DistributedError(f"parallel peer failed: {e}") from e

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class EngineCore:
         outputs and now and then a KV pool picture, for metrics and the dashboard."""
         self.config = config
         device = torch.device(config.device)
-        parallel = config.tensor_parallel_size > 1 or config.data_parallel_size > 1
+        parallel = config.world_size > 1 or config.data_parallel_size > 1
         if device.type == "cpu" and not parallel:  # parallel ranks: configure_threads (threads_per_rank)
             threads = cpu_threads_policy(config.num_threads)
             if threads is not None:
@@ -73,22 +74,26 @@ class EngineCore:
             keep_freed_memory()
         dtype = parse_dtype(config.dtype)
         self.tp_driver = None
+        # Pipeline parallelism: steps started, not finished yet (_step_pipelined), at most this many.
+        self.pipeline_depth = config.pipeline_parallel_size
+        self._in_flight: deque = deque()
         self.threads: ThreadGovernor | None = None  # the thread count's governor, where it moves
-        if config.tensor_parallel_size > 1:
-            # Rank 0 of a tensor-parallel group (pagoda/executor/multiproc.py).
+        if config.world_size > 1:
+            # Rank 0 of a tensor- and/or pipeline-parallel group (pagoda/executor/multiproc.py).
             from pagoda.executor.multiproc import configure_threads, start_driver
 
             if loaded is not None:
-                raise ValueError("a tensor-parallel engine loads its own shard; do not pass `loaded`")
+                raise ValueError("a parallel engine loads its own part of the model; do not pass `loaded`")
             configure_threads(config)
             ray_launcher = None
             if config.distributed_executor_backend == "ray":
                 from pagoda.executor.ray_executor import start_ray_workers as ray_launcher
             self.tp_driver, device = start_driver(config, ray_launcher)
             try:
+                group = self.tp_driver.group
                 loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
-                                    quantization=config.quantization, tp_group=self.tp_driver.group, tp_rank=0,
-                                    expert_parallel=config.enable_expert_parallel)
+                                    quantization=config.quantization, tp_group=group.tp, tp_rank=0,
+                                    expert_parallel=config.enable_expert_parallel, pipe=group.pipe)
                 self._init_rest(config, loaded, device, dtype, collect_stats)
             except BaseException:
                 # The workers may be waiting in a collective: stop them, do not talk to them.
@@ -117,7 +122,8 @@ class EngineCore:
         (LoRA, speculative decoding), shared prefixes and step statistics."""
         self.loaded = loaded
         arch = loaded.arch
-        self._moe = arch.num_experts > 0
+        # (Under pipeline parallelism rank 0 holds only its stage's experts: not reported.)
+        self._moe = arch.num_experts > 0 and config.pipeline_parallel_size == 1
         self._last_expert_load = float("-inf")
         self.vocab_size = arch.vocab_size
         if self.tp_driver is not None:
@@ -148,6 +154,9 @@ class EngineCore:
         """An embedding engine's pooling (pagoda/pooling.py); None for a generating one."""
         task = resolve_task(config.task, loaded.path, loaded.arch.has_lm_head)
         overrides = config.override_pooler_config
+        if task == "embed" and config.pipeline_parallel_size > 1:
+            raise ValueError(f"{loaded.path} is an embedding model (--task embed), which is not supported with "
+                             f"--pipeline-parallel-size > 1 yet")
         if task != "embed":
             if overrides is not None and not overrides.is_empty:
                 raise ValueError("pooler options (--pooling-type, --no-normalize, --matryoshka-dimensions) apply "
@@ -379,7 +388,10 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or (self.kv_transfer is not None and self.kv_transfer.has_work())
+        """Requests waiting or running, steps still in flight (pipeline parallelism), or KV
+        transfers under way (a prefill or decode instance)."""
+        return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+                or (self.kv_transfer is not None and self.kv_transfer.has_work()))
 
     def has_pending_transfers(self) -> bool:
         """KV is on its way to this (decode) instance: nothing to step, but soon."""
@@ -388,8 +400,39 @@ class EngineCore:
     # ---- one step ----------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         start = time.monotonic()
         arrived = self.kv_transfer.poll() if self.kv_transfer is not None else []
+        sched_out, record, masks = self._schedule(start)
+        runner_out = self.executor.execute_model(sched_out, masks)
+        return self._finish_step(sched_out, runner_out, record, start, arrived=arrived)
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """Pipeline parallelism: keep up to ``pipeline_depth`` steps (micro-batches) in flight
+        so that the stages do not wait for each other (vLLM V1's batch queue), then finish the
+        oldest. The steps cover disjoint requests: the scheduler gives a request no tokens
+        while its sampled token is pending, but may send a prompt's next chunk behind the one
+        before, since every stage runs the steps in the order sent (so K/V written by one step
+        are in place for the next, and blocks freed and reused meanwhile are written in order).
+        E.g. depth 2: start A, start B, finish A (B runs on stage 1 meanwhile), start C, ..."""
+        outputs: list[EngineCoreOutput] = []
+        while len(self._in_flight) < self.pipeline_depth:
+            start = time.monotonic()
+            sched_out, record, masks = self._schedule(start)
+            if sched_out.is_empty:
+                # Nothing to start (or all in flight); the ranks still forget ended requests.
+                if sched_out.finished_req_ids or not self._in_flight:
+                    outputs += self.scheduler.update_from_output(sched_out, self.executor.execute_model(sched_out))
+                break
+            self._in_flight.append((sched_out, record, start, self.executor.submit(sched_out, masks)))
+        if not self._in_flight:
+            return self._stats_out(outputs, None, time.monotonic())
+        sched_out, record, start, batch = self._in_flight.popleft()
+        return self._finish_step(sched_out, self.executor.collect(batch), record, start, outputs)
+
+    def _schedule(self, start: float):
+        """This step's SchedulerOutput, its stats record and its requests' grammar masks."""
         sched_out = self.scheduler.schedule()
         if sched_out.kv_in:
             self.kv_transfer.install(sched_out)
@@ -405,20 +448,28 @@ class EngineCore:
                 [reqs[rid].matcher for rid in sched_out.structured_req_ids], self.vocab_size
             )
             masks = dict(zip(sched_out.structured_req_ids, rows))
-        runner_out = self.executor.execute_model(sched_out, masks)
+        return sched_out, record, masks
+
+    def _finish_step(self, sched_out, runner_out, record, start: float,
+                     outputs: list[EngineCoreOutput] | None = None, arrived=()) -> EngineCoreOutputs:
+        """``outputs``: earlier outputs of this call (pipelined steps); ``arrived``: KV
+        transfers that came in before the step (a decode instance)."""
         if self.threads is not None:
             self.threads.step_done()
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = (outputs or []) + self.scheduler.update_from_output(sched_out, runner_out)
         if self.kv_transfer is not None:
             self.kv_transfer.after_update(outputs)
             outputs = self.kv_transfer.merge(arrived, outputs)
         end = time.monotonic()
+        if record is not None:
+            record.duration = end - start
+        return self._stats_out(outputs, record, end)
+
+    def _stats_out(self, outputs: list[EngineCoreOutput], record, end: float) -> EngineCoreOutputs:
         out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)
-        if collector is not None:
-            if record is not None:
-                record.duration = end - start
+        if self.step_stats is not None:
             out.step = record
-            out.kv_block_map = collector.maybe_block_map(self.kv_manager.pool, end)
+            out.kv_block_map = self.step_stats.maybe_block_map(self.kv_manager.pool, end)
         out.expert_load = self._maybe_expert_load(end)
         return out
 

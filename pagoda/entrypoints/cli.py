@@ -136,12 +136,15 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     par = p.add_argument_group("parallelism (docs/parallel.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks that split each layer (torch.distributed: gloo on CPU, nccl on CUDA)")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                     help="stages that split the layers, each a process (or a TP group); "
+                          "world = TP x PP ranks")
     par.add_argument("--enable-expert-parallel", action="store_true",
                      help="MoE models: each tensor-parallel rank holds whole experts "
                           "(default: every expert split by rows)")
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="engine replicas behind one server, with prefix-aware routing (serve only)")
-    par.add_argument("--nnodes", type=int, default=1, help="nodes the tensor-parallel group spans")
+    par.add_argument("--nnodes", type=int, default=1, help="nodes the tensor/pipeline-parallel group spans")
     par.add_argument("--node-rank", type=int, default=0,
                      help="this node's index; 0 runs the server and engine core, others only workers")
     par.add_argument("--master-addr", default=None, help="node 0's address for the rendezvous")
@@ -200,6 +203,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         raise ValueError("--data-parallel-size applies to `pagoda serve` (and bench serve) only")
     parallel = {
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+        "pipeline_parallel_size": getattr(args, "pipeline_parallel_size", 1),
         "enable_expert_parallel": getattr(args, "enable_expert_parallel", False),
         "data_parallel_size": getattr(args, "data_parallel_size", 1),
         "nnodes": getattr(args, "nnodes", 1),

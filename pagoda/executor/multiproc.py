@@ -1,12 +1,17 @@
-"""Tensor parallelism across processes: rank 0 (the engine core) drives, workers follow.
+"""Tensor and pipeline parallelism across processes: rank 0 (the engine core) drives,
+workers follow.
 
 The scheduler runs once, in the engine core, which is rank 0 of the group.
-Each step rank 0 broadcasts the SchedulerOutput (full data for new requests,
-diffs for running ones) plus the tokens it sampled last step; every rank
-updates its copy of the batch, runs its shard of the forward (the
-collectives inside keep them in lock step), and rank 0 alone samples.
+Each step rank 0 sends every rank the SchedulerOutput (full data for new requests,
+diffs for running ones) plus the tokens it sampled since its last message; every rank
+updates its copy of the batch, runs its part of the forward (its shard of its stage's
+layers; the collectives inside keep a stage's ranks in lock step, and the stages pass
+activations on, pagoda/model/layers/pipeline.py), and rank 0 alone samples, from the
+logits the last stage sends it. Under pipeline parallelism rank 0 starts a step
+(``submit``) before the previous one's logits are back (``collect``), so that several
+micro-batches are in flight (pagoda/engine/engine_core.py).
 
-Ranks and nodes: ``tensor_parallel_size`` ranks over ``nnodes`` nodes, the
+Ranks and nodes: ``tensor_parallel_size * pipeline_parallel_size`` ranks over ``nnodes`` nodes, the
 same number on each; node n holds ranks [n * per_node, (n + 1) * per_node).
 Node 0's engine core is rank 0 and starts its node's other ranks; every other
 node runs `pagoda serve ... --node-rank n` (or `python -m pagoda.executor.worker`),
@@ -29,7 +34,7 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig, torchrun_rank
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagoda.distributed.group import DistributedError, TPGroup, rendezvous_store
+from pagoda.distributed.group import DistributedError, RankGroups, rendezvous_store
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ def configure_threads(config: EngineConfig) -> None:
     """One torch thread per rank (default) when ranks or replicas share a CPU."""
     if config.device != "cpu":
         return
-    parallel = config.tensor_parallel_size > 1 or config.data_parallel_size > 1
+    parallel = config.world_size > 1 or config.data_parallel_size > 1
     if config.threads_per_rank is not None or parallel:
         torch.set_num_threads(config.threads_per_rank or 1)
 
@@ -53,7 +58,7 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 
 def ranks_of_node(config: EngineConfig, node_rank: int) -> range:
-    per_node = config.tensor_parallel_size // config.nnodes
+    per_node = config.world_size // config.nnodes
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
@@ -71,32 +76,42 @@ class WorkerProcess(Protocol):
 @dataclass
 class StepMessage:
     sched_out: SchedulerOutput
-    sampled: list[tuple[str, list[int]]]   # what rank 0 sampled last step
+    sampled: list[tuple[str, list[int]]]   # what rank 0 sampled since its last message
 
 
 class TensorParallelDriver:
-    """Rank 0's side: the engine core's executor. Same ``execute_model`` as ModelRunner."""
+    """Rank 0's side of a tensor- and/or pipeline-parallel group: the engine core's executor.
+    Same ``execute_model`` as ModelRunner, and its two halves ``submit`` / ``collect``."""
 
-    def __init__(self, group: TPGroup, workers: list[WorkerProcess]) -> None:
+    def __init__(self, group: RankGroups, workers: list[WorkerProcess]) -> None:
         self.group = group
         self.workers = workers
         self.runner = None
         self.weight_bytes: list[int] = []
-        self._last_sampled: list[tuple[str, list[int]]] = []
+        self._sampled: list[tuple[str, list[int]]] = []
         self._closed = False
 
     def gather_weight_bytes(self, model: torch.nn.Module) -> list[int]:
         """Parameter bytes each rank holds (a collective: the workers call it too)."""
         self.weight_bytes = gather_weight_bytes(self.group, model)
-        logger.info("tensor parallel: %d ranks, weights per rank %s MiB", self.group.world_size,
-                    [round(b / 2**20, 1) for b in self.weight_bytes])
+        logger.info("parallel: TP=%d x PP=%d ranks, weights per rank %s MiB", self.group.tp_size,
+                    self.group.pp_size, [round(b / 2**20, 1) for b in self.weight_bytes])
         return self.weight_bytes
 
     def execute_model(self, so: SchedulerOutput, grammar_masks=None) -> ModelRunnerOutput:
+        return self.collect(self.submit(so, grammar_masks))
+
+    def submit(self, so: SchedulerOutput, grammar_masks=None):
+        """Send the step to every rank and start rank 0's part of it (ModelRunner.start_batch)."""
         self.check_workers()
-        self.group.broadcast_object(StepMessage(so, self._last_sampled))
-        out = self.runner.execute_model(so, grammar_masks)
-        self._last_sampled = [(rid, t) for rid, t in zip(out.req_ids, out.sampled_token_ids) if t]
+        self.group.send_step(StepMessage(so, self._sampled))
+        self._sampled = []
+        return self.runner.start_batch(so, grammar_masks)
+
+    def collect(self, batch) -> ModelRunnerOutput:
+        """Finish a submitted step: its logits (from the last stage), sampling."""
+        out = self.runner.finish_batch(batch)
+        self._sampled.extend((rid, t) for rid, t in zip(out.req_ids, out.sampled_token_ids) if t)
         return out
 
     def check_workers(self) -> None:
@@ -105,7 +120,7 @@ class TensorParallelDriver:
         for proc in self.workers:
             code = proc.poll()
             if code is not None:
-                raise DistributedError(f"tensor-parallel worker (pid {proc.pid}) exited with code {code}")
+                raise DistributedError(f"parallel worker (pid {proc.pid}) exited with code {code}")
 
     def kill(self) -> None:
         """Stop this node's workers at once (startup failed; they may be inside a collective)."""
@@ -121,7 +136,8 @@ class TensorParallelDriver:
         self._closed = True
         try:
             if all(p.poll() is None for p in self.workers):
-                self.group.broadcast_object(None)
+                self.group.send_step(None)
+                self.group.drain(_WORKER_EXIT_TIMEOUT_S)
         except DistributedError:
             pass
         for proc in self.workers:
@@ -140,7 +156,7 @@ def start_driver(
     ``start_ray_workers(config, store_port)``: the Ray backend's launcher
     (pagoda.executor.ray_executor.start_ray_workers), given by the caller where
     --distributed-executor-backend ray asks for it."""
-    world = config.tensor_parallel_size
+    world = config.world_size
     launched = torchrun_rank()
     if launched is not None:
         rank, world_env, local_rank = launched
@@ -171,7 +187,8 @@ def start_driver(
         store = rendezvous_store(config.distributed_init_method, 0, world, config.distributed_timeout)
     device = rank_device(config, local_rank)
     try:
-        group = TPGroup(store, 0, world, device, config.distributed_timeout)
+        group = RankGroups(store, 0, config.tensor_parallel_size, config.pipeline_parallel_size, device,
+                           config.distributed_timeout)
     except Exception:
         for proc in workers:
             proc.kill()
@@ -179,11 +196,11 @@ def start_driver(
     return TensorParallelDriver(group, workers), device
 
 
-def gather_weight_bytes(group: TPGroup, model: torch.nn.Module) -> list[int]:
+def gather_weight_bytes(group: RankGroups, model: torch.nn.Module) -> list[int]:
+    """Parameter bytes of every rank, in rank order (each calls it)."""
     from pagoda.model.loader import parameter_bytes
 
-    mine = torch.tensor([parameter_bytes(model)], dtype=torch.long, device=group.device)
-    return [int(b) for b in group.all_gather(mine, dim=0).tolist()]
+    return group.all_gather_int(parameter_bytes(model))
 
 
 def _td(seconds: float):

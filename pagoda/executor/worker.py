@@ -1,4 +1,5 @@
-"""A tensor-parallel worker (rank > 0): load this rank's shard, then follow rank 0's steps.
+"""A tensor- or pipeline-parallel worker (rank > 0): load this rank's part of the model (its
+stage's layers, its shard of them), then follow rank 0's steps.
 
     python -m pagoda.executor.worker --rank 1 --init-method tcp://host:port --config-json '{...}'
 
@@ -22,20 +23,22 @@ logger = logging.getLogger(__name__)
 
 
 def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: str) -> int:
-    from pagoda.distributed.group import DistributedError, TPGroup, rendezvous_store
+    from pagoda.distributed.group import DistributedError, RankGroups, rendezvous_store
     from pagoda.executor.multiproc import configure_threads, gather_weight_bytes, rank_device
     from pagoda.model.loader import load_model, parse_dtype
     from pagoda.worker.kv_sizing import kv_blocks_for
     from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage
 
     configure_threads(config)
-    world = config.tensor_parallel_size
+    world = config.world_size
     device = rank_device(config, local_rank)
     dtype = parse_dtype(config.dtype)
     store = rendezvous_store(init_method, rank, world, config.distributed_timeout)
-    group = TPGroup(store, rank, world, device, config.distributed_timeout)
+    group = RankGroups(store, rank, config.tensor_parallel_size, config.pipeline_parallel_size, device,
+                       config.distributed_timeout)
     loaded = load_model(config.model, dtype, device, show_progress=False, quantization=config.quantization,
-                        tp_group=group, tp_rank=rank, expert_parallel=config.enable_expert_parallel)
+                        tp_group=group.tp, tp_rank=group.tp_rank, expert_parallel=config.enable_expert_parallel,
+                        pipe=group.pipe)
     gather_weight_bytes(group, loaded.model)
     # The KV cache as rank 0 keeps it (float16 in the quantized modes), sized by the same rule.
     kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)
@@ -46,7 +49,7 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: st
     logger.info("rank %d/%d ready: %d KV blocks", rank, world, num_blocks)
     try:
         while True:
-            msg = group.broadcast_object()
+            msg = group.recv_step()
             if msg is None:
                 return 0
             runner.apply_sampled(msg.sampled)
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, _, local_rank = launched
         init = init or config.distributed_init_method or "env://"
     logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
+                        format=f"%(asctime)s rank-{rank} %(levelname)s %(message)s")
     _exit_with_parent()
     code = run_worker(config, rank, local_rank if local_rank is not None else rank, init)
     sys.stdout.flush()

@@ -18,6 +18,7 @@ from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.hf_quant import QuantMethod, method_for
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan, checkpoint_name
+from pagoda.model.layers.pipeline import StageLink, StagePlan
 from pagoda.model.models import model_class
 from pagoda.model.paths import ModelLoadError, default_model_path  # noqa: F401 (re-exported)
 from pagoda.model.stores import resolve_model_path
@@ -49,6 +50,7 @@ class LoadedModel:
     path: str
     gguf_metadata: dict | None = None   # for building the tokenizer from a GGUF file
     shard: ShardPlan | None = None       # this rank's part of a tensor-parallel model
+    stage: StagePlan | None = None       # this rank's stage of a pipeline-parallel model
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -71,6 +73,7 @@ def load_model(
     tp_group: Collectives | None = None,
     tp_rank: int = 0,
     expert_parallel: bool = False,
+    pipe: StageLink | None = None,
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
     code itself never branches on quantization). On the CPU in float32, a GGUF
@@ -79,7 +82,9 @@ def load_model(
     tensor-parallel group of ``tp_group.world_size`` ranks), build this rank's
     shard only: parallel layers in place of the model's, and only this rank's
     part of each tensor kept as it is read (blocks cut along block boundaries); the
-    quantized modes then convert the shard, every rank in step (``quantize_model``)."""
+    quantized modes then convert the shard, every rank in step (``quantize_model``). With
+    ``pipe`` (a pipeline stage's links), build only that stage's layers
+    (pagoda/model/layers/pipeline.py): other stages' tensors are never read."""
     from pagoda.model.layers.quantization import QUANTIZATION_MODES, calibration_token_ids, quantize_model
 
     if quantization not in QUANTIZATION_MODES:
@@ -87,10 +92,13 @@ def load_model(
     path = resolve_model_path(model)
     device = torch.device(device)
     tp = None if tp_group is None else _TP(tp_group, tp_rank, expert_parallel, quantization)
+    if pipe is not None and quantization != "none":
+        raise ValueError("quantization is not supported with pipeline parallelism")
     # Weights stay as stored (GGUF blocks, float16/bfloat16) where pagoda's CPU kernels
-    # multiply them: the exact mode in float32. Otherwise (CUDA, another dtype, no kernels)
-    # they are dequantized to ``dtype`` at load.
-    keep_blocks = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.kernels() is not None
+    # multiply them: the exact mode in float32. Otherwise (CUDA, another dtype, a pipeline
+    # stage, no kernels) they are dequantized to ``dtype`` at load.
+    keep_blocks = (device.type == "cpu" and dtype == torch.float32 and pipe is None
+                   and cpu_kernels.kernels() is not None)
     if os.path.isdir(path):
         method = _quant_method(path)
         if method is not None:
@@ -102,11 +110,11 @@ def load_model(
             logger.info("tensor parallelism: the %s checkpoint's weights are dequantized to %s at load",
                         method.name, dtype)
         loaded = (_load_hf_kept(path, device, show_progress, method, tp) if kept else None) or \
-            _load_hf_folder(path, dtype, device, show_progress, tp, method)
+            _load_hf_folder(path, dtype, device, show_progress, tp, method, pipe)
     elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
         loaded = _load_gguf_blocks(path, device, show_progress, tp)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
-        loaded = _load_gguf(path, dtype, device, show_progress, tp)
+        loaded = _load_gguf(path, dtype, device, show_progress, tp, pipe)
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
     quantize_model(loaded.model, quantization, device,
@@ -152,17 +160,23 @@ def _has_gguf_magic(path: str) -> bool:
 
 
 def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 tp: _TP | None = None) -> tuple[CausalLM, ShardPlan | None]:
+                 tp: _TP | None = None,
+                 pipe: StageLink | None = None) -> tuple[CausalLM, ShardPlan | None, StagePlan | None]:
     cls = model_class(arch.architecture)
     # Build on the meta device: no time spent on random init of weights we overwrite,
     # and a tensor-parallel rank allocates only its shard.
     with torch.device("meta"):
         model = cls(arch)
     plan = None if tp is None else _shard_model(model, arch, tp)
+    stage = None
+    if pipe is not None:
+        stage = StagePlan.build(arch.num_hidden_layers, pipe.stage, pipe.num_stages, arch.tie_word_embeddings)
+        with torch.device("meta"):
+            stage.apply(model, pipe)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(device)  # buffers are not loaded from checkpoints
     model.eval().requires_grad_(False)
-    return model, plan
+    return model, plan, stage
 
 
 def packed_projections(cls: type[CausalLM]) -> dict[str, tuple[str, int]]:
@@ -204,10 +218,14 @@ def _fill(
     path: str,
     show_progress: bool,
     plan: ShardPlan | None = None,
+    stage: StagePlan | None = None,
 ) -> None:
-    """``plan``: keep only this rank's part of each tensor (tensor parallelism)."""
+    """``plan``: keep only this rank's part of each tensor (tensor parallelism); ``stage``:
+    only this pipeline stage's tensors (the readers skip the others unread)."""
     params = {checkpoint_name(n): p for n, p in model.named_parameters()}
-    if model.config.tie_word_embeddings:
+    # A tied LM head is the embedding here, unless a pipeline stage holds only one of them.
+    tied = model.config.tie_word_embeddings and "model.embed_tokens.weight" in params
+    if tied:
         params.pop("lm_head.weight", None)
     # Every parameter (or row range of a stacked one) must be written exactly once.
     mapping = type(model).packed_modules_mapping
@@ -225,10 +243,14 @@ def _fill(
     with torch.no_grad():
         for name, tensor in tensors:
             bar.update(1)
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied:
                 continue
             if plan is not None and not plan.holds(name):
                 continue   # another rank's expert
+            if stage is not None:
+                if not stage.holds(name):
+                    continue   # another stage's
+                name = stage.rename(name)
             target, rows = _target(model, name)
             param = params.get(target)
             if param is None:
@@ -252,7 +274,8 @@ def _fill(
             f"{path}: weights do not match the architecture; missing {missing[:8]}"
             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
         )
-    model.tie_weights()
+    if tied:
+        model.tie_weights()
 
 
 # ---- HF folders --------------------------------------------------------------
@@ -343,7 +366,8 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-                    tp: _TP | None = None, method: QuantMethod | None = None) -> LoadedModel:
+                    tp: _TP | None = None,
+                    method: QuantMethod | None = None, pipe: StageLink | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     from pagoda.model.layers.blocks import BlockWeight
@@ -358,7 +382,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
     arch, handles = _base_model_layout(arch, [safe_open(str(f), framework="pt") for f in files], path)
-    model, plan = _instantiate(arch, dtype, device, tp)
+    model, plan, stage = _instantiate(arch, dtype, device, tp, pipe)
     model_cls = type(model)
 
     total = sum(len(list(h.keys())) for h in handles)
@@ -367,12 +391,13 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
-                if model_cls.hf_name(name) is not None:
-                    for ours, t in convert(name, handle.get_tensor(name)):
-                        yield ours, (t.dequantize() if isinstance(t, BlockWeight) else t)
+                ours = model_cls.hf_name(name)
+                if ours is not None and (stage is None or stage.holds(ours)):
+                    for target, t in convert(name, handle.get_tensor(name)):
+                        yield target, (t.dequantize() if isinstance(t, BlockWeight) else t)
 
-    _fill(model, tensors(), total, path, show_progress, plan)
-    return LoadedModel(model, arch, path, shard=plan)
+    _fill(model, tensors(), total, path, show_progress, plan, stage)
+    return LoadedModel(model, arch, path, shard=plan, stage=stage)
 
 
 # ---- GGUF --------------------------------------------------------------------
@@ -457,10 +482,10 @@ def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-               tp: _TP | None = None) -> LoadedModel:
+               tp: _TP | None = None, pipe: StageLink | None = None) -> LoadedModel:
     gf, arch, names, meta_model = _read_gguf(path)
     heads = _qk_heads(arch, type(meta_model))
-    model, plan = _instantiate(arch, dtype, device, tp)
+    model, plan, stage = _instantiate(arch, dtype, device, tp, pipe)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name in gf.tensors:
@@ -470,6 +495,8 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
             if hf_name is None:
                 yield gguf_name, torch.empty(0)
                 continue
+            if stage is not None and not stage.holds(hf_name[0] if isinstance(hf_name, list) else hf_name):
+                continue   # another pipeline stage's: not read
             t = gf.load_tensor(gguf_name, dtype=torch.float32)
             if isinstance(hf_name, list):   # a layer's experts, stacked
                 _check_experts(path, gguf_name, tuple(t.shape), len(hf_name))
@@ -480,8 +507,8 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
                 t = unpermute_rope(t, heads[proj])
             yield hf_name, t.to(dtype)
 
-    _fill(model, tensors(), len(gf.tensors), path, show_progress, plan)
-    return LoadedModel(model, arch, path, gguf_metadata=gf.metadata, shard=plan)
+    _fill(model, tensors(), len(gf.tensors), path, show_progress, plan, stage)
+    return LoadedModel(model, arch, path, gguf_metadata=gf.metadata, shard=plan, stage=stage)
 
 
 # ---- weights kept in their blocks (GGUF) or dtype (HF bfloat16 / float16) ---------

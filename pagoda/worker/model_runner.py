@@ -45,15 +45,46 @@ class CachedRequestState:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
 
+@dataclass
+class _Batch:
+    """A step between ``ModelRunner.start_batch`` and ``finish_batch``: the requests'
+    states (captured: a later step may forget them first), the forward's hidden states and
+    the rows that need logits."""
+
+    so: SchedulerOutput
+    order: list[str]
+    states: list[CachedRequestState]
+    num_tokens: dict[str, int]
+    drafts: dict[str, list[int]]
+    hidden: torch.Tensor | None = None
+    query_lens: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)       # index into `order` of requests that sample
+    logits_indices: list[int] = field(default_factory=list)
+    sampling_rows: list[SamplingRow] = field(default_factory=list)   # theirs, where this runner samples
+    spec_rows: list[int] = field(default_factory=list)         # ... of requests verifying drafts
+    spec_indices: list[int] = field(default_factory=list)      # their logits: last known token and every draft
+    # prompt_logprobs: per request, (first prompt token scored, hidden rows that score it and on).
+    prompt_spans: list[tuple[str, int, range]] = field(default_factory=list)
+    pool_rows: list[tuple[int, int]] = field(default_factory=list)   # (index into `order`, first hidden row)
+
+
 def kv_layout(model: CausalLM) -> KVLayout:
-    """How the model's layers share block tables and cache buffers (by their windows)."""
-    return KVLayout.plan([s.sliding_window for s in model.kv_specs()])
+    """How the model's layers share block tables and cache buffers (by their windows); the
+    same for every pipeline stage (each allocates only its layers' buffers, ``held_buffers``)."""
+    return KVLayout.plan([model.config.sliding_window_of(i) for i in range(len(model.model.layers))])
+
+
+def held_buffers(model: CausalLM) -> list[int]:
+    """The cache buffers this process allocates: those of the layers it holds (all of them
+    but on a pipeline stage)."""
+    layer_buffer = kv_layout(model).layer_buffer
+    return sorted({layer_buffer[i] for i, spec in enumerate(model.kv_specs()) if spec is not None})
 
 
 def local_kv_heads(model: CausalLM) -> int:
     """KV heads this process holds per layer (a tensor-parallel rank holds only its share).
     Every layer's cache has the same shape (layers of different KV groups share buffers)."""
-    specs = {(s.num_kv_heads, s.head_dim) for s in model.kv_specs()}
+    specs = {(s.num_kv_heads, s.head_dim) for s in model.kv_specs() if s is not None}
     if len(specs) != 1:
         raise NotImplementedError(f"layers with different KV caches {sorted(specs, key=str)} are not supported")
     return next(iter(specs))[0]
@@ -64,7 +95,7 @@ def kv_cache_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtyp
     """A block is a page of every cache buffer (one per layer, unless layers of different
     KV groups share buffers)."""
     c = model.config
-    num_buffers = kv_layout(model).num_buffers
+    num_buffers = len(held_buffers(model))
     if storage_dtype(kv_cache_dtype) is not None:
         return num_buffers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim)
     elem = torch.empty(0, dtype=dtype).element_size()
@@ -186,7 +217,8 @@ class ModelRunner:
             return allocate_kv_cache(model, n, block_size, kv_dtype, kv_cache_dtype, on, pin)
 
         self.layout = kv_layout(model)
-        self.kv_buffers = [cache(num_blocks, device) for _ in range(self.layout.num_buffers)]
+        held = set(held_buffers(model))
+        self.kv_buffers = [cache(num_blocks, device) if b in held else None for b in range(self.layout.num_buffers)]
         # Per layer, its buffer (layers of different KV groups share one).
         self.kv_caches = [self.kv_buffers[b] for b in self.layout.layer_buffer]
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
@@ -195,7 +227,7 @@ class ModelRunner:
         # Decode attention in place through the block tables (pagoda/csrc), where
         # the kernels build: CPU, float32 queries, float32/float16/int8 KV.
         self.decode_kernel = cpu_kernels.use_decode_kernel(
-            device, quantized if quantized is not None else kv_dtype, model.model.norm.weight.dtype
+            device, quantized if quantized is not None else kv_dtype, model.activation_dtype
         )
         self.sampler = Sampler()
         self.pooler = Pooler(pooler_config) if pooler_config is not None and samples else None
@@ -260,7 +292,6 @@ class ModelRunner:
             for kv, host_kv in zip(self.kv_buffers, self.host_kv_buffers):
                 _copy_blocks(host_kv, kv, host, dev)
 
-    @torch.inference_mode()
     def execute_model(
         self, so: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None
     ) -> ModelRunnerOutput:
@@ -268,11 +299,21 @@ class ModelRunner:
         (True = allowed) for requests under a grammar; the sampler applies them
         (``SamplingRow.allowed_tokens``). Requests under a grammar never verify drafts
         (the scheduler gives them no draft slots)."""
+        return self.finish_batch(self.start_batch(so, grammar_masks))
+
+    @torch.inference_mode()
+    def start_batch(self, so: SchedulerOutput,
+                    grammar_masks: dict[str, torch.Tensor] | None = None) -> _Batch | None:  # fmt: skip
+        """The first half of ``execute_model``: the batch's states, its inputs and the forward
+        (on a pipeline's first stage, the stage's layers; the logits come later). None for
+        an empty step. Everything the second half needs is captured here, so that under
+        pipeline parallelism later steps may start (and forget finished requests) before
+        ``finish_batch``."""
         self._update_states(so)
         if so.swap_out or so.swap_in:
             self._swap(so.swap_out, so.swap_in)
         if so.is_empty:
-            return ModelRunnerOutput([], [])
+            return None
         drafts = self._propose(so)
         # Tokens computed per request: the scheduler's count, less draft slots left unfilled.
         num_tokens = {
@@ -281,21 +322,13 @@ class ModelRunner:
         }
         # Decodes first: the attention path batches them together.
         order = sorted(num_tokens, key=lambda rid: num_tokens[rid] != 1)
+        b = _Batch(so, order, [self.requests[rid] for rid in order], num_tokens, drafts)
         input_ids: list[int] = []
         positions: list[int] = []
-        query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[list[int]]] = []   # per request, per KV group
-        sample_rows: list[int] = []       # index into `order` of requests that sample
-        logits_indices: list[int] = []
-        spec_rows: list[int] = []         # ... of requests verifying drafts
-        spec_indices: list[int] = []      # their logits: last known token and every draft
-        # prompt_logprobs: per request, (first prompt token scored, hidden rows that score it and on).
-        prompt_spans: list[tuple[str, int, range]] = []
-        pool_rows: list[tuple[int, int]] = []   # (index into `order`, first hidden row) of embedding requests
         offset = 0
-        for i, rid in enumerate(order):
-            state = self.requests[rid]
+        for i, (rid, state) in enumerate(zip(order, b.states)):
             n = num_tokens[rid]
             draft = drafts.get(rid, [])
             start = state.num_computed_tokens
@@ -303,77 +336,89 @@ class ModelRunner:
             input_ids.extend(state.all_token_ids[start:end])
             input_ids.extend(draft)
             positions.extend(range(start, start + n))
-            query_lens.append(n)
+            b.query_lens.append(n)
             context_lens.append(start)
             tables.append(state.block_ids)
             span = _prompt_span(state, start, end, offset)
             if span is not None:
-                prompt_spans.append(span)
+                b.prompt_spans.append(span)
             offset += n
             # Only a request whose last known token is in this step samples; an embedding
             # request pools every chunk of its prompt instead.
             if state.pooling_params is not None:
-                pool_rows.append((i, offset - n))
+                b.pool_rows.append((i, offset - n))
             elif draft:
-                spec_rows.append(i)
-                spec_indices.extend(range(offset - len(draft) - 1, offset))
+                b.spec_rows.append(i)
+                b.spec_indices.extend(range(offset - len(draft) - 1, offset))
             elif end == len(state.all_token_ids):
-                sample_rows.append(i)
-                logits_indices.append(offset - 1)
+                b.sample_rows.append(i)
+                b.logits_indices.append(offset - 1)
+        if self.samples:
+            grammar_masks = grammar_masks or {}
+            b.sampling_rows = [
+                SamplingRow(
+                    params=state.sampling_params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=state.output_token_ids,
+                    generator=self._generator_for(state.req_id, state.sampling_params),
+                    eos_token_ids=state.eos_token_ids,
+                    allowed_tokens=grammar_masks.get(state.req_id),
+                )
+                for state in (b.states[i] for i in b.sample_rows)
+            ]
 
         # One metadata per KV group; each layer reads its group's.
-        metas = [AttentionMetadata.build(query_lens, context_lens,
+        metas = [AttentionMetadata.build(b.query_lens, context_lens,
                                           [t[g] for t in tables], self.block_size, self.device, self.decode_kernel)
                  for g in range(self.layout.num_groups)]  # fmt: skip
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
         if self.lora is not None:
             token_loras: list[int] = []
-            for rid, n in zip(order, query_lens):
+            for rid, n in zip(order, b.query_lens):
                 token_loras.extend([self.requests[rid].lora_int_id] * n)
             self.lora.prepare(token_loras, pinned={s.lora_int_id for s in self.requests.values()})
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        b.hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if self.proposer is not None and self.proposer.needs_sync:
             self.proposer.sync(ids_t, pos_t, metas)
+        return b
+
+    @torch.inference_mode()
+    def finish_batch(self, b: _Batch | None) -> ModelRunnerOutput:
+        """The second half of ``execute_model``: logits, sampling, the requests' progress."""
+        if b is None:
+            return ModelRunnerOutput([], [])
+        so, order, hidden = b.so, b.order, b.hidden
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list = [None for _ in order]
-        pooled = self._pool(order, query_lens, pool_rows, hidden) if pool_rows and self.pooler is not None else {}
-        if spec_rows:
-            spec_logits = self.model.compute_logits(hidden[torch.tensor(spec_indices, device=self.device)])
-            self._verify([order[i] for i in spec_rows], drafts, spec_logits, sampled, spec_rows)
-        prompt_logprobs = self._prompt_logprobs(hidden, prompt_spans)
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
-        if sample_rows and self.samples:
-            grammar_masks = grammar_masks or {}
-            rows = []
-            for i in sample_rows:
-                state = self.requests[order[i]]
-                rows.append(
-                    SamplingRow(
-                        params=state.sampling_params,
-                        prompt_token_ids=state.prompt_token_ids,
-                        output_token_ids=state.output_token_ids,
-                        generator=self._generator_for(state.req_id, state.sampling_params),
-                        eos_token_ids=state.eos_token_ids,
-                        allowed_tokens=grammar_masks.get(state.req_id),
-                    )
-                )
-            md = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
+        pooled = self._pool(order, b.query_lens, b.pool_rows, hidden) if b.pool_rows and self.pooler is not None else {}
+        if b.spec_rows:
+            spec_logits = self.model.compute_logits(hidden[torch.tensor(b.spec_indices, device=self.device)])
+            self._verify([order[i] for i in b.spec_rows], b.drafts, spec_logits, sampled, b.spec_rows)
+        prompt_logprobs = self._prompt_logprobs(hidden, b.prompt_spans, dict(zip(order, b.states)))
+        if b.sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(b.logits_indices, device=self.device)])
+        if b.sample_rows and self.samples:
+            md = SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], self.device)
             out = self.sampler(logits, md)
             token_ids = out.sampled_token_ids.tolist()
-            entries = _sampled_logprobs(out, [r.params for r in rows])
-            for j, i in enumerate(sample_rows):
+            entries = _sampled_logprobs(out, [r.params for r in b.sampling_rows])
+            for j, i in enumerate(b.sample_rows):
                 sampled[i] = [token_ids[j]]
                 logprobs[i] = [entries[j]] if entries[j] is not None else None
         if not self.samples:
-            for rid in order:
-                self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
+            for rid, state in zip(order, b.states):
+                state.num_computed_tokens += so.num_scheduled_tokens[rid]
             return ModelRunnerOutput(order, sampled, logprobs)
-        for i, rid in enumerate(order):
-            state = self.requests[rid]
-            state.num_computed_tokens += num_tokens[rid]
+        for i, (rid, state) in enumerate(zip(order, b.states)):
+            if self.requests.get(rid) is not state:
+                # Forgotten since its step started (it finished, was aborted or preempted while
+                # the step was in flight: pipeline parallelism): it gets nothing from the step.
+                sampled[i], logprobs[i] = [], None
+                prompt_logprobs.pop(rid, None)
+                continue
+            state.num_computed_tokens += b.num_tokens[rid]
             if sampled[i]:
                 state.output_token_ids.extend(sampled[i])
                 state.all_token_ids.extend(sampled[i])
@@ -385,7 +430,7 @@ class ModelRunner:
                 for table in state.block_ids:
                     del table[num_kept:]
         return ModelRunnerOutput(
-            order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in drafts.items() if d},
+            order, sampled, logprobs, num_draft_tokens={rid: len(d) for rid, d in b.drafts.items() if d},
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
         )
@@ -406,8 +451,8 @@ class ModelRunner:
         return pooled
 
 
-    def _prompt_logprobs(self, hidden: torch.Tensor,
-                         spans: list[tuple[str, int, range]]) -> dict[str, tuple[int, list[TokenLogprobs]]]:  # fmt: skip
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[str, int, range]],
+                         states: dict[str, CachedRequestState]) -> dict[str, tuple[int, list[TokenLogprobs]]]:  # fmt: skip
         """prompt_logprobs of this step's prompt chunks: the raw logprobs (log-softmax of the
         logits, no sampling settings applied, as vLLM) of each next prompt token. Every rank
         computes the logits (a collective under tensor parallelism); rank 0 reads them."""
@@ -421,7 +466,7 @@ class ModelRunner:
         out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         first = 0
         for rid, first_token, span in spans:
-            state = self.requests[rid]
+            state = states[rid]
             lps = all_lps[first:first + len(span)]
             first += len(span)
             targets = torch.tensor(state.prompt_token_ids[first_token:first_token + len(span)], device=self.device)

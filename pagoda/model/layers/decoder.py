@@ -24,6 +24,7 @@ from torch import nn
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
 from pagoda.model.layers.norm import RMSNorm, fused_ops
+from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.layers.rotary import (
     apply_rope,
     longrope_tables,
@@ -371,6 +372,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config, self.layer_cls)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_rope(torch.device("cpu"))
+        # Pipeline parallelism (pagoda/model/layers/pipeline.py, StagePlan.apply): this
+        # stage's part of the forward and of the logits.
+        self.stage = None
 
     # ---- the family's declarations ---------------------------------------------------
 
@@ -435,10 +439,17 @@ class CausalLM(nn.Module):
             return None
         return [[0] * b.num_experts if b.expert_tokens is None else b.expert_tokens.tolist() for b in blocks]
 
-    def kv_specs(self) -> list[KVSpec]:
-        """Per layer: the KV heads this process holds, their size, and the window."""
-        return [KVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, self.config.sliding_window_of(i))
+    def kv_specs(self) -> list[KVSpec | None]:
+        """Per layer: the KV heads this process holds, their size, and the window; None for
+        a layer another pipeline stage holds."""
+        return [None if isinstance(layer, MissingLayer) else
+                KVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, self.config.sliding_window_of(i))
                 for i, layer in enumerate(self.model.layers)]
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states between layers (the norms' weights')."""
+        return next(m.weight.dtype for m in self.modules() if isinstance(m, RMSNorm))
 
     def shard_rows(self, module_path: str, shard: int) -> tuple[int, int]:
         """Row range [start, end) of a shard inside the stacked projection at
@@ -466,13 +477,29 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,        # [T]
         positions: torch.Tensor,        # [T]
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor | None],  # per layer (None: a layer another pipeline stage holds)
         meta: AttentionMetadata | Sequence[AttentionMetadata],  # one for all layers, or one per layer
         num_layers: int | None = None,  # run only the first num_layers (a layer-skip draft)
     ) -> torch.Tensor:                  # hidden states [T, hidden]
+        if self.stage is not None:
+            # A pipeline stage: its own layers, activations from and to its neighbours.
+            return self.stage.forward(self, input_ids, positions, kv_caches, meta)
+        x = self.embed(input_ids)
+        end = len(self.model.layers) if num_layers is None else num_layers
+        x, residual = self.run_layers(x, None, positions, kv_caches, meta, 0, end)
+        return self.model.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
+        return x
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor | None], meta: AttentionMetadata | Sequence[AttentionMetadata],
+                   start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers [start, end) over the hidden states ``x`` and the residual stream (None
+        before the first layer); returns both after layer end - 1."""
         tables = {"global": self._rope_tables(positions, x.dtype)}
         if self.config.local_rope_theta is not None:
             tables["local"] = rope_cos_sin(positions, self.inv_freq_local, x.dtype)
@@ -481,13 +508,11 @@ class CausalLM(nn.Module):
             # the fused rotary op serves them too.
             cos = tables["global"][0]
             tables["none"] = (torch.ones_like(cos), torch.zeros_like(cos))
-        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
-        residual = None
-        metas = itertools.repeat(meta) if isinstance(meta, AttentionMetadata) else meta
-        for layer, kv_cache, layer_meta in zip(layers, kv_caches, metas):
+        metas = itertools.repeat(meta) if isinstance(meta, AttentionMetadata) else itertools.islice(meta, start, None)
+        for layer, kv_cache, layer_meta in zip(self.model.layers[start:end], kv_caches[start:end], metas):
             cos, sin = tables[layer.self_attn.rope_table]
             x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta)
-        return self.model.norm(x, residual)[0]
+        return x, residual
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.longrope is None:
@@ -499,6 +524,11 @@ class CausalLM(nn.Module):
         return tuple((torch.where(past, lt, st) * attention).to(dtype) for st, lt in zip(short, long))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.stage is not None:   # the last pipeline stage computes them, rank 0 receives them
+            return self.stage.compute_logits(self, hidden)
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         c = self.config
         if c.logits_divisor != 1.0:

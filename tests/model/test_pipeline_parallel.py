@@ -1,0 +1,261 @@
+"""Pipeline parallelism on CPU (gloo): stages in their own processes against one process.
+
+Greedy outputs must match one process token for token (batches may form differently with
+several micro-batches in flight, so a genuine fp32 near-tie is excused, as for TP: see
+helpers.compare_greedy); each stage must hold only its own layers' weights and KV cache;
+a stage's worker that dies ends the in-flight requests with an error and turns /health red.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import EngineConfig
+from pagoda.model.layers.pipeline import StagePlan, split_layers
+from tests.conftest import _save_tiny
+from tests.model.helpers import compare_greedy, logprob_gap
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    # Rank 0 of a parallel engine runs in the test process and sets one thread per rank.
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory) -> str:
+    """Three layers (2 + 1 on two stages), an LM head of its own."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.3,
+        architectures=["LlamaForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory, "tiny-llama3", config)
+
+
+# ---- the plan ---------------------------------------------------------------------------
+
+
+def test_split_layers():
+    assert split_layers(5, 2) == [(0, 3), (3, 5)]
+    assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert split_layers(5, 2, "1,4") == [(0, 1), (1, 5)]
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        split_layers(2, 3)
+    for bad in ("2,2", "5,0", "1,2,2", "a,b"):
+        with pytest.raises(ValueError, match="PAGODA_PP_LAYER_PARTITION"):
+            split_layers(5, 2, bad)
+
+
+def test_stage_plan_reads_only_its_tensors():
+    first, last = (StagePlan.build(5, s, 2, tie_word_embeddings=True, partition="") for s in range(2))
+    assert (first.layers, last.layers) == ((0, 3), (3, 5))
+    assert first.holds("model.layers.2.mlp.down_proj.weight") and not last.holds("model.layers.2.mlp.down_proj.weight")
+    assert last.holds("model.layers.4.self_attn.q_proj.weight") and not first.holds("model.layers.4.input_layernorm.weight")
+    assert first.holds("model.embed_tokens.weight") and not first.holds("lm_head.weight")
+    assert not first.holds("model.norm.weight") and last.holds("model.norm.weight")
+    # A tied LM head: the last stage reads the embedding's tensor as its head.
+    assert last.holds("model.embed_tokens.weight") and last.rename("model.embed_tokens.weight") == "lm_head.weight"
+    assert first.rename("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    untied = StagePlan.build(5, 1, 2, tie_word_embeddings=False, partition="")
+    assert not untied.holds("model.embed_tokens.weight") and untied.holds("lm_head.weight")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+    ({"quantization": "int8"}, "--quantization int8"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
+    ({"enable_lora": True}, "--enable-lora"),
+    ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype int8"),
+    ({"preemption_mode": "swap", "swap_space": 1 << 20}, "--preemption-mode swap"),
+    ({"data_parallel_size": 2}, "--data-parallel-size"),
+    ({"task": "embed"}, "--task embed"),
+])
+def test_pipeline_parallel_refuses(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{"pipeline_parallel_size": 2, **kwargs})
+
+
+def test_cli_pipeline_parallel_size():
+    from pagoda.entrypoints.cli import build_parser, config_from_args
+
+    for cmd in ("serve", "generate"):
+        c = config_from_args(build_parser().parse_args([cmd, "--pipeline-parallel-size", "2", "-tp", "2"]))
+        assert (c.pipeline_parallel_size, c.tensor_parallel_size, c.world_size) == (2, 2, 4)
+
+
+# ---- the engine -------------------------------------------------------------------------
+
+_PROMPTS = [list(range(3, 9)), list(range(20, 61)), [7] * 19, list(range(100, 133))]
+# A second round: the long prompt again with another tail (its first block from the prefix cache).
+_AGAIN = [list(range(20, 61)) + [5, 6, 7], list(range(300, 310))]
+
+
+class _InFlight:
+    """Counts the steps rank 0 has started (``submit``) and not finished (``collect``)."""
+
+    def __init__(self, executor) -> None:
+        self.now = self.most = 0
+        submit, collect = executor.submit, executor.collect
+
+        def counted_submit(*args):
+            self.now += 1
+            self.most = max(self.most, self.now)
+            return submit(*args)
+
+        def counted_collect(batch):
+            self.now -= 1
+            return collect(batch)
+
+        executor.submit, executor.collect = counted_submit, counted_collect
+
+
+def _run(path: str, tp: int = 1, pp: int = 1, **kw) -> tuple[list, list, Any]:
+    """Greedy outputs of both rounds (block size 16, chunks of 24 tokens), and the engine
+    (shut down) for inspection. With pipeline parallelism, the engine must have kept as many
+    steps in flight as there are stages."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kv_blocks=64, max_model_len=256,
+              block_size=16, max_num_batched_tokens=24, show_progress=False, skip_tokenizer_init=True, **kw)
+    in_flight = _InFlight(llm.engine.executor) if pp > 1 else None
+    try:
+        first = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params, use_tqdm=False)
+        again = llm.generate([{"prompt_token_ids": p} for p in _AGAIN], params, use_tqdm=False)
+        llm.engine.check_integrity()
+        assert llm.engine.kv_manager.pool.num_free_blocks == llm.engine.num_blocks
+        if in_flight is not None:
+            assert (in_flight.most, in_flight.now) == (pp, 0)
+        return [o.outputs[0] for o in first], list(again), llm.engine
+    finally:
+        llm.shutdown()
+
+
+def _assert_same_greedy(base, got, label: str) -> None:
+    for i, (a, b) in enumerate(zip(got, base)):
+        cmp = compare_greedy(a.token_ids, b.token_ids,
+                             lambda pos: min(logprob_gap(a, pos), logprob_gap(b, pos)), f"{label} prompt {i}")
+        assert cmp.equal, cmp.excused
+
+
+def _stage_bytes(model, layers: tuple[int, int], first: bool, last: bool) -> int:
+    """Bytes of a one-process model's parameters that a stage holds (the rotary tables,
+    buffers, on every stage); a tied LM head counted where it is held."""
+    total = sum(b.numel() * b.element_size() for b in model.buffers())
+    for name, p in model.named_parameters(remove_duplicate=False):
+        size = p.numel() * p.element_size()
+        if name.startswith("model.layers."):
+            total += size if layers[0] <= int(name.split(".")[2]) < layers[1] else 0
+        elif name.startswith("model.embed_tokens."):
+            total += size if first else 0
+        elif name.startswith(("model.norm.", "lm_head.")):
+            total += size if last else 0
+    return total
+
+
+@pytest.mark.parametrize("model", ["tiny_llama3_dir", "tiny_llama_dir"])
+def test_pp2_matches_one_process(model, request):
+    """Prompts of different lengths, chunked (24-token budget) and batched with decodes, and
+    a second round whose long prompt starts from the prefix cache: the tokens of one process.
+    Each stage holds exactly its layers' weights (the tied model's last stage its own copy of
+    the head) and KV buffers only for its layers."""
+    path = request.getfixturevalue(model)
+    base, base_again, one = _run(path)
+    got, again, engine = _run(path, pp=2)
+    _assert_same_greedy(base, got, model)
+    _assert_same_greedy([o.outputs[0] for o in base_again], [o.outputs[0] for o in again], f"{model} again")
+    assert again[0].num_cached_tokens >= 16, "no prefix-cache hit in the second round"
+    one_model = one.loaded.model
+    num_layers = len(one_model.model.layers)
+    ranges = split_layers(num_layers, 2)
+    want = [_stage_bytes(one_model, r, s == 0, s == 1) for s, r in enumerate(ranges)]
+    assert engine.tp_driver.weight_bytes == want
+    assert engine.loaded.stage.layers == ranges[0]
+    assert [b is not None for b in engine.runner.kv_buffers] == [i < ranges[0][1] for i in range(num_layers)]
+
+
+def test_tp2_pp2_matches_one_process(tiny_llama3_dir):
+    """Four ranks: two stages, each a tensor-parallel pair (half of its layers' heads)."""
+    base, base_again, one = _run(tiny_llama3_dir)
+    got, again, engine = _run(tiny_llama3_dir, tp=2, pp=2)
+    _assert_same_greedy(base, got, "TP=2 x PP=2")
+    _assert_same_greedy([o.outputs[0] for o in base_again], [o.outputs[0] for o in again], "TP=2 x PP=2 again")
+    weights = engine.tp_driver.weight_bytes
+    assert len(weights) == 4
+    ranges = split_layers(3, 2)
+    for stage in range(2):
+        full = _stage_bytes(one.loaded.model, ranges[stage], stage == 0, stage == 1)
+        for b in weights[2 * stage:2 * stage + 2]:   # about half of the stage each (norms replicated)
+            assert 0.4 * full < b < 0.7 * full, (stage, b, full)
+
+
+def test_layer_partition_override(tiny_llama3_dir, monkeypatch):
+    """PAGODA_PP_LAYER_PARTITION moves layers between stages (the workers inherit it)."""
+    monkeypatch.setenv("PAGODA_PP_LAYER_PARTITION", "1,2")
+    base, _, _ = _run(tiny_llama3_dir)
+    got, _, engine = _run(tiny_llama3_dir, pp=2)
+    _assert_same_greedy(base, got, "partition 1,2")
+    assert engine.loaded.stage.layers == (0, 1)
+
+
+# ---- a stage that dies ------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def test_pp_stage_killed_mid_load():
+    """The last stage's worker killed (SIGKILL) while requests stream: they end with an
+    error, /health turns 503 and the engine core exits, leaving no worker behind."""
+    import httpx
+
+    from pagoda.engine.async_llm import AsyncLLM
+    from tests.e2e.server_utils import running_server
+    from tests.reliability.test_faults import MODEL, _request
+
+    config = EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=512, pipeline_parallel_size=2,
+                          distributed_timeout=20.0)
+    engine = AsyncLLM.from_config(config, log_requests=False, log_stats=False)
+    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
+        url = running.base_url
+        workers = _children(engine._proc.pid)
+        assert len(workers) == 1, workers
+        started = threading.Event()
+        results: list[Any] = []
+        threads = [threading.Thread(target=_request, args=(url, i % 2 == 0, started, results)) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert started.wait(120), "no stream started"
+        time.sleep(0.3)
+        os.kill(workers[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "an in-flight request hung after a stage died"
+        assert time.monotonic() - killed_at < 15
+        for kind, status, payload, _ in results:
+            assert kind != "exception", payload
+            if kind == "stream":
+                assert status == 200 and payload[-1] == "[DONE]", payload[-3:]
+                assert "error" in payload[-2], payload[-2]
+            else:
+                assert status == 503, payload
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503
+        assert "worker" in health.json()["error"]["message"] or "peer" in health.json()["error"]["message"]
+    engine._proc.join(15)
+    assert not engine._proc.is_alive()
