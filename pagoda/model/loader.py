@@ -92,7 +92,7 @@ def load_model(
         raise ValueError("quantization is not supported with pipeline parallelism")
     # Weights stay as stored (GGUF blocks, float16/bfloat16) where pagoda's CPU kernels
     # multiply them: the exact mode in float32 on one process. Otherwise (CUDA, another
-    # dtype, tensor parallelism, no kernels) they are dequantized to ``dtype`` at load.
+    # dtype, tensor or pipeline parallelism, no kernels) they are dequantized to ``dtype`` at load.
     keep_blocks = (device.type == "cpu" and dtype == torch.float32 and tp is None and pipe is None
                    and cpu_kernels.kernels() is not None)
     if os.path.isdir(path):
