@@ -119,16 +119,10 @@ class PipeLink:
         self.num_stages = world_size // tp_size
         self.device = device
         self.group = _gloo_or_nccl(store, rank, world_size, device, datetime.timedelta(seconds=timeout))
-        # Up to two micro-batches per stage may be on their way (see _Sends).
+        # At most N micro-batches are unfinished, each with one activation message or up to two
+        # logits messages (prompt logprobs, sampled rows) per link: a waiting send is always
+        # for a step rank 0 finishes next, so waiting cannot deadlock (see _Sends).
         self._sends = _Sends(self.group, 2 * self.num_stages)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
 
     def send_next(self, t: torch.Tensor) -> None:
         """To this TP rank of the next stage."""

@@ -8,41 +8,24 @@ a stage's worker that dies ends the in-flight requests with an error and turns /
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from typing import Any
 
 import pytest
-import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.model.layers.pipeline import StagePlan, split_layers
-from tests.conftest import _save_tiny
+from tests.conftest import _save_tiny, _tiny_llama_config
 from tests.model.helpers import compare_greedy, logprob_gap
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    # Rank 0 of a parallel engine runs in the test process and sets one thread per rank.
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+# Rank 0 of a parallel engine runs in the test process and sets one thread per rank.
+from tests.model.test_tensor_parallel import _restore_threads  # noqa: F401 (an autouse fixture)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(tmp_path_factory) -> str:
     """Three layers (2 + 1 on two stages), an LM head of its own."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.3,
-        architectures=["LlamaForCausalLM"],
-    )
+    config = _tiny_llama_config(tie_word_embeddings=False)
+    config.num_hidden_layers = 3
     return _save_tiny(tmp_path_factory, "tiny-llama3", config)
 
 
@@ -186,6 +169,18 @@ def test_pp2_matches_one_process(model, request):
     assert [b is not None for b in engine.runner.kv_buffers] == [i < ranges[0][1] for i in range(num_layers)]
 
 
+@pytest.mark.parametrize("model", ["tiny_gemma3_dir", "tiny_olmo2_dir", "tiny_gptoss_dir", "tiny_qwen3moe_dir"])
+def test_pp2_families(model, request):
+    """Gemma 3's windowed and global layers (KV groups over shared buffers, split across
+    stages), OLMo 2's post-norms (the residual stream passed on as is), GPT-OSS's sinks,
+    biases and experts, Qwen3-MoE's experts: one process's tokens."""
+    path = request.getfixturevalue(model)
+    base, base_again, _ = _run(path)
+    got, again, _ = _run(path, pp=2)
+    _assert_same_greedy(base, got, model)
+    _assert_same_greedy([o.outputs[0] for o in base_again], [o.outputs[0] for o in again], f"{model} again")
+
+
 def test_tp2_pp2_matches_one_process(tiny_llama3_dir):
     """Four ranks: two stages, each a tensor-parallel pair (half of its layers' heads)."""
     base, base_again, one = _run(tiny_llama3_dir)
@@ -213,49 +208,9 @@ def test_layer_partition_override(tiny_llama3_dir, monkeypatch):
 # ---- a stage that dies ------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
-
-
 def test_pp_stage_killed_mid_load():
     """The last stage's worker killed (SIGKILL) while requests stream: they end with an
     error, /health turns 503 and the engine core exits, leaving no worker behind."""
-    import httpx
+    from tests.reliability.test_tp_faults import kill_worker_mid_load
 
-    from pagoda.engine.async_llm import AsyncLLM
-    from tests.e2e.server_utils import running_server
-    from tests.reliability.test_faults import MODEL, _request
-
-    config = EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=512, pipeline_parallel_size=2,
-                          distributed_timeout=20.0)
-    engine = AsyncLLM.from_config(config, log_requests=False, log_stats=False)
-    with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
-        url = running.base_url
-        workers = _children(engine._proc.pid)
-        assert len(workers) == 1, workers
-        started = threading.Event()
-        results: list[Any] = []
-        threads = [threading.Thread(target=_request, args=(url, i % 2 == 0, started, results)) for i in range(2)]
-        for t in threads:
-            t.start()
-        assert started.wait(120), "no stream started"
-        time.sleep(0.3)
-        os.kill(workers[0], signal.SIGKILL)
-        killed_at = time.monotonic()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "an in-flight request hung after a stage died"
-        assert time.monotonic() - killed_at < 15
-        for kind, status, payload, _ in results:
-            assert kind != "exception", payload
-            if kind == "stream":
-                assert status == 200 and payload[-1] == "[DONE]", payload[-3:]
-                assert "error" in payload[-2], payload[-2]
-            else:
-                assert status == 503, payload
-        health = httpx.get(f"{url}/health", timeout=10)
-        assert health.status_code == 503
-        assert "worker" in health.json()["error"]["message"] or "peer" in health.json()["error"]["message"]
-    engine._proc.join(15)
-    assert not engine._proc.is_alive()
+    kill_worker_mid_load(pipeline_parallel_size=2)

@@ -1,4 +1,5 @@
-"""A tensor-parallel worker killed (SIGKILL) while requests are in flight.
+"""A tensor-parallel worker killed (SIGKILL) while requests are in flight (and, by
+tests/model/test_pipeline_parallel.py, a pipeline stage's worker).
 
 The engine core (rank 0) must notice at its next collective (gloo reports the
 closed connection at once) or from the worker's exit status, end the
@@ -27,10 +28,16 @@ def _children(pid: int) -> list[int]:
 
 
 def test_tp_worker_killed_mid_load():
+    kill_worker_mid_load(tensor_parallel_size=2)
+
+
+def kill_worker_mid_load(**parallel) -> None:
+    """A server on an engine with one worker (``parallel``: TP=2 or PP=2): SIGKILL it while
+    two requests stream; both end with an error, /health turns 503, the core exits."""
     from pagoda.engine.async_llm import AsyncLLM
 
-    config = EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=512, tensor_parallel_size=2,
-                          distributed_timeout=20.0)
+    config = EngineConfig(show_progress=False, num_kv_blocks=256, max_model_len=512, distributed_timeout=20.0,
+                          **parallel)
     engine = AsyncLLM.from_config(config, log_requests=False, log_stats=False)
     with running_server(engine, served_model_name=MODEL, shutdown_engine=True) as running:
         url = running.base_url
@@ -47,7 +54,7 @@ def test_tp_worker_killed_mid_load():
         killed_at = time.monotonic()
         for t in threads:
             t.join(30)
-        assert not any(t.is_alive() for t in threads), "an in-flight request hung after a TP worker died"
+        assert not any(t.is_alive() for t in threads), f"an in-flight request hung after a worker died ({parallel})"
         assert time.monotonic() - killed_at < 15
         for kind, status, payload, _ in results:
             assert kind != "exception", payload
