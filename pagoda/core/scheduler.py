@@ -279,8 +279,11 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """``token_budget``: at most this many tokens this step (within max_num_batched_tokens);
+        pipeline parallelism shares the work out over the micro-batches it keeps in flight."""
+        budget = self.config.max_num_batched_tokens
+        step = _Step(budget if token_budget is None else max(1, min(token_budget, budget)))
         if self._host_release:
             # Swapped in by the last step, whose copies are done.
             self.host.free(self._host_release)

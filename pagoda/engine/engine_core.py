@@ -7,6 +7,7 @@ engine-core process behind ZMQ (the server).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -419,7 +420,12 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         while len(self._in_flight) < self.pipeline_depth:
             start = time.monotonic()
-            sched_out, record, masks = self._schedule(start)
+            # The work not in flight, shared out over the free slots: else one step would take
+            # every decode and the next find none (E.g. 16 decodes, depth 2: 8 and 8).
+            sched = self.scheduler
+            pending = sum(r.num_tokens - r.num_computed_tokens for r in itertools.chain(sched.running, sched.waiting))
+            budget = -(-pending // (self.pipeline_depth - len(self._in_flight)))
+            sched_out, record, masks = self._schedule(start, budget)
             if sched_out.is_empty:
                 # Nothing to start (or all in flight); the ranks still forget ended requests.
                 if sched_out.finished_req_ids or not self._in_flight:
@@ -431,9 +437,9 @@ class EngineCore:
         sched_out, record, start, batch = self._in_flight.popleft()
         return self._finish_step(sched_out, self.executor.collect(batch), record, start, outputs)
 
-    def _schedule(self, start: float):
+    def _schedule(self, start: float, token_budget: int | None = None):
         """This step's SchedulerOutput, its stats record and its requests' grammar masks."""
-        sched_out = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule(token_budget)
         if sched_out.kv_in:
             self.kv_transfer.install(sched_out)
         collector = self.step_stats

@@ -8,7 +8,7 @@ a user runs on two machines, here on loopback with a TCP rendezvous.
 
 Node 0 serves HTTP with the engine core as rank 0; node 1 runs rank 1 only.
 Greedy output must equal the one-process engine's, and node 1 must exit once
-node 0 shuts down.
+node 0 shuts down. The same with --pipeline-parallel-size 2: node 1 runs the second stage.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(node_rank: int, master_port: int, http_port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--tensor-parallel-size", "2",
+def _launch(node_rank: int, master_port: int, http_port: int, parallel: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", parallel, "2",
            "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
            "--master-port", str(master_port), "--distributed-timeout", "60",
            "--num-kv-blocks", "64", "--max-model-len", "256", "--port", str(http_port),
@@ -44,12 +44,13 @@ def _launch(node_rank: int, master_port: int, http_port: int) -> subprocess.Pope
 
 
 @pytest.mark.slow
-def test_two_node_tensor_parallel_on_loopback():
+@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_two_node_tensor_parallel_on_loopback(parallel):
     from pagoda import LLM, SamplingParams
 
     master, http = _free_port(), _free_port()
-    node0 = _launch(0, master, http)
-    node1 = _launch(1, master, http)
+    node0 = _launch(0, master, http, parallel)
+    node1 = _launch(1, master, http, parallel)
     try:
         url = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 240

@@ -92,12 +92,14 @@ class _InFlight:
 
     def __init__(self, executor) -> None:
         self.now = self.most = 0
+        self.sizes: list[int] = []   # requests per step sent
         submit, collect = executor.submit, executor.collect
 
-        def counted_submit(*args):
+        def counted_submit(so, *args):
             self.now += 1
             self.most = max(self.most, self.now)
-            return submit(*args)
+            self.sizes.append(len(so.num_scheduled_tokens))
+            return submit(so, *args)
 
         def counted_collect(batch):
             self.now -= 1
@@ -179,6 +181,22 @@ def test_pp2_families(model, request):
     got, again, _ = _run(path, pp=2)
     _assert_same_greedy(base, got, model)
     _assert_same_greedy([o.outputs[0] for o in base_again], [o.outputs[0] for o in again], f"{model} again")
+
+
+def test_micro_batches_share_the_work(tiny_llama_dir):
+    """Eight 4-token prompts at PP=2: each step in flight takes half of the work not in flight
+    (16 prompt tokens, then 4 decodes each), so the stages never wait for an empty step."""
+    llm = LLM(tiny_llama_dir, pipeline_parallel_size=2, num_kv_blocks=64, max_model_len=256, block_size=16,
+              show_progress=False, skip_tokenizer_init=True)
+    in_flight = _InFlight(llm.engine.executor)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": [3 + i] * 4} for i in range(8)], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    # (An empty step tells the ranks of finished requests.)
+    assert [n for n in in_flight.sizes if n] == [4] * 16, in_flight.sizes
 
 
 def test_tp2_pp2_matches_one_process(tiny_llama3_dir):
