@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pagoda.model.hf_quant import (
     METHODS,
@@ -19,6 +14,7 @@ from pagoda.model.hf_quant import (
 )
 from pagoda.model.layers.blocks import BlocksLinear, BlockWeight
 from pagoda.model.loader import load_model
+from tests.model.hf_quant.int_checkpoints import write_quantized
 
 
 class _RowsMethod(QuantMethod):
@@ -47,29 +43,12 @@ def rows_method():
 def _quantized_copy(src: str, dst: str) -> dict[str, torch.Tensor]:
     """The checkpoint at ``src`` with every projection in the test format; returns the
     weights the loaded model must hold (float16-rounded projections)."""
-    shutil.copytree(src, dst)
-    expected = {}
-    for f in sorted(os.listdir(dst)):
-        if not f.endswith(".safetensors"):
-            continue
-        tensors = load_file(os.path.join(dst, f))
-        out = {}
-        for name, t in tensors.items():
-            if name.endswith("_proj.weight"):
-                prefix = name[: -len(".weight")]
-                scale = torch.full((t.shape[0],), 2.0)
-                out[prefix + ".rows"] = (t / 2.0).half()
-                out[prefix + ".rows_scale"] = scale
-                expected[name] = ((t / 2.0).half().float() * 2.0).half().float()
-            else:
-                out[name] = t
-        save_file(out, os.path.join(dst, f), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as fh:
-        config = json.load(fh)
-    config["quantization_config"] = {"quant_method": _RowsMethod.name}
-    with open(os.path.join(dst, "config.json"), "w") as fh:
-        json.dump(config, fh)
-    return expected
+
+    def rows(prefix: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        stored = {prefix + ".rows": (t / 2.0).half(), prefix + ".rows_scale": torch.full((t.shape[0],), 2.0)}
+        return stored, ((t / 2.0).half().float() * 2.0).half().float()
+
+    return write_quantized(src, dst, {"quant_method": _RowsMethod.name}, rows)
 
 
 def test_a_registered_method_builds_the_layers_from_its_tensors(tiny_llama_dir, tmp_path, rows_method):
