@@ -1,9 +1,10 @@
-"""`pagoda bench parallel`: throughput of TP=1 vs TP=2 vs PP=2 and DP=1 vs DP=2, same workload.
+"""`pagoda bench parallel`: throughput and TTFT of TP=1 vs TP=2 vs PP=2 and DP=1 vs DP=2, same workload.
 
 Each setting starts the engine the server would (AsyncLLM, or DataParallelLLM
 for DP > 1, engine cores in their own processes), sends ``--num-prompts``
 random prompts of ``--input-len`` tokens at once (greedy, ``--output-len``
-tokens each, ignore_eos) and reports output tokens per second. Every rank or
+tokens each, ignore_eos) and reports output tokens per second and the
+requests' time to first token (all sent at once: TTFT includes queueing). Every rank or
 replica gets ``--threads-per-rank`` torch threads (default 1), so TP=2, PP=2 and
 DP=2 use twice the cores of TP=1 / DP=1: the question is how much of the
 second core each turns into throughput.
@@ -52,23 +53,29 @@ async def _run_one(config: EngineConfig, prompts: list[list[int]], output_len: i
     engine = cls.from_config(config, log_stats=False, log_requests=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
-    async def one(i: int, ids: list[int], p: SamplingParams) -> int:
-        n = 0
+    async def one(i: int, ids: list[int], p: SamplingParams) -> tuple[int, float]:
+        n, first = 0, float("nan")
+        sent = time.perf_counter()
         async for out in engine.generate(f"bench-{i}", None, ids, p):
+            if n == 0 and out.outputs[0].token_ids:
+                first = time.perf_counter() - sent
             n = len(out.outputs[0].token_ids)
-        return n
+        return n, first
 
     try:
         # Warm-up: one short request per replica's worth.
         warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         await asyncio.gather(*(one(-1 - i, prompts[i][:8], warm) for i in range(config.data_parallel_size)))
         start = time.perf_counter()
-        counts = await asyncio.gather(*(one(i, p, params) for i, p in enumerate(prompts)))
+        done = await asyncio.gather(*(one(i, p, params) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
     finally:
         await engine.shutdown()
+    counts = [n for n, _ in done]
+    ttfts = sorted(t for _, t in done)
     return {"elapsed_s": elapsed, "requests": len(prompts), "output_tokens": sum(counts),
-            "output_tokens_per_s": sum(counts) / elapsed}
+            "output_tokens_per_s": sum(counts) / elapsed, "mean_ttft_s": sum(ttfts) / len(ttfts),
+            "median_ttft_s": ttfts[len(ttfts) // 2]}
 
 
 def run_parallel(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -89,7 +96,8 @@ def run_parallel(args: argparse.Namespace, config: EngineConfig) -> int:
         r.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, threads_per_rank=threads)
         results[name] = r
         print(f"{name:>7}: TP={tp} PP={pp} DP={dp}, {threads} thread(s) per rank: "
-              f"{r['output_tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens in {r['elapsed_s']:.1f} s)",
+              f"{r['output_tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens in {r['elapsed_s']:.1f} s), "
+              f"TTFT mean {r['mean_ttft_s'] * 1e3:.0f} ms, median {r['median_ttft_s'] * 1e3:.0f} ms",
               flush=True)
     if args.save_result:
         with open(args.save_result, "w") as f:

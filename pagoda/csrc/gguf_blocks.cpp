@@ -179,6 +179,22 @@ inline float own_scale(const uint8_t* p) {
   }
 }
 
+// Weights per sub-block (one scale each) and whether the type has offsets.
+constexpr int sub_block_of(int type) {
+  return (type == kQ2_K || type == kQ3_K || type == kQ6_K || type == kNVFP4_32 || type == kNVFP4_128) ? 16 : 32;
+}
+constexpr bool has_offset(int type) {
+  return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K || type == kPQ8Z ||
+         type == kPQ8ZF;
+}
+constexpr int block_of(int type) {
+  switch (type) {
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
+    case kNVFP4_128: return 128;
+    default: return 32;
+  }
+}
+
 inline __m256 load_q8(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
@@ -193,14 +209,6 @@ inline void emit_scaled(const int8_t* q, int n, float a, float* y) {
 inline void emit_affine(const int8_t* q, int n, float a, float b, float* y) {
   const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
   for (int j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_mul_ps(av, load_q8(q + j)), bv));
-}
-
-// 16 bytes of nibbles -> 32 values: byte j's low nibble to q[j], high nibble to q[j + 16].
-inline void split_nibbles16(const uint8_t* p, uint8_t* q) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_and_si128(b, mask));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
 
 // 16 bytes of nibbles -> 32 values of a 16-entry table (IQ4_NL, IQ4_XS, MXFP4): low nibbles
@@ -254,6 +262,91 @@ struct Decoded {
   bool offset;   // whether b is used
 };
 
+// ---- blocks of 32 integers with one scale (and offset): decoded in registers ----------
+// The legacy quants, IQ4_NL, MXFP4 and pagoda's own integer groups (GPTQ / AWQ /
+// compressed-tensors): 32 int8 values v, a scale a and, for some, an offset b; the
+// weights are a * v (+ b). decode_block_t stores them; the int8 products read them
+// straight from the blocks (int8_dot32) with the same values.
+constexpr bool is_block32(int type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kIQ4_NL ||
+         type == kMXFP4 || type == kPQ4Z || type == kPQ4ZF || type == kPQ8Z || type == kPQ8ZF;
+}
+
+// 16 bytes of nibbles -> 32 values: byte j's low nibble to value j, its high one to j + 16.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+// The same through a 16-entry table (Q4_0, IQ4_NL, MXFP4).
+inline __m256i lookup32(const uint8_t* p, const int8_t* table) {
+  const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m)),
+                          _mm_shuffle_epi8(lut, _mm_and_si128(b, m)));
+}
+
+// A block32 type's 32 values v (zeros for the other types, never called with them).
+template <int T>
+inline __m256i block32_values(const uint8_t* p) {
+  if constexpr (T == kQ4_0) {
+    return lookup32(p + 2, kQ4_0Values);
+  } else if constexpr (T == kQ4_1) {
+    return nibbles32(p + 4);
+  } else if constexpr (T == kIQ4_NL) {
+    return lookup32(p + 2, kIQ4Values);
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    constexpr int off = T == kQ5_1 ? 4 : 2;
+    uint32_t qh;
+    std::memcpy(&qh, p + off, 4);
+    // Bit j of qh (the fifth bit of weight j): byte j gets qh's byte j / 8, then its bit
+    // j % 8 is tested.
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(qh)),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+    const __m256i v = _mm256_or_si256(nibbles32(p + off + 4), fifth);
+    return T == kQ5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
+  } else if constexpr (T == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+  } else if constexpr (T == kMXFP4) {
+    return lookup32(p + 1, kMXFP4Values);
+  } else if constexpr (T == kPQ4Z || T == kPQ4ZF) {
+    // nibble - z in int8 (z <= 127: exact), no offset.
+    constexpr int sb = own_scale_bytes(T);
+    return _mm256_sub_epi8(nibbles32(p + sb + 1), _mm256_set1_epi8(static_cast<char>(p[sb])));
+  } else if constexpr (T == kPQ8Z || T == kPQ8ZF) {
+    // q - z spans more than int8: q - 128 (the byte's top bit flipped) and the offset
+    // d * (128 - z) (block32_offset); dequantize_row_t computes d * (q - z) itself.
+    constexpr int sb = own_scale_bytes(T);
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + sb + 2)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    return _mm256_setzero_si256();
+  }
+}
+
+// Its scale a, and its offset b (has_offset types; a: its scale).
+template <int T>
+inline float block32_scale(const uint8_t* p) {
+  if constexpr (T == kMXFP4) return e8m0_half(p[0]);
+  else if constexpr (T == kPQ4Z || T == kPQ4ZF || T == kPQ8Z || T == kPQ8ZF) return own_scale<T>(p);
+  else return f16_at(p);
+}
+template <int T>
+inline float block32_offset(const uint8_t* p, float a) {
+  if constexpr (T == kPQ8Z || T == kPQ8ZF) {
+    int16_t z;
+    std::memcpy(&z, p + own_scale_bytes(T), 2);
+    return a * static_cast<float>(128 - z);
+  } else {
+    return f16_at(p + 2);  // Q4_1, Q5_1: the minimum m
+  }
+}
+
 template <int type>
 inline void decode_block_t(const uint8_t* p, Decoded& d) {
   int8_t* q = d.q;
@@ -261,54 +354,16 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
   d.sub = 32;
   d.nsub = 1;
   d.offset = false;
-  switch (type) {
-    case kQ4_0:
-      lookup_nibbles16(p + 2, kQ4_0Values, q);
-      d.a[0] = f16_at(p);
-      break;
-    case kQ4_1:
-      split_nibbles16(p + 4, uq);
-      d.a[0] = f16_at(p);
-      d.b[0] = f16_at(p + 2);
+  if constexpr (is_block32(type)) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), block32_values<type>(p));
+    d.a[0] = block32_scale<type>(p);
+    if constexpr (has_offset(type)) {
+      d.b[0] = block32_offset<type>(p, d.a[0]);
       d.offset = true;
-      break;
-    case kIQ4_NL:
-      lookup_nibbles16(p + 2, kIQ4Values, q);
-      d.a[0] = f16_at(p);
-      break;
-    case kQ5_0:
-    case kQ5_1: {
-      const int off = type == kQ5_1 ? 4 : 2;
-      uint32_t qh;
-      std::memcpy(&qh, p + off, 4);
-      // Nibbles: low ones to weights 0-15, high ones to 16-31. Bit j of qh (the fifth bit
-      // of weight j): byte j gets qh's byte j / 8, then its bit j % 8 is tested.
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off + 4));
-      const __m128i m4 = _mm_set1_epi8(0x0F);
-      const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
-      const __m256i spread = _mm256_shuffle_epi8(
-          _mm256_set1_epi32(static_cast<int>(qh)),
-          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-      const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-      __m256i v = _mm256_or_si256(nib, fifth);
-      if (type == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
-      d.a[0] = f16_at(p);
-      if (type == kQ5_1) {
-        d.b[0] = f16_at(p + 2);
-        d.offset = true;
-      }
-      break;
     }
-    case kQ8_0:
-      std::memcpy(q, p + 2, 32);
-      d.a[0] = f16_at(p);
-      break;
-    case kMXFP4:
-      lookup_nibbles16(p + 1, kMXFP4Values, q);
-      d.a[0] = e8m0_half(p[0]);
-      break;
+    return;
+  }
+  switch (type) {
     case kNVFP4_32:
     case kNVFP4_128: {
       // g, then one e4m3 scale per 16 weights, then the nibbles (16 bytes per 32 weights).
@@ -321,30 +376,6 @@ inline void decode_block_t(const uint8_t* p, Decoded& d) {
       // The values are doubled (kMXFP4Values), the scales halved: exact for any scale
       // above float32's smallest normals.
       for (int j = 0; j < groups; ++j) d.a[j] = (e4m3_to_f32(p[4 + j]) / g) * 0.5f;
-      break;
-    }
-    case kPQ4Z:
-    case kPQ4ZF: {
-      // nibble - z in int8 (z <= 127: exact), no offset.
-      constexpr int sb = own_scale_bytes(type);
-      split_nibbles16(p + sb + 1, uq);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(uq));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(uq), _mm256_sub_epi8(v, _mm256_set1_epi8(static_cast<char>(p[sb]))));
-      d.a[0] = own_scale<type>(p);
-      break;
-    }
-    case kPQ8Z:
-    case kPQ8ZF: {
-      // q - z spans more than int8: q - 128 (the byte's top bit flipped) and the offset
-      // d * (128 - z), for the products; dequantize_row_t computes d * (q - z) itself.
-      constexpr int sb = own_scale_bytes(type);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + sb + 2));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(uq), _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))));
-      int16_t z;
-      std::memcpy(&z, p + sb, 2);
-      d.a[0] = own_scale<type>(p);
-      d.b[0] = d.a[0] * static_cast<float>(128 - z);
-      d.offset = true;
       break;
     }
     case kQ2_K: {
@@ -498,22 +529,6 @@ void with_block_type(int type, F&& f) {
     PAGODA_BLOCK_TYPE(kPQ4ZF) PAGODA_BLOCK_TYPE(kPQ8ZF) PAGODA_BLOCK_TYPE(kNVFP4_32) PAGODA_BLOCK_TYPE(kNVFP4_128)
 #undef PAGODA_BLOCK_TYPE
     default: TORCH_CHECK(false, "unsupported ggml type ", type);
-  }
-}
-
-// Weights per sub-block (one scale each) and whether the type has offsets.
-constexpr int sub_block_of(int type) {
-  return (type == kQ2_K || type == kQ3_K || type == kQ6_K || type == kNVFP4_32 || type == kNVFP4_128) ? 16 : 32;
-}
-constexpr bool has_offset(int type) {
-  return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K || type == kPQ8Z ||
-         type == kPQ8ZF;
-}
-constexpr int block_of(int type) {
-  switch (type) {
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
-    case kNVFP4_128: return 128;
-    default: return 32;
   }
 }
 
@@ -1511,6 +1526,51 @@ void int8_dot(const QuantizedX& xq, int64_t K, int64_t r0, const DecodedRows& dr
   sums.store(y, N, r0, w.col + n0 + c0, bias);
 }
 
+// int8_dot for a block32 type without decoded rows: the NC channels' blocks are read
+// and decoded in registers as the products go (steps of few rows, where decoding whole
+// rows first cost more than the products). The same values and the same operations in
+// the same order as int8_dot: the same bits.
+template <int T, int MR, int NC>
+void int8_dot32(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n0, int c0, const float* bias,
+                float* y, int64_t N) {
+  const int64_t bytes = format_of(T).bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* rows[NC];
+  for (int o = 0; o < NC; ++o) rows[o] = w.data + (n0 + c0 + o) * w.row_bytes;
+  Sums<MR, NC> sums;
+  auto& acc = sums.acc;
+  auto& off = sums.off;
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m256i qs[NC], u[NC];
+    float a[NC], b[NC];
+    for (int o = 0; o < NC; ++o) {
+      const uint8_t* p = rows[o] + g * bytes;
+      qs[o] = block32_values<T>(p);
+      u[o] = _mm256_abs_epi8(qs[o]);
+      a[o] = block32_scale<T>(p);
+      if constexpr (has_offset(T)) b[o] = block32_offset<T>(p, a[o]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = r0 + r;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + row * K + 32 * g));
+      const int64_t gi = row * (K / 32) + g;
+      const float dx = xq.d[gi];
+      for (int o = 0; o < NC; ++o) {
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[o], _mm256_sign_epi8(xv, qs[o])), ones);
+        acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(a[o] * dx), _mm256_cvtepi32_ps(p), acc[r][o]);
+        if constexpr (has_offset(T)) {
+          const int32_t* s16 = xq.s16.data() + 2 * gi;
+          off[r][o] += b[o] * (dx * static_cast<float>(s16[0] + s16[1]));
+        }
+      }
+    }
+  }
+  sums.store(y, N, r0, w.col + n0 + c0, bias);
+}
+
+// Steps of up to this many rows multiply block32 types with int8_dot32 (no decoded rows).
+constexpr int64_t kDirect32Rows = 2;
+
 }  // namespace
 
 torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::optional<torch::Tensor> rows) {
@@ -1689,6 +1749,20 @@ void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m
   with_block_type(w.type, [&](auto tt) {
     constexpr int T = decltype(tt)::value;
     const int nc = static_cast<int>(tile.n1 - tile.n0);
+    if constexpr (is_block32(T)) {
+      if (m1 - m0 <= kDirect32Rows) {
+        auto dot = [&](auto mr, auto ncc) {
+          return [&, mr, ncc](int64_t r, int c) {
+            int8_dot32<T, decltype(mr)::value, decltype(ncc)::value>(xq, K, r, w, tile.n0, c, bp, yp, N);
+          };
+        };
+        using I1 = std::integral_constant<int, 1>;
+        using I2 = std::integral_constant<int, 2>;
+        using I4 = std::integral_constant<int, 4>;
+        for_row_channel_blocks(m0, m1, nc, dot(I1{}, I4{}), dot(I1{}, I1{}), dot(I2{}, I2{}), dot(I2{}, I1{}));
+        return;
+      }
+    }
     decode_rows<T>(w, tile.n0, nc, K, dr);
     auto dot = [&](auto mr, auto ncc) {
       return [&, mr, ncc](int64_t r, int c) {
