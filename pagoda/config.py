@@ -18,6 +18,11 @@ def _positive(name: str, value: object, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+# The quantization modes pipeline stages run: the exact mode and the gguf mode (each stage
+# keeps its layers' blocks as the file stores them; the converting modes are not staged yet).
+PIPELINE_MODES = ("none", "gguf")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None              # HF folder or .gguf file; None = bundled default
@@ -234,7 +239,7 @@ class EngineConfig:
     def _check_pipeline_parallel(self) -> None:
         """What pipeline parallelism does not combine with (yet), each named."""
         refused = [
-            (self.quantization != "none", f"--quantization {self.quantization}"
+            (self.quantization not in PIPELINE_MODES, f"--quantization {self.quantization}"
                                           + (" (the CPU's --dtype bfloat16 mode)" if self.quantization == "bf16" else "")),
             (self.speculative_config is not None, "--speculative-config"),
             (self.enable_lora, "--enable-lora"),

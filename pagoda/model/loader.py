@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from pagoda.config import PIPELINE_MODES
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.hf_quant import QuantMethod, method_for
 from pagoda.model.layers.decoder import CausalLM
@@ -92,13 +93,14 @@ def load_model(
     path = resolve_model_path(model)
     device = torch.device(device)
     tp = None if tp_group is None else _TP(tp_group, tp_rank, expert_parallel, quantization)
-    if pipe is not None and quantization != "none":
-        raise ValueError("quantization is not supported with pipeline parallelism")
+    if pipe is not None and quantization not in PIPELINE_MODES:
+        raise ValueError(f"--quantization {quantization} is not supported with pipeline parallelism "
+                         f"(supported: {', '.join(PIPELINE_MODES)})")
     # Weights stay as stored (GGUF blocks, float16/bfloat16) where pagoda's CPU kernels
-    # multiply them: the exact mode in float32. Otherwise (CUDA, another dtype, a pipeline
-    # stage, no kernels) they are dequantized to ``dtype`` at load.
-    keep_blocks = (device.type == "cpu" and dtype == torch.float32 and pipe is None
-                   and cpu_kernels.kernels() is not None)
+    # multiply them: the exact mode in float32 (and the gguf mode's int8 activations), a
+    # pipeline stage its own layers'. Otherwise (CUDA, another dtype, no kernels) they are
+    # dequantized to ``dtype`` at load.
+    keep_blocks = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.kernels() is not None
     if os.path.isdir(path):
         method = _quant_method(path)
         if method is not None:
@@ -109,10 +111,10 @@ def load_model(
         if keep_blocks and not kept:
             logger.info("tensor parallelism: the %s checkpoint's weights are dequantized to %s at load",
                         method.name, dtype)
-        loaded = (_load_hf_kept(path, device, show_progress, method, tp) if kept else None) or \
+        loaded = (_load_hf_kept(path, device, show_progress, method, tp, pipe) if kept else None) or \
             _load_hf_folder(path, dtype, device, show_progress, tp, method, pipe)
     elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
-        loaded = _load_gguf_blocks(path, device, show_progress, tp)
+        loaded = _load_gguf_blocks(path, device, show_progress, tp, pipe)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
         loaded = _load_gguf(path, dtype, device, show_progress, tp, pipe)
     else:
@@ -530,12 +532,14 @@ def kept_weight_slots(model: CausalLM) -> dict[str, tuple[str, int]]:
     return slots
 
 
-def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: _TP | None = None) -> LoadedModel:
+def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: _TP | None = None,
+                      pipe: StageLink | None = None) -> LoadedModel:
     """A GGUF model whose projections, LM head and embedding stay in the file's blocks:
     views into a copy-on-write memory map (nothing read until a kernel reads it), except
     Q and K of Llama-converted files, whose rows are put back in HF order (a copy). With
     ``tp``, this rank's part of each: its rows (still views of the map), its columns of
-    the row-parallel layers in whole blocks (a copy)."""
+    the row-parallel layers in whole blocks (a copy). With ``pipe``, this stage's tensors
+    only (``_stage_of``)."""
     from pagoda.model.layers.blocks import BLOCK_TYPES, BlockWeight, block_format
 
     gf, arch, names, model = _read_gguf(path)
@@ -550,6 +554,7 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
             if kind in ("o_proj", "down_proj") and len(info.shape) >= 2 and info.ggml_type in BLOCK_TYPES:
                 units[kind] = max(units.get(kind, 1), block_format(info.ggml_type)[0])
         plan = _shard_model(model, arch, tp, units)
+    stage = _stage_of(model, arch, pipe)
     slots = kept_weight_slots(model)
 
     def narrow(name: str, w):
@@ -569,6 +574,10 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
         if hf_name is None:
             unexpected.append(gguf_name)
             continue
+        if stage is not None:
+            if not stage.holds(hf_name[0] if isinstance(hf_name, list) else hf_name):
+                continue   # another pipeline stage's: not read
+            hf_name = hf_name if isinstance(hf_name, list) else stage.rename(hf_name)
         if isinstance(hf_name, list):   # a layer's experts, stacked: one view of rows each
             _check_experts(path, gguf_name, info.shape, len(hf_name))
             held = [(e, n) for e, n in enumerate(hf_name) if plan is None or plan.holds(n)]
@@ -601,7 +610,17 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
     if unexpected:
         raise ModelLoadError(f"{path}: tensors pagoda does not know: {unexpected[:8]}")
     _kept_weights_model(model, blocks, floats, path, device)
-    return LoadedModel(model, arch, path, gguf_metadata=md, shard=plan)
+    return LoadedModel(model, arch, path, gguf_metadata=md, shard=plan, stage=stage)
+
+
+def _stage_of(model: CausalLM, arch: ModelArchConfig, pipe: StageLink | None) -> StagePlan | None:
+    """A pipeline stage's plan, its placeholders swapped into ``model`` (on the meta device)."""
+    if pipe is None:
+        return None
+    stage = StagePlan.build(arch.num_hidden_layers, pipe.stage, pipe.num_stages, arch.tie_word_embeddings)
+    with torch.device("meta"):
+        stage.apply(model, pipe)
+    return stage
 
 
 def _check_experts(path: str, name: str, shape: tuple[int, ...], experts: int) -> None:
@@ -619,7 +638,8 @@ def _check_block_type(path: str, name: str, ggml_type, supported) -> None:
 
 
 def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
-                  method: QuantMethod | None = None, tp: _TP | None = None) -> LoadedModel | None:
+                  method: QuantMethod | None = None, tp: _TP | None = None,
+                  pipe: StageLink | None = None) -> LoadedModel | None:
     """An HF folder whose weights are bfloat16 or float16 (how most checkpoints ship),
     served in that dtype: projections, LM head and embedding as ``BlocksLinear`` /
     ``BlocksEmbedding`` over the checkpoint's own bytes (half of a float32 copy; products
@@ -648,6 +668,7 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
         return None
     # (A bfloat16/float16 weight is a block of one weight: any share of its columns is whole.)
     plan = None if tp is None else _shard_model(model, arch, tp)
+    stage = _stage_of(model, arch, pipe)
     slots = kept_weight_slots(model)
     blocks: dict[str, dict[int, BlockWeight]] = {}
     floats: dict[str, torch.Tensor] = {}
@@ -656,9 +677,13 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
                          leave=False):
             if cls.hf_name(name) is None:
                 continue
+            if stage is not None and not stage.holds(cls.hf_name(name)):
+                continue   # another pipeline stage's: not read
             for ours, t in convert(name, handle.get_tensor(name)):
                 if plan is not None and not plan.holds(ours):
                     continue   # another rank's expert
+                if stage is not None:
+                    ours = stage.rename(ours)
                 if isinstance(t, BlockWeight):   # kept in its blocks (MXFP4 experts, pre-quantized layers)
                     blocks.setdefault(slots[ours][0], {})[slots[ours][1]] = (
                         t if plan is None else plan.narrow_blocks(ours, t))
@@ -671,7 +696,7 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
                 elif "rotary_emb" not in ours:
                     floats[ours] = t.float()
     _kept_weights_model(model, blocks, floats, path, device)
-    return LoadedModel(model, arch, path, shard=plan)
+    return LoadedModel(model, arch, path, shard=plan, stage=stage)
 
 
 def _kept_weights_model(model: CausalLM, blocks: dict, floats: dict[str, torch.Tensor], path: str,
@@ -682,7 +707,7 @@ def _kept_weights_model(model: CausalLM, blocks: dict, floats: dict[str, torch.T
     arch = model.config
     slots = kept_weight_slots(model)
     head, embedding = (slots.get(n, (None,))[0] for n in ("lm_head.weight", "model.embed_tokens.weight"))
-    if head not in blocks and arch.tie_word_embeddings and embedding in blocks:
+    if head is not None and head not in blocks and arch.tie_word_embeddings and embedding in blocks:
         blocks[head] = blocks[embedding]
     _assemble_blocks(model, blocks, floats, path, BlocksLinear, BlocksEmbedding)
     model.init_rope(device)

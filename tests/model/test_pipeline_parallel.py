@@ -15,6 +15,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.model.layers.pipeline import StagePlan, split_layers
+from pagoda.ops import cpu_kernels
 from tests.conftest import _save_tiny, _tiny_llama_config
 from tests.model.helpers import compare_greedy, logprob_gap
 # Rank 0 of a parallel engine runs in the test process and sets one thread per rank.
@@ -60,6 +61,7 @@ def test_stage_plan_reads_only_its_tensors():
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
     ({"quantization": "int8"}, "--quantization int8"),
+    ({"quantization": "q4"}, "--quantization q4"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
     ({"enable_lora": True}, "--enable-lora"),
     ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype int8"),
@@ -221,6 +223,44 @@ def test_layer_partition_override(tiny_llama3_dir, monkeypatch):
     got, _, engine = _run(tiny_llama3_dir, pp=2)
     _assert_same_greedy(base, got, "partition 1,2")
     assert engine.loaded.stage.layers == (0, 1)
+
+
+# ---- weights kept in their blocks ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf3_path(tmp_path_factory) -> str:
+    """A GGUF file of three layers (2 + 1 on two stages): Q8_0 blocks, layer 1's o_proj and
+    down_proj and the LM head in Q4_K, an embedding of its own."""
+    from gguf import GGMLQuantizationType as Q
+
+    from pagoda.bench.gguf_files import ModelShape, write_model
+
+    shape = ModelShape("llama", 512, 3, 8, 4, 1024, False, 10000.0)
+    types = {"blk.1.attn_output.weight": Q.Q4_K, "blk.1.ffn_down.weight": Q.Q4_K, "output.weight": Q.Q4_K}
+    path = tmp_path_factory.mktemp("pp-gguf") / "model.gguf"
+    return write_model(str(path), shape, "Q8_0", show_progress=False, overrides=types, quantized=True)
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="blocks need pagoda's CPU kernels")
+@pytest.mark.parametrize("mode", ["none", "gguf"])
+def test_pp2_keeps_the_blocks(gguf3_path, mode):
+    """A GGUF file at PP=2 in the exact and the gguf mode: each stage keeps its own layers in
+    the file's blocks (no float copy: the stages' weights add up to one process's), and the
+    tokens are those of one process in the same mode."""
+    from pagoda.model.layers.blocks import BlocksLinear
+    from pagoda.model.loader import parameter_bytes
+
+    base, base_again, one = _run(gguf3_path, quantization=mode)
+    got, again, engine = _run(gguf3_path, pp=2, quantization=mode)
+    _assert_same_greedy(base, got, f"gguf file, {mode}")
+    _assert_same_greedy([o.outputs[0] for o in base_again], [o.outputs[0] for o in again], f"{mode} again")
+    layer = engine.loaded.model.model.layers[0].self_attn.o_proj
+    assert isinstance(layer, BlocksLinear) and layer.int8_activations == (mode == "gguf")
+    full = parameter_bytes(one.loaded.model)
+    per_stage = engine.tp_driver.weight_bytes
+    assert len(per_stage) == 2 and all(b < 0.75 * full for b in per_stage), (per_stage, full)
+    assert abs(sum(per_stage) - full) < 0.01 * full, (per_stage, full)
 
 
 # ---- a stage that dies ------------------------------------------------------------------
