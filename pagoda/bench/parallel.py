@@ -22,9 +22,11 @@ import time
 
 from pagoda.config import EngineConfig
 
-# name -> (tensor, pipeline, data) parallel sizes
-_SETTINGS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "dp1": (1, 1, 1),
-             "dp2": (1, 1, 2), "tp2dp2": (2, 1, 2)}
+# name -> (tensor, pipeline, data) parallel sizes, experts split by expert (a MoE model's
+# experts whole on their rank, not every expert's rows split over the ranks)
+_SETTINGS = {"tp1": (1, 1, 1, False), "tp2": (2, 1, 1, False), "tp2ep": (2, 1, 1, True),
+             "pp2": (1, 2, 1, False), "tp2pp2": (2, 2, 1, False), "dp1": (1, 1, 1, False),
+             "dp2": (1, 1, 2, False), "tp2dp2": (2, 1, 2, False)}
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -89,13 +91,16 @@ def run_parallel(args: argparse.Namespace, config: EngineConfig) -> int:
     threads = config.threads_per_rank or 1
     results = {}
     for name in names:
-        tp, pp, dp = _SETTINGS[name]
+        tp, pp, dp, ep = _SETTINGS[name]
         cfg = dataclasses.replace(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                                  enable_expert_parallel=ep or config.enable_expert_parallel,
                                   threads_per_rank=threads, show_progress=False)
         r = asyncio.run(_run_one(cfg, prompts, args.output_len))
-        r.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, threads_per_rank=threads)
+        r.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                 expert_parallel=cfg.enable_expert_parallel, threads_per_rank=threads)
         results[name] = r
-        print(f"{name:>7}: TP={tp} PP={pp} DP={dp}, {threads} thread(s) per rank: "
+        print(f"{name:>7}: TP={tp} PP={pp} DP={dp}{' EP' if cfg.enable_expert_parallel else ''}, "
+              f"{threads} thread(s) per rank: "
               f"{r['output_tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens in {r['elapsed_s']:.1f} s), "
               f"TTFT mean {r['mean_ttft_s'] * 1e3:.0f} ms, median {r['median_ttft_s'] * 1e3:.0f} ms",
               flush=True)
