@@ -1,0 +1,218 @@
+"""Expert parallelism across data-parallel replicas (--data-parallel-size 2
+--enable-expert-parallel) on tiny random MoE checkpoints.
+
+- dispatch_combine alone over 2 gloo processes against the one-process MoE block, with
+  a rank that has no tokens;
+- DataParallelLLM with 2 replicas each holding half the experts: the greedy tokens of
+  one process, with requests of different lengths so that the replicas step different
+  token counts and one is often idle (its dummy pass); every KV block free afterwards;
+- the combinations it refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import socket
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import EngineConfig
+from tests.model.helpers import compare_greedy, logprob_gap
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    # The replicas' engine cores (threads of this process here) set one torch thread each.
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- dispatch / combine alone ----------------------------------------------------------
+
+# Tokens per rank in each case: uneven, one rank without tokens, single tokens.
+_CASES = [(5, 3), (0, 4), (3, 0), (1, 1), (1, 0), (0, 0)]
+
+
+def _inputs(case: int, rank: int, hidden: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * case + rank)
+    return torch.randn(_CASES[case][rank], hidden, generator=gen)
+
+
+def _ep_worker(rank: int, path: str, port: int, out_dir: str) -> None:
+    from pagoda.distributed.group import EPGroup
+    from pagoda.model.layers.expert_parallel import shard_experts
+    from pagoda.model.loader import load_model
+
+    torch.set_num_threads(1)
+    model = load_model(path, show_progress=False).model
+    group = EPGroup(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), 60.0)
+    e0, e1 = shard_experts(model, group)
+    block = model.model.layers[0].mlp
+    hidden = block.gate.in_features
+    results = []
+    with torch.inference_mode():
+        for case in range(len(_CASES)):
+            results.append(block(_inputs(case, rank, hidden)))
+    torch.save({"experts": (e0, e1), "out": results, "rounds": group.rounds}, f"{out_dir}/rank{rank}.pt")
+
+
+def test_dispatch_combine_matches_one_process(tiny_mixtral_dir, tmp_path):
+    """Each rank routes its own tokens, its experts compute the rows both ranks send, and
+    its tokens' sums come back: the one-process block on all tokens at once, bitwise (each
+    expert's rows in the same order, the same additions per token) but where a rank has
+    one token (see below)."""
+    from pagoda.model.loader import load_model
+
+    torch.multiprocessing.spawn(_ep_worker, args=(tiny_mixtral_dir, _free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["experts"] for r in ranks] == [(0, 2), (2, 4)]
+    assert all(r["rounds"] == len(_CASES) for r in ranks)
+    block = load_model(tiny_mixtral_dir, show_progress=False).model.model.layers[0].mlp
+    hidden = block.gate.in_features
+    with torch.inference_mode():
+        for case, sizes in enumerate(_CASES):
+            x = torch.cat([_inputs(case, r, hidden) for r in range(2)])
+            if x.shape[0] == 0:
+                continue
+            want = block(x)
+            got = torch.cat([ranks[r]["out"][case] for r in range(2)])
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            # Bitwise where every product has the same shape kind as in one process: a rank's
+            # single token goes through the router (and the one-process block's single token
+            # through its experts) as a matrix-vector product, whose float32 bits differ from a
+            # matrix product's row (BLAS), so those cases are equal within 1e-5 only.
+            if 1 not in sizes and x.shape[0] > 1:
+                assert torch.equal(got, want), f"case {sizes}: max diff {(got - want).abs().max()}"
+
+
+# ---- the engine --------------------------------------------------------------------------
+
+_PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 40, 9, 70, 1, 25))]
+_MAX_TOKENS = [12, 4, 20, 6, 16, 2]
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, logprobs=2, ignore_eos=True)
+
+
+def _one_process(path: str):
+    llm = LLM(path, num_kv_blocks=64, max_model_len=256, show_progress=False, skip_tokenizer_init=True)
+    try:
+        outs = [llm.generate([{"prompt_token_ids": p}], _params(n), use_tqdm=False)[0]
+                for p, n in zip(_PROMPTS, _MAX_TOKENS)]
+        return [o.outputs[0] for o in outs]
+    finally:
+        llm.shutdown()
+
+
+async def _dp_ep_run(path: str, multiprocess: bool):
+    from pagoda.engine.dp_client import DataParallelLLM
+
+    config = EngineConfig(model=path, data_parallel_size=2, enable_expert_parallel=True, num_kv_blocks=64,
+                          max_model_len=256, show_progress=False, skip_tokenizer_init=True,
+                          max_num_batched_tokens=32, distributed_timeout=60.0)
+    engine = DataParallelLLM(config, multiprocess, log_stats=False, log_requests=False)
+    try:
+        async def one(i: int):
+            await asyncio.sleep(0.05 * i)   # staggered: the replicas' batches differ from step to step
+            last = None
+            async for out in engine.generate(f"r{i}", None, _PROMPTS[i], _params(_MAX_TOKENS[i])):
+                last = out
+            return last.outputs[0]
+
+        outs = await asyncio.gather(*(one(i) for i in range(len(_PROMPTS))))
+        # Each replica must have served some (the router balances the load).
+        served = [r.metrics.num_requests_finished if hasattr(r.metrics, "num_requests_finished") else None
+                  for r in engine.replicas]
+        # Every block back in the pools: wait for the idle heartbeats' stats.
+        for _ in range(100):
+            stats = engine.replica_stats()
+            if all(s.kv_cache_usage == 0 and s.num_running_reqs == 0 for s in stats):
+                break
+            await asyncio.sleep(0.05)
+        integrity = await engine.check_integrity()
+        return outs, stats, integrity, served, engine.is_healthy
+    finally:
+        await engine.shutdown()
+
+
+def _assert_same_greedy(got, want) -> None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        cmp = compare_greedy(a.token_ids, b.token_ids,
+                             lambda pos: min(logprob_gap(a, pos), logprob_gap(b, pos)), f"prompt {i}")
+        assert cmp.equal, cmp.excused
+
+
+@pytest.mark.parametrize("model", ["tiny_mixtral_dir", "tiny_qwen3moe_dir"])
+def test_dp2_expert_parallel_matches_one_process(model, request):
+    """Two replicas (engine-core threads), each with half of every layer's experts, serve
+    six concurrent requests of different lengths: the tokens of one process (a near-tie
+    excused, see helpers.compare_greedy), every KV block free after."""
+    path = request.getfixturevalue(model)
+    want = _one_process(path)
+    got, stats, integrity, _, healthy = asyncio.run(_dp_ep_run(path, multiprocess=False))
+    _assert_same_greedy(got, want)
+    assert [len(o.token_ids) for o in got] == _MAX_TOKENS
+    assert all(s.kv_cache_usage == 0 and s.num_running_reqs == 0 for s in stats), stats
+    assert integrity["ok"], integrity
+    assert healthy
+
+
+@pytest.mark.slow
+def test_dp2_expert_parallel_processes_match_one_process(tiny_mixtral_dir):
+    """The same with the replicas' engine cores in their own processes (as `pagoda serve`)."""
+    want = _one_process(tiny_mixtral_dir)
+    got, stats, integrity, _, healthy = asyncio.run(_dp_ep_run(tiny_mixtral_dir, multiprocess=True))
+    _assert_same_greedy(got, want)
+    assert all(s.kv_cache_usage == 0 for s in stats), stats
+    assert integrity["ok"] and healthy
+
+
+# ---- what it refuses -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"tensor_parallel_size": 2}, "--tensor-parallel-size > 1"),
+    ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size > 1"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
+    ({"data_parallel_backend": "ray"}, "--data-parallel-backend ray"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "--distributed-executor-backend ray"),
+])
+def test_dp_expert_parallel_refuses(extra, named):
+    with pytest.raises(ValueError, match="with --enable-expert-parallel") as info:
+        EngineConfig(data_parallel_size=2, enable_expert_parallel=True, **extra)
+    assert named in str(info.value)
+
+
+def test_expert_parallel_needs_tp_or_dp():
+    with pytest.raises(ValueError, match="needs --tensor-parallel-size > 1 or --data-parallel-size > 1"):
+        EngineConfig(enable_expert_parallel=True)
+    EngineConfig(data_parallel_size=2, enable_expert_parallel=True)   # accepted
+
+
+def test_dp_expert_parallel_needs_the_dp_client(tiny_mixtral_dir):
+    """One engine cannot form the replicas' group: the offline LLM refuses the mode."""
+    with pytest.raises(ValueError, match="DataParallelLLM"):
+        LLM(tiny_mixtral_dir, data_parallel_size=2, enable_expert_parallel=True, skip_tokenizer_init=True,
+            show_progress=False)
+
+
+def test_dp_expert_parallel_needs_moe(tiny_llama_dir):
+    from pagoda.engine.engine_core import EngineCore
+
+    config = EngineConfig(model=tiny_llama_dir, data_parallel_size=2, enable_expert_parallel=True,
+                          expert_parallel_init_method=f"tcp://127.0.0.1:{_free_port()}", show_progress=False,
+                          skip_tokenizer_init=True, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        EngineCore(config)
