@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
+import os
+import shutil
 import socket
 
 import pytest
@@ -98,6 +99,29 @@ def test_dispatch_combine_matches_one_process(tiny_mixtral_dir, tmp_path):
 
 # ---- the engine --------------------------------------------------------------------------
 
+
+def _with_tokenizer(src: str, tmp_path_factory, name: str) -> str:
+    """A copy of a tiny checkpoint with a word-level tokenizer (AsyncLLM loads one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = str(tmp_path_factory.mktemp(name) / "model")
+    shutil.copytree(src, path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixtral_tok_dir(tiny_mixtral_dir, tmp_path_factory) -> str:
+    return _with_tokenizer(tiny_mixtral_dir, tmp_path_factory, "mixtral-tok")
+
+
+@pytest.fixture(scope="module")
+def qwen3moe_tok_dir(tiny_qwen3moe_dir, tmp_path_factory) -> str:
+    return _with_tokenizer(tiny_qwen3moe_dir, tmp_path_factory, "qwen3moe-tok")
+
+
 _PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 40, 9, 70, 1, 25))]
 _MAX_TOKENS = [12, 4, 20, 6, 16, 2]
 
@@ -132,17 +156,18 @@ async def _dp_ep_run(path: str, multiprocess: bool):
             return last.outputs[0]
 
         outs = await asyncio.gather(*(one(i) for i in range(len(_PROMPTS))))
-        # Each replica must have served some (the router balances the load).
-        served = [r.metrics.num_requests_finished if hasattr(r.metrics, "num_requests_finished") else None
-                  for r in engine.replicas]
-        # Every block back in the pools: wait for the idle heartbeats' stats.
+        served = [sum(r.metrics.request_success.values()) for r in engine.replicas]
+        # Every block back in the pools, and the expert load reported (about once a second):
+        # wait for the idle heartbeats.
         for _ in range(100):
             stats = engine.replica_stats()
-            if all(s.kv_cache_usage == 0 and s.num_running_reqs == 0 for s in stats):
+            if all(s.kv_cache_usage == 0 and s.num_running_reqs == 0 for s in stats) \
+                    and all(r.metrics.expert_load for r in engine.replicas):
                 break
             await asyncio.sleep(0.05)
         integrity = await engine.check_integrity()
-        return outs, stats, integrity, served, engine.is_healthy
+        loads = [r.metrics.expert_load for r in engine.replicas]
+        return outs, stats, integrity, served, loads, engine.is_healthy
     finally:
         await engine.shutdown()
 
@@ -154,29 +179,87 @@ def _assert_same_greedy(got, want) -> None:
         assert cmp.equal, cmp.excused
 
 
-@pytest.mark.parametrize("model", ["tiny_mixtral_dir", "tiny_qwen3moe_dir"])
-def test_dp2_expert_parallel_matches_one_process(model, request):
+@pytest.mark.parametrize("model", ["mixtral_tok_dir", "qwen3moe_tok_dir"])
+def test_dp2_expert_parallel_matches_one_process(model, request, monkeypatch):
     """Two replicas (engine-core threads), each with half of every layer's experts, serve
     six concurrent requests of different lengths: the tokens of one process (a near-tie
-    excused, see helpers.compare_greedy), every KV block free after."""
+    excused, see helpers.compare_greedy), both replicas serving, an idle replica's dummy
+    passes, every KV block free after, each replica's expert load in its metrics."""
+    from pagoda.model.layers import expert_parallel
+
     path = request.getfixturevalue(model)
     want = _one_process(path)
-    got, stats, integrity, _, healthy = asyncio.run(_dp_ep_run(path, multiprocess=False))
+    dummies, shards = [], []
+    real_dummy, real_shard = expert_parallel.dummy_pass, expert_parallel.shard_experts
+    monkeypatch.setattr(expert_parallel, "dummy_pass", lambda m: (dummies.append(1), real_dummy(m)))
+    monkeypatch.setattr(expert_parallel, "shard_experts", lambda m, g: shards.append(real_shard(m, g)) or shards[-1])
+    got, stats, integrity, served, loads, healthy = asyncio.run(_dp_ep_run(path, multiprocess=False))
     _assert_same_greedy(got, want)
     assert [len(o.token_ids) for o in got] == _MAX_TOKENS
+    num_experts = len(loads[0][0])
+    assert sorted(shards) == [(0, num_experts // 2), (num_experts // 2, num_experts)]
+    assert all(n > 0 for n in served) and sum(served) == len(_PROMPTS), served
+    assert dummies, "no replica was ever idle while the other stepped"
     assert all(s.kv_cache_usage == 0 and s.num_running_reqs == 0 for s in stats), stats
     assert integrity["ok"], integrity
+    # Per replica, per MoE layer: top-k picks of its own tokens, over all the experts.
+    top_k = 2
+    for load, n in zip(loads, served):
+        assert all(len(layer) == num_experts for layer in load)
+        assert len({sum(layer) for layer in load}) == 1 and sum(load[0]) % top_k == 0
     assert healthy
 
 
-@pytest.mark.slow
-def test_dp2_expert_parallel_processes_match_one_process(tiny_mixtral_dir):
+def test_dp2_expert_parallel_processes_match_one_process(mixtral_tok_dir):
     """The same with the replicas' engine cores in their own processes (as `pagoda serve`)."""
-    want = _one_process(tiny_mixtral_dir)
-    got, stats, integrity, _, healthy = asyncio.run(_dp_ep_run(tiny_mixtral_dir, multiprocess=True))
+    want = _one_process(mixtral_tok_dir)
+    got, stats, integrity, served, _, healthy = asyncio.run(_dp_ep_run(mixtral_tok_dir, multiprocess=True))
     _assert_same_greedy(got, want)
     assert all(s.kv_cache_usage == 0 for s in stats), stats
+    assert all(n > 0 for n in served), served
     assert integrity["ok"] and healthy
+
+
+async def _kill_one_replica(path: str):
+    from pagoda.engine.client import EngineDeadError
+    from pagoda.engine.dp_client import DataParallelLLM
+
+    config = EngineConfig(model=path, data_parallel_size=2, enable_expert_parallel=True, num_kv_blocks=64,
+                          max_model_len=256, show_progress=False, skip_tokenizer_init=True, distributed_timeout=30.0)
+    engine = DataParallelLLM(config, log_stats=False, log_requests=False)
+    started = asyncio.Event()
+    try:
+        async def one(i: int):
+            n = 0
+            async for _ in engine.generate(f"r{i}", None, _PROMPTS[i], _params(200)):
+                n += 1
+                if n == 3:
+                    started.set()
+                await asyncio.sleep(0.01)   # slow consumer: the requests are still running at the kill
+            return n
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(2)]
+        await asyncio.wait_for(started.wait(), 60)
+        assert sorted(engine._owner.values()) == [0, 1]   # one request on each replica
+        engine.replicas[0]._proc.kill()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert not engine.is_healthy and engine.dead_reason and engine.degraded_reason is None
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("after", None, _PROMPTS[0], _params(2)):
+                pass
+        # The survivor's engine core leaves its loop (its exchange fails): nothing left hanging.
+        engine.replicas[1]._proc.join(60)
+        assert not engine.replicas[1]._proc.is_alive()
+    finally:
+        await engine.shutdown()
+
+
+def test_dp_expert_parallel_one_replica_dies(mixtral_tok_dir):
+    """The group runs whole or not at all: a killed replica's peer ends its requests with
+    EngineDeadError too, the server turns unhealthy, new requests are refused, and the
+    peer's engine core exits (its exchange fails) instead of hanging."""
+    asyncio.run(_kill_one_replica(mixtral_tok_dir))
 
 
 # ---- what it refuses -----------------------------------------------------------------------
