@@ -140,9 +140,9 @@ class EngineCore:
         e0, e1 = shard_experts(loaded.model, self.ep_group)
         self._ep_layers = len(moe_blocks(loaded.model))
         logger.info("expert parallelism across %d data-parallel replicas: replica %d holds experts [%d, %d) of %d "
-                    "in each of %d MoE layers (%d per replica); weights %.2f -> %.2f GiB",
+                    "in each of %d MoE layers (%d per replica); weights %.1f -> %.1f MiB",
                     config.data_parallel_size, config.data_parallel_rank, e0, e1, loaded.arch.num_experts,
-                    self._ep_layers, e1 - e0, before / 2**30, parameter_bytes(loaded.model) / 2**30)
+                    self._ep_layers, e1 - e0, before / 2**20, parameter_bytes(loaded.model) / 2**20)
 
     def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                    collect_stats: bool) -> None:
