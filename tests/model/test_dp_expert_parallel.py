@@ -26,6 +26,8 @@ from tests.model.helpers import compare_greedy, logprob_gap
 
 @pytest.fixture(autouse=True)
 def _restore_threads():
+    # (The tests' groups wait up to 600 s: a test process paused by the machine's other work
+    # must not time out; the killed replica's peer fails at once, its sockets closed.)
     # The replicas' engine cores (threads of this process here) set one torch thread each.
     n = torch.get_num_threads()
     yield
@@ -56,7 +58,7 @@ def _ep_worker(rank: int, path: str, port: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     model = load_model(path, show_progress=False).model
-    group = EPGroup(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), 60.0)
+    group = EPGroup(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), 600.0)
     e0, e1 = shard_experts(model, group)
     block = model.model.layers[0].mlp
     hidden = block.gate.in_features
@@ -150,7 +152,7 @@ async def _dp_ep_run(path: str, multiprocess: bool):
 
     config = EngineConfig(model=path, data_parallel_size=2, enable_expert_parallel=True, num_kv_blocks=64,
                           max_model_len=256, show_progress=False, skip_tokenizer_init=True,
-                          max_num_batched_tokens=32, distributed_timeout=60.0)
+                          max_num_batched_tokens=32, distributed_timeout=600.0)
     engine = DataParallelLLM(config, multiprocess, log_stats=False, log_requests=False)
     try:
         async def one(i: int):
@@ -243,7 +245,7 @@ async def _kill_one_replica(path: str):
     from pagoda.engine.dp_client import DataParallelLLM
 
     config = EngineConfig(model=path, data_parallel_size=2, enable_expert_parallel=True, num_kv_blocks=64,
-                          max_model_len=256, show_progress=False, skip_tokenizer_init=True, distributed_timeout=30.0)
+                          max_model_len=256, show_progress=False, skip_tokenizer_init=True, distributed_timeout=600.0)
     engine = DataParallelLLM(config, log_stats=False, log_requests=False)
     started = asyncio.Event()
     try:
