@@ -50,6 +50,10 @@ class EngineConfig:
     # (whole experts; their outputs summed over ranks).
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
+    # Set by DataParallelLLM on each replica's config, not by users: the replica's index and,
+    # with --enable-expert-parallel, the expert-parallel group's rendezvous (tcp://127.0.0.1:port).
+    data_parallel_rank: int = 0
+    expert_parallel_init_method: str | None = None
     distributed_init_method: str | None = None  # tcp://host:port or env://; None = local, automatic
     nnodes: int = 1                       # nodes the tensor/pipeline-parallel group spans
     node_rank: int = 0                    # 0 = the node running the engine core (rank 0)
@@ -135,15 +139,21 @@ class EngineConfig:
                              f"(the same number of ranks on every node)")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
-        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
-            raise ValueError("--enable-expert-parallel splits experts over tensor-parallel ranks: "
-                             "it needs --tensor-parallel-size > 1")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2 and self.data_parallel_size < 2:
+            raise ValueError("--enable-expert-parallel splits experts over tensor-parallel ranks or data-parallel "
+                             "replicas: it needs --tensor-parallel-size > 1 or --data-parallel-size > 1")
+        if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) \
+                or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank!r}")
         if self.nnodes > 1 and self.distributed_init_method is None:
             raise ValueError("a multi-node group needs a rendezvous: --master-addr/--master-port "
                              "or --distributed-init-method tcp://host:port")
         if self.data_parallel_size > 1 and (self.nnodes > 1 or self.distributed_init_method is not None):
             raise ValueError("--data-parallel-size > 1 runs its replicas on this node; it cannot be "
                              "combined with a multi-node or explicit tensor-parallel rendezvous")
+        if self.dp_expert_parallel:   # before the backends' and pipeline's checks: name this mode
+            self._check_dp_expert_parallel()
         self._check_backends()
         if self.scheduling_policy not in ("fcfs", "priority", "fair"):
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
@@ -253,6 +263,26 @@ class EngineConfig:
         if names:
             raise ValueError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with "
                              f"--pipeline-parallel-size > 1 yet")
+
+    @property
+    def dp_expert_parallel(self) -> bool:
+        """Expert parallelism across the data-parallel replicas (docs/parallel.md): each replica
+        holds a share of every MoE layer's experts and the replicas exchange tokens."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    def _check_dp_expert_parallel(self) -> None:
+        """What expert parallelism across data-parallel replicas does not combine with (yet), each named."""
+        refused = [
+            (self.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
+            (self.pipeline_parallel_size > 1, "--pipeline-parallel-size > 1"),
+            (self.speculative_config is not None, "--speculative-config"),
+            (self.data_parallel_backend == "ray", "--data-parallel-backend ray"),
+            (self.distributed_executor_backend == "ray", "--distributed-executor-backend ray"),
+        ]
+        names = [name for bad, name in refused if bad]
+        if names:
+            raise ValueError(f"--data-parallel-size > 1 with --enable-expert-parallel (experts split over the "
+                             f"replicas) does not combine with {', '.join(names)} yet")
 
     @property
     def world_size(self) -> int:

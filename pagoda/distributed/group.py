@@ -212,6 +212,37 @@ class RankGroups:
         return [int(p.item()) for p in parts]
 
 
+class EPGroup:
+    """Expert parallelism across data-parallel replicas: the N replicas' engine cores, rank =
+    the replica's index (pagoda/model/layers/expert_parallel.py). Its own rendezvous (rank 0
+    hosts the store) and one gloo group (nccl on CUDA) whose collectives are bounded by
+    ``timeout``: a replica that died or hangs ends its peers' exchanges in DistributedError."""
+
+    def __init__(self, init_method: str, rank: int, world_size: int, device: torch.device, timeout: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        # MoE exchanges so far (dispatch_combine counts them): the engine's lockstep check.
+        self.rounds = 0
+        self._store = rendezvous_store(init_method, rank, world_size, timeout)   # kept alive: rank 0 serves it
+        self.group = _gloo_or_nccl(dist.PrefixStore("pagoda/ep", self._store), rank, world_size, device,
+                                   datetime.timedelta(seconds=timeout))
+
+    def all_to_all(self, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """``in_splits[r]`` rows of ``t`` to rank r; returns the rows every rank sent here, in
+        rank order (``out_splits[r]`` from rank r). Zero rows are fine; every rank must call."""
+        out = t.new_empty((sum(out_splits), *t.shape[1:]))
+        _wait(self.group.alltoall_base(out, t.contiguous(), list(out_splits), list(in_splits)))
+        return out
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length on every rank), in rank order."""
+        mine = torch.tensor(values, dtype=torch.long, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        _wait(self.group.allgather([parts], [mine]))
+        return [p.tolist() for p in parts]
+
+
 def _wait(work, timeout: datetime.timedelta | None = None) -> None:
     try:
         work.wait() if timeout is None else work.wait(timeout)

@@ -27,7 +27,7 @@ from pagoda.core.outputs import SchedulerStats
 from pagoda.engine.client import EngineDeadError, EngineOverloadedError, LoRAExistsError, LoRANotFoundError
 from pagoda.engine.core_proc import CoreProcess, run_engine_core, start_core_process
 from pagoda.engine.frontend import EngineFrontEnd
-from pagoda.engine.messages import Dead, MessageError, Ready, Shutdown, ToCore, decode, encode
+from pagoda.engine.messages import Dead, EngineCoreRequest, MessageError, Ready, Shutdown, ToCore, decode, encode
 from pagoda.metrics.log import StatLogger, log_request
 from pagoda.metrics.stats import EngineMetrics
 from pagoda.tokenizer import Tokenizer
@@ -50,6 +50,8 @@ def _tokenizer_for(config: EngineConfig) -> Tokenizer:
 
 
 class AsyncLLM(EngineFrontEnd):
+    ep_link: Any = None   # see __init__
+
     def __init__(
         self,
         config: EngineConfig,
@@ -117,6 +119,9 @@ class AsyncLLM(EngineFrontEnd):
         )  # fmt: skip
         self._output_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        # A replica of an expert-parallel group (set by DataParallelLLM, pagoda/engine/dp_client.py):
+        # its requests are numbered and announced to the other replicas; one replica's death is all's.
+        self.ep_link: Any = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, multiprocess: bool = True, **kwargs: Any) -> AsyncLLM:
@@ -176,7 +181,16 @@ class AsyncLLM(EngineFrontEnd):
             self._die("engine core thread exited")
 
     async def _send(self, msg: ToCore) -> None:
-        await self._input.send(encode(msg))
+        if self.ep_link is not None and isinstance(msg, EngineCoreRequest):
+            await self.ep_link.send_request(self, msg)   # numbered, and the group's other replicas woken
+        else:
+            await self._input.send(encode(msg))
+
+    def _die(self, reason: str) -> None:
+        first = self._dead is None
+        super()._die(reason)
+        if first and self.ep_link is not None:
+            self.ep_link.member_died(self, reason)
 
     # ---- health and lifetime ---------------------------------------------------------------
 

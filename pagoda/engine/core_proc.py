@@ -33,6 +33,7 @@ from pagoda.engine.messages import (
     RequestError,
     Shutdown,
     Stop,
+    WakeUp,
     decode,
     encode,
 )
@@ -64,48 +65,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     out.send(encode(Ready(core.max_model_len, core.vocab_size, core.num_blocks, config.block_size,
                            core.pooler_config, core.kv_transfer.address if core.kv_transfer else None)))
 
-    last_sent = 0.0
     code = 0
     try:
-        parent = os.getppid()
-        while True:
-            if os.getppid() != parent:
-                logger.error("the API server process is gone; engine core exiting")
-                break
-            timeout = 0 if core.has_unfinished_requests() else KV_POLL_MS if core.has_pending_transfers() else IDLE_POLL_MS
-            shutdown = False
-            while inp.poll(timeout):
-                timeout = 0
-                msg = decode(inp.recv())
-                if isinstance(msg, EngineCoreRequest):
-                    try:
-                        core.add_request(msg)
-                    except ValueError as e:
-                        out.send(encode(RequestError(msg.request_id, str(e))))
-                elif isinstance(msg, Abort):
-                    aborted = core.abort_requests(msg.request_ids)
-                    if aborted:
-                        out.send(encode(EngineCoreOutputs(outputs=aborted)))
-                elif isinstance(msg, Stop):
-                    core.finish_stopped(msg.request_ids)
-                elif isinstance(msg, CheckIntegrity):
-                    out.send(encode(_check_integrity(core, msg)))
-                elif isinstance(msg, (AddLora, RemoveLora)):
-                    out.send(encode(_lora_call(core, msg)))
-                elif isinstance(msg, Shutdown):
-                    shutdown = True
-                    break
-                else:
-                    raise MessageError(f"the engine core does not take {type(msg).__name__} messages")
-            if shutdown:
-                break
-            core.check_health()
-            if core.has_unfinished_requests():
-                out.send(encode(core.step()))
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent > HEARTBEAT_INTERVAL_S:
-                out.send(encode(core.idle_stats()))
-                last_sent = time.monotonic()
+        if core.ep_group is not None:
+            _serve_expert_parallel(core, inp, out)
+        else:
+            _serve(core, inp, out)
     except Exception:
         logger.exception("engine core failed")
         out.send(encode(Dead(traceback.format_exc())))
@@ -113,6 +78,118 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     core.shutdown()
     _close(inp, out, ctx, own_context)
     return code
+
+
+def _serve(core, inp, out) -> None:
+    """The loop of an engine core on its own: step while it has requests, else wait for input."""
+    last_sent = 0.0
+    parent = os.getppid()
+    while True:
+        if os.getppid() != parent:
+            logger.error("the API server process is gone; engine core exiting")
+            return
+        timeout = 0 if core.has_unfinished_requests() else KV_POLL_MS if core.has_pending_transfers() else IDLE_POLL_MS
+        while inp.poll(timeout):
+            timeout = 0
+            msg = decode(inp.recv())
+            if isinstance(msg, EngineCoreRequest):
+                _add_request(core, msg, out)
+            elif _handle(core, msg, out):
+                return
+        core.check_health()
+        if core.has_unfinished_requests():
+            out.send(encode(core.step()))
+            last_sent = time.monotonic()
+        elif time.monotonic() - last_sent > HEARTBEAT_INTERVAL_S:
+            out.send(encode(core.idle_stats()))
+            last_sent = time.monotonic()
+
+
+def _serve_expert_parallel(core, inp, out) -> None:
+    """The loop of a replica in an expert-parallel group (docs/parallel.md): every MoE layer's
+    exchange is a collective of the group, so all replicas run the same number of forward
+    passes. They do it in waves. Idle, a replica waits on its input like any engine core;
+    a request, or a WakeUp for a request number not yet accounted for, starts a wave. In
+    a wave, each iteration: take the input without waiting, then one all-gather of
+    [has unfinished requests, requests received so far, highest request number seen];
+    the wave ends on every replica at once when no replica has unfinished requests and
+    the requests received add up to the highest number seen (none is on its way). Else
+    every replica steps (EngineCore.step_expert_parallel: its own step, or a dummy pass
+    through the MoE exchanges), unless none has requests (a request still on its way:
+    nothing to run). Aborts, stops and the other calls are answered without a wave."""
+    group = core.ep_group
+    received = highest = 0   # requests received here; the highest request number seen here
+    accounted = 0            # the highest number the group had seen when the last wave ended
+    in_wave, anyone_busy = False, False
+    last_sent = 0.0
+    parent = os.getppid()
+    while True:
+        if os.getppid() != parent:
+            logger.error("the API server process is gone; engine core exiting")
+            return
+        timeout = (0 if anyone_busy else 1) if in_wave else IDLE_POLL_MS
+        while inp.poll(timeout):
+            timeout = 0
+            msg = decode(inp.recv())
+            if isinstance(msg, EngineCoreRequest):
+                if msg.ep_seq < 1:
+                    raise MessageError(f"request {msg.request_id!r} came without its expert-parallel group number "
+                                       "(ep_seq): an expert-parallel replica takes requests only through "
+                                       "DataParallelLLM")
+                received += 1
+                highest = max(highest, msg.ep_seq)
+                in_wave = True
+                _add_request(core, msg, out)
+            elif isinstance(msg, WakeUp):
+                highest = max(highest, msg.seq)
+                in_wave = in_wave or msg.seq > accounted
+            elif _handle(core, msg, out):
+                return
+        core.check_health()
+        stepped = False
+        if in_wave:
+            rows = group.all_gather_ints([int(core.has_unfinished_requests()), received, highest])
+            anyone_busy = any(r[0] for r in rows)
+            top = max(r[2] for r in rows)
+            if not anyone_busy and sum(r[1] for r in rows) == top:
+                in_wave, accounted = False, top
+            elif anyone_busy:
+                result = core.step_expert_parallel()
+                if result is not None:
+                    out.send(encode(result))
+                    last_sent = time.monotonic()
+                    stepped = True
+        if not stepped and time.monotonic() - last_sent > HEARTBEAT_INTERVAL_S:
+            out.send(encode(core.idle_stats()))
+            last_sent = time.monotonic()
+
+
+def _add_request(core, msg: EngineCoreRequest, out) -> None:
+    try:
+        core.add_request(msg)
+    except ValueError as e:
+        out.send(encode(RequestError(msg.request_id, str(e))))
+
+
+def _handle(core, msg, out) -> bool:
+    """Any message but a request; True for Shutdown (leave the loop)."""
+    if isinstance(msg, Abort):
+        aborted = core.abort_requests(msg.request_ids)
+        if aborted:
+            out.send(encode(EngineCoreOutputs(outputs=aborted)))
+    elif isinstance(msg, Stop):
+        core.finish_stopped(msg.request_ids)
+    elif isinstance(msg, CheckIntegrity):
+        out.send(encode(_check_integrity(core, msg)))
+    elif isinstance(msg, (AddLora, RemoveLora)):
+        out.send(encode(_lora_call(core, msg)))
+    elif isinstance(msg, Shutdown):
+        return True
+    elif isinstance(msg, WakeUp):
+        pass   # an engine core outside an expert-parallel group has no lockstep to join
+    else:
+        raise MessageError(f"the engine core does not take {type(msg).__name__} messages")
+    return False
 
 
 def _check_integrity(core, msg: CheckIntegrity) -> IntegrityResult:

@@ -10,6 +10,13 @@ validated once, here, and handed to the replica's stream (``_generate``).
 A replica whose engine dies is taken out of routing: its in-flight requests
 end with an error, new requests go to the others, and /health reports the
 server degraded but serving. Only when every replica is dead is it unhealthy.
+
+With --enable-expert-parallel the replicas form one expert-parallel group
+(docs/parallel.md): each holds a share of every MoE layer's experts and their
+engine cores exchange tokens in every MoE layer, stepping in lockstep. Every
+request sent to one replica is numbered and announced to the others
+(``_ExpertParallelLink``); the group runs only whole, so one replica's death
+ends every replica's requests and the server is unhealthy.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
@@ -25,6 +33,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.outputs import SchedulerStats
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import EngineClientBase, GenerateCall, EngineDeadError, LoRANotFoundError
+from pagoda.engine.messages import EngineCoreRequest, WakeUp, encode
 from pagoda.engine.router import PrefixRouter
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
@@ -36,7 +45,10 @@ class DataParallelLLM(EngineClientBase):
     def __init__(self, config: EngineConfig, multiprocess: bool = True, **kwargs: Any) -> None:
         n = config.data_parallel_size
         # Different seeds, so that unseeded random sampling differs between replicas.
-        configs = [dataclasses.replace(config, seed=config.seed + i) for i in range(n)]
+        configs = [dataclasses.replace(config, seed=config.seed + i, data_parallel_rank=i) for i in range(n)]
+        if config.dp_expert_parallel:
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            configs = [dataclasses.replace(c, expert_parallel_init_method=init) for c in configs]
         cores: list[dict[str, Any]] = [{} for _ in configs]
         if config.data_parallel_backend == "ray":
             if not multiprocess:
@@ -77,6 +89,11 @@ class DataParallelLLM(EngineClientBase):
         self.router = PrefixRouter(n, config.block_size)
         self._owner: dict[str, int] = {}
         self._dead_seen: set[int] = set()
+        self.expert_parallel = config.dp_expert_parallel
+        if self.expert_parallel:
+            link = _ExpertParallelLink(replicas)
+            for r in replicas:
+                r.ep_link = link
 
     @classmethod
     def from_config(cls, config: EngineConfig, multiprocess: bool = True, **kwargs: Any) -> DataParallelLLM:
@@ -98,20 +115,25 @@ class DataParallelLLM(EngineClientBase):
 
     @property
     def is_healthy(self) -> bool:
+        if self.expert_parallel:   # one expert-parallel group: it runs whole or not at all
+            return all(r.is_healthy for r in self.replicas)
         return any(r.is_healthy for r in self.replicas)
 
     @property
     def degraded_reason(self) -> str | None:
-        """Set while some (not all) replicas are down."""
+        """Set while some (not all) replicas are down (never with expert parallelism: then the
+        whole group is down)."""
         down = [f"replica {i}: {r.dead_reason or 'unhealthy'}" for i, r in enumerate(self.replicas)
                 if not r.is_healthy]
-        if not down or len(down) == len(self.replicas):
+        if not down or len(down) == len(self.replicas) or self.expert_parallel:
             return None
         return "; ".join(down)
 
     @property
     def dead_reason(self) -> str | None:
         reasons = [r.dead_reason for r in self.replicas]
+        if self.expert_parallel and any(reasons):
+            return "; ".join(f"replica {i}: {x}" for i, x in enumerate(reasons) if x)
         if all(reasons):
             return "; ".join(f"replica {i}: {x}" for i, x in enumerate(reasons))
         return None
@@ -187,6 +209,41 @@ class DataParallelLLM(EngineClientBase):
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
+
+
+class _ExpertParallelLink:
+    """The replicas of an expert-parallel group, as their AsyncLLMs see each other: numbers
+    every request sent to one of them (1, 2, ... over the group, ``ep_seq``) and sends the
+    others a WakeUp with the number, so that their engine cores join the lockstep steps
+    (pagoda/engine/core_proc.py); and when one replica dies, ends the others too (the group
+    cannot exchange tokens without it; its peers' collectives fail or time out)."""
+
+    def __init__(self, replicas: list[AsyncLLM]) -> None:
+        self.replicas = replicas
+        self._last_seq = 0
+
+    async def send_request(self, replica: AsyncLLM, msg: EngineCoreRequest) -> None:
+        self._last_seq += 1
+        seq = msg.ep_seq = self._last_seq
+        await replica._input.send(encode(msg))
+        wake = encode(WakeUp(seq))
+        for other in self.replicas:
+            if other is not replica and other.dead_reason is None:
+                await other._input.send(wake)
+
+    def member_died(self, replica: AsyncLLM, reason: str) -> None:
+        i = self.replicas.index(replica)
+        for j, other in enumerate(self.replicas):
+            if other is not replica:
+                other._die(f"replica {i} of the expert-parallel group died, so replica {j} cannot run "
+                           f"(every MoE layer exchanges tokens with it): {reason}")
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the expert-parallel group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def msgspec_fields(cls) -> tuple[str, ...]:

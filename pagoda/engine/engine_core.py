@@ -75,6 +75,7 @@ class EngineCore:
             keep_freed_memory()
         dtype = parse_dtype(config.dtype)
         self.tp_driver = None
+        self.ep_group = None   # expert parallelism across data-parallel replicas (_join_expert_parallel)
         # Pipeline parallelism: steps started, not finished yet (_step_pipelined), at most this many.
         self.pipeline_depth = config.pipeline_parallel_size
         self._in_flight: deque = deque()
@@ -104,6 +105,9 @@ class EngineCore:
         if loaded is None:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                 quantization=config.quantization)
+        self.ep_group = None
+        if config.dp_expert_parallel:
+            self._join_expert_parallel(config, loaded, device)
         if device.type == "cpu" and not parallel:
             span = governed_threads(config.num_threads)
             if span is not None:
@@ -116,6 +120,29 @@ class EngineCore:
                     torch.set_num_threads(threads)
                     logger.info("CPU threads: %d (for %.2f GiB of weights)", threads, weight_bytes / 2**30)
         self._init_rest(config, loaded, device, dtype, collect_stats)
+
+    def _join_expert_parallel(self, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+        """Join the replicas' expert-parallel group and keep only this replica's share of every
+        MoE layer's experts (pagoda/model/layers/expert_parallel.py). The checkpoint is read
+        whole first, then the other replicas' experts are dropped."""
+        from pagoda.distributed.group import EPGroup
+        from pagoda.model.layers.expert_parallel import moe_blocks, shard_experts
+
+        if config.expert_parallel_init_method is None:
+            raise ValueError("--data-parallel-size > 1 with --enable-expert-parallel runs its replicas through "
+                             "DataParallelLLM (`pagoda serve`), which gives them their group's rendezvous; "
+                             "a single engine (LLM, EngineCore) cannot form it")
+        if not moe_blocks(loaded.model):
+            raise ValueError(f"--enable-expert-parallel: {loaded.path} has no mixture-of-experts layers")
+        self.ep_group = EPGroup(config.expert_parallel_init_method, config.data_parallel_rank,
+                                config.data_parallel_size, device, config.distributed_timeout)
+        before = parameter_bytes(loaded.model)
+        e0, e1 = shard_experts(loaded.model, self.ep_group)
+        self._ep_layers = len(moe_blocks(loaded.model))
+        logger.info("expert parallelism across %d data-parallel replicas: replica %d holds experts [%d, %d) of %d "
+                    "in each of %d MoE layers (%d per replica); weights %.1f -> %.1f MiB",
+                    config.data_parallel_size, config.data_parallel_rank, e0, e1, loaded.arch.num_experts,
+                    self._ep_layers, e1 - e0, before / 2**20, parameter_bytes(loaded.model) / 2**20)
 
     def _init_rest(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                    collect_stats: bool) -> None:
@@ -408,6 +435,25 @@ class EngineCore:
         sched_out, record, masks = self._schedule(start)
         runner_out = self.executor.execute_model(sched_out, masks)
         return self._finish_step(sched_out, runner_out, record, start, arrived=arrived)
+
+    def step_expert_parallel(self) -> EngineCoreOutputs | None:
+        """One lockstep step of a replica in an expert-parallel group (pagoda/engine/core_proc.py
+        runs the waves): its own step when it has requests, and when that ran no forward pass
+        (nothing scheduled) a dummy pass that takes part in every MoE layer's exchanges with
+        no tokens. Returns the step's outputs, None after a dummy pass alone. Every replica
+        of the group must call it the same number of times."""
+        from pagoda.distributed.group import DistributedError
+        from pagoda.model.layers.expert_parallel import dummy_pass
+
+        before = self.ep_group.rounds
+        out = self.step() if self.has_unfinished_requests() else None
+        done = self.ep_group.rounds - before
+        if done == 0:
+            dummy_pass(self.runner.model)
+        elif done != self._ep_layers:
+            raise DistributedError(f"a step ran {done} MoE exchanges, not one forward pass's {self._ep_layers}: "
+                                   "expert parallelism across replicas runs one forward pass per step")
+        return out
 
     def _step_pipelined(self) -> EngineCoreOutputs:
         """Pipeline parallelism: keep up to ``pipeline_depth`` steps (micro-batches) in flight

@@ -15,6 +15,8 @@ Front end -> core (``ToCore``):
 - ``lora_add``  AddLora: load an adapter; answered by ``lora_result``
 - ``lora_rm``   RemoveLora: unload an adapter; answered by ``lora_result``
 - ``shutdown``  Shutdown: leave the loop
+- ``wake``      WakeUp: expert parallelism across replicas: another replica of the group got
+                request number ``seq``; this one joins the group's lockstep steps (core_proc)
 
 Core -> front end (``FromCore``):
 
@@ -44,7 +46,7 @@ from pagoda.sampling_params import SamplingParams
 __all__ = [
     "Abort", "AddLora", "CheckIntegrity", "Dead", "EngineCoreOutputs", "EngineCoreRequest", "EngineMessage",
     "FromCore", "Heartbeat", "IntegrityResult", "LoraResult", "MessageError", "Ready", "RemoveLora",
-    "RequestError", "Shutdown", "Stop", "ToCore", "decode", "encode",
+    "RequestError", "Shutdown", "Stop", "ToCore", "WakeUp", "decode", "encode",
 ]  # fmt: skip
 
 
@@ -67,6 +69,9 @@ class EngineCoreRequest(Message, tag="add"):
     lora_request: LoRARequest | None = None
     # An embedding request: pooled and finished after its prompt (sampling_params: a placeholder).
     pooling_params: PoolingParams | None = None
+    # Expert parallelism across data-parallel replicas: the request's number within the group
+    # (1, 2, ...; every other replica gets a WakeUp with it). 0: no such group.
+    ep_seq: int = 0
 
 
 class Abort(Message, tag="abort"):
@@ -95,6 +100,13 @@ class RemoveLora(Message, tag="lora_rm"):
 
 class Shutdown(Message, tag="shutdown"):
     pass
+
+
+class WakeUp(Message, tag="wake"):
+    """Expert parallelism across data-parallel replicas: request ``seq`` of the group went to
+    another replica; this one must step in lockstep with it (pagoda/engine/core_proc.py)."""
+
+    seq: int
 
 
 # ---- core -> front end ---------------------------------------------------------------------
@@ -148,7 +160,7 @@ class Dead(Message, tag="dead"):
     reason: str                     # the traceback
 
 
-ToCore = Union[EngineCoreRequest, Abort, Stop, CheckIntegrity, AddLora, RemoveLora, Shutdown]
+ToCore = Union[EngineCoreRequest, Abort, Stop, CheckIntegrity, AddLora, RemoveLora, Shutdown, WakeUp]
 FromCore = Union[Ready, EngineCoreOutputs, Heartbeat, RequestError, IntegrityResult, LoraResult, Dead]
 EngineMessage = Union[ToCore, FromCore]
 

@@ -141,7 +141,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                           "world = TP x PP ranks")
     par.add_argument("--enable-expert-parallel", action="store_true",
                      help="MoE models: each tensor-parallel rank holds whole experts "
-                          "(default: every expert split by rows)")
+                          "(default: every expert split by rows); with --data-parallel-size N "
+                          "(TP=1), the N replicas share the experts and exchange tokens")
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="engine replicas behind one server, with prefix-aware routing (serve only)")
     par.add_argument("--nnodes", type=int, default=1, help="nodes the tensor/pipeline-parallel group spans")

@@ -27,6 +27,7 @@ from pagoda.engine.messages import (
     RequestError,
     Shutdown,
     Stop,
+    WakeUp,
     decode,
     encode,
 )
@@ -51,6 +52,8 @@ EXAMPLES = [
     AddLora("tok-2", LORA),
     RemoveLora("tok-3", 3),
     Shutdown(),
+    WakeUp(7),
+    EngineCoreRequest("2_r", [4], SamplingParams(max_tokens=1), ep_seq=7),
     Ready(max_model_len=2048, vocab_size=49152, num_blocks=512, block_size=64),
     EngineCoreOutputs(),
     EngineCoreOutputs(

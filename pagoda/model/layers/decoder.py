@@ -23,6 +23,7 @@ from torch import nn
 
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
+from pagoda.model.layers.expert_parallel import dispatch_combine
 from pagoda.model.layers.norm import RMSNorm, fused_ops
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.layers.rotary import (
@@ -180,6 +181,9 @@ class SparseMoeBlock(nn.Module):
         # Expert parallelism (ShardPlan.apply): the experts this rank holds, and its group.
         self.local_experts = range(config.num_experts)
         self.comm = None
+        # Expert parallelism across data-parallel replicas (expert_parallel.shard_experts):
+        # the replicas' exchange group; tokens go to their experts' replicas and back.
+        self.ep = None
         # Tokens routed to each expert since start (top-k picks), for /metrics.
         self.expert_tokens: torch.Tensor | None = None
 
@@ -242,6 +246,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids, picks = self.route(x)
         weights = weights.to(x.dtype)
+        if self.ep is not None:
+            return self._add_shared(dispatch_combine(x, weights, ids, self.experts, self.num_experts, self.ep), x)
         if self.comm is None and x.dtype == torch.float32 and x.device.type == "cpu":
             fused = self._fused_args()
             if fused:
