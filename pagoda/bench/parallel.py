@@ -26,7 +26,7 @@ from pagoda.config import EngineConfig
 # experts whole on their rank, not every expert's rows split over the ranks)
 _SETTINGS = {"tp1": (1, 1, 1, False), "tp2": (2, 1, 1, False), "tp2ep": (2, 1, 1, True),
              "pp2": (1, 2, 1, False), "tp2pp2": (2, 2, 1, False), "dp1": (1, 1, 1, False),
-             "dp2": (1, 1, 2, False), "tp2dp2": (2, 1, 2, False)}
+             "dp2": (1, 1, 2, False), "dp2ep": (1, 1, 2, True), "tp2dp2": (2, 1, 2, False)}
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

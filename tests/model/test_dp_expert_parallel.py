@@ -129,6 +129,19 @@ def qwen3moe_tok_dir(tiny_qwen3moe_dir, tmp_path_factory) -> str:
     return _with_tokenizer(tiny_qwen3moe_dir, tmp_path_factory, "qwen3moe-tok")
 
 
+@pytest.fixture(scope="module")
+def moe_gguf_path(tmp_path_factory) -> str:
+    """A Qwen3-MoE-shaped GGUF file (4 experts, 2 per token) whose weights, router included,
+    pagoda keeps in the file's blocks (the exact mode's kept layers have buffers, not
+    parameters)."""
+    from pagoda.bench.gguf_files import ModelShape, write_model
+
+    shape = ModelShape("qwen3moe", 256, 2, 4, 2, 512, False, 1000000.0, head_dim=64, qk_norm=True, experts=4,
+                       experts_used=2, expert_ffn=256)
+    return write_model(str(tmp_path_factory.mktemp("dp-ep-gguf") / "moe.gguf"), shape, "Q8_0",
+                       show_progress=False, quantized=True)
+
+
 _PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 40, 9, 70, 1, 25))]
 _MAX_TOKENS = [12, 4, 20, 6, 16, 2]
 
@@ -199,7 +212,7 @@ def _assert_same_greedy(got, want) -> None:
                 assert abs(la[tok].logprob - lb[tok].logprob) <= 5e-5, (i, pos, tok, la[tok], lb[tok])
 
 
-@pytest.mark.parametrize("model", ["mixtral_tok_dir", "qwen3moe_tok_dir", "gptoss_tok_dir"])
+@pytest.mark.parametrize("model", ["mixtral_tok_dir", "qwen3moe_tok_dir", "gptoss_tok_dir", "moe_gguf_path"])
 def test_dp2_expert_parallel_matches_one_process(model, request, monkeypatch):
     """Two replicas (engine-core threads), each with half of every layer's experts, serve
     six concurrent requests of different lengths: the tokens of one process (a near-tie

@@ -19,6 +19,7 @@ The ``group`` is duck-typed (``pagoda.distributed.group.EPGroup``): ``rank``,
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import torch
@@ -128,7 +129,8 @@ def dummy_pass(model: nn.Module) -> None:
     attention, no KV, no sampling: only the exchanges, with zero rows of its own)."""
     dtype = model.activation_dtype
     for block in moe_blocks(model):
-        weight = next(block.gate.parameters())
-        x = torch.empty(0, model.config.hidden_size, dtype=dtype, device=weight.device)
-        ids = torch.empty(0, block.top_k, dtype=torch.long, device=weight.device)
+        # The router's device (a router kept as blocks has buffers, not parameters).
+        device = next(itertools.chain(block.gate.parameters(), block.gate.buffers())).device
+        x = torch.empty(0, model.config.hidden_size, dtype=dtype, device=device)
+        ids = torch.empty(0, block.top_k, dtype=torch.long, device=device)
         dispatch_combine(x, x.new_empty(0, block.top_k), ids, block.experts, block.num_experts, block.ep)
