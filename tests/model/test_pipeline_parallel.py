@@ -216,6 +216,20 @@ def test_tp2_pp2_matches_one_process(tiny_llama3_dir):
             assert 0.4 * full < b < 0.7 * full, (stage, b, full)
 
 
+def test_tp2_pp2_expert_parallel_matches_one_process(tiny_qwen3moe_dir):
+    """Experts split by expert within every stage (TP=2 x PP=2 with --enable-expert-parallel):
+    each rank holds half of its stage's layers' experts, and the tokens are one process's."""
+    base, _, _ = _run(tiny_qwen3moe_dir)
+    got, _, engine = _run(tiny_qwen3moe_dir, tp=2, pp=2, enable_expert_parallel=True)
+    _assert_same_greedy(base, got, "TP=2 x PP=2, EP")
+    model = engine.loaded.model   # rank 0: stage 0, TP rank 0
+    start, end = engine.loaded.stage.layers
+    for i in range(start, end):
+        experts = model.model.layers[i].mlp.experts
+        held = [type(e).__name__ != "Identity" for e in experts]
+        assert sum(held) == len(experts) // 2 and all(held[: len(experts) // 2]), held
+
+
 def test_layer_partition_override(tiny_llama3_dir, monkeypatch):
     """PAGODA_PP_LAYER_PARTITION moves layers between stages (the workers inherit it)."""
     monkeypatch.setenv("PAGODA_PP_LAYER_PARTITION", "1,2")
