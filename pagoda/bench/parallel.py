@@ -96,11 +96,13 @@ def run_parallel(args: argparse.Namespace, config: EngineConfig) -> int:
                                   enable_expert_parallel=ep or config.enable_expert_parallel,
                                   threads_per_rank=threads, show_progress=False)
         r = asyncio.run(_run_one(cfg, prompts, args.output_len))
+        # One process (not parallel) runs on its thread governor, not --threads-per-rank.
+        single = tp * pp * dp == 1
         r.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                 expert_parallel=cfg.enable_expert_parallel, threads_per_rank=threads)
+                 expert_parallel=cfg.enable_expert_parallel, threads_per_rank=None if single else threads)
         results[name] = r
         print(f"{name:>7}: TP={tp} PP={pp} DP={dp}{' EP' if cfg.enable_expert_parallel else ''}, "
-              f"{threads} thread(s) per rank: "
+              f"{'one process, its thread governor' if single else f'{threads} thread(s) per rank'}: "
               f"{r['output_tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens in {r['elapsed_s']:.1f} s), "
               f"TTFT mean {r['mean_ttft_s'] * 1e3:.0f} ms, median {r['median_ttft_s'] * 1e3:.0f} ms",
               flush=True)
