@@ -85,13 +85,10 @@ def _serve(core, inp, out) -> None:
     last_sent = 0.0
     parent = os.getppid()
     while True:
-        if os.getppid() != parent:
-            logger.error("the API server process is gone; engine core exiting")
+        if _parent_gone(parent):
             return
         timeout = 0 if core.has_unfinished_requests() else KV_POLL_MS if core.has_pending_transfers() else IDLE_POLL_MS
-        while inp.poll(timeout):
-            timeout = 0
-            msg = decode(inp.recv())
+        for msg in _inputs(inp, timeout):
             if isinstance(msg, EngineCoreRequest):
                 _add_request(core, msg, out)
             elif _handle(core, msg, out):
@@ -124,13 +121,10 @@ def _serve_expert_parallel(core, inp, out) -> None:
     last_sent = 0.0
     parent = os.getppid()
     while True:
-        if os.getppid() != parent:
-            logger.error("the API server process is gone; engine core exiting")
+        if _parent_gone(parent):
             return
         timeout = (0 if anyone_busy else 1) if in_wave else IDLE_POLL_MS
-        while inp.poll(timeout):
-            timeout = 0
-            msg = decode(inp.recv())
+        for msg in _inputs(inp, timeout):
             if isinstance(msg, EngineCoreRequest):
                 if msg.ep_seq < 1:
                     raise MessageError(f"request {msg.request_id!r} came without its expert-parallel group number "
@@ -162,6 +156,22 @@ def _serve_expert_parallel(core, inp, out) -> None:
         if not stepped and time.monotonic() - last_sent > HEARTBEAT_INTERVAL_S:
             out.send(encode(core.idle_stats()))
             last_sent = time.monotonic()
+
+
+def _parent_gone(parent: int) -> bool:
+    """Whether the API server process that started this one is gone (logged once)."""
+    if os.getppid() == parent:
+        return False
+    logger.error("the API server process is gone; engine core exiting")
+    return True
+
+
+def _inputs(inp, timeout: int):
+    """The messages waiting on ``inp``: the first waited for up to ``timeout`` ms, the rest
+    taken while they are there."""
+    while inp.poll(timeout):
+        timeout = 0
+        yield decode(inp.recv())
 
 
 def _add_request(core, msg: EngineCoreRequest, out) -> None:
