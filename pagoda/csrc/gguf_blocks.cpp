@@ -1324,6 +1324,259 @@ void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part&
   }
 }
 
+// ---- the K-quant products on AVX2 for steps of many rows: panels of 8 channels ------
+// For steps of 8-16 rows or more on CPUs without AVX-512 VNNI (prompts, decode batches).
+// k_tile runs one channel at a time, so every row's x is read once per channel and every
+// block ends in horizontal sums. Here a panel of kPanel channels is decoded once into
+// L1/L2 with the channels in the lanes: per group of 4 inputs ("quad"), one 32-byte
+// vector holds the 4 values of each of the 8 channels, so one broadcast of a row's 4 int8
+// inputs and one maddubs make 32 products, 8 channels at a time, and a block's sums stay
+// in the lanes (no horizontal sum). A sub-block's maddubs results add up in int16, then
+// madd with the sub-block's scale (both int16 lanes of a channel hold it) widens them to
+// int32. Q4_K: the values 0-15 against x, 8 quads a sub-block (|sum| <= 8 x 2 x 15 x 127
+// < 2^15), the minimums' term from x's sums per 32 as in q4k_rows. Q6_K: the signed
+// values q - 32 (x takes their signs, maddubs their magnitudes), 4 quads a sub-block
+// (|sum| <= 4 x 2 x 32 x 127 < 2^15), so no -32 term. The same integers I_b and M_b and
+// the same float32 operations in the same order: the same bits as the one-channel and
+// the VNNI kernels (tests compare them). 2.0x k_tile's products per second on Q4_K at 64
+// rows, 1.5x on Q6_K (one Zen 3 core; Q6_K's sign costs a fourth instruction a product).
+
+// From these many rows a step takes the panels (Q4_K, Q6_K): below, decoding a panel
+// costs more than it saves (measured, one thread, 1B shapes: Q4_K even at 8 rows and
+// 1.2-1.6x at 16, 2.0-2.1x at 64; Q6_K 0.7-0.9x at 8, even at 16, 1.4-1.5x at 64).
+constexpr int64_t kPanelRowsQ4K = 8, kPanelRowsQ6K = 16;
+inline bool panel_rows(int type, int64_t rows) {
+  return rows >= (type == kQ4_K ? kPanelRowsQ4K : kPanelRowsQ6K);
+}
+constexpr int kPanel = 8;
+
+// One thread's decoded panel of kPanel channels over all blocks of K.
+struct K2Panel {
+  std::vector<__m256i> q;       // [nb][64]: quad g of the block, channel c's values in bytes 4c .. 4c + 3
+  std::vector<__m256i> sc;      // [nb][nsub]: int16 lanes 2c and 2c + 1 = channel c's scale of sub-block j
+  std::vector<__m256i> pair;    // Q4_K, [nb][4]: int32 lane c = channel c's minimums (m_2p, m_2p+1) as int16
+  std::vector<__m256> d, dmin;  // [nb]: lane c = channel c's d (and Q4_K's dmin)
+};
+
+// The 8 x 8 int32 transpose of v (v[i] lane j -> v[j] lane i).
+inline void transpose8x8_epi32(__m256i* v) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int k = 0; k < 2; ++k) {
+      u[i + k] = _mm256_unpacklo_epi64(t[i + k], t[i + k + 2]);
+      u[i + k + 2] = _mm256_unpackhi_epi64(t[i + k], t[i + k + 2]);
+    }
+  // u[0]: lanes (0,0)(1,0)(2,0)(3,0) | (0,4)(1,4)(2,4)(3,4), u[4] the same for rows 4-7; u[2]: column 1
+  // and 5, u[1]: column 2 and 6, u[3]: column 3 and 7.
+  const int col[4] = {0, 2, 1, 3};
+  for (int k = 0; k < 4; ++k) {
+    v[col[k]] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);
+    v[col[k] + 4] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);
+  }
+}
+
+// Channels n .. n + 7 of a Q4_K or Q6_K part into the panel.
+template <bool Q4>
+void decode_panel(const Part& w, int64_t n, int64_t K, K2Panel& pn) {
+  constexpr int64_t bytes = Q4 ? 144 : 210;
+  constexpr int nsub = Q4 ? 8 : 16;
+  const int64_t nb = K / 256;
+  pn.q.resize(nb * 64);
+  pn.sc.resize(nb * nsub);
+  pn.pair.resize(nb * nsub / 2);
+  pn.d.resize(nb);
+  pn.dmin.resize(nb);
+  alignas(32) uint8_t vals[kPanel][256];
+  alignas(32) int16_t sc16[kPanel][16];
+  alignas(32) int32_t pairs[nsub / 2][kPanel];
+  alignas(32) float d[kPanel], dmin[kPanel];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < kPanel; ++c) {
+      const uint8_t* p = w.data + (n + c) * w.row_bytes + b * bytes;
+      if constexpr (Q4) {
+        for (int h = 0; h < 4; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * h));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c] + 64 * h), nibbles_lo(v));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c] + 64 * h + 32), nibbles_hi(v));
+        }
+        const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));  // scales: lanes 0-7, minimums 8-15
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sc16[c]), sm);
+        d[c] = f16_at(p);
+        dmin[c] = f16_at(p + 2);
+      } else {
+        for (int half = 0; half < 2; ++half) {
+          const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
+          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
+          for (int q = 0; q < 4; ++q)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c] + 128 * half + 32 * q),
+                               _mm256_sub_epi8(q6k_values(l0, l1, h, q), _mm256_set1_epi8(32)));
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sc16[c]),
+                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))));
+        d[c] = f16_at(p + 208);
+        dmin[c] = 0.f;
+      }
+    }
+    // The quads: eight 32-byte loads (8 quads of each channel), transposed.
+    for (int g8 = 0; g8 < 8; ++g8) {
+      __m256i v[8];
+      for (int c = 0; c < kPanel; ++c) v[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(vals[c] + 32 * g8));
+      transpose8x8_epi32(v);
+      for (int k = 0; k < 8; ++k) pn.q[b * 64 + 8 * g8 + k] = v[k];
+    }
+    for (int j = 0; j < nsub; ++j) {
+      alignas(32) int16_t s[16];
+      for (int c = 0; c < kPanel; ++c) s[2 * c] = s[2 * c + 1] = sc16[c][j];
+      pn.sc[b * nsub + j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(s));
+    }
+    for (int pr = 0; pr < (Q4 ? nsub / 2 : 0); ++pr) {
+      for (int c = 0; c < kPanel; ++c) std::memcpy(&pairs[pr][c], &sc16[c][8 + 2 * pr], 4);  // the minimums
+      pn.pair[b * nsub / 2 + pr] = _mm256_load_si256(reinterpret_cast<const __m256i*>(pairs[pr]));
+    }
+    pn.d[b] = _mm256_load_ps(d);
+    pn.dmin[b] = _mm256_load_ps(dmin);
+  }
+}
+
+inline __m256i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// out[(p * MR + r) * 8 + c] for rows r0 .. r0 + MR - 1 and the 8 channels of panels pn[p],
+// p < NP.
+template <bool Q4, int MR, int NP>
+__attribute__((noinline)) void k_panel_rows(const QuantizedX& xq, int64_t K, int64_t r0, const K2Panel* pn,
+                                            float* out) {
+  constexpr int nsub = Q4 ? 8 : 16, pairs = nsub / 2;
+  constexpr int run = 64 / nsub;  // a sub-block's quads, whose maddubs results add up in int16
+  const int64_t nb = K / 256;
+  const int8_t* x[MR];
+  const int16_t* h[MR];
+  for (int r = 0; r < MR; ++r) {
+    x[r] = xq.q.data() + (r0 + r) * K;
+    h[r] = Q4 ? xq.h32.data() + (r0 + r) * (K / 32) : xq.h16.data() + (r0 + r) * (K / 16);
+  }
+  __m256 acc[NP][MR];
+  for (int p = 0; p < NP; ++p)
+    for (int r = 0; r < MR; ++r) acc[p][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* qb[NP];
+    for (int p = 0; p < NP; ++p) qb[p] = pn[p].q.data() + b * 64;
+    __m256i isum[NP][MR];
+    for (int p = 0; p < NP; ++p)
+      for (int r = 0; r < MR; ++r) isum[p][r] = _mm256_setzero_si256();
+    for (int j = 0; j < nsub; ++j) {
+      {
+        __m256i s[NP][MR];
+        for (int p = 0; p < NP; ++p)
+          for (int r = 0; r < MR; ++r) s[p][r] = _mm256_setzero_si256();
+        for (int k = 0; k < run; ++k) {
+          const int g = j * run + k;
+          __m256i wv[NP], wa[NP];
+          for (int p = 0; p < NP; ++p) {
+            wv[p] = _mm256_load_si256(qb[p] + g);
+            wa[p] = Q4 ? wv[p] : _mm256_abs_epi8(wv[p]);
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xb = bcast4(x[r] + b * 256 + 4 * g);
+            for (int p = 0; p < NP; ++p) {
+              const __m256i xs = Q4 ? xb : _mm256_sign_epi8(xb, wv[p]);
+              s[p][r] = _mm256_add_epi16(s[p][r], _mm256_maddubs_epi16(wa[p], xs));
+              // Keeps the sum in its register, added as it goes: left alone, the compiler
+              // makes a tree of all the quads' products and spills them (1.4x slower).
+              __asm__("" : "+x"(s[p][r]));
+            }
+          }
+        }
+        for (int p = 0; p < NP; ++p) {
+          const __m256i sc = pn[p].sc[b * nsub + j];
+          for (int r = 0; r < MR; ++r) isum[p][r] = _mm256_add_epi32(isum[p][r], _mm256_madd_epi16(s[p][r], sc));
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      __m256i t[MR];
+      for (int r = 0; r < MR; ++r) t[r] = _mm256_setzero_si256();
+      for (int pr = 0; pr < (Q4 ? pairs : 0); ++pr) {
+        const __m256i pv = pn[p].pair[b * pairs + pr];
+        for (int r = 0; r < MR; ++r)
+          t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(bcast4(h[r] + b * nsub + 2 * pr), pv));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256 dx = _mm256_set1_ps(xq.d[(r0 + r) * nb + b]);
+        if constexpr (Q4) {
+          acc[p][r] = _mm256_fmadd_ps(_mm256_mul_ps(pn[p].d[b], dx), _mm256_cvtepi32_ps(isum[p][r]), acc[p][r]);
+          acc[p][r] = _mm256_fnmadd_ps(_mm256_mul_ps(pn[p].dmin[b], dx), _mm256_cvtepi32_ps(t[r]), acc[p][r]);
+        } else {
+          acc[p][r] = _mm256_fmadd_ps(_mm256_mul_ps(pn[p].d[b], dx), _mm256_cvtepi32_ps(isum[p][r]), acc[p][r]);
+        }
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + (p * MR + r) * 8, acc[p][r]);
+}
+
+// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): kPanelNP panels of kPanel
+// channels at a time (rows kPanelMR at a time), then one panel, the channels left over
+// one at a time (k_tile).
+// Rows and panels per call of k_panel_rows: 4 x 1 and 3 x 2 measured the same, 2 x 3
+// 0.8x (one thread, 8-64 rows).
+constexpr int kPanelMR = 4;
+constexpr int kPanelNP = 1;
+
+// A thread's decoded panels.
+struct K2Panels {
+  K2Panel p[kPanelNP];
+};
+
+template <bool Q4>
+void k_tile_panel_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
+                    const float* bias, float* y, int64_t N, K2Panels& pn) {
+  alignas(32) float out[kPanelNP * kPanelMR * kPanel];
+  auto panels = [&](auto npc, int64_t n) {
+    constexpr int NP = decltype(npc)::value;
+    for (int p = 0; p < NP; ++p) decode_panel<Q4>(w, n + p * kPanel, K, pn.p[p]);
+    auto rows = [&](auto mr, int64_t r) {
+      constexpr int MR = decltype(mr)::value;
+      k_panel_rows<Q4, MR, NP>(xq, K, r, pn.p, out);
+      for (int p = 0; p < NP; ++p) {
+        const int64_t col = w.col + n + p * kPanel;
+        for (int i = 0; i < MR; ++i)
+          for (int c = 0; c < kPanel; ++c) {
+            const float v = out[(p * MR + i) * 8 + c];
+            y[(r + i) * N + col + c] = bias ? v + bias[col + c] : v;
+          }
+      }
+    };
+    int64_t r = m0;
+    for (; r + kPanelMR <= m1; r += kPanelMR) rows(std::integral_constant<int, kPanelMR>{}, r);
+    if constexpr (kPanelMR > 2)
+      for (; r + 2 <= m1; r += 2) rows(std::integral_constant<int, 2>{}, r);
+    for (; r < m1; ++r) rows(std::integral_constant<int, 1>{}, r);
+  };
+  int64_t n = n0;
+  for (; n + kPanelNP * kPanel <= n1; n += kPanelNP * kPanel) panels(std::integral_constant<int, kPanelNP>{}, n);
+  if constexpr (kPanelNP > 1)
+    for (; n + kPanel <= n1; n += kPanel) panels(std::integral_constant<int, 1>{}, n);
+  if (n < n1) k_tile(xq, m0, m1, K, w, n, n1, bias, y, N);
+}
+
+void k_tile_panel(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
+                  const float* bias, float* y, int64_t N, K2Panels& pn) {
+  if (w.type == kQ4_K)
+    k_tile_panel_t<true>(xq, m0, m1, K, w, n0, n1, bias, y, N, pn);
+  else
+    k_tile_panel_t<false>(xq, m0, m1, K, w, n0, n1, bias, y, N, pn);
+}
+
 // ---- the K-quant products on AVX-512 VNNI: 16 rows of x in the lanes ----------------
 // For steps of kVnniRows rows or more on CPUs with AVX-512 VNNI (prompts, large decode
 // batches). A panel of kVnniChannels output channels is decoded once into L1 (the
@@ -1735,14 +1988,24 @@ namespace {
 struct Int8Scratch {
   DecodedRows dr;
   VnniPanel vp;
+  K2Panels kp;
 };
+
+// Channels per tile of a Q4_K / Q6_K part in a step of M rows: two panels for the VNNI
+// and the AVX2 panel kernels.
+int64_t k_channels_per_tile(int64_t M, bool vnni) {
+  return vnni ? 2 * kVnniChannels : M >= kPanelRowsQ4K ? 2 * kPanel : kChannels;
+}
 
 // One tile of gguf_linear_int8: channels [tile.n0, tile.n1) of part w for rows [m0, m1).
 void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m1, int64_t K, const Part& w,
-               const Tile& tile, const float* bp, float* yp, int64_t N, DecodedRows& dr, VnniPanel& vp) {
+               const Tile& tile, const float* bp, float* yp, int64_t N, Int8Scratch& sc) {
+  DecodedRows& dr = sc.dr;
   if (has_k_kernel(w.type)) {
     if (!xk.p4.empty())  // packed for the VNNI kernels
-      k_tile_vnni(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, vp);
+      k_tile_vnni(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.vp);
+    else if (panel_rows(w.type, m1 - m0))
+      k_tile_panel(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.kp);
     else  // one stream of rows, which the hardware prefetchers follow
       k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
     return;
@@ -1800,11 +2063,11 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   // Chunks of kRowChunk rows (their int8 x stays in L2); within a chunk, tiles of
   // kChannels output channels (the VNNI kernels' K-quant parts: 2 panels), decoded once,
   // that every row of the chunk runs over.
-  const std::vector<Tile> tiles = tiles_of(parts, kChannels, vnni ? 2 * kVnniChannels : kChannels);
+  const std::vector<Tile> tiles = tiles_of(parts, kChannels, k_channels_per_tile(M, vnni));
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t m1 = std::min(M, m0 + kRowChunk);
     for_each_unit<Int8Scratch>(static_cast<int64_t>(tiles.size()), [&](int64_t t, Int8Scratch& sc) {
-      int8_tile(xq, xk, m0, m1, K, parts[tiles[t].part], tiles[t], bp, yp, N, sc.dr, sc.vp);
+      int8_tile(xq, xk, m0, m1, K, parts[tiles[t].part], tiles[t], bp, yp, N, sc);
     });
   }
   return y;
@@ -1927,15 +2190,15 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
         if (vnni) pack_rows16(xk, s.n, K);
       }
       (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
-      for (const Tile& t : tiles_of(parts, kChannels, vnni ? 2 * kVnniChannels : kChannels)) units.push_back({a, t});
+      for (const Tile& t : tiles_of(parts, kChannels, k_channels_per_tile(s.n, vnni))) units.push_back({a, t});
     }
     for_each_unit<Int8Scratch>(static_cast<int64_t>(units.size()), [&](int64_t u, Int8Scratch& sc) {
       Active& s = act[units[u].first];
       const Tile& t = units[u].second;
       if (first)
-        int8_tile(s.xq, s.xk, 0, s.n, H, s.gu[t.part], t, nullptr, s.ge.data(), 2 * I, sc.dr, sc.vp);
+        int8_tile(s.xq, s.xk, 0, s.n, H, s.gu[t.part], t, nullptr, s.ge.data(), 2 * I, sc);
       else
-        int8_tile(s.hq, s.hk, 0, s.n, I, s.dn[t.part], t, nullptr, s.ye.data(), H, sc.dr, sc.vp);
+        int8_tile(s.hq, s.hk, 0, s.n, I, s.dn[t.part], t, nullptr, s.ye.data(), H, sc);
     });
   };
   project(true);

@@ -188,6 +188,37 @@ def test_int8_linear_is_the_product_with_quantized_activations(ggml_type):
     assert torch.equal(layer(x[150:152]), y[150:152])
 
 
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_k_quant_panel_kernels_give_the_one_channel_kernels_bits(ggml_type, monkeypatch):
+    """On AVX2 (PAGODA_CPU_ISA=avx2 on any CPU), steps of 8 rows or more multiply panels
+    of 8 channels (the channels in the lanes, int16 sums per sub-block), fewer rows one
+    channel at a time: the same integers per block and the same float32 operations, so
+    a row's bits are those of the row alone, for long rows, channel counts that leave
+    single channels after the panels, stacked parts of both types with a bias, extreme
+    activations, and one thread or two."""
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
+    threads = torch.get_num_threads()
+    try:
+        for cols, rows_w in ((256, (37, 8)), (2048, (24, 5)), (8192, (9, 16))):
+            rng = np.random.default_rng(cols + ggml_type.value)
+            other = Q.Q6_K if ggml_type == Q.Q4_K else Q.Q4_K
+            ws = [torch.from_numpy(random_blocks(t, n, cols, rng)) for t, n in zip((ggml_type, other), rows_w)]
+            ts = [ggml_type.value, other.value]
+            bias = torch.randn(sum(rows_w), generator=torch.Generator().manual_seed(cols))
+            x = torch.randn(70, cols, generator=torch.Generator().manual_seed(cols)) * 3
+            x[3, :256] = 0.0  # a block of zeros: scale 0
+            x[5, 7] = 1e4  # one outlier: the rest of its block rounds to small integers
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for parts, types, b in ((ws, ts, bias), (ws[:1], ts[:1], None)):
+                    alone = torch.cat([ops.gguf_linear_int8(x[i : i + 1], parts, types, b) for i in range(70)])
+                    for rows in (7, 8, 9, 23, 64, 70):
+                        got = ops.gguf_linear_int8(x[:rows], parts, types, b)
+                        assert torch.equal(got.view(torch.int32), alone[:rows].view(torch.int32)), (cols, rows, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_k_quant_vnni_kernels_give_the_avx2_kernels_bits(ggml_type, monkeypatch):
