@@ -1032,7 +1032,9 @@ bool int8_type(int type) { return !tiles_only(type); }
 // its own, in the same order whatever the batch: a request's numbers do not depend on
 // its batch, chunking or prefix-cache hits.
 
-constexpr int64_t kRowChunk = 64;
+// Rows of x per pass over the weights: 128 rows measured 1.05-1.1x 64 rows for the AVX2
+// K-quant panels (each panel decoded half as often) and even for the rest (2 threads).
+constexpr int64_t kRowChunk = 128;
 
 struct QuantizedX {
   std::vector<int8_t> q;     // [M, K]
@@ -2060,7 +2062,7 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   const bool vnni = k_parts && vnni_k_rows(M);
   if (vnni) pack_rows16(xk, M, K);
   float* yp = y.data_ptr<float>();
-  // Chunks of kRowChunk rows (their int8 x stays in L2); within a chunk, tiles of
+  // Chunks of kRowChunk rows (their int8 x in L2 or L3); within a chunk, tiles of
   // kChannels output channels (the VNNI kernels' K-quant parts: 2 panels), decoded once,
   // that every row of the chunk runs over.
   const std::vector<Tile> tiles = tiles_of(parts, kChannels, k_channels_per_tile(M, vnni));
