@@ -14,7 +14,8 @@ can live side by side. Every group of a rank shares one rendezvous store:
   after row-parallel layers, all-gather of logits), bounded by ``timeout`` so that a hung peer
   ends in an error, not a hang.
 - ``PipeLink`` (every rank, when ``pp_size > 1``): point-to-point sends and receives between a
-  stage and the next (hidden states and residual) and from the last stage to rank 0 (logits).
+  stage and the next (hidden states and residual) and from the last stage to rank 0 (logits);
+  when rank 0 asks, each later stage's TP rank 0 sends it the stage's expert counts (MoE).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 # A worker may wait this long for rank 0's next step (the engine can idle for days).
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)
 # Point-to-point tags: one FIFO channel per kind of message between two ranks.
-_TAG_SIZE, _TAG_STEP, _TAG_ACTIVATIONS, _TAG_LOGITS = 1, 2, 3, 4
+_TAG_SIZE, _TAG_STEP, _TAG_ACTIVATIONS, _TAG_LOGITS, _TAG_EXPERT_LOAD = 1, 2, 3, 4, 5
 
 
 class DistributedError(RuntimeError):
@@ -120,8 +121,9 @@ class PipeLink:
         self.device = device
         self.group = _gloo_or_nccl(store, rank, world_size, device, datetime.timedelta(seconds=timeout))
         # At most N micro-batches are unfinished, each with one activation message or up to two
-        # logits messages (prompt logprobs, sampled rows) per link: a waiting send is always
-        # for a step rank 0 finishes next, so waiting cannot deadlock (see _Sends).
+        # logits messages (prompt logprobs, sampled rows) per link, and at most one step of them
+        # also brings expert counts: a waiting send is always for a step rank 0 finishes next
+        # (it takes the counts right after that step's logits), so waiting cannot deadlock.
         self._sends = _Sends(self.group, 2 * self.num_stages)
 
     def send_next(self, t: torch.Tensor) -> None:
@@ -138,6 +140,18 @@ class PipeLink:
         """The last stage's logits to rank 0 (TP rank 0 sends; the others hold the same)."""
         if self.rank % self.tp_size == 0:
             self._sends.post(t.contiguous(), 0, _TAG_LOGITS)
+
+    def send_expert_counts(self, t: torch.Tensor) -> None:
+        """A later stage's TP rank 0: its MoE layers' counts to rank 0 (a stage's TP ranks
+        route alike, so one of them speaks for the stage)."""
+        self._sends.post(t.to(self.device).contiguous(), 0, _TAG_EXPERT_LOAD)
+
+    def recv_expert_counts(self, stage: int, like: torch.Tensor) -> torch.Tensor:
+        """Rank 0: stage ``stage``'s counts (shaped like rank 0's own; blocks until they come).
+        After the step's logits, in the order the last stage sends them."""
+        t = torch.empty_like(like, device=self.device)
+        _wait(self.group.recv([t], stage * self.tp_size, _TAG_EXPERT_LOAD))
+        return t.cpu()
 
     def recv_logits(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Rank 0: the logits of the last stage (float32). The other ranks of stage 0 do not

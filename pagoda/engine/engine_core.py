@@ -150,8 +150,7 @@ class EngineCore:
         (LoRA, speculative decoding), shared prefixes and step statistics."""
         self.loaded = loaded
         arch = loaded.arch
-        # (Under pipeline parallelism rank 0 holds only its stage's experts: not reported.)
-        self._moe = arch.num_experts > 0 and config.pipeline_parallel_size == 1
+        self._moe = arch.num_experts > 0
         self._last_expert_load = float("-inf")
         self.vocab_size = arch.vocab_size
         if self.tp_driver is not None:
@@ -526,11 +525,19 @@ class EngineCore:
         return out
 
     def _maybe_expert_load(self, now: float) -> list[list[int]] | None:
-        """The experts' load for /metrics, at most once a second (MoE models only)."""
+        """The experts' load for /metrics, at most once a second (MoE models only). Under
+        pipeline parallelism rank 0 holds only its stage's layers: the other stages' counts
+        come with a step, or at once when none is in flight (TensorParallelDriver.expert_load)."""
         if not self._moe or now - self._last_expert_load < EXPERT_LOAD_INTERVAL_S:
             return None
+        if self.config.pipeline_parallel_size > 1:
+            load = self.tp_driver.expert_load(idle=not self._in_flight)
+            if load is None:
+                return None
+        else:
+            load = self.runner.model.expert_load()
         self._last_expert_load = now
-        return self.runner.model.expert_load()
+        return load
 
     def idle_stats(self) -> Heartbeat:
         """Stats alone (no step), for the heartbeat the core sends while idle."""

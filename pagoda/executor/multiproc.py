@@ -75,8 +75,11 @@ class WorkerProcess(Protocol):
 
 @dataclass
 class StepMessage:
-    sched_out: SchedulerOutput
+    sched_out: SchedulerOutput | None      # None: no step, the expert-load query alone
     sampled: list[tuple[str, list[int]]]   # what rank 0 sampled since its last message
+    # Pipeline parallelism, MoE: once the step has run, each later stage's TP rank 0 sends rank 0
+    # its expert counts (TensorParallelDriver.expert_load).
+    expert_load: bool = False
 
 
 class TensorParallelDriver:
@@ -90,6 +93,15 @@ class TensorParallelDriver:
         self.weight_bytes: list[int] = []
         self._sampled: list[tuple[str, list[int]]] = []
         self._closed = False
+        # The expert load under pipeline parallelism (expert_load): steps with tokens sent so far;
+        # the next such step is to bring the other stages' counts; the step that brings them
+        # (its batch), rank 0's own counts as of it and the steps they cover; the latest load
+        # gathered, with the steps it covers, and whether the engine has had it yet.
+        self._steps = 0
+        self._load_asked = False
+        self._load_step: tuple[object, torch.Tensor, int] | None = None
+        self._load: tuple[int, list[list[int]]] | None = None
+        self._load_new = False
 
     def gather_weight_bytes(self, model: torch.nn.Module) -> list[int]:
         """Parameter bytes each rank holds (a collective: the workers call it too)."""
@@ -104,15 +116,57 @@ class TensorParallelDriver:
     def submit(self, so: SchedulerOutput, grammar_masks=None):
         """Send the step to every rank and start rank 0's part of it (ModelRunner.start_batch)."""
         self.check_workers()
-        self.group.send_step(StepMessage(so, self._sampled))
+        # Only a step with tokens brings the expert counts: it is collected in the order sent,
+        # after its logits (an empty step may be sent and collected while others are in flight).
+        ask = self._load_asked and not so.is_empty
+        self._load_asked = self._load_asked and not ask
+        self.group.send_step(StepMessage(so, self._sampled, ask))
         self._sampled = []
-        return self.runner.start_batch(so, grammar_masks)
+        batch = self.runner.start_batch(so, grammar_masks)
+        if not so.is_empty:
+            self._steps += 1
+        if ask:
+            self._load_step = (batch, self.runner.model.expert_counts(), self._steps)
+        return batch
 
     def collect(self, batch) -> ModelRunnerOutput:
-        """Finish a submitted step: its logits (from the last stage), sampling."""
+        """Finish a submitted step: its logits (from the last stage), sampling; and the other
+        stages' expert counts if the step was to bring them."""
         out = self.runner.finish_batch(batch)
         self._sampled.extend((rid, t) for rid, t in zip(out.req_ids, out.sampled_token_ids) if t)
+        if self._load_step is not None and batch is self._load_step[0]:
+            _, own, steps = self._load_step
+            self._load_step = None
+            self._load = (steps, self._gather_load(own))
+            self._load_new = True
         return out
+
+    def expert_load(self, idle: bool) -> list[list[int]] | None:
+        """Pipeline parallelism: the tokens routed to each expert of every MoE layer of the
+        model, layers in order, as one process counts them (rank 0 holds only its stage's
+        layers; each later stage's TP rank 0 sends its own: the TP ranks of a stage route
+        alike). ``idle`` (no step in flight): the stages are asked now, a round trip, unless
+        no step ran since the last answer, which is returned again. Otherwise the next step
+        sent brings the counts (so no step waits for them, and none pays when nobody asks):
+        None until a later call, after that step is collected, returns them."""
+        if idle:
+            self._load_asked = False
+            if self._load is None or self._load[0] != self._steps:
+                self.check_workers()
+                self.group.send_step(StepMessage(None, [], expert_load=True))
+                self._load = (self._steps, self._gather_load(self.runner.model.expert_counts()))
+        elif not self._load_new:
+            self._load_asked = self._load_step is None
+            return None
+        self._load_new = False
+        return self._load[1]
+
+    def _gather_load(self, own: torch.Tensor) -> list[list[int]]:
+        """Rank 0's counts plus every later stage's (each holds zeros for the others' layers)."""
+        total = own.clone()
+        for stage in range(1, self.group.pp_size):
+            total += self.group.pipe.recv_expert_counts(stage, own)
+        return total.tolist()
 
     def check_workers(self) -> None:
         """Raise if a worker process of this node has exited (remote ones are caught by

@@ -52,8 +52,12 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: st
             msg = group.recv_step()
             if msg is None:
                 return 0
-            runner.apply_sampled(msg.sampled)
-            runner.execute_model(msg.sched_out)
+            if msg.sched_out is not None:
+                runner.apply_sampled(msg.sampled)
+                runner.execute_model(msg.sched_out)
+            if msg.expert_load and group.pipe is not None and group.tp_rank == 0:
+                # This stage's MoE counts, once for the stage (its TP ranks route alike).
+                group.pipe.send_expert_counts(runner.model.expert_counts())
     except DistributedError as e:
         logger.error("rank %d: %s; exiting", rank, e)
         return 1

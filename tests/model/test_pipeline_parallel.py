@@ -3,7 +3,8 @@
 Greedy outputs must match one process token for token (batches may form differently with
 several micro-batches in flight, so a genuine fp32 near-tie is excused, as for TP: see
 helpers.compare_greedy); each stage must hold only its own layers' weights and KV cache;
-a stage's worker that dies ends the in-flight requests with an error and turns /health red.
+a stage's worker that dies ends the in-flight requests with an error and turns /health red;
+the expert load the engine reports covers every stage's MoE layers, as one process counts it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.model.layers.pipeline import StagePlan, split_layers
 from pagoda.ops import cpu_kernels
-from tests.conftest import _save_tiny, _tiny_llama_config
+from tests.conftest import _save_tiny, _tiny_family, _tiny_llama_config
 from tests.model.helpers import compare_greedy, logprob_gap
 # Rank 0 of a parallel engine runs in the test process and sets one thread per rank.
 from tests.model.test_tensor_parallel import _restore_threads  # noqa: F401 (an autouse fixture)
@@ -237,6 +238,76 @@ def test_layer_partition_override(tiny_llama3_dir, monkeypatch):
     got, _, engine = _run(tiny_llama3_dir, pp=2)
     _assert_same_greedy(base, got, "partition 1,2")
     assert engine.loaded.stage.layers == (0, 1)
+
+
+# ---- the expert load (MoE) ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3moe4_dir(tmp_path_factory) -> str:
+    """Qwen3-MoE, four layers, layer 1 dense (``mlp_only_layers``): at PP=2 stage 0 holds MoE
+    layer 0 and the dense layer, stage 1 MoE layers 2 and 3 (the load's rows 1 and 2)."""
+    return _tiny_family(tmp_path_factory, "tiny-qwen3moe4", "Qwen3MoeConfig", num_hidden_layers=4, num_experts=6,
+                        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, rope_theta=1e6,
+                        mlp_only_layers=[1], architectures=["Qwen3MoeForCausalLM"])
+
+
+def _expert_load_run(path: str, tp: int = 1, pp: int = 1) -> tuple[list, list[list[int]], int, list]:
+    """Both rounds of prompts with the expert load due at every step: the greedy outputs, the
+    load the engine core reports once idle (its heartbeat, kept by EngineMetrics as /metrics
+    reads it), the tokens computed, and the loads the steps reported on the way."""
+    from pagoda.metrics.stats import EngineMetrics
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kv_blocks=64, max_model_len=256,
+              block_size=16, max_num_batched_tokens=24, show_progress=False, skip_tokenizer_init=True,
+              distributed_timeout=600)
+    engine = llm.engine
+    metrics = EngineMetrics(256, 256, 24)
+    on_the_way: list[list[list[int]]] = []
+    step = engine.step
+
+    def step_and_keep():
+        out = step()
+        metrics.on_engine_outputs(out, 0.0)
+        if out.expert_load is not None:
+            on_the_way.append(out.expert_load)
+        return out
+
+    engine.step = step_and_keep
+    try:
+        outs = []
+        for prompts in (_PROMPTS, _AGAIN):
+            outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        engine._last_expert_load = float("-inf")
+        metrics.on_engine_outputs(engine.idle_stats(), 0.0)
+        again = engine.idle_stats()   # due, nothing ran since: the same load (no round trip under PP)
+        assert again.expert_load == metrics.expert_load
+    finally:
+        llm.shutdown()
+    # Each forward computes the prompt's uncached tokens, then one per sampled token but the last.
+    computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens + len(o.outputs[0].token_ids) - 1 for o in outs)
+    return [o.outputs[0] for o in outs], metrics.expert_load, computed, on_the_way
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+def test_expert_load_covers_every_stage(tiny_qwen3moe4_dir, tp, pp, monkeypatch):
+    """PP=2 and TP=2 x PP=2: the load the engine reports has a row per MoE layer of the whole
+    model (stage 0's first), each equal to one process's for the same requests, each adding
+    up to tokens computed x top-k (2). On the way, the loads the steps brought are
+    consistent snapshots (every layer's total the same) that only grow."""
+    monkeypatch.setattr("pagoda.engine.engine_core.EXPERT_LOAD_INTERVAL_S", 0.0)
+    base, base_load, base_computed, _ = _expert_load_run(tiny_qwen3moe4_dir)
+    got, load, computed, on_the_way = _expert_load_run(tiny_qwen3moe4_dir, tp=tp, pp=pp)
+    _assert_same_greedy(base, got, f"TP={tp} x PP={pp}")
+    assert computed == base_computed
+    assert [sum(row) for row in base_load] == [2 * base_computed] * 3 and all(len(r) == 6 for r in base_load)
+    assert load == base_load
+    assert len(on_the_way) > 2, "no step brought the other stage's counts"
+    totals = [{sum(row) for row in snap} for snap in on_the_way]
+    assert all(len(t) == 1 for t in totals), totals
+    totals = [t.pop() for t in totals]
+    assert totals == sorted(totals) and 0 < totals[-1] <= 2 * computed, totals
 
 
 # ---- weights kept in their blocks ---------------------------------------------------------

@@ -439,11 +439,26 @@ class CausalLM(nn.Module):
 
     def expert_load(self) -> list[list[int]] | None:
         """Per MoE layer (in order), the tokens routed to each expert since start; None
-        for a model without experts."""
-        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-        if not blocks:
+        for a model without experts. (A pipeline stage's: see ``expert_counts``.)"""
+        counts = self.expert_counts()
+        return None if counts is None else counts.tolist()
+
+    def expert_counts(self) -> torch.Tensor | None:
+        """[MoE layers of the whole model, experts] int64 on the CPU: the tokens routed to each
+        expert since start, layers in order. A pipeline stage fills the rows of its own layers
+        and leaves the others' zero, so the stages' tensors add up to one process's. None for a
+        model without experts."""
+        c = self.config
+        rows = [i for i in range(len(self.model.layers)) if c.is_moe_layer(i)]
+        if not rows:
             return None
-        return [[0] * b.num_experts if b.expert_tokens is None else b.expert_tokens.tolist() for b in blocks]
+        counts = torch.zeros(len(rows), c.num_experts, dtype=torch.long)
+        held = [(row, self.model.layers[i].mlp) for row, i in enumerate(rows)
+                if not isinstance(self.model.layers[i], MissingLayer)]
+        held = [(row, b.expert_tokens) for row, b in held if b.expert_tokens is not None]
+        if held:
+            counts[[row for row, _ in held]] = torch.stack([t for _, t in held]).cpu()
+        return counts
 
     def kv_specs(self) -> list[KVSpec | None]:
         """Per layer: the KV heads this process holds, their size, and the window; None for
