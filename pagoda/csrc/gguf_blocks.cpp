@@ -1382,6 +1382,41 @@ inline void transpose8x8_epi32(__m256i* v) {
 }
 
 // Channels n .. n + 7 of a Q4_K or Q6_K part into the panel.
+// r[c] (16 bytes of channel c, c < 8) transposed: v[i]'s low 8 bytes are byte 2i of every
+// channel, its high 8 bytes byte 2i + 1.
+inline void transpose8x16_epi8(const __m128i* r, __m128i* v) {
+  __m128i t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm_unpacklo_epi8(r[2 * k], r[2 * k + 1]);      // bytes 0-7 of channels 2k, 2k + 1
+    t[2 * k + 1] = _mm_unpackhi_epi8(r[2 * k], r[2 * k + 1]);  // bytes 8-15
+  }
+  for (int h = 0; h < 2; ++h) {
+    u[4 * h] = _mm_unpacklo_epi16(t[h], t[h + 2]);          // bytes 8h + 0-3 of channels 0-3
+    u[4 * h + 1] = _mm_unpackhi_epi16(t[h], t[h + 2]);      // bytes 8h + 4-7 of channels 0-3
+    u[4 * h + 2] = _mm_unpacklo_epi16(t[h + 4], t[h + 6]);  // the same of channels 4-7
+    u[4 * h + 3] = _mm_unpackhi_epi16(t[h + 4], t[h + 6]);
+    v[4 * h] = _mm_unpacklo_epi32(u[4 * h], u[4 * h + 2]);
+    v[4 * h + 1] = _mm_unpackhi_epi32(u[4 * h], u[4 * h + 2]);
+    v[4 * h + 2] = _mm_unpacklo_epi32(u[4 * h + 1], u[4 * h + 3]);
+    v[4 * h + 3] = _mm_unpackhi_epi32(u[4 * h + 1], u[4 * h + 3]);
+  }
+}
+
+// 8 bytes (one per channel; signed or not) as int32 lanes holding the value in both int16
+// halves, or two such byte groups lo, hi as (lo, hi) int16 pairs.
+template <bool Signed>
+inline __m256i widen8(__m128i b) {
+  return Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+}
+template <bool Signed>
+inline __m256i both_halves(__m128i b) {
+  const __m256i e = widen8<Signed>(b);
+  return _mm256_or_si256(_mm256_and_si256(e, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(e, 16));
+}
+
+// Channels n .. n + 7 of a Q4_K or Q6_K part into the panel, straight from the blocks: per
+// 32 weights of a sub-block, the 8 channels' values (Q6_K: q - 32) transposed to quads;
+// the 16 scale bytes of the 8 channels transposed once a block.
 template <bool Q4>
 void decode_panel(const Part& w, int64_t n, int64_t K, K2Panel& pn) {
   constexpr int64_t bytes = Q4 ? 144 : 210;
@@ -1389,56 +1424,62 @@ void decode_panel(const Part& w, int64_t n, int64_t K, K2Panel& pn) {
   const int64_t nb = K / 256;
   pn.q.resize(nb * 64);
   pn.sc.resize(nb * nsub);
-  pn.pair.resize(nb * nsub / 2);
+  pn.pair.resize(Q4 ? nb * 4 : 0);
   pn.d.resize(nb);
   pn.dmin.resize(nb);
-  alignas(32) uint8_t vals[kPanel][256];
-  alignas(32) int16_t sc16[kPanel][16];
-  alignas(32) int32_t pairs[nsub / 2][kPanel];
-  alignas(32) float d[kPanel], dmin[kPanel];
+  alignas(32) float d[kPanel], dmin[kPanel] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    for (int c = 0; c < kPanel; ++c) {
-      const uint8_t* p = w.data + (n + c) * w.row_bytes + b * bytes;
-      if constexpr (Q4) {
-        for (int h = 0; h < 4; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * h));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c] + 64 * h), nibbles_lo(v));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c] + 64 * h + 32), nibbles_hi(v));
+    const uint8_t* p[kPanel];
+    for (int c = 0; c < kPanel; ++c) p[c] = w.data + (n + c) * w.row_bytes + b * bytes;
+    __m256i* q = pn.q.data() + b * 64;
+    __m128i r[kPanel], v[8];
+    if constexpr (Q4) {
+      for (int h = 0; h < 4; ++h) {  // weights 64h .. + 31 (low nibbles), 64h + 32 .. + 63 (high)
+        __m256i lo[kPanel], hi[kPanel];
+        for (int c = 0; c < kPanel; ++c) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[c] + 16 + 32 * h));
+          lo[c] = nibbles_lo(x);
+          hi[c] = nibbles_hi(x);
         }
-        const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));  // scales: lanes 0-7, minimums 8-15
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sc16[c]), sm);
-        d[c] = f16_at(p);
-        dmin[c] = f16_at(p + 2);
-      } else {
-        for (int half = 0; half < 2; ++half) {
-          const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
-          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
-          for (int q = 0; q < 4; ++q)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(vals[c] + 128 * half + 32 * q),
-                               _mm256_sub_epi8(q6k_values(l0, l1, h, q), _mm256_set1_epi8(32)));
+        transpose8x8_epi32(lo);
+        transpose8x8_epi32(hi);
+        for (int k = 0; k < 8; ++k) {
+          q[16 * h + k] = lo[k];
+          q[16 * h + 8 + k] = hi[k];
         }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sc16[c]),
-                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))));
-        d[c] = f16_at(p + 208);
-        dmin[c] = 0.f;
       }
-    }
-    // The quads: eight 32-byte loads (8 quads of each channel), transposed.
-    for (int g8 = 0; g8 < 8; ++g8) {
-      __m256i v[8];
-      for (int c = 0; c < kPanel; ++c) v[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(vals[c] + 32 * g8));
-      transpose8x8_epi32(v);
-      for (int k = 0; k < 8; ++k) pn.q[b * 64 + 8 * g8 + k] = v[k];
-    }
-    for (int j = 0; j < nsub; ++j) {
-      alignas(32) int16_t s[16];
-      for (int c = 0; c < kPanel; ++c) s[2 * c] = s[2 * c + 1] = sc16[c][j];
-      pn.sc[b * nsub + j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(s));
-    }
-    for (int pr = 0; pr < (Q4 ? nsub / 2 : 0); ++pr) {
-      for (int c = 0; c < kPanel; ++c) std::memcpy(&pairs[pr][c], &sc16[c][8 + 2 * pr], 4);  // the minimums
-      pn.pair[b * nsub / 2 + pr] = _mm256_load_si256(reinterpret_cast<const __m256i*>(pairs[pr]));
+      for (int c = 0; c < kPanel; ++c) {
+        r[c] = k4_scales_mins(p[c] + 4);  // scales in bytes 0-7, minimums 8-15
+        d[c] = f16_at(p[c]);
+        dmin[c] = f16_at(p[c] + 2);
+      }
+      transpose8x16_epi8(r, v);
+      for (int j = 0; j < 8; ++j)
+        pn.sc[b * 8 + j] = both_halves<false>(j & 1 ? _mm_srli_si128(v[j / 2], 8) : v[j / 2]);
+      for (int pr = 0; pr < 4; ++pr)  // the minimums 2pr, 2pr + 1 as int16 pairs
+        pn.pair[b * 4 + pr] = _mm256_or_si256(widen8<false>(v[4 + pr]),
+                                              _mm256_slli_epi32(widen8<false>(_mm_srli_si128(v[4 + pr], 8)), 16));
+    } else {
+      for (int half = 0; half < 2; ++half)
+        for (int s = 0; s < 4; ++s) {  // weights 128 half + 32s .. + 31
+          __m256i x[kPanel];
+          for (int c = 0; c < kPanel; ++c) {
+            const uint8_t* ph = p[c] + 64 * half;
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + 32));
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[c] + 128 + 32 * half));
+            x[c] = _mm256_sub_epi8(q6k_values(l0, l1, hb, s), _mm256_set1_epi8(32));
+          }
+          transpose8x8_epi32(x);
+          for (int k = 0; k < 8; ++k) q[32 * half + 8 * s + k] = x[k];
+        }
+      for (int c = 0; c < kPanel; ++c) {
+        r[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[c] + 192));
+        d[c] = f16_at(p[c] + 208);
+      }
+      transpose8x16_epi8(r, v);
+      for (int j = 0; j < 16; ++j)
+        pn.sc[b * 16 + j] = both_halves<true>(j & 1 ? _mm_srli_si128(v[j / 2], 8) : v[j / 2]);
     }
     pn.d[b] = _mm256_load_ps(d);
     pn.dmin[b] = _mm256_load_ps(dmin);
@@ -1545,6 +1586,9 @@ void k_tile_panel_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, con
   alignas(32) float out[kPanelNP * kPanelMR * kPanel];
   auto panels = [&](auto npc, int64_t n) {
     constexpr int NP = decltype(npc)::value;
+    // The next panel's blocks on their way while this one is decoded and multiplied (short
+    // rows are short streams, which the hardware prefetchers barely pick up).
+    prefetch_rows(w, n + NP * kPanel, n + 2 * NP * kPanel);
     for (int p = 0; p < NP; ++p) decode_panel<Q4>(w, n + p * kPanel, K, pn.p[p]);
     auto rows = [&](auto mr, int64_t r) {
       constexpr int MR = decltype(mr)::value;
