@@ -1381,7 +1381,6 @@ inline void transpose8x8_epi32(__m256i* v) {
   }
 }
 
-// Channels n .. n + 7 of a Q4_K or Q6_K part into the panel.
 // r[c] (16 bytes of channel c, c < 8) transposed: v[i]'s low 8 bytes are byte 2i of every
 // channel, its high 8 bytes byte 2i + 1.
 inline void transpose8x16_epi8(const __m128i* r, __m128i* v) {
@@ -1492,131 +1491,92 @@ inline __m256i bcast4(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
-// out[(p * MR + r) * 8 + c] for rows r0 .. r0 + MR - 1 and the 8 channels of panels pn[p],
-// p < NP.
-template <bool Q4, int MR, int NP>
-__attribute__((noinline)) void k_panel_rows(const QuantizedX& xq, int64_t K, int64_t r0, const K2Panel* pn,
+// out[r * 8 + c] for rows r0 .. r0 + MR - 1 and the panel's 8 channels.
+template <bool Q4, int MR>
+__attribute__((noinline)) void k_panel_rows(const QuantizedX& xq, int64_t K, int64_t r0, const K2Panel& pn,
                                             float* out) {
-  constexpr int nsub = Q4 ? 8 : 16, pairs = nsub / 2;
+  constexpr int nsub = Q4 ? 8 : 16;
   constexpr int run = 64 / nsub;  // a sub-block's quads, whose maddubs results add up in int16
   const int64_t nb = K / 256;
   const int8_t* x[MR];
-  const int16_t* h[MR];
+  const int16_t* h[MR];  // Q4_K: x's sums per 32
   for (int r = 0; r < MR; ++r) {
     x[r] = xq.q.data() + (r0 + r) * K;
-    h[r] = Q4 ? xq.h32.data() + (r0 + r) * (K / 32) : xq.h16.data() + (r0 + r) * (K / 16);
+    h[r] = xq.h32.data() + (r0 + r) * (K / 32);
   }
-  __m256 acc[NP][MR];
-  for (int p = 0; p < NP; ++p)
-    for (int r = 0; r < MR; ++r) acc[p][r] = _mm256_setzero_ps();
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* qb[NP];
-    for (int p = 0; p < NP; ++p) qb[p] = pn[p].q.data() + b * 64;
-    __m256i isum[NP][MR];
-    for (int p = 0; p < NP; ++p)
-      for (int r = 0; r < MR; ++r) isum[p][r] = _mm256_setzero_si256();
+    const __m256i* qb = pn.q.data() + b * 64;
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     for (int j = 0; j < nsub; ++j) {
-      {
-        __m256i s[NP][MR];
-        for (int p = 0; p < NP; ++p)
-          for (int r = 0; r < MR; ++r) s[p][r] = _mm256_setzero_si256();
-        for (int k = 0; k < run; ++k) {
-          const int g = j * run + k;
-          __m256i wv[NP], wa[NP];
-          for (int p = 0; p < NP; ++p) {
-            wv[p] = _mm256_load_si256(qb[p] + g);
-            wa[p] = Q4 ? wv[p] : _mm256_abs_epi8(wv[p]);
-          }
-          for (int r = 0; r < MR; ++r) {
-            const __m256i xb = bcast4(x[r] + b * 256 + 4 * g);
-            for (int p = 0; p < NP; ++p) {
-              const __m256i xs = Q4 ? xb : _mm256_sign_epi8(xb, wv[p]);
-              s[p][r] = _mm256_add_epi16(s[p][r], _mm256_maddubs_epi16(wa[p], xs));
-              // Keeps the sum in its register, added as it goes: left alone, the compiler
-              // makes a tree of all the quads' products and spills them (1.4x slower).
-              __asm__("" : "+x"(s[p][r]));
-            }
-          }
-        }
-        for (int p = 0; p < NP; ++p) {
-          const __m256i sc = pn[p].sc[b * nsub + j];
-          for (int r = 0; r < MR; ++r) isum[p][r] = _mm256_add_epi32(isum[p][r], _mm256_madd_epi16(s[p][r], sc));
+      __m256i s[MR];
+      for (int r = 0; r < MR; ++r) s[r] = _mm256_setzero_si256();
+      for (int k = 0; k < run; ++k) {
+        const int g = j * run + k;
+        const __m256i wv = _mm256_load_si256(qb + g);
+        const __m256i wa = Q4 ? wv : _mm256_abs_epi8(wv);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xb = bcast4(x[r] + b * 256 + 4 * g);
+          s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(wa, Q4 ? xb : _mm256_sign_epi8(xb, wv)));
+          // Keeps the sum in its register, added as it goes: left alone, the compiler makes
+          // a tree of all the quads' products and spills them (1.4x slower).
+          __asm__("" : "+x"(s[r]));
         }
       }
+      const __m256i sc = pn.sc[b * nsub + j];
+      for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s[r], sc));
     }
-    for (int p = 0; p < NP; ++p) {
-      __m256i t[MR];
-      for (int r = 0; r < MR; ++r) t[r] = _mm256_setzero_si256();
-      for (int pr = 0; pr < (Q4 ? pairs : 0); ++pr) {
-        const __m256i pv = pn[p].pair[b * pairs + pr];
-        for (int r = 0; r < MR; ++r)
-          t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(bcast4(h[r] + b * nsub + 2 * pr), pv));
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m256 dx = _mm256_set1_ps(xq.d[(r0 + r) * nb + b]);
-        if constexpr (Q4) {
-          acc[p][r] = _mm256_fmadd_ps(_mm256_mul_ps(pn[p].d[b], dx), _mm256_cvtepi32_ps(isum[p][r]), acc[p][r]);
-          acc[p][r] = _mm256_fnmadd_ps(_mm256_mul_ps(pn[p].dmin[b], dx), _mm256_cvtepi32_ps(t[r]), acc[p][r]);
-        } else {
-          acc[p][r] = _mm256_fmadd_ps(_mm256_mul_ps(pn[p].d[b], dx), _mm256_cvtepi32_ps(isum[p][r]), acc[p][r]);
-        }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 dx = _mm256_set1_ps(xq.d[(r0 + r) * nb + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(pn.d[b], dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      if constexpr (Q4) {  // - dmin dx sum_j mn_j * (x's sum over sub-block j)
+        __m256i t = _mm256_setzero_si256();
+        for (int pr = 0; pr < 4; ++pr)
+          t = _mm256_add_epi32(t, _mm256_madd_epi16(bcast4(h[r] + b * 8 + 2 * pr), pn.pair[b * 4 + pr]));
+        acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(pn.dmin[b], dx), _mm256_cvtepi32_ps(t), acc[r]);
       }
     }
   }
-  for (int p = 0; p < NP; ++p)
-    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + (p * MR + r) * 8, acc[p][r]);
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): kPanelNP panels of kPanel
-// channels at a time (rows kPanelMR at a time), then one panel, the channels left over
-// one at a time (k_tile).
-// Rows and panels per call of k_panel_rows: 4 x 1 and 3 x 2 measured the same, 2 x 3
-// 0.8x (one thread, 8-64 rows).
+// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): panels of kPanel channels,
+// rows kPanelMR at a time (4 rows x 1 panel a call measured the same as 3 x 2, 2 x 3
+// 0.8x), the channels left over one at a time (k_tile).
 constexpr int kPanelMR = 4;
-constexpr int kPanelNP = 1;
-
-// A thread's decoded panels.
-struct K2Panels {
-  K2Panel p[kPanelNP];
-};
 
 template <bool Q4>
 void k_tile_panel_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
-                    const float* bias, float* y, int64_t N, K2Panels& pn) {
-  alignas(32) float out[kPanelNP * kPanelMR * kPanel];
-  auto panels = [&](auto npc, int64_t n) {
-    constexpr int NP = decltype(npc)::value;
+                    const float* bias, float* y, int64_t N, K2Panel& pn) {
+  alignas(32) float out[kPanelMR * kPanel];
+  int64_t n = n0;
+  for (; n + kPanel <= n1; n += kPanel) {
     // The next panel's blocks on their way while this one is decoded and multiplied (short
     // rows are short streams, which the hardware prefetchers barely pick up).
-    prefetch_rows(w, n + NP * kPanel, n + 2 * NP * kPanel);
-    for (int p = 0; p < NP; ++p) decode_panel<Q4>(w, n + p * kPanel, K, pn.p[p]);
+    prefetch_rows(w, n + kPanel, n + 2 * kPanel);
+    decode_panel<Q4>(w, n, K, pn);
+    const int64_t col = w.col + n;
     auto rows = [&](auto mr, int64_t r) {
       constexpr int MR = decltype(mr)::value;
-      k_panel_rows<Q4, MR, NP>(xq, K, r, pn.p, out);
-      for (int p = 0; p < NP; ++p) {
-        const int64_t col = w.col + n + p * kPanel;
-        for (int i = 0; i < MR; ++i)
-          for (int c = 0; c < kPanel; ++c) {
-            const float v = out[(p * MR + i) * 8 + c];
-            y[(r + i) * N + col + c] = bias ? v + bias[col + c] : v;
-          }
-      }
+      k_panel_rows<Q4, MR>(xq, K, r, pn, out);
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < kPanel; ++c) {
+          const float v = out[8 * i + c];
+          y[(r + i) * N + col + c] = bias ? v + bias[col + c] : v;
+        }
     };
     int64_t r = m0;
     for (; r + kPanelMR <= m1; r += kPanelMR) rows(std::integral_constant<int, kPanelMR>{}, r);
-    if constexpr (kPanelMR > 2)
-      for (; r + 2 <= m1; r += 2) rows(std::integral_constant<int, 2>{}, r);
-    for (; r < m1; ++r) rows(std::integral_constant<int, 1>{}, r);
-  };
-  int64_t n = n0;
-  for (; n + kPanelNP * kPanel <= n1; n += kPanelNP * kPanel) panels(std::integral_constant<int, kPanelNP>{}, n);
-  if constexpr (kPanelNP > 1)
-    for (; n + kPanel <= n1; n += kPanel) panels(std::integral_constant<int, 1>{}, n);
+    for (; r + 2 <= m1; r += 2) rows(std::integral_constant<int, 2>{}, r);
+    if (r < m1) rows(std::integral_constant<int, 1>{}, r);
+  }
   if (n < n1) k_tile(xq, m0, m1, K, w, n, n1, bias, y, N);
 }
 
 void k_tile_panel(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
-                  const float* bias, float* y, int64_t N, K2Panels& pn) {
+                  const float* bias, float* y, int64_t N, K2Panel& pn) {
   if (w.type == kQ4_K)
     k_tile_panel_t<true>(xq, m0, m1, K, w, n0, n1, bias, y, N, pn);
   else
@@ -2034,7 +1994,7 @@ namespace {
 struct Int8Scratch {
   DecodedRows dr;
   VnniPanel vp;
-  K2Panels kp;
+  K2Panel kp;
 };
 
 // Channels per tile of a Q4_K / Q6_K part in a step of M rows: two panels for the VNNI
