@@ -25,6 +25,9 @@
 //   silu_mul, rms_norm, rope_qkv: a layer's elementwise work in one call each.
 // sampling.cpp
 //   argmax_rows: the greedy sampler's argmax.
+// decode_stack.cpp
+//   DecodeStack: a decode-only step's decoder layers in one call (the kernels above in
+//   DecoderLayer.forward's order; pagoda/model/layers/decode_stack.py builds it).
 // simd.h (with cpu_features.cpp): the helpers the kernels share, and the run-time
 // choice between AVX2 and AVX-512 versions; f32_tiles.h: the float32 micro-kernel;
 // module.cpp: the Python bindings.

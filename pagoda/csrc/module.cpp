@@ -6,6 +6,10 @@
 #include "kernels.h"
 #include "simd.h"
 
+// decode_stack.cpp: a decode step's decoder layers in one call (classes DecodeLinear,
+// DecodeLayer, DecodeStack).
+void bind_decode_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T with W in 4-bit groups of 32 (scale + min)");
   m.def("q8_linear", &q8_linear, "x @ W^T with W int8 per output channel, float activations");
@@ -43,4 +47,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("kv_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
         py::arg("sinks") = py::none());
+  bind_decode_stack(m);
 }

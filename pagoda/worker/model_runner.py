@@ -7,6 +7,7 @@ could live in another process or on another rank.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
+from pagoda.model.layers import decode_stack
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.ops import cpu_kernels
 from pagoda.pooling import PoolerConfig, PoolingParams
@@ -26,6 +28,8 @@ from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, Samp
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.proposer import DraftRequest, Proposer
 from pagoda.worker.pooler import Pooler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -229,6 +233,11 @@ class ModelRunner:
         self.decode_kernel = cpu_kernels.use_decode_kernel(
             device, quantized if quantized is not None else kv_dtype, model.activation_dtype
         )
+        # Decode-only steps' layers in one C++ call, where the model's layers allow it.
+        if device.type == "cpu" and lora is None:
+            model.decode_stack, why = decode_stack.build(model)
+            logger.info("decode steps: %s", "the layers in one C++ call (DecodeStack)" if model.decode_stack
+                        else f"the layers from Python ({why})")
         self.sampler = Sampler()
         self.pooler = Pooler(pooler_config) if pooler_config is not None and samples else None
         self.requests: dict[str, CachedRequestState] = {}

@@ -381,6 +381,9 @@ class CausalLM(nn.Module):
         # Pipeline parallelism (pagoda/model/layers/pipeline.py, StagePlan.apply): this
         # stage's part of the forward and of the logits.
         self.stage = None
+        # Decode-only steps' layers in one C++ call, set by the model runner once the
+        # model is final (pagoda/model/layers/decode_stack.py).
+        self.decode_stack = None
 
     # ---- the family's declarations ---------------------------------------------------
 
@@ -529,6 +532,11 @@ class CausalLM(nn.Module):
             # the fused rotary op serves them too.
             cos = tables["global"][0]
             tables["none"] = (torch.ones_like(cos), torch.zeros_like(cos))
+        if self.decode_stack is not None and isinstance(meta, AttentionMetadata):
+            # A decode-only step in one C++ call (pagoda/model/layers/decode_stack.py).
+            done = self.decode_stack.run(x, residual, tables, kv_caches, meta, start, end)
+            if done is not None:
+                return done
         metas = itertools.repeat(meta) if isinstance(meta, AttentionMetadata) else itertools.islice(meta, start, None)
         for layer, kv_cache, layer_meta in zip(self.model.layers[start:end], kv_caches[start:end], metas):
             cos, sin = tables[layer.self_attn.rope_table]

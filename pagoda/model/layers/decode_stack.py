@@ -1,0 +1,164 @@
+"""A decode-only step's decoder layers in one C++ call (pagoda/csrc/decode_stack.cpp).
+
+Single-stream decode of a small model is mostly per-call overhead: on the bundled 135M
+model a step spent 28 % of its time in the kernels and the rest in about ten Python calls
+per layer (modules, views, argument parsing, weight lists converted on every call).
+``build`` reads each layer's weights and settings once; ``CausalLM.run_layers`` then hands
+a decode-only step (one token per sequence, attention through the block tables) to the
+stack, which calls the kernels DecoderLayer.forward would call, in its order, with its
+arguments: the same bits (tested against the Python path).
+
+The layers it takes: pre-norm ``DecoderLayer`` with ``Attention`` (no q/k norm, per-head or
+whole-projection q/k norms; full rotary) and a SiLU ``GatedMLP``, every projection one
+of ``BlocksLinear`` (the exact and gguf modes), ``Int8Linear`` or ``Q4Linear`` on pagoda's
+kernels or a float32 ``nn.Linear`` (an HF checkpoint's exact mode), float32 activations on the CPU, no LoRA, no tensor-parallel collectives, no hooks.
+Anything else (MoE, Gemma's norms, LoRA, bf16 mode, a step with prompts) runs the Python
+path. ``PAGODA_DECODE_STACK=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.model.attention import AttentionMetadata, kernel_cache
+from pagoda.model.layers.blocks import BlocksLinear
+from pagoda.model.layers.decoder import Attention, DecoderLayer, GatedMLP
+from pagoda.model.layers.norm import RMSNorm
+from pagoda.model.layers.pipeline import MissingLayer
+from pagoda.model.layers.quantization import Int8Linear, Q4Linear
+from pagoda.ops import cpu_kernels
+
+ROPE_TABLES = ("global", "local", "none")
+
+
+class DecodeStack:
+    """The C++ stack of a model's layers, and the step-time arguments it needs."""
+
+    def __init__(self, stack: Any, tables: list[str]) -> None:
+        self.stack = stack
+        self.tables = tables
+        self._caches_of: list | None = None   # the kv_caches list the arguments below were read from
+        self._caches: list[torch.Tensor] = []
+        self._scales: list[torch.Tensor | None] = []
+        self._usable = False
+
+    def _cache_args(self, kv_caches: list) -> bool:
+        """Per layer, the cache tensor and scales the kernels read (kept for the runner's
+        list, which lives as long as the engine); False when a held layer's cache is of a
+        kind the kernels do not read (fp8, bfloat16)."""
+        if kv_caches is not self._caches_of:
+            empty = torch.empty(0)
+            caches, scales, usable = [], [], True
+            for kv in kv_caches:
+                found = None if kv is None else kernel_cache(kv)
+                usable &= kv is None or found is not None
+                caches.append(empty if found is None else found[0])
+                scales.append(None if found is None else found[1])
+            self._caches_of, self._caches, self._scales, self._usable = kv_caches, caches, scales, usable
+        return self._usable
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+            kv_caches: list, meta: AttentionMetadata, start: int,
+            end: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """Layers [start, end) of the step, or None when the step is not one the stack runs
+        (the caller runs the Python layers)."""
+        if (meta.decode_block_tables is None or meta.num_decodes != x.shape[0] or x.dtype != torch.float32
+                or x.dim() != 2 or not self._cache_args(kv_caches)):
+            return None
+        cos = [tables[name][0] for name in self.tables]
+        sin = [tables[name][1] for name in self.tables]
+        out, residual = self.stack.run(x, residual, cos, sin, self._caches, self._scales, meta.slot_mapping,
+                                       meta.decode_block_tables, meta.decode_seq_lens, start, end)
+        return out, residual
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGODA_DECODE_STACK", "1") != "0"
+
+
+def build(model: nn.Module) -> tuple[DecodeStack | None, str]:
+    """(the stack of ``model``'s layers, "") or (None, why not)."""
+    if not enabled():
+        return None, "PAGODA_DECODE_STACK=0"
+    ops = cpu_kernels.kernels()
+    if ops is None or not hasattr(ops, "DecodeStack"):
+        return None, "pagoda's CPU kernels are not built"
+    c = model.config
+    tables = ["global"] + (["local"] if c.local_rope_theta is not None else []) + (
+        ["none"] if c.rope_layers is not None else [])
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer, MissingLayer):
+            layers.append(None)
+            continue
+        entry, why = _layer(ops, layer, tables)
+        if entry is None:
+            return None, f"layer {i}: {why}"
+        layers.append(entry)
+    return DecodeStack(ops.DecodeStack(layers), tables), ""
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
+    if type(layer) is not DecoderLayer:
+        return None, f"{type(layer).__name__} is not a plain DecoderLayer"
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention or type(mlp) is not GatedMLP:
+        return None, f"{type(attn).__name__} / {type(mlp).__name__}"
+    if layer.post_norm or layer.sandwich or layer.residual_multiplier != 1.0:
+        return None, "not a pre-norm layer"
+    if _hooked(layer):
+        return None, "a module has forward hooks"
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attn.qk_norm is not None:
+        norms += [attn.q_norm, attn.k_norm]
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
+           for n in norms):  # fmt: skip
+        return None, "norms are not float32 RMSNorms on the CPU"
+    if attn.rotary_dim != attn.head_dim or attn.rope_table not in tables or attn.qk_comm is not None:
+        return None, "partial rotary, or sharded q/k norms"
+    if mlp.act != "silu" or (2 * mlp.intermediate_size) % 64:
+        return None, f"MLP activation {mlp.act} / width {mlp.intermediate_size}"
+    projections = []
+    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        p = _linear(ops, m)
+        if p is None:
+            return None, f"projection {type(m).__name__} is not one the stack calls"
+        projections.append(p)
+    qk = {None: 0, "head": 1, "full": 2}[attn.qk_norm]
+    entry = ops.DecodeLayer(
+        layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+        layer.input_layernorm.eps, *projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, qk,
+        attn.q_norm.weight.detach() if qk else None, attn.k_norm.weight.detach() if qk else None,
+        attn.q_norm.eps if qk else 0.0, attn.scale, attn.window or 0, attn.softcap or 0.0,
+        None if attn.sinks is None else attn.sinks.detach().float(), tables.index(attn.rope_table))
+    return entry, ""
+
+
+def _linear(ops: Any, m: nn.Module) -> Any:
+    """The kernel call ``m.forward`` makes on a 2-D float32 input, or None."""
+    if type(m) is BlocksLinear:
+        if m.permutes_inputs:
+            return None
+        return ops.decode_linear(1 if m.int8_activations else 0, m._data, m._types, m.bias)
+    if type(m) is Int8Linear:
+        if m.split is not None or m._ops is None:
+            return None
+        return ops.decode_linear(2, [m.qweight, m.weight_scale, m.outlier_idx, m.outlier_weight], [], m.bias,
+                                 m.vnni_weight, m.vnni_comp, m._small_rows)
+    if type(m) is Q4Linear:
+        if m._ops is None:
+            return None
+        return ops.decode_linear(3, [m.qweight, m.scales, m.mins], [], m.bias)
+    if type(m) is nn.Linear:
+        if m.weight.dtype != torch.float32 or m.weight.device.type != "cpu":
+            return None
+        return ops.decode_linear(4, [m.weight.detach()], [], None if m.bias is None else m.bias.detach())
+    return None

@@ -1,0 +1,108 @@
+"""Decode-only steps run their layers in one C++ call (DecodeStack) where the model allows
+it: the same tokens and the same logprobs, bit for bit, as the Python layers, in every
+mode and cache type the stack takes; the models it does not take run the Python layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.gguf_files import ModelShape, write_model
+from pagoda.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the stack is one of pagoda's CPU kernels")
+
+LLAMA = ModelShape("llama", 256, 2, 4, 2, 512, True, 10000.0)
+QWEN2 = ModelShape("qwen2", 320, 2, 5, 1, 768, False, 1000000.0, qkv_bias=True)
+PROMPTS = [[1, 504, 231, 17, 9, 400, 123], [5, 6, 7], list(range(100, 141)), [77] * 12, [300, 1, 2, 3, 4]]   # vocab 512
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for shape in (LLAMA, QWEN2):
+        path = tmp_path_factory.mktemp("gguf") / f"{shape.arch}.gguf"
+        out[shape.arch] = str(write_model(str(path), shape, "Q4_K_M", show_progress=False))
+    return out
+
+
+def _generate(monkeypatch, model: str, stack: bool, **kwargs):
+    """(outputs, the model's stack, decode steps the stack ran, the model) of a greedy batch with logprobs;
+    every prompt admitted at once, so most steps decode several sequences."""
+    monkeypatch.setenv("PAGODA_DECODE_STACK", "1" if stack else "0")
+    llm = LLM(model, show_progress=False, skip_tokenizer_init=True, block_size=4, **kwargs)
+    model_obj = llm.engine.runner.model
+    ran = []
+    if model_obj.decode_stack is not None:
+        run = model_obj.decode_stack.run
+
+        def counted(*args):
+            out = run(*args)
+            ran.append(out is not None)
+            return out
+
+        model_obj.decode_stack.run = counted
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+    return [o.outputs[0] for o in outs], model_obj.decode_stack, sum(ran), model_obj
+
+
+def _assert_same(monkeypatch, model: str, **kwargs) -> None:
+    got, stack, steps, _ = _generate(monkeypatch, model, True, **kwargs)
+    want, off, _, _ = _generate(monkeypatch, model, False, **kwargs)
+    assert stack is not None and off is None
+    assert steps >= 9   # every decode-only step
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):   # bit for bit: float equality
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+
+
+@pytest.mark.parametrize(("arch", "quantization"), [
+    ("llama", "none"), ("llama", "gguf"), ("llama", "int8"), ("llama", "q4"),   # Q4_K / Q6_K blocks
+    ("qwen2", "none"), ("qwen2", "gguf"),   # q/k/v biases, Q5_0 / Q8_0 blocks
+])
+def test_gguf_file_stack_equals_python_layers(monkeypatch, gguf_files, arch, quantization):
+    _assert_same(monkeypatch, gguf_files[arch], quantization=quantization)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "float16"])
+def test_stack_reads_and_writes_every_kernel_cache(monkeypatch, gguf_files, kv_cache_dtype):
+    _assert_same(monkeypatch, gguf_files["llama"], quantization="gguf", kv_cache_dtype=kv_cache_dtype)
+
+
+def test_hf_checkpoint_stack_equals_python_layers(monkeypatch, tiny_llama_dir):
+    _assert_same(monkeypatch, tiny_llama_dir)   # nn.Linear projections
+
+
+def test_per_head_qk_norms(monkeypatch, tiny_qwen3_dir):
+    _assert_same(monkeypatch, tiny_qwen3_dir)
+
+
+def test_layers_the_stack_does_not_take_run_from_python(monkeypatch, tiny_qwen3moe_dir, tiny_olmo2_dir):
+    from pagoda.model.layers import decode_stack
+
+    for path, why in ((tiny_qwen3moe_dir, "SparseMoeBlock"), (tiny_olmo2_dir, "not a pre-norm layer")):
+        outs, stack, steps, model = _generate(monkeypatch, path, True)
+        assert stack is None and steps == 0
+        assert all(len(o.token_ids) == 10 for o in outs)
+        built, reason = decode_stack.build(model)
+        assert built is None and reason.startswith("layer 0:") and why in reason
+
+
+def test_stack_checks_its_arguments():
+    ops = cpu_kernels.kernels()
+    with pytest.raises(RuntimeError, match="unknown projection kind"):
+        ops.decode_linear(9, [torch.zeros(1)], [])
+    with pytest.raises(RuntimeError, match="wrong number of weight tensors"):
+        ops.decode_linear(2, [torch.zeros(1)], [])
+    stack = ops.DecodeStack([None, None])
+    x = torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="outside the stack"):
+        stack.run(x, None, [], [], [x, x], [None, None], torch.zeros(1, dtype=torch.long),
+                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 3)
+    with pytest.raises(RuntimeError, match="not held here"):
+        stack.run(x, None, [], [], [x, x], [None, None], torch.zeros(1, dtype=torch.long),
+                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1)
