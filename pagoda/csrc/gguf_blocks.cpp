@@ -1795,6 +1795,7 @@ template <int T, int MR, int NC>
 void int8_dot32(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int64_t n0, int c0, const float* bias,
                 float* y, int64_t N) {
   const int64_t bytes = format_of(T).bytes;
+  constexpr bool kUnsigned = T == kQ4_1 || T == kQ5_1;  // values 0..15 / 0..31
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* rows[NC];
   for (int o = 0; o < NC; ++o) rows[o] = w.data + (n0 + c0 + o) * w.row_bytes;
@@ -1807,7 +1808,7 @@ void int8_dot32(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int6
     for (int o = 0; o < NC; ++o) {
       const uint8_t* p = rows[o] + g * bytes;
       qs[o] = block32_values<T>(p);
-      u[o] = _mm256_abs_epi8(qs[o]);
+      if constexpr (!kUnsigned) u[o] = _mm256_abs_epi8(qs[o]);
       a[o] = block32_scale<T>(p);
       if constexpr (has_offset(T)) b[o] = block32_offset<T>(p, a[o]);
     }
@@ -1816,13 +1817,19 @@ void int8_dot32(const QuantizedX& xq, int64_t K, int64_t r0, const Part& w, int6
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + row * K + 32 * g));
       const int64_t gi = row * (K / 32) + g;
       const float dx = xq.d[gi];
+      float xo = 0.f;  // the offset's factor, the same for every channel
+      if constexpr (has_offset(T)) {
+        const int32_t* s16 = xq.s16.data() + 2 * gi;
+        xo = dx * static_cast<float>(s16[0] + s16[1]);
+      }
       for (int o = 0; o < NC; ++o) {
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[o], _mm256_sign_epi8(xv, qs[o])), ones);
+        // Values of 0..31 multiply x as they are (maddubs takes them unsigned); signed
+        // ones lend x their sign. The same integers either way.
+        const __m256i prod = kUnsigned ? _mm256_maddubs_epi16(qs[o], xv)
+                                       : _mm256_maddubs_epi16(u[o], _mm256_sign_epi8(xv, qs[o]));
+        const __m256i p = _mm256_madd_epi16(prod, ones);
         acc[r][o] = _mm256_fmadd_ps(_mm256_set1_ps(a[o] * dx), _mm256_cvtepi32_ps(p), acc[r][o]);
-        if constexpr (has_offset(T)) {
-          const int32_t* s16 = xq.s16.data() + 2 * gi;
-          off[r][o] += b[o] * (dx * static_cast<float>(s16[0] + s16[1]));
-        }
+        if constexpr (has_offset(T)) off[r][o] += b[o] * xo;
       }
     }
   }

@@ -110,6 +110,17 @@ class AttentionMetadata:
         while num_decodes < n and query_lens[num_decodes] == 1:
             num_decodes += 1
         max_blocks = max(len(t) for t in block_tables)
+        if num_decodes == n and decode_kernel:
+            # A decode-only step for the kernel (the common one): a few integers per request,
+            # without the tensor arithmetic below (the same values).
+            slots = [t[c // block_size] * block_size + c % block_size for t, c in zip(block_tables, context_lens)]
+            return cls(
+                slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
+                num_decodes=n, decode_gather_slots=None, decode_mask=None, prefills=[],
+                decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables],
+                                                 dtype=torch.int32),
+                decode_seq_lens=torch.tensor([c + 1 for c in context_lens], dtype=torch.int32),
+            )
         table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         ctx = torch.tensor(context_lens, dtype=torch.long)
