@@ -27,32 +27,43 @@ def gguf_files(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _generate(monkeypatch, model: str, stack: bool, **kwargs):
-    """(outputs, the model's stack, decode steps the stack ran, the model) of a greedy batch with logprobs;
-    every prompt admitted at once, so most steps decode several sequences."""
-    monkeypatch.setenv("PAGODA_DECODE_STACK", "1" if stack else "0")
-    llm = LLM(model, show_progress=False, skip_tokenizer_init=True, block_size=4, **kwargs)
-    model_obj = llm.engine.runner.model
+def _llm(monkeypatch, model: str, **kwargs) -> LLM:
+    monkeypatch.setenv("PAGODA_DECODE_STACK", "1")
+    # No prefix caching: a second run of the same prompts computes them again.
+    return LLM(model, show_progress=False, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
+               **kwargs)
+
+
+def _generate(llm: LLM, stack) -> tuple[list, int]:
+    """(outputs, decode steps the stack ran) of a greedy batch with logprobs, the model's
+    layers run by ``stack`` (None: the Python layers); every prompt admitted at once, so
+    most steps decode several sequences."""
+    model = llm.engine.runner.model
     ran = []
-    if model_obj.decode_stack is not None:
-        run = model_obj.decode_stack.run
+    if stack is not None:
+        run = stack.run
 
         def counted(*args):
             out = run(*args)
             ran.append(out is not None)
             return out
 
-        model_obj.decode_stack.run = counted
+        stack.run = counted
+    model.decode_stack = stack
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
-    return [o.outputs[0] for o in outs], model_obj.decode_stack, sum(ran), model_obj
+    if stack is not None:
+        stack.run = run
+    return [o.outputs[0] for o in outs], sum(ran)
 
 
 def _assert_same(monkeypatch, model: str, **kwargs) -> None:
-    got, stack, steps, _ = _generate(monkeypatch, model, True, **kwargs)
-    want, off, _, _ = _generate(monkeypatch, model, False, **kwargs)
-    assert stack is not None and off is None
+    llm = _llm(monkeypatch, model, **kwargs)
+    stack = llm.engine.runner.model.decode_stack
+    assert stack is not None
+    got, steps = _generate(llm, stack)
+    want, _ = _generate(llm, None)
     assert steps >= 9   # every decode-only step
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
@@ -85,11 +96,15 @@ def test_layers_the_stack_does_not_take_run_from_python(monkeypatch, tiny_qwen3m
     from pagoda.model.layers import decode_stack
 
     for path, why in ((tiny_qwen3moe_dir, "SparseMoeBlock"), (tiny_olmo2_dir, "not a pre-norm layer")):
-        outs, stack, steps, model = _generate(monkeypatch, path, True)
-        assert stack is None and steps == 0
+        llm = _llm(monkeypatch, path)
+        model = llm.engine.runner.model
+        assert model.decode_stack is None
+        outs, _ = _generate(llm, None)
         assert all(len(o.token_ids) == 10 for o in outs)
         built, reason = decode_stack.build(model)
         assert built is None and reason.startswith("layer 0:") and why in reason
+        monkeypatch.setenv("PAGODA_DECODE_STACK", "0")
+        assert decode_stack.build(model) == (None, "PAGODA_DECODE_STACK=0")
 
 
 def test_stack_checks_its_arguments():
