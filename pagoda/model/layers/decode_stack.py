@@ -9,11 +9,12 @@ stack, which calls the kernels DecoderLayer.forward would call, in its order, wi
 arguments: the same bits (tested against the Python path).
 
 The layers it takes: pre-norm ``DecoderLayer`` with ``Attention`` (no q/k norm, per-head or
-whole-projection q/k norms; full rotary) and a SiLU ``GatedMLP``, every projection one
-of ``BlocksLinear`` (the exact and gguf modes), ``Int8Linear`` or ``Q4Linear`` on pagoda's
-kernels or a float32 ``nn.Linear`` (an HF checkpoint's exact mode), float32 activations on the CPU, no LoRA, no tensor-parallel collectives, no hooks.
-Anything else (MoE, Gemma's norms, LoRA, bf16 mode, a step with prompts) runs the Python
-path. ``PAGODA_DECODE_STACK=0`` turns it off.
+whole-projection q/k norms; full rotary) and a SiLU ``GatedMLP``, every projection one of
+``BlocksLinear`` (the exact and gguf modes), ``Int8Linear`` or ``Q4Linear`` on pagoda's
+kernels or a float32 ``nn.Linear`` (an HF checkpoint's exact mode); float32 activations on
+the CPU, no LoRA, no tensor-parallel collectives, no hooks. Anything else (MoE, Gemma's
+norms, LoRA, bf16 mode, a step with prompts) runs the Python path.
+``PAGODA_DECODE_STACK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.layers.quantization import Int8Linear, Q4Linear
 from pagoda.ops import cpu_kernels
-
-ROPE_TABLES = ("global", "local", "none")
-
 
 class DecodeStack:
     """The C++ stack of a model's layers, and the step-time arguments it needs."""
