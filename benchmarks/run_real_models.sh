@@ -25,3 +25,8 @@ $PY benchmarks/compare.py table "$OUT/real-1b-s2"
 $PY benchmarks/compare.py run --model "$M/llama-3.1-8b-q4_k_m.gguf" --engines pagoda,pagoda-gguf,llama-server \
   --threads 2 --concurrency 1 --num-prompts 2 --input-len 128 --output-len 32 --out-dir "$OUT/real-8b-s2"
 $PY benchmarks/compare.py table "$OUT/real-8b-s2"
+
+# The 8B file at 16 streams (seventh pass): ~2.5 minutes for pagoda, ~5 for llama-server here.
+$PY benchmarks/compare.py run --model "$M/llama-3.1-8b-q4_k_m.gguf" --engines pagoda-gguf,llama-server \
+  --threads 2 --concurrency 16 --num-prompts 16 --input-len 128 --output-len 32 --out-dir "$OUT/real-8b-c16"
+$PY benchmarks/compare.py table "$OUT/real-8b-c16"

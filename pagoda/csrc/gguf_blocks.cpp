@@ -1208,6 +1208,63 @@ inline __m256i q6k_values(__m256i l0, __m256i l1, __m256i h, int c) {
   return _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
 }
 
+// One Q4_K block p against rows r0 .. r0 + MR - 1 of x (block b): isum[r] (8 int32 lanes
+// summing to I_b) and msum[r] (4 lanes summing to M_b). Inlined into each kernel (a call
+// would keep the sums in memory).
+template <int MR>
+__attribute__((always_inline)) inline void q4k_block(const QuantizedX& xq, int64_t K, int64_t r0, int64_t b,
+                                                     const uint8_t* p, __m256i* isum, __m128i* msum) {
+  const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));  // scales: int16 lanes 0-7, minimums 8-15
+  const __m128i sc = _mm256_castsi256_si128(sm), mins = _mm256_extracti128_si256(sm, 1);
+  const __m256i scales = _mm256_set_m128i(sc, sc);
+  for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {  // weights 64c .. 64c + 63: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
+    const __m256i lo = nibbles_lo(v), hi = nibbles_hi(v);
+    const __m256i slo = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c]);
+    const __m256i shi = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c + 1]);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xr = xq.q.data() + (r0 + r) * K + b * 256 + 64 * c;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), slo),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi)));
+    }
+  }
+  for (int r = 0; r < MR; ++r)  // sum_j mn_j * sum(xq over sub-block j), as four lanes of pairs
+    msum[r] = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + (r0 + r) * (K / 32) + b * 8)));
+}
+
+// One Q6_K block p against rows r0 .. r0 + MR - 1 of x: isum[r] sums to I_b (q + 32 in
+// maddubs, then - 32 sum_j scale_j sum(xq over sub-block j) in int32: exact, |sums| < 2^29).
+template <int MR>
+__attribute__((always_inline)) inline void q6k_block(const QuantizedX& xq, int64_t K, int64_t r0, int64_t b,
+                                                     const uint8_t* p, __m256i* isum) {
+  const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+  const __m128i lo8 = _mm256_castsi256_si128(sc_all), hi8 = _mm256_extracti128_si256(sc_all, 1);
+  for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+  for (int half = 0; half < 2; ++half) {
+    const __m256i scales = half ? _mm256_set_m128i(hi8, hi8) : _mm256_set_m128i(lo8, lo8);
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = q6k_values(l0, l1, h, c);
+      // int16 lanes 0-7 <- scale 2c, lanes 8-15 <- scale 2c + 1 (of this half)
+      const __m256i s = _mm256_shuffle_epi8(scales, _mm256_blend_epi32(kScaleLanes[2 * c], kScaleLanes[2 * c + 1], 0xF0));
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xv = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * K + b * 256 + 128 * half + 32 * c));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), s));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.h16.data() + (r0 + r) * (K / 16) + b * 16));
+    isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sc_all, b16), 5));
+  }
+}
+
 // y[(r0 + r) * N + col] for r < MR: channel `row` of a Q4_K part.
 template <int MR>
 void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
@@ -1215,27 +1272,9 @@ void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
   __m128 acc = _mm_setzero_ps();  // lane r: row r0 + r
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p = row + b * 144;
-    const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));  // scales: int16 lanes 0-7, minimums 8-15
-    const __m128i sc = _mm256_castsi256_si128(sm), mins = _mm256_extracti128_si256(sm, 1);
-    const __m256i scales = _mm256_set_m128i(sc, sc);
     __m256i isum[MR];
     __m128i msum[MR];
-    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {  // weights 64c .. 64c + 63: sub-blocks 2c (low nibbles), 2c + 1 (high)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
-      const __m256i lo = nibbles_lo(v), hi = nibbles_hi(v);
-      const __m256i slo = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c]);
-      const __m256i shi = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c + 1]);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = xq.q.data() + (r0 + r) * K + b * 256 + 64 * c;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), slo),
-                                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi)));
-      }
-    }
-    for (int r = 0; r < MR; ++r)  // sum_j mn_j * sum(xq over sub-block j), as four lanes of pairs
-      msum[r] = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + (r0 + r) * (K / 32) + b * 8)));
+    q4k_block<MR>(xq, K, r0, b, p, isum, msum);
     int32_t dd_bits;
     std::memcpy(&dd_bits, p, 4);
     const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd_bits));  // d, dmin
@@ -1255,38 +1294,15 @@ void q4k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
   store_rows<MR>(acc, bias, y, r0, N, col);
 }
 
-// The same for a Q6_K channel: q + 32 in maddubs, then - 32 sum_j scale_j sum(xq over
-// sub-block j) in int32 (exact: |sums| < 2^29 per block).
+// The same for a Q6_K channel.
 template <int MR>
 void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, const float* bias, float* y,
               int64_t N, int64_t col) {
   __m128 acc = _mm_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* p = row + b * 210;
-    const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
-    const __m128i lo8 = _mm256_castsi256_si128(sc_all), hi8 = _mm256_extracti128_si256(sc_all, 1);
     __m256i isum[MR];
-    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
-    for (int half = 0; half < 2; ++half) {
-      const __m256i scales = half ? _mm256_set_m128i(hi8, hi8) : _mm256_set_m128i(lo8, lo8);
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
-      for (int c = 0; c < 4; ++c) {
-        const __m256i q = q6k_values(l0, l1, h, c);
-        // int16 lanes 0-7 <- scale 2c, lanes 8-15 <- scale 2c + 1 (of this half)
-        const __m256i s = _mm256_shuffle_epi8(scales, _mm256_blend_epi32(kScaleLanes[2 * c], kScaleLanes[2 * c + 1], 0xF0));
-        for (int r = 0; r < MR; ++r) {
-          const __m256i xv = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * K + b * 256 + 128 * half + 32 * c));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), s));
-        }
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.h16.data() + (r0 + r) * (K / 16) + b * 16));
-      isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sc_all, b16), 5));
-    }
+    q6k_block<MR>(xq, K, r0, b, p, isum);
     const __m128 dx = row_scales<MR>(xq, K, r0, b);
     acc = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(f16_at(p + 208)), dx), _mm_cvtepi32_ps(hsum_rows<MR>(isum)), acc);
   }
@@ -1304,9 +1320,9 @@ void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
 // in the same order (the same integers I_b and M_b, d dx then dmin dx rounded as there),
 // so the same bits (tests compare every step size with one row alone). Blocks go
 // kRow8Blocks at a time (the sums of longer rows would leave L1), the sums carried.
-// Zen 3, AVX2: one thread, 8192 x 2048 Q4_K in cache 23 -> 27-30 GMAC/s; the 1B file's
-// 64 layer products from memory on two threads 3-5 % faster; its decode step, one stream,
-// in-process A/B: 48.5 -> 45.5 ms (median), faster in 8 of 8 pairs.
+// Zen 3, AVX2, the 1B file's weights in cache, two threads: Q4_K 8192 x 2048 35 -> 54
+// GMAC/s, Q6_K 2048 x 8192 23 -> 50; from memory (its 64 layer products of a step) 3-5 %
+// faster; its one-stream decode step (in-process A/B) 48.5 -> 45.5 ms, median.
 constexpr int64_t kRow8Blocks = 32;
 
 struct Row8Sums {
@@ -1347,42 +1363,14 @@ void k_row8(const QuantizedX& xq, int64_t K, int64_t r, const uint8_t* row0, int
       const uint8_t* row = row0 + ch * rb;
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* p = row + b * bytes;
-        const int8_t* xb = xq.q.data() + r * K + b * 256;
-        __m256i isum = _mm256_setzero_si256();
+        __m256i isum;
         if constexpr (Q4) {
-          const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));
-          const __m128i sc = _mm256_castsi256_si128(sm);
-          _mm_store_si128(reinterpret_cast<__m128i*>(s.ms[b - b0][ch]),
-                          _mm_madd_epi16(_mm256_extracti128_si256(sm, 1),
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.h32.data() + r * (K / 32) + b * 8))));
-          const __m256i scales = _mm256_set_m128i(sc, sc);
-          for (int c = 0; c < 4; ++c) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * c));
-            const __m256i slo = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c]);
-            const __m256i shi = _mm256_shuffle_epi8(scales, kScaleLanes[2 * c + 1]);
-            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64 * c));
-            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64 * c + 32));
-            isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(nibbles_lo(v), x0), slo),
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles_hi(v), x1), shi)));
-          }
+          __m128i msum;
+          q4k_block<1>(xq, K, r, b, p, &isum, &msum);
+          _mm_store_si128(reinterpret_cast<__m128i*>(s.ms[b - b0][ch]), msum);
           std::memcpy(&s.dd[b - b0][ch], p, 4);
         } else {
-          const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
-          const __m128i lo8 = _mm256_castsi256_si128(sc_all), hi8 = _mm256_extracti128_si256(sc_all, 1);
-          for (int half = 0; half < 2; ++half) {
-            const __m256i scales = half ? _mm256_set_m128i(hi8, hi8) : _mm256_set_m128i(lo8, lo8);
-            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
-            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
-            for (int c = 0; c < 4; ++c) {
-              const __m256i q = q6k_values(l0, l1, h, c);
-              const __m256i sc = _mm256_shuffle_epi8(scales, _mm256_blend_epi32(kScaleLanes[2 * c], kScaleLanes[2 * c + 1], 0xF0));
-              const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 128 * half + 32 * c));
-              isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sc));
-            }
-          }
-          const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.h16.data() + r * (K / 16) + b * 16));
-          isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(sc_all, b16), 5));
+          q6k_block<1>(xq, K, r, b, p, &isum);
           uint16_t d16;
           std::memcpy(&d16, p + 208, 2);
           s.dd[b - b0][ch] = d16;
