@@ -1409,8 +1409,9 @@ inline void prefetch_rows(const Part& w, int64_t n0, int64_t n1) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): each channel against
-// four rows at a time, then the rest.
+// Channels [n0, n1) of a Q4_K or Q6_K part for rows [m0, m1): one row against 8 channels
+// at a time (k_row8), otherwise each channel against four rows at a time, then the rest;
+// channels left over one at a time.
 void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
             const float* bias, float* y, int64_t N) {
   int64_t n = n0;
