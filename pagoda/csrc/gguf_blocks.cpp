@@ -1048,6 +1048,8 @@ struct QuantizedX {
   std::vector<float> pd;     // [G][K / 256][16]: the scales (groups of 256)
   std::vector<int32_t> p32;  // [G][K / 64][16]: h32 in pairs (two int16)
   std::vector<int32_t> p16;  // [G][K / 32][16]: h16 in pairs
+  // For the AVX2 Q6_K panels (unsigned_rows): q + 128 as unsigned bytes, [M, K].
+  std::vector<uint8_t> u;
 };
 
 // x quantized in groups of `group` inputs (32, or 256 for the K-quant kernels) with one
@@ -1096,6 +1098,21 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group = 32) 
     }
   });
   return out;
+}
+
+// xq.u = xq.q + 128 (1 .. 255 as unsigned bytes: the sign bit flipped), for the AVX2 Q6_K
+// panels.
+void unsigned_rows(QuantizedX& xq) {
+  xq.u.resize(xq.q.size());
+  const int64_t n = static_cast<int64_t>(xq.q.size());
+  at::parallel_for(0, n / 32, 1024, [&](int64_t i0, int64_t i1) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + 32 * i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.u.data() + 32 * i), _mm256_xor_si256(v, flip));
+    }
+  });
+  for (int64_t i = n / 32 * 32; i < n; ++i) xq.u[i] = static_cast<uint8_t>(xq.q[i] ^ 0x80);
 }
 
 // xq (quantized in groups of 256) laid out for the VNNI K-quant kernels: 16 rows side by
@@ -1450,19 +1467,21 @@ void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part&
 // madd with the sub-block's scale (both int16 lanes of a channel hold it) widens them to
 // int32. Q4_K: the values 0-15 against x, 8 quads a sub-block (|sum| <= 8 x 2 x 15 x 127
 // < 2^15), the minimums' term from x's sums per 32 as in q4k_rows. Q6_K: the signed
-// values q - 32 (x takes their signs, maddubs their magnitudes), 4 quads a sub-block
-// (|sum| <= 4 x 2 x 32 x 127 < 2^15), so no -32 term. The same integers I_b and M_b and
-// the same float32 operations in the same order: the same bits as the one-channel and
-// the VNNI kernels (tests compare them). 2.0x k_tile's products per second on Q4_K at 64
-// rows, 1.5x on Q6_K (one Zen 3 core; Q6_K's sign costs a fourth instruction a product).
+// values q - 32 against x + 128 (unsigned bytes, unsigned_rows), two quads at a time in
+// int16 (|sum| <= 2 x 2 x 255 x 32 < 2^15); the block's sum then exceeds I_b by
+// 128 sum_j sc_j (the channel's sum of values in sub-block j), a per-channel integer
+// that decode_panel works out and the sums start from, negated. The same integers I_b
+// and M_b and the same float32 operations in the same order: the same bits as the
+// one-channel and the VNNI kernels (tests compare them). 2.0x k_tile's products per
+// second on Q4_K at 64 rows, 1.5x on Q6_K (one Zen 3 core). Q6_K with x's signs moved
+// onto |q - 32| (one more instruction per product) was 1.18-1.26x slower at 16-128 rows.
 
 // From these many rows a step takes the panels (Q4_K, Q6_K): below, decoding a panel
 // costs more than it saves (measured, one thread, 1B shapes: Q4_K even at 8 rows and
-// 1.2-1.6x at 16, 2.0-2.1x at 64; Q6_K 0.7-0.9x at 8, even at 16, 1.4-1.5x at 64).
-constexpr int64_t kPanelRowsQ4K = 8, kPanelRowsQ6K = 16;
-inline bool panel_rows(int type, int64_t rows) {
-  return rows >= (type == kQ4_K ? kPanelRowsQ4K : kPanelRowsQ6K);
-}
+// 1.2-1.6x at 16, 2.0-2.1x at 64; Q6_K, since it multiplies x + 128, even at 4-7 rows,
+// 1.15x at 8, 1.5x at 15, two threads, weights from memory).
+constexpr int64_t kPanelRows = 8;
+inline bool panel_rows(int64_t rows) { return rows >= kPanelRows; }
 constexpr int kPanel = 8;
 
 // One thread's decoded panel of kPanel channels over all blocks of K.
@@ -1470,6 +1489,7 @@ struct K2Panel {
   std::vector<__m256i> q;       // [nb][64]: quad g of the block, channel c's values in bytes 4c .. 4c + 3
   std::vector<__m256i> sc;      // [nb][nsub]: int16 lanes 2c and 2c + 1 = channel c's scale of sub-block j
   std::vector<__m256i> pair;    // Q4_K, [nb][4]: int32 lane c = channel c's minimums (m_2p, m_2p+1) as int16
+  std::vector<__m256i> corr;    // Q6_K, [nb]: int32 lane c = -128 sum_j sc_j (sum of channel c's values in sub-block j)
   std::vector<__m256> d, dmin;  // [nb]: lane c = channel c's d (and Q4_K's dmin)
 };
 
@@ -1529,6 +1549,11 @@ inline __m256i both_halves(__m128i b) {
 // Channels n .. n + 7 of a Q4_K or Q6_K part into the panel, straight from the blocks: per
 // 32 weights of a sub-block, the 8 channels' values (Q6_K: q - 32) transposed to quads;
 // the 16 scale bytes of the 8 channels transposed once a block.
+// The next panel's blocks (channels n + 8 .. n + 15) are asked for block by block as this
+// one is decoded, towards L2: short rows are short streams, which the hardware prefetchers
+// barely pick up, and all of a panel's lines asked for at once stalled on the misses the
+// core can track (decoding 16-row steps of the 1B file's layers from memory 1.09x faster,
+// 128-row 1.02x, than that burst before each panel).
 template <bool Q4>
 void decode_panel(const Part& w, int64_t n, int64_t K, K2Panel& pn) {
   constexpr int64_t bytes = Q4 ? 144 : 210;
@@ -1537,12 +1562,17 @@ void decode_panel(const Part& w, int64_t n, int64_t K, K2Panel& pn) {
   pn.q.resize(nb * 64);
   pn.sc.resize(nb * nsub);
   pn.pair.resize(Q4 ? nb * 4 : 0);
+  pn.corr.resize(Q4 ? 0 : nb);
   pn.d.resize(nb);
   pn.dmin.resize(nb);
   alignas(32) float d[kPanel], dmin[kPanel] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p[kPanel];
     for (int c = 0; c < kPanel; ++c) p[c] = w.data + (n + c) * w.row_bytes + b * bytes;
+    for (int c = 0; c < kPanel && n + kPanel + c < w.rows; ++c) {
+      const char* next = reinterpret_cast<const char*>(p[c] + kPanel * w.row_bytes);
+      for (int o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+    }
     __m256i* q = pn.q.data() + b * 64;
     __m128i r[kPanel], v[8];
     if constexpr (Q4) {
@@ -1590,8 +1620,20 @@ void decode_panel(const Part& w, int64_t n, int64_t K, K2Panel& pn) {
         d[c] = f16_at(p[c] + 208);
       }
       transpose8x16_epi8(r, v);
-      for (int j = 0; j < 16; ++j)
+      // The rows multiply x + 128 (unsigned) by the values: per channel the block's sum is
+      // sum_j sc_j sum_i (x_i + 128) q_i, which is I_b + 128 sum_j sc_j (sum_i q_i); corr
+      // takes the second term off again (exact in int32).
+      const __m256i ones = _mm256_set1_epi8(1);
+      __m256i t = _mm256_setzero_si256();
+      for (int j = 0; j < 16; ++j) {
         pn.sc[b * 16 + j] = both_halves<true>(j & 1 ? _mm_srli_si128(v[j / 2], 8) : v[j / 2]);
+        const __m256i* g = q + 4 * j;  // |a quad's pair sums| <= 64, four of them <= 256
+        const __m256i s = _mm256_add_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(ones, g[0]), _mm256_maddubs_epi16(ones, g[1])),
+            _mm256_add_epi16(_mm256_maddubs_epi16(ones, g[2]), _mm256_maddubs_epi16(ones, g[3])));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(s, pn.sc[b * 16 + j]));
+      }
+      pn.corr[b] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(t, 7));
     }
     pn.d[b] = _mm256_load_ps(d);
     pn.dmin[b] = _mm256_load_ps(dmin);
@@ -1614,7 +1656,7 @@ __attribute__((noinline)) void k_panel_rows(const QuantizedX& xq, int64_t K, int
   const int8_t* x[MR];
   const int16_t* h[MR];  // Q4_K: x's sums per 32
   for (int r = 0; r < MR; ++r) {
-    x[r] = xq.q.data() + (r0 + r) * K;
+    x[r] = Q4 ? xq.q.data() + (r0 + r) * K : reinterpret_cast<const int8_t*>(xq.u.data()) + (r0 + r) * K;
     h[r] = xq.h32.data() + (r0 + r) * (K / 32);
   }
   __m256 acc[MR];
@@ -1622,24 +1664,39 @@ __attribute__((noinline)) void k_panel_rows(const QuantizedX& xq, int64_t K, int
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i* qb = pn.q.data() + b * 64;
     __m256i isum[MR];
-    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
-    for (int j = 0; j < nsub; ++j) {
-      __m256i s[MR];
-      for (int r = 0; r < MR; ++r) s[r] = _mm256_setzero_si256();
-      for (int k = 0; k < run; ++k) {
-        const int g = j * run + k;
-        const __m256i wv = _mm256_load_si256(qb + g);
-        const __m256i wa = Q4 ? wv : _mm256_abs_epi8(wv);
-        for (int r = 0; r < MR; ++r) {
-          const __m256i xb = bcast4(x[r] + b * 256 + 4 * g);
-          s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(wa, Q4 ? xb : _mm256_sign_epi8(xb, wv)));
-          // Keeps the sum in its register, added as it goes: left alone, the compiler makes
-          // a tree of all the quads' products and spills them (1.4x slower).
-          __asm__("" : "+x"(s[r]));
+    for (int r = 0; r < MR; ++r) isum[r] = Q4 ? _mm256_setzero_si256() : pn.corr[b];
+    if constexpr (Q4) {
+      for (int j = 0; j < nsub; ++j) {
+        __m256i s[MR];
+        for (int r = 0; r < MR; ++r) s[r] = _mm256_setzero_si256();
+        for (int k = 0; k < run; ++k) {
+          const int g = j * run + k;
+          const __m256i wv = _mm256_load_si256(qb + g);
+          for (int r = 0; r < MR; ++r) {
+            s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(wv, bcast4(x[r] + b * 256 + 4 * g)));
+            // Keeps the sum in its register, added as it goes: left alone, the compiler
+            // makes a tree of all the quads' products and spills them (1.4x slower).
+            __asm__("" : "+x"(s[r]));
+          }
+        }
+        const __m256i sc = pn.sc[b * nsub + j];
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s[r], sc));
+      }
+    } else {
+      // x + 128 (unsigned) times the signed values, two quads' pair sums added in int16
+      // (|sum| <= 2 x 2 x 255 x 32 < 2^15), then widened with the scale.
+      for (int j = 0; j < nsub; ++j) {
+        const __m256i sc = pn.sc[b * nsub + j];
+        for (int k = 0; k < run; k += 2) {
+          const int g = j * run + k;
+          const __m256i w0 = _mm256_load_si256(qb + g), w1 = _mm256_load_si256(qb + g + 1);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(bcast4(x[r] + b * 256 + 4 * g), w0),
+                                               _mm256_maddubs_epi16(bcast4(x[r] + b * 256 + 4 * g + 4), w1));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s, sc));
+          }
         }
       }
-      const __m256i sc = pn.sc[b * nsub + j];
-      for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s[r], sc));
     }
     for (int r = 0; r < MR; ++r) {
       const __m256 dx = _mm256_set1_ps(xq.d[(r0 + r) * nb + b]);
@@ -1666,9 +1723,6 @@ void k_tile_panel_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, con
   alignas(32) float out[kPanelMR * kPanel];
   int64_t n = n0;
   for (; n + kPanel <= n1; n += kPanel) {
-    // The next panel's blocks on their way while this one is decoded and multiplied (short
-    // rows are short streams, which the hardware prefetchers barely pick up).
-    prefetch_rows(w, n + kPanel, n + 2 * kPanel);
     decode_panel<Q4>(w, n, K, pn);
     const int64_t col = w.col + n;
     auto rows = [&](auto mr, int64_t r) {
@@ -2120,7 +2174,16 @@ struct Int8Scratch {
 // Channels per tile of a Q4_K / Q6_K part in a step of M rows: two panels for the VNNI
 // and the AVX2 panel kernels, 8 for one row (k_row8).
 int64_t k_channels_per_tile(int64_t M, bool vnni) {
-  return vnni ? 2 * kVnniChannels : M >= kPanelRowsQ4K ? 2 * kPanel : M == 1 ? 8 : kChannels;
+  return vnni ? 2 * kVnniChannels : M >= kPanelRows ? 2 * kPanel : M == 1 ? 8 : kChannels;
+}
+
+// What the K-quant kernels of a step of M rows read besides xk.q: the VNNI kernels' packed
+// rows, or the AVX2 Q6_K panels' unsigned rows.
+void k_rows_layout(QuantizedX& xk, int64_t M, int64_t K, bool vnni) {
+  if (vnni)
+    pack_rows16(xk, M, K);
+  else if (panel_rows(M))
+    unsigned_rows(xk);
 }
 
 // One tile of gguf_linear_int8: channels [tile.n0, tile.n1) of part w for rows [m0, m1).
@@ -2130,7 +2193,7 @@ void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m
   if (has_k_kernel(w.type)) {
     if (!xk.p4.empty())  // packed for the VNNI kernels
       k_tile_vnni(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.vp);
-    else if (panel_rows(w.type, m1 - m0))
+    else if (panel_rows(m1 - m0))
       k_tile_panel(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.kp);
     else  // one stream of rows, which the hardware prefetchers follow
       k_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
@@ -2184,7 +2247,7 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   const QuantizedX xq = other_parts ? quantize_x(x.data_ptr<float>(), M, K) : QuantizedX{};
   QuantizedX xk = k_parts ? quantize_x(x.data_ptr<float>(), M, K, 256) : QuantizedX{};
   const bool vnni = k_parts && vnni_k_rows(M);
-  if (vnni) pack_rows16(xk, M, K);
+  if (k_parts) k_rows_layout(xk, M, K, vnni);
   float* yp = y.data_ptr<float>();
   // Chunks of kRowChunk rows (their int8 x in L2 or L3); within a chunk, tiles of
   // kChannels output channels (the VNNI kernels' K-quant parts: 2 panels), decoded once,
@@ -2313,7 +2376,7 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
       if (kp) {
         QuantizedX& xk = first ? s.xk : s.hk;
         xk = quantize_x(in, s.n, K, 256);
-        if (vnni) pack_rows16(xk, s.n, K);
+        k_rows_layout(xk, s.n, K, vnni);
       }
       (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
       for (const Tile& t : tiles_of(parts, kChannels, k_channels_per_tile(s.n, vnni))) units.push_back({a, t});

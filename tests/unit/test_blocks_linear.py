@@ -204,10 +204,16 @@ def test_k_quant_panel_kernels_give_the_one_channel_kernels_bits(ggml_type, monk
             other = Q.Q6_K if ggml_type == Q.Q4_K else Q.Q4_K
             ws = [torch.from_numpy(random_blocks(t, n, cols, rng)) for t, n in zip((ggml_type, other), rows_w)]
             ts = [ggml_type.value, other.value]
+            q6 = ws[ts.index(Q.Q6_K.value)].view(-1, cols // 256, 210)
+            # Q6_K channels of all -32 and all 31 at full-scale sub-block scales: with x's
+            # rows of all +127 / -127 below, the panels' int16 sums at their extremes.
+            q6[0, :, :192], q6[0, :, 192:208] = 0, 127
+            q6[1, :, :192], q6[1, :, 192:208] = 0xFF, 0x80
             bias = torch.randn(sum(rows_w), generator=torch.Generator().manual_seed(cols))
             x = torch.randn(70, cols, generator=torch.Generator().manual_seed(cols)) * 3
             x[3, :256] = 0.0  # a block of zeros: scale 0
             x[5, 7] = 1e4  # one outlier: the rest of its block rounds to small integers
+            x[6], x[9] = 2.0, -2.0  # every input +127 / -127
             for n_threads in (1, 2):
                 torch.set_num_threads(n_threads)
                 for parts, types, b in ((ws, ts, bias), (ws[:1], ts[:1], None)):
