@@ -1577,17 +1577,14 @@ void decode_panel(const Part& w, int64_t n, int64_t K, K2Panel& pn) {
     __m128i r[kPanel], v[8];
     if constexpr (Q4) {
       for (int h = 0; h < 4; ++h) {  // weights 64h .. + 31 (low nibbles), 64h + 32 .. + 63 (high)
-        __m256i lo[kPanel], hi[kPanel];
-        for (int c = 0; c < kPanel; ++c) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[c] + 16 + 32 * h));
-          lo[c] = nibbles_lo(x);
-          hi[c] = nibbles_hi(x);
-        }
-        transpose8x8_epi32(lo);
-        transpose8x8_epi32(hi);
+        // The packed bytes transposed once, then split: t[k] lane c holds bytes 4k .. 4k + 3
+        // of channel c, whose low nibbles are weights 64h + 4k .. + 3, high ones + 32.
+        __m256i t[kPanel];
+        for (int c = 0; c < kPanel; ++c) t[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[c] + 16 + 32 * h));
+        transpose8x8_epi32(t);
         for (int k = 0; k < 8; ++k) {
-          q[16 * h + k] = lo[k];
-          q[16 * h + 8 + k] = hi[k];
+          q[16 * h + k] = nibbles_lo(t[k]);
+          q[16 * h + 8 + k] = nibbles_hi(t[k]);
         }
       }
       for (int c = 0; c < kPanel; ++c) {
