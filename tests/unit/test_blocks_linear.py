@@ -310,3 +310,38 @@ def test_drop_pages_leaves_memory_that_is_not_a_file_map_alone():
     w = BlockWeight.from_tensor(t)
     w.drop_pages()  # not file-mapped: must not zero anonymous memory
     assert torch.equal(w.dequantize(), t)
+
+
+def test_int8_mode_quantizes_blocks_a_block_of_rows_at_a_time(monkeypatch):
+    """The int8 mode converts a kept layer from blocks of rows dequantized afresh (no float
+    copy of the whole weight): the int8 weights, scales and float outlier columns are those
+    of the whole dequantized weight quantized at once, rows crossing the parts' boundary."""
+    from pagoda.model.layers import quantization as qz
+
+    monkeypatch.setattr(qz, "QUANTIZE_ROWS", 7)   # blocks of 7 rows over 19 + 12 channels
+    parts = [_weight(Q.Q4_K, 19, 512, seed=1)[0], _weight(Q.Q8_0, 12, 512, seed=2)[0]]
+    layer = BlocksLinear(parts, bias=torch.randn(31, generator=torch.Generator().manual_seed(0)))
+    idx = torch.tensor([3, 200, 511, 64])
+    got = qz.Int8Linear(layer, idx)
+
+    whole = layer.dequantized()
+    assert torch.equal(torch.cat([layer.dequantized_rows(r, min(r + 5, 31)) for r in range(0, 31, 5)]), whole)
+    order = idx.sort().values
+    outliers = whole[:, order].t().contiguous()
+    inliers = whole.clone()
+    inliers[:, order] = 0.0
+    qweight, scales = qz.int8_per_channel(inliers)
+    assert torch.equal(got.int8_weight(), qweight)
+    assert torch.equal(got.weight_scale, scales)
+    assert torch.equal(got.outlier_weight, outliers)
+    assert torch.equal(got.outlier_idx, order)
+    assert torch.equal(got.bias, layer.bias)
+    # And the same layer as the float nn.Linear the conversion used to take.
+    lin = torch.nn.Linear(512, 31)
+    with torch.no_grad():
+        lin.weight.copy_(whole)
+        lin.bias.copy_(layer.bias)
+    from_float = qz.Int8Linear(lin, idx)
+    assert torch.equal(from_float.int8_weight(), qweight) and torch.equal(from_float.weight_scale, scales)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(got(x), from_float(x))

@@ -262,6 +262,16 @@ class BlocksLinear(nn.Module):
         """The float32 weight [out_features, in_features] (a transient copy)."""
         return torch.cat([p.dequantize() for p in self.parts]) if len(self.parts) > 1 else self.parts[0].dequantize()
 
+    def dequantized_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of the float32 weight, dequantized from the parts that hold them."""
+        out, start = [], 0
+        for p in self.parts:
+            a, b = max(r0, start), min(r1, start + p.out_features)
+            if a < b:
+                out.append(p.dequantize(torch.arange(a - start, b - start)))
+            start += p.out_features
+        return out[0] if len(out) == 1 else torch.cat(out)
+
     @property
     def weight_bytes(self) -> int:
         return sum(p.nbytes for p in self.parts)

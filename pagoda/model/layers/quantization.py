@@ -108,6 +108,12 @@ def q4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return packed, scales, mins
 
 
+def _round_rows(w: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """w / scale per row, rounded and clamped to int8's symmetric range, into ``out``
+    (whole numbers in float32: their conversion to int8 is exact)."""
+    return torch.div(w, scales[:, None], out=out).round_().clamp_(-127, 127)
+
+
 def int8_per_channel(weight: torch.Tensor, comm: Collectives | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], float32 scales [N]): each output channel rounded
     to int8 of scale max|w| / 127, a block of rows at a time. ``comm``: the tensor-parallel
@@ -127,10 +133,43 @@ def int8_per_channel(weight: torch.Tensor, comm: Collectives | None = None) -> t
     scales = (amax / 127.0).clamp(min=1e-12)
     for r in range(0, n, QUANTIZE_ROWS):
         w = weight[r : r + QUANTIZE_ROWS].float()
-        t = scratch[: w.shape[0]]
-        torch.div(w, scales[r : r + QUANTIZE_ROWS, None], out=t).round_().clamp_(-127, 127)
-        qweight[r : r + QUANTIZE_ROWS].copy_(t)  # whole numbers: the conversion is exact
+        qweight[r : r + QUANTIZE_ROWS].copy_(_round_rows(w, scales[r : r + QUANTIZE_ROWS], scratch[: w.shape[0]]))
     return qweight, scales
+
+
+def _float_rows(layer: nn.Module):
+    """rows(r0, r1): float32 rows [r1 - r0, in_features] of a layer's weight: a slice of an
+    ``nn.Linear``'s, or a ``BlocksLinear``'s dequantized afresh (no copy of the whole
+    weight)."""
+    if isinstance(layer, BlocksLinear):
+        return layer.dequantized_rows
+    return lambda r0, r1: layer.weight.detach()[r0:r1].float()
+
+
+def int8_with_outliers(layer: nn.Module, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 weights [out, in], scales [out], outlier weights [len(idx), out]) of a float
+    ``nn.Linear`` or a ``BlocksLinear``, in one pass over blocks of rows: the input
+    columns ``idx`` kept in float32 (transposed), set to zero, then each row rounded to int8
+    of scale max|w| / 127, int8_per_channel's arithmetic. A block of rows at a time: an 8B
+    model's LM head took two float32 copies of 0.8 GB at load (its peak RSS 1.5 GiB above
+    the steady state)."""
+    n, k = layer.out_features, layer.in_features
+    rows = _float_rows(layer)
+    qweight = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, dtype=torch.float32)
+    outlier_weight = torch.empty(idx.numel(), n)
+    # Scratch blocks reused for every block of rows (as in int8_per_channel).
+    block, scratch = torch.empty(min(n, QUANTIZE_ROWS), k), torch.empty(min(n, QUANTIZE_ROWS), k)
+    for r in range(0, n, QUANTIZE_ROWS):
+        w = block[: min(QUANTIZE_ROWS, n - r)]
+        w.copy_(rows(r, r + w.shape[0]))
+        outlier_weight[:, r : r + w.shape[0]] = w[:, idx].t()
+        w.index_fill_(1, idx, 0.0)
+        t = scratch[: w.shape[0]]
+        s = (torch.abs(w, out=t).amax(dim=1) / 127.0).clamp(min=1e-12)
+        scales[r : r + w.shape[0]] = s
+        qweight[r : r + w.shape[0]].copy_(_round_rows(w, s, t))
+    return qweight, scales, outlier_weight
 
 
 def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -183,10 +222,11 @@ class Int8Linear(nn.Module):
     about +-1.5 % with the 16 largest channels (per layer, from ``calibrate``) in
     float (docs/benchmarks.md)."""
 
-    def __init__(self, linear: nn.Linear | None, outliers: torch.Tensor | None = None, *,
+    def __init__(self, linear: nn.Linear | BlocksLinear | None, outliers: torch.Tensor | None = None, *,
                  int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
                  split: Collectives | None = None) -> None:
-        """From a float ``linear`` (quantized here, ``outliers`` kept in float), or from
+        """From a float ``linear`` or a ``BlocksLinear`` (quantized here a block of rows at
+        a time, ``outliers`` kept in float), or from
         ``int8`` = (int8 weights [out, in], float32 scales [out], bias or None) as a W8A8
         checkpoint stores them (``Int8Linear.from_int8``: used as they are).
 
@@ -202,13 +242,16 @@ class Int8Linear(nn.Module):
             idx = torch.empty(0, dtype=torch.long)
             outlier_weight = torch.empty(0, qweight.shape[0])
         else:
-            weight = linear.weight.detach().float().clone()
             idx = torch.empty(0, dtype=torch.long) if outliers is None else outliers.to(torch.long).sort().values
-            # [k, out]: the outlier columns, transposed so each is a contiguous row.
-            outlier_weight = weight[:, idx].t().contiguous()
-            weight[:, idx] = 0.0
-            # [out, in]; _int_mm multiplies by its transposed view at the same speed.
-            qweight, scale = int8_per_channel(weight, split)
+            if split is None:
+                # [out, in] (_int_mm multiplies by its transposed view at the same speed); the
+                # outlier columns [k, out], transposed so each is a contiguous row.
+                qweight, scale, outlier_weight = int8_with_outliers(linear, idx)
+            else:   # each channel's scale is the max over every rank's part: two passes
+                weight = linear.weight.detach().float().clone()
+                outlier_weight = weight[:, idx].t().contiguous()
+                weight[:, idx] = 0.0
+                qweight, scale = int8_per_channel(weight, split)
             bias = linear.bias.detach().float() if linear.bias is not None else None
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("outlier_idx", idx)
@@ -563,6 +606,14 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         stored = checkpoint_int8(module) if mode == "int8" else None
         if stored is not None:   # a W8A8 checkpoint's layer: its own int8 weights and scales
             setattr(parent, attr, Int8Linear.from_int8(*stored, module.bias))
+            continue
+        if mode == "int8" and name not in row_parallel and isinstance(module, BlocksLinear):
+            # Quantized from blocks of rows dequantized afresh: no float copy of the weight.
+            k = min(INT8_OUTLIER_CHANNELS, module.in_features // 4)
+            setattr(parent, attr, Int8Linear(module, ranges[name].topk(k).indices if name in ranges else None))
+            for part in module.parts:  # read once; the file's pages need not stay in this process
+                part.drop_pages()
+            release_freed_memory()
             continue
         module = _as_float_linear(module)
         # q4 keeps the LM head at 8 bits, as GGUF files do (Q8_0/Q6_K output
