@@ -607,15 +607,10 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         if stored is not None:   # a W8A8 checkpoint's layer: its own int8 weights and scales
             setattr(parent, attr, Int8Linear.from_int8(*stored, module.bias))
             continue
-        if mode == "int8" and name not in row_parallel and isinstance(module, BlocksLinear):
-            # Quantized from blocks of rows dequantized afresh: no float copy of the weight.
-            k = min(INT8_OUTLIER_CHANNELS, module.in_features // 4)
-            setattr(parent, attr, Int8Linear(module, ranges[name].topk(k).indices if name in ranges else None))
-            for part in module.parts:  # read once; the file's pages need not stay in this process
-                part.drop_pages()
-            release_freed_memory()
-            continue
-        module = _as_float_linear(module)
+        # The int8 mode quantizes a kept layer from blocks of rows dequantized afresh (no
+        # float copy of the whole weight); the other modes take one layer's float copy.
+        blocks = module if mode == "int8" and name not in row_parallel and isinstance(module, BlocksLinear) else None
+        module = blocks if blocks is not None else _as_float_linear(module)
         # q4 keeps the LM head at 8 bits, as GGUF files do (Q8_0/Q6_K output
         # weights): 4-bit logits cost more quality than the head's share of the
         # bytes saves (measured: q4 head -> wrong answers on the reference prompts).
@@ -638,6 +633,9 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
         else:
             layer = Q4Linear(module)
         setattr(parent, attr, layer)
+        if blocks is not None:  # read once: the file's pages need not stay in this process
+            for part in blocks.parts:
+                part.drop_pages()
         # This layer's float copies go back to the kernel before the next is made (8B int8:
         # 2 GiB more RSS after the load otherwise, and a higher peak during it).
         release_freed_memory()
