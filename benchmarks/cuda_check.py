@@ -1,0 +1,262 @@
+"""pagoda's CUDA path on a GPU machine, in one run: what a session lent a GPU checks there.
+
+    python benchmarks/cuda_check.py prepare .gpu     # here: wheels the GPU image lacks, the tokenizer
+    python benchmarks/cuda_check.py run .gpu         # there (the device tool, carrying .gpu)
+
+`prepare` (on the CPU machine, which reaches PyPI) downloads, for CPython 3.12, the wheels of
+pagoda's dependencies that the GPU machine's image does not hold (it reaches no registry),
+and writes the bundled model's tokenizer as tokenizer.json (the GGUF itself is too big to
+carry). `run` installs those wheels under /tmp/site, then, by --parts:
+
+- families: every family of tests/model/test_families.py, float32 on the GPU, against
+  transformers float32 on the CPU: greedy tokens equal (a near-tie excused as there), the
+  largest |logprob - transformers'|, every KV block back;
+- gguf: the same from GGUF files written from the same tensors;
+- preempt: a pool too small for the batch, preemption by recompute and by swap (pinned
+  host blocks);
+- half: bfloat16 and float16 (reported, not judged: half precision may move a greedy token);
+- bench: a Llama-3.2-1B-shaped bfloat16 checkpoint (random weights, the bundled tokenizer):
+  `pagoda bench throughput --compare-hf`, `bench latency` at batch 1 and 32;
+- serve: the same checkpoint served, a completion, a streamed chat completion, then
+  `pagoda bench serve` at concurrency 1 and 16.
+
+Results: docs/benchmarks.md, "On a GPU".
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("families", "gguf", "preempt", "half", "bench", "serve")
+# pagoda's runtime dependencies (and transformers, for the references) at the versions
+# tested here, with what they need that the GPU image (KINDS.md's package list) lacks.
+WHEELS = ["gguf", "msgspec", "pyzmq", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core",
+          "annotated-types", "typing-inspection", "llguidance", "sniffio", "opentelemetry-api", "transformers",
+          "huggingface-hub", "kernels", "httpx2", "httpcore2", "truststore", "click", "tomlkit"]
+FAMILIES = ["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2",
+            "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2", "deepseekv3", "qwen3moe-mixed"]
+
+
+def prepare(folder: str) -> None:
+    from importlib.metadata import version
+
+    from pagoda.config import EngineConfig
+    from pagoda.model.loader import default_model_path
+    from pagoda.tokenizer import load_tokenizer
+
+    pins = [f"{name}=={version(name)}" for name in WHEELS]
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)] + [
+        "--platform=manylinux2014_x86_64"]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version=3.12", "--implementation=cp", *platforms, "-d", os.path.join(folder, "whl"),
+                    *pins], check=True)
+    tok = load_tokenizer(EngineConfig(model=default_model_path()))
+    os.makedirs(os.path.join(folder, "tok"), exist_ok=True)
+    tok.backend.save(os.path.join(folder, "tok", "tokenizer.json"))
+    name = tok.backend.id_to_token
+    with open(os.path.join(folder, "tok", "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": name(tok.bos_token_id), "eos_token": name(tok.eos_token_id),
+                   "add_bos_token": tok.add_bos_token, "chat_template": tok.chat_template}, f)
+    print(f"{folder}: {len(os.listdir(os.path.join(folder, 'whl')))} wheels and the tokenizer")
+
+
+def check_family(name: str, source: str, device: str, tmp: str, dtype: str = "auto",
+                 preempt: str | None = None, tokens: int = 24) -> str:
+    """One family on ``device`` against transformers on the CPU; a line that says PASS or FAIL."""
+    import torch
+    import transformers
+
+    from pagoda import LLM, SamplingParams
+    from tests.model.helpers import compare_greedy, hf_greedy, logprob_gap, top2_gap
+    from tests.model.hf_to_gguf import write_gguf
+    from tests.model.test_families import _configs, _kv_layout, _prompts
+
+    config, gguf_arch = _configs()[name]
+    if source == "gguf" and gguf_arch is None:
+        return "skip (no GGUF file of this family)"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for m in hf.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.3)
+    path = tempfile.mkdtemp(dir=tmp)
+    hf.save_pretrained(os.path.join(path, "hf"), safe_serialization=True)
+    model = os.path.join(path, "hf")
+    if source == "gguf":
+        model = write_gguf(hf, os.path.join(path, "model.gguf"), gguf_arch, model)
+    kw = dict(num_kv_blocks=64, block_size=16, max_num_batched_tokens=32)
+    if preempt:   # one block more than the longest request needs: preempted, then resumed
+        layout = _kv_layout(hf.config)
+        chunk = 512 if set(layout.group_windows) == {None} else 32
+        kw = dict(num_kv_blocks=layout.blocks_for(70 + tokens, 16, chunk) + 1, block_size=16,
+                  max_num_batched_tokens=chunk, preemption_mode=preempt,
+                  swap_space=(1 << 26) if preempt == "swap" else 0)
+    llm = LLM(model, skip_tokenizer_init=True, show_progress=False, device=device, dtype=dtype, **kw)
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=2)
+    worst, agree, total, bad = 0.0, 0, 0, []
+    for _ in range(2):   # the second pass hits the prefix cache
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for ids, out in zip(prompts, outputs):
+            want, want_logits = hf_greedy(hf, ids, tokens)
+            got = out.outputs[0]
+            result = compare_greedy(got.token_ids, want,
+                                    lambda pos: min(top2_gap(want_logits[pos]), logprob_gap(got, pos)), name)
+            same = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), len(want))
+            agree, total = agree + same, total + len(want)
+            for pos in range(same):
+                ref = torch.log_softmax(want_logits[pos].float(), -1)[want[pos]].item()
+                worst = max(worst, abs(got.logprobs[pos][want[pos]].logprob - ref))
+            bad += [] if result.equal else result.excused
+    llm.engine.check_integrity()
+    blocks_back = llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+    preemptions = llm.engine.scheduler.num_preemptions
+    ok = not bad and blocks_back and (not preempt or preemptions > 0)
+    return (f"{'PASS' if ok else 'FAIL'} tokens equal {agree}/{total}, max |logprob - HF| {worst:.2e}, "
+            f"blocks back {blocks_back}, preemptions {preemptions}" + (f" {bad[:2]}" if bad else ""))
+
+
+def one_b_checkpoint(tmp: str, tokenizer_dir: str) -> str:
+    """A Llama-3.2-1B-shaped bfloat16 checkpoint with random weights and the bundled tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = os.path.join(tmp, "llama-1b")
+    config = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                         rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         architectures=["LlamaForCausalLM"], initializer_range=0.02)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return path
+
+
+def sh(cmd: list[str], timeout: int) -> None:
+    start = time.time()
+    print("$", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    print(r.stdout[-2500:], r.stderr[-2500:] if r.returncode else "", f"rc {r.returncode} "
+          f"({time.time() - start:.0f} s)", flush=True)
+
+
+def serve(cli: list[str], path: str, device: str) -> None:
+    """pagoda serve on ``device``: /v1/models, a completion, a streamed chat completion, bench serve."""
+    import httpx
+
+    base = "http://127.0.0.1:8123"
+    proc = subprocess.Popen(cli + ["serve", path, "--device", device, "--dtype", "bfloat16", "--host", "127.0.0.1",
+                                   "--port", "8123"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        start = time.time()
+        while True:
+            try:
+                name = httpx.get(f"{base}/v1/models", timeout=2).json()["data"][0]["id"]
+                break
+            except (httpx.HTTPError, KeyError, ValueError):
+                if time.time() - start > 120 or proc.poll() is not None:
+                    raise RuntimeError("the server did not answer in 120 s") from None
+                time.sleep(1)
+        print(f"serve: ready after {time.time() - start:.1f} s", flush=True)
+        r = httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"model": name, "prompt": "Hello, my name is", "max_tokens": 16, "temperature": 0})
+        print("serve: completion", r.status_code, r.json().get("usage"), flush=True)
+        with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=60, json={
+                "model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
+                "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        print("serve: streamed", r.status_code, len(events), "events, the last", events[-1:], flush=True)
+        for c in (1, 16):
+            sh(cli + ["bench", "serve", "--tokenizer", path, "--base-url", base, "--num-prompts", str(max(8, 2 * c)),
+                      "--max-concurrency", str(c), "--input-len", "128", "--output-len", "64"], 120)
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        print("serve log, the end:", out[-1500:], flush=True)
+
+
+def run(folder: str, device: str, parts: list[str]) -> None:
+    import torch
+
+    sys.path.insert(0, ROOT)
+    tmp = tempfile.mkdtemp()
+    print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", flush=True)
+
+    def report(label, fn, *args, **kwargs):
+        start = time.time()
+        try:
+            print(f"[{label}] {fn(*args, **kwargs)} ({time.time() - start:.1f} s)", flush=True)
+        except Exception:
+            print(f"[{label}] ERROR ({time.time() - start:.1f} s)\n{traceback.format_exc()[-3000:]}", flush=True)
+
+    if "families" in parts:
+        for name in FAMILIES:
+            report(f"{name} hf float32", check_family, name, "hf", device, tmp)
+    if "gguf" in parts:
+        for name in ("llama31", "qwen3", "gemma3", "mixtral"):
+            report(f"{name} gguf float32", check_family, name, "gguf", device, tmp)
+    if "preempt" in parts:
+        for name, mode in (("llama31", "recompute"), ("llama31", "swap"), ("gemma3", "swap")):
+            report(f"{name} preemption by {mode}", check_family, name, "hf", device, tmp, preempt=mode)
+    if "half" in parts:
+        for name in ("llama31", "qwen3", "gemma3", "qwen3moe"):
+            for dtype in ("bfloat16", "float16"):
+                report(f"{name} {dtype} (reported)", check_family, name, "hf", device, tmp, dtype=dtype)
+    if "bench" in parts or "serve" in parts:
+        path = one_b_checkpoint(tmp, os.path.join(folder, "tok"))
+        cli = [sys.executable, "-m", "pagoda.entrypoints.cli"]
+        if "bench" in parts:
+            sh(cli + ["bench", "throughput", "--model", path, "--device", device, "--dtype", "bfloat16",
+                      "--num-prompts", "64", "--input-len", "128", "--output-len", "128", "--compare-hf"], 300)
+            for batch in ("1", "32"):
+                sh(cli + ["bench", "latency", "--model", path, "--device", device, "--dtype", "bfloat16",
+                          "--input-len", "128", "--output-len", "128", "--num-iters", "3", "--batch-size", batch], 180)
+        if "serve" in parts:
+            serve(cli, path, device)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["prepare", "run"])
+    p.add_argument("folder", help="where prepare writes the wheels and tokenizer, and run reads them")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated choice of {', '.join(PARTS)}")
+    args = p.parse_args()
+    if args.action == "prepare":
+        prepare(args.folder)
+        return 0
+    parts = args.parts.split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    wheels = glob.glob(os.path.join(args.folder, "whl", "*.whl"))
+    if wheels and args.device.startswith("cuda"):   # the GPU machine: its image lacks these
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", "/tmp/site", *wheels], check=True)
+        sys.path.insert(0, "/tmp/site")
+        os.environ["PYTHONPATH"] = os.pathsep.join(["/tmp/site", ROOT, os.environ.get("PYTHONPATH", "")])
+    run(args.folder, args.device, parts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
