@@ -154,6 +154,21 @@ def sh(cmd: list[str], timeout: int) -> None:
           f"({time.time() - start:.0f} s)", flush=True)
 
 
+def step_times(before: dict, after: dict) -> None:
+    """Where a served step's time goes: inside the engine's step (schedule, model, update)
+    or between steps (the engine core's loop, its messages to the API process)."""
+    steps = after["totals"]["engine_steps"] - before["totals"]["engine_steps"]
+    inside = after["totals"]["engine_step_seconds"] - before["totals"]["engine_step_seconds"]
+    recent = [s for s in after["steps"] if s["id"] > max([s["id"] for s in before["steps"]], default=-1)]
+    gaps = sorted(b["t"] - (a["t"] + a["dur"]) for a, b in zip(recent, recent[1:]) if b["id"] == a["id"] + 1)
+    durs = sorted(s["dur"] for s in recent)
+    if steps and durs:
+        print(f"steps: {steps}, {1e3 * inside / steps:.1f} ms each inside the engine step (median "
+              f"{1e3 * durs[len(durs) // 2]:.1f}); between consecutive steps median "
+              f"{1e3 * gaps[len(gaps) // 2] if gaps else float('nan'):.2f} ms, max "
+              f"{1e3 * gaps[-1] if gaps else float('nan'):.1f} ms ({len(recent)} steps seen)", flush=True)
+
+
 def serve(cli: list[str], path: str, device: str) -> None:
     """pagoda serve on ``device``: /v1/models, a completion, a streamed chat completion, bench serve."""
     import httpx
@@ -181,8 +196,10 @@ def serve(cli: list[str], path: str, device: str) -> None:
             events = [line for line in r.iter_lines() if line.startswith("data:")]
         print("serve: streamed", r.status_code, len(events), "events, the last", events[-1:], flush=True)
         for c in (1, 16):
+            before = httpx.get(f"{base}/dashboard/data", timeout=10).json()
             sh(cli + ["bench", "serve", "--tokenizer", path, "--base-url", base, "--num-prompts", str(max(8, 2 * c)),
                       "--max-concurrency", str(c), "--input-len", "128", "--output-len", "64"], 120)
+            step_times(before, httpx.get(f"{base}/dashboard/data", params={"since": -1}, timeout=10).json())
     finally:
         proc.terminate()
         try:
