@@ -167,6 +167,15 @@ def step_times(before: dict, after: dict) -> None:
               f"{1e3 * durs[len(durs) // 2]:.1f}); between consecutive steps median "
               f"{1e3 * gaps[len(gaps) // 2] if gaps else float('nan'):.2f} ms, max "
               f"{1e3 * gaps[-1] if gaps else float('nan'):.1f} ms ({len(recent)} steps seen)", flush=True)
+        # By kind: decode-only steps against steps with prompt tokens (a whole prompt, a chunk,
+        # or decodes and a chunk together).
+        for kind, chosen in (("decode-only", [s for s in recent if not any(b[2] for b in s["batch"])]),
+                             ("with prompt tokens", [s for s in recent if any(b[2] for b in s["batch"])])):
+            if chosen:
+                d = sorted(s["dur"] for s in chosen)
+                rows = sum(len(s["batch"]) for s in chosen) / len(chosen)
+                print(f"  {kind}: {len(chosen)} steps, median {1e3 * d[len(d) // 2]:.1f} ms, max "
+                      f"{1e3 * d[-1]:.1f} ms, {rows:.1f} requests a step", flush=True)
 
 
 def serve(cli: list[str], path: str, device: str) -> None:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pagoda.bench.throughput import random_prompts
+from pagoda.bench.throughput import hf_placement, load_hf, random_prompts
 from pagoda.config import EngineConfig
 
 
@@ -36,22 +36,22 @@ def bench_pagoda(config: EngineConfig, prompts: list[list[int]]) -> tuple[dict, 
     return _result("pagoda", elapsed, prompts), vectors, pooler.pooling_type
 
 
-def bench_hf(model_path: str, prompts: list[list[int]], pooling: str, batch_size: int) -> tuple[dict, torch.Tensor]:
-    import transformers
+def bench_hf(model_path: str, config: EngineConfig, prompts: list[list[int]], pooling: str,
+             batch_size: int) -> tuple[dict, torch.Tensor]:
 
+    device, _ = hf_placement(config)
     if os.path.isdir(model_path):
-        model = transformers.AutoModel.from_pretrained(model_path, dtype=torch.float32)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32).model
-    model.eval()
+        model = load_hf(model_path, config, "AutoModel")
+    else:   # a GGUF file: the causal LM's base model
+        model = load_hf(model_path, config).model
     vectors = []
-    start = time.perf_counter()
     with torch.inference_mode():
+        model(torch.tensor([prompts[0][:16]], device=device))   # warm-up, as pagoda's
+        start = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            hidden = model(torch.tensor(prompts[i:i + batch_size])).last_hidden_state   # equal lengths: no padding
+            hidden = model(torch.tensor(prompts[i:i + batch_size], device=device)).last_hidden_state   # equal lengths
             pooled = {"LAST": hidden[:, -1], "MEAN": hidden.mean(dim=1), "CLS": hidden[:, 0]}[pooling]
-            vectors.append(torch.nn.functional.normalize(pooled.float(), dim=-1))
+            vectors.append(torch.nn.functional.normalize(pooled.float(), dim=-1).cpu())
     elapsed = time.perf_counter() - start
     return _result(f"hf-transformers (static batch {batch_size})", elapsed, prompts), torch.cat(vectors)
 
@@ -85,7 +85,7 @@ def run_embed(args: argparse.Namespace, config: EngineConfig) -> int:
     results = [result]
     print(json.dumps(result))
     if not args.no_compare_hf:
-        hf_result, theirs = bench_hf(resolve_model_path(config.model), prompts, pooling,
+        hf_result, theirs = bench_hf(resolve_model_path(config.model), config, prompts, pooling,
                                      args.hf_batch_size or len(prompts))
         hf_result["max_abs_diff_vs_pagoda"] = float((ours - theirs).abs().max())
         results.append(hf_result)

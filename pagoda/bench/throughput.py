@@ -42,25 +42,51 @@ def bench_pagoda(config: EngineConfig, prompts: list[list[int]], output_len: int
     return _result("pagoda", elapsed, len(prompts), sum(map(len, prompts)), n_out)
 
 
-def bench_hf(model_path: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+def hf_placement(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """Where and in what dtype the HF comparison runs: pagoda's device and dtype (auto =
+    float32; on the CPU the bf16 mode's config says float32, the HF reference stays so)."""
+    from pagoda.model.loader import parse_dtype
+
+    return torch.device(config.device), parse_dtype(config.dtype)
+
+
+def load_hf(model_path: str, config: EngineConfig, auto_class: str = "AutoModelForCausalLM"):
+    """transformers' model of ``model_path`` (an HF folder or a GGUF file) on pagoda's device and dtype."""
     import transformers
 
+    device, dtype = hf_placement(config)
+    cls = getattr(transformers, auto_class)
     if os.path.isdir(model_path):
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = cls.from_pretrained(model_path, dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
-    model.eval()
+        model = cls.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype)
+    return model.to(device).eval()
+
+
+def bench_hf(model_path: str, config: EngineConfig, prompts: list[list[int]], output_len: int,
+             batch_size: int) -> dict:
+    device, dtype = hf_placement(config)
+    model = load_hf(model_path, config)
+
+    def generate(batch: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
     n_out = 0
-    start = time.perf_counter()
     with torch.inference_mode():
+        # Warm-up, as pagoda's: one short request (first-call allocations, kernels, thread pools).
+        generate(torch.tensor([prompts[0][:16]], device=device), 4)
+        start = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            batch = torch.tensor(prompts[i:i + batch_size])   # equal lengths: no padding needed
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            batch = torch.tensor(prompts[i:i + batch_size], device=device)   # equal lengths: no padding needed
+            out = generate(batch, output_len)
             n_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
     elapsed = time.perf_counter() - start
-    return _result(f"hf-transformers (static batch {batch_size})", elapsed, len(prompts),
+    place = "" if device.type == "cpu" and dtype == torch.float32 else f", {device.type} {str(dtype).removeprefix('torch.')}"
+    return _result(f"hf-transformers (static batch {batch_size}{place})", elapsed, len(prompts),
                    sum(map(len, prompts)), n_out)
 
 
@@ -95,7 +121,7 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     print(json.dumps(results[-1]))
     if args.compare_hf:
         path = resolve_model_path(config.model)
-        results.append(bench_hf(path, prompts, args.output_len, args.hf_batch_size or len(prompts)))
+        results.append(bench_hf(path, config, prompts, args.output_len, args.hf_batch_size or len(prompts)))
         print(json.dumps(results[-1]))
         ratio = results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"]
         print(f"pagoda / hf output tokens/s: {ratio:.2f}x")
