@@ -17,6 +17,9 @@ carry). `run` installs those wheels under /tmp/site, then, by --parts:
 - half: bfloat16 and float16 (reported, not judged: half precision may move a greedy token);
 - bench: a Llama-3.2-1B-shaped bfloat16 checkpoint (random weights, the bundled tokenizer):
   `pagoda bench throughput --compare-hf`, `bench latency` at batch 1 and 32;
+- steps: the same checkpoint offline through LLM.generate (64 prompts of 128, 128 out), each
+  engine step timed: the time inside steps against the whole call (the rest is output
+  processing), decode-only steps against steps with prompt tokens;
 - serve: the same checkpoint served, a completion, a streamed chat completion, then
   `pagoda bench serve` at concurrency 1 and 16.
 
@@ -37,7 +40,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("families", "gguf", "preempt", "half", "bench", "serve")
+PARTS = ("families", "gguf", "preempt", "half", "bench", "steps", "serve")
 # pagoda's runtime dependencies (and transformers, for the references) at the versions
 # tested here, with what they need that the GPU image (KINDS.md's package list) lacks.
 WHEELS = ["gguf", "msgspec", "pyzmq", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core",
@@ -178,6 +181,45 @@ def step_times(before: dict, after: dict) -> None:
                       f"{1e3 * d[-1]:.1f} ms, {rows:.1f} requests a step", flush=True)
 
 
+def offline_steps(path: str, device: str, num_prompts: int = 64, length: int = 128) -> None:
+    """LLM.generate with every engine step timed: where an offline run's time goes."""
+    import torch
+
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(path, device=device, dtype="bfloat16", show_progress=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, llm.engine.vocab_size, (length,), generator=gen).tolist()}
+               for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+    records: list[tuple[float, int, int]] = []
+    step = llm.engine.step
+
+    def timed():
+        start = time.perf_counter()
+        out = step()
+        st = out.scheduler_stats
+        records.append((time.perf_counter() - start, st.step_num_tokens, st.step_batch_size))
+        return out
+
+    llm.engine.step = timed
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
+    records.clear()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - start
+    inside = sum(r[0] for r in records)
+    print(f"offline: {num_prompts} x ({length} in, {length} out) in {total:.2f} s, {len(records)} steps, "
+          f"{inside:.2f} s inside them ({total - inside:.2f} s outside: output processing)", flush=True)
+    for kind, chosen in (("decode-only", [r for r in records if r[1] == r[2]]),
+                         ("with prompt tokens", [r for r in records if r[1] != r[2]])):
+        if chosen:
+            d = sorted(r[0] for r in chosen)
+            print(f"  {kind}: {len(chosen)} steps, median {1e3 * d[len(d) // 2]:.1f} ms, max {1e3 * d[-1]:.1f} ms, "
+                  f"{sum(r[2] for r in chosen) / len(chosen):.1f} requests and "
+                  f"{sum(r[1] for r in chosen) / len(chosen):.0f} tokens a step", flush=True)
+
+
 def serve(cli: list[str], path: str, device: str) -> None:
     """pagoda serve on ``device``: /v1/models, a completion, a streamed chat completion, bench serve."""
     import httpx
@@ -247,7 +289,7 @@ def run(folder: str, device: str, parts: list[str]) -> None:
         for name in ("llama31", "qwen3", "gemma3", "qwen3moe"):
             for dtype in ("bfloat16", "float16"):
                 report(f"{name} {dtype} (reported)", check_family, name, "hf", device, tmp, dtype=dtype)
-    if "bench" in parts or "serve" in parts:
+    if {"bench", "steps", "serve"} & set(parts):
         path = one_b_checkpoint(tmp, os.path.join(folder, "tok"))
         cli = [sys.executable, "-m", "pagoda.entrypoints.cli"]
         if "bench" in parts:
@@ -256,6 +298,8 @@ def run(folder: str, device: str, parts: list[str]) -> None:
             for batch in ("1", "32"):
                 sh(cli + ["bench", "latency", "--model", path, "--device", device, "--dtype", "bfloat16",
                           "--input-len", "128", "--output-len", "128", "--num-iters", "3", "--batch-size", batch], 180)
+        if "steps" in parts:
+            offline_steps(path, device)
         if "serve" in parts:
             serve(cli, path, device)
 
