@@ -59,7 +59,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (or OPENAI_API_KEY)")
     g.add_argument("--tokenizer", default=None,
                    help="HF folder or .gguf whose tokenizer builds prompts and counts tokens "
-                        "(default: the bundled SmolLM2)")
+                        "(default: --model where it names a local folder or file, as vLLM's "
+                        "benchmark takes it; else the bundled SmolLM2)")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="random", choices=ds.DATASETS)
     g.add_argument("--dataset-path", default=None, help="the JSONL file for --dataset jsonl")
@@ -271,8 +272,18 @@ def load_client_tokenizer(path: str | None) -> Any:
     return load_tokenizer(EngineConfig(model=path))
 
 
+def tokenizer_source(args: argparse.Namespace) -> str | None:
+    """--tokenizer, else --model where it is a local path (the served model's own files),
+    else None: the bundled model's."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.model is not None and os.path.exists(args.model):
+        return args.model
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    tokenizer = load_client_tokenizer(args.tokenizer)
+    tokenizer = load_client_tokenizer(tokenizer_source(args))
     report = asyncio.run(run_points(args, tokenizer))
     print(format_sweep(report))
     if args.save_result:
