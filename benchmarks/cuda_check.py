@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import subprocess
@@ -46,16 +45,13 @@ PARTS = ("families", "gguf", "preempt", "half", "bench", "steps", "serve")
 WHEELS = ["gguf", "msgspec", "pyzmq", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core",
           "annotated-types", "typing-inspection", "llguidance", "sniffio", "opentelemetry-api", "transformers",
           "huggingface-hub", "kernels", "httpx2", "httpcore2", "truststore", "click", "tomlkit"]
-FAMILIES = ["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2",
-            "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2", "deepseekv3", "qwen3moe-mixed"]
+
 
 
 def prepare(folder: str) -> None:
     from importlib.metadata import version
 
-    from pagoda.config import EngineConfig
-    from pagoda.model.loader import default_model_path
-    from pagoda.tokenizer import load_tokenizer
+    from pagoda.bench.hf_quant_files import write_tokenizer
 
     pins = [f"{name}=={version(name)}" for name in WHEELS]
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)] + [
@@ -63,13 +59,8 @@ def prepare(folder: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version=3.12", "--implementation=cp", *platforms, "-d", os.path.join(folder, "whl"),
                     *pins], check=True)
-    tok = load_tokenizer(EngineConfig(model=default_model_path()))
     os.makedirs(os.path.join(folder, "tok"), exist_ok=True)
-    tok.backend.save(os.path.join(folder, "tok", "tokenizer.json"))
-    name = tok.backend.id_to_token
-    with open(os.path.join(folder, "tok", "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": name(tok.bos_token_id), "eos_token": name(tok.eos_token_id),
-                   "add_bos_token": tok.add_bos_token, "chat_template": tok.chat_template}, f)
+    write_tokenizer(os.path.join(folder, "tok"))
     print(f"{folder}: {len(os.listdir(os.path.join(folder, 'whl')))} wheels and the tokenizer")
 
 
@@ -144,7 +135,7 @@ def one_b_checkpoint(tmp: str, tokenizer_dir: str) -> str:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
+    for f in os.listdir(tokenizer_dir):   # pagoda.bench.hf_quant_files.write_tokenizer's folder
         shutil.copy(os.path.join(tokenizer_dir, f), path)
     return path
 
@@ -277,7 +268,9 @@ def run(folder: str, device: str, parts: list[str]) -> None:
             print(f"[{label}] ERROR ({time.time() - start:.1f} s)\n{traceback.format_exc()[-3000:]}", flush=True)
 
     if "families" in parts:
-        for name in FAMILIES:
+        from tests.model.test_families import _configs
+
+        for name in _configs():   # every family test_families.py checks on the CPU
             report(f"{name} hf float32", check_family, name, "hf", device, tmp)
     if "gguf" in parts:
         for name in ("llama31", "qwen3", "gemma3", "mixtral"):

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pagoda.bench.throughput import hf_placement, load_hf, random_prompts
+from pagoda.bench.throughput import load_hf, random_prompts
 from pagoda.config import EngineConfig
 
 
@@ -38,12 +38,11 @@ def bench_pagoda(config: EngineConfig, prompts: list[list[int]]) -> tuple[dict, 
 
 def bench_hf(model_path: str, config: EngineConfig, prompts: list[list[int]], pooling: str,
              batch_size: int) -> tuple[dict, torch.Tensor]:
-
-    device, _ = hf_placement(config)
     if os.path.isdir(model_path):
         model = load_hf(model_path, config, "AutoModel")
     else:   # a GGUF file: the causal LM's base model
         model = load_hf(model_path, config).model
+    device = model.device
     vectors = []
     with torch.inference_mode():
         model(torch.tensor([prompts[0][:16]], device=device))   # warm-up, as pagoda's

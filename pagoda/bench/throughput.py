@@ -65,8 +65,8 @@ def load_hf(model_path: str, config: EngineConfig, auto_class: str = "AutoModelF
 
 def bench_hf(model_path: str, config: EngineConfig, prompts: list[list[int]], output_len: int,
              batch_size: int) -> dict:
-    device, dtype = hf_placement(config)
     model = load_hf(model_path, config)
+    device, dtype = model.device, model.dtype
 
     def generate(batch: torch.Tensor, new_tokens: int) -> torch.Tensor:
         out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
