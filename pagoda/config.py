@@ -73,6 +73,8 @@ class EngineConfig:
     shared_prefix_file: str | None = None  # texts whose prefix blocks stay shared across cache salts
     api_keys_file: str | None = None       # API key -> tenant, weight, limits (JSON or TOML)
     kv_cache_dtype: str = "auto"           # auto | float16 | int8 | fp8 (8-bit KV with per-token scales)
+    attention_backend: str = "auto"        # auto | cpu | torch | triton (pagoda/attention/selector.py)
+    enforce_eager: bool = False            # no CUDA graphs for decode steps (vLLM's flag)
     preemption_mode: str = "recompute"     # recompute | swap | auto
     swap_space: int = 0                    # bytes of host memory for swapped-out KV blocks
     enable_lora: bool = False             # serve LoRA adapters (pagoda/lora)
@@ -159,6 +161,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
         _positive("max_long_partial_prefills", self.max_long_partial_prefills, allow_none=True)
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in ("auto", "float16", "int8", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto, float16, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):

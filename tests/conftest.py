@@ -8,6 +8,10 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Without a GPU, pagoda's Triton kernels run in Triton's interpreter on CPU tensors: the
+# variable is read when a kernel module is imported, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

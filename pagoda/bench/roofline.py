@@ -140,7 +140,7 @@ class StepTimer:
         self.num_blocks = num_blocks
 
     def time_step(self, query_lens: list[int], context_lens: list[int], min_time_s: float) -> float:
-        from pagoda.model.attention import AttentionMetadata
+        from pagoda.attention import AttentionMetadata
 
         tables, next_block = [], 0
         for q, c in zip(query_lens, context_lens):

@@ -294,7 +294,16 @@ class EngineCore:
             self.lora = LoRAManager(loaded.model, loaded.arch, config.max_loras, config.max_lora_rank)
         self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, device, plan.kv_dtype, config.seed,
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
-                                  lora=self.lora, pooler_config=self.pooler_config)
+                                  lora=self.lora, pooler_config=self.pooler_config,
+                                  attention_backend=config.attention_backend)
+        if device.type == "cuda" and config.enforce_eager:
+            logger.info("decode steps run eagerly (--enforce-eager)")
+        elif device.type == "cuda" and self.tp_driver is None and config.speculative_config is None:
+            from pagoda.worker.cuda_graphs import CudaGraphCapture
+
+            why = self.runner.capture_graphs(CudaGraphCapture(), min(config.max_num_seqs, 256), plan.max_model_len)
+            if why is not None:
+                logger.info("decode steps run eagerly: %s", why)
         self.executor = self.runner
         if self.tp_driver is not None:
             self.tp_driver.runner = self.runner

@@ -104,6 +104,13 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "bytes of float32 KV (decode attention reads K/V in place, converting on load); "
                         "int8 / fp8 (e4m3): 8-bit K/V with a float32 scale per token "
                         "and head, about 4x the blocks of float32 KV in the same memory (2x of bf16)")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "triton"),
+                   help="the attention kernels (vLLM's flag): auto = cpu (pagoda's C++ kernels) on the CPU, "
+                        "triton on CUDA where triton is installed; torch = the reference (gathered contexts and "
+                        "SDPA) on any device. The start-up log names the one chosen and why")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying the CUDA graphs captured at "
+                        "start-up (vLLM's flag; graphs need the triton attention backend)")
     p.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"),
                    help="how a preempted request gives its KV blocks back: recompute them later, swap them "
                         "to host memory (--swap-space) and back, or auto: swap long ones, recompute short ones")
@@ -240,6 +247,8 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         shared_prefix_file=args.shared_prefix_file,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         api_keys_file=getattr(args, "api_keys_file", None),

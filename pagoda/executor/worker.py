@@ -45,7 +45,7 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: st
     per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
     num_blocks = group.all_reduce_min(kv_blocks_for(config, loaded.model, device, dtype, per_block))
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, kv_dtype, config.seed, samples=False,
-                         kv_cache_dtype=kv_quant)
+                         kv_cache_dtype=kv_quant, attention_backend=config.attention_backend)
     logger.info("rank %d/%d ready: %d KV blocks", rank, world, num_blocks)
     try:
         while True:

@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from pagoda.model.attention import AttentionMetadata
+from pagoda.attention import AttentionMetadata
 
 
 @dataclass

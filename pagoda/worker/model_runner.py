@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,17 +18,21 @@ from pagoda.core.kv_layout import KVLayout
 from pagoda.core.outputs import TokenLogprobs
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
-from pagoda.model.attention import AttentionMetadata
+from pagoda.attention import select_backend
+from pagoda.attention.cpu import CpuBackend
 from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.layers import decode_stack
 from pagoda.model.layers.decoder import CausalLM
-from pagoda.ops import cpu_kernels
 from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
 from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.proposer import DraftRequest, Proposer
 from pagoda.worker.pooler import Pooler
+from pagoda.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:   # (imported when graphs are captured: it imports triton)
+    from pagoda.worker.cuda_graphs import DecodeGraphs, GraphCapture
 
 logger = logging.getLogger(__name__)
 
@@ -202,12 +207,14 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         lora: LoRAManager | None = None,
         pooler_config: PoolerConfig | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
         tokens from it (``apply_sampled``) before the next step. ``lora``: the
         adapters, when LoRA is enabled (it has wrapped the model's projections).
-        ``pooler_config``: an embedding engine's pooling (pagoda/worker/pooler.py)."""
+        ``pooler_config``: an embedding engine's pooling (pagoda/worker/pooler.py).
+        ``attention_backend``: auto, cpu, torch or triton (pagoda/attention/selector.py)."""
         self.samples = samples
         self.model = model
         self.lora = lora
@@ -228,16 +235,22 @@ class ModelRunner:
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
         self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda")
                                 for _ in range(self.layout.num_buffers)] if num_host_blocks else []  # fmt: skip
-        # Decode attention in place through the block tables (pagoda/csrc), where
-        # the kernels build: CPU, float32 queries, float32/float16/int8 KV.
-        self.decode_kernel = cpu_kernels.use_decode_kernel(
-            device, quantized if quantized is not None else kv_dtype, model.activation_dtype
-        )
+        # The attention backend (pagoda/attention): on the CPU its C++ kernels, decode attention
+        # in place through the block tables (float32 queries, float32/float16/int8 KV).
+        self.attn_backend, why = select_backend(attention_backend, device,
+                                                quantized if quantized is not None else kv_dtype,
+                                                model.activation_dtype)
+        logger.info("attention backend: %s (%s)", self.attn_backend.describe(), why)
+        self.decode_kernel = isinstance(self.attn_backend, CpuBackend)
         # Decode-only steps' layers in one C++ call, where the model's layers allow it.
-        if device.type == "cpu" and lora is None:
+        if self.decode_kernel and lora is None:
             model.decode_stack, why = decode_stack.build(model)
             logger.info("decode steps: %s", "the layers in one C++ call (DecodeStack)" if model.decode_stack
                         else f"the layers from Python ({why})")
+        # A backend with device-side metadata (Triton) gets its token ids and positions the
+        # same way: persistent buffers, non-blocking copies (pagoda/worker/step_inputs.py).
+        self.step_inputs = StepInputs(device) if self.attn_backend.name == "triton" else None
+        self.graphs: DecodeGraphs | None = None   # decode steps from captured graphs (capture_graphs)
         self.sampler = Sampler()
         self.pooler = Pooler(pooler_config) if pooler_config is not None and samples else None
         self.requests: dict[str, CachedRequestState] = {}
@@ -256,6 +269,32 @@ class ModelRunner:
             gen.manual_seed(seed)
             self.generators[req_id] = gen
         return gen
+
+    def capture_graphs(self, capture: GraphCapture, max_batch: int, max_model_len: int) -> str | None:
+        """Capture decode steps of up to ``max_batch`` sequences of up to ``max_model_len``
+        tokens as graphs (pagoda/worker/cuda_graphs.py); None when done, else why not (the
+        steps then stay eager)."""
+        from pagoda.worker.cuda_graphs import DecodeGraphs
+
+        if self.attn_backend.name != "triton":
+            return f"the {self.attn_backend.name} attention backend is not captured"
+        if self.lora is not None or self.model.stage is not None or self.proposer is not None:
+            return "LoRA, pipeline stages and speculative decoding run eagerly"
+        attn = self.model.model.layers[0].self_attn
+        if not hasattr(attn, "num_heads") or not hasattr(attn, "head_dim"):
+            return f"{type(attn).__name__} layers are not captured"
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.attn_backend, self.layout.layer_group,
+                              self.layout.num_groups, max_batch, -(-max_model_len // self.block_size),
+                              self.block_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.device,
+                              capture)  # fmt: skip
+        try:
+            with torch.inference_mode():
+                graphs.capture_all()
+        except Exception as e:  # a forward that cannot be captured (data-dependent shapes, a sync)
+            logger.warning("decode graphs not captured (%s: %s): decode steps run eagerly", type(e).__name__, e)
+            return f"capture failed: {e}"
+        self.graphs = graphs
+        return None
 
     def apply_sampled(self, sampled: list[tuple[str, list[int]]]) -> None:
         """Append the tokens rank 0 sampled last step (tensor-parallel workers)."""
@@ -377,8 +416,8 @@ class ModelRunner:
             ]
 
         # One metadata per KV group; each layer reads its group's.
-        metas = [AttentionMetadata.build(b.query_lens, context_lens,
-                                          [t[g] for t in tables], self.block_size, self.device, self.decode_kernel)
+        metas = [self.attn_backend.build(b.query_lens, context_lens, [t[g] for t in tables], self.block_size,
+                                         self.device, group=g)
                  for g in range(self.layout.num_groups)]  # fmt: skip
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
         if self.lora is not None:
@@ -386,9 +425,15 @@ class ModelRunner:
             for rid, n in zip(order, b.query_lens):
                 token_loras.extend([self.requests[rid].lora_int_id] * n)
             self.lora.prepare(token_loras, pinned={s.lora_int_id for s in self.requests.values()})
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        b.hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        if self.step_inputs is not None:
+            ids_t, pos_t = self.step_inputs.fill(input_ids, positions)
+        else:
+            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.graphs is not None and not drafts and len(input_ids) == len(order):
+            b.hidden = self.graphs.run(ids_t, pos_t, metas)   # None: not a step a graph runs
+        if b.hidden is None:
+            b.hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if self.proposer is not None and self.proposer.needs_sync:
             self.proposer.sync(ids_t, pos_t, metas)
         return b

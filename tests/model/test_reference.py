@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.model.attention import AttentionMetadata
+from pagoda.attention import AttentionMetadata
 from pagoda.ops import cpu_kernels
 from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, logprob_gap, top2_gap
 

@@ -31,7 +31,7 @@ from pagoda.bench.gguf_files import ModelShape, random_blocks, write_model
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.blocks import BlockWeight
 from pagoda.model.layers.parallel import ShardPlan, TensorShard
-from pagoda.model.attention import AttentionMetadata
+from pagoda.attention import AttentionMetadata
 from pagoda.model.loader import load_model, parameter_bytes
 from pagoda.ops import cpu_kernels
 from tests.model.helpers import NEAR_TIE, compare_greedy, logprob_gap

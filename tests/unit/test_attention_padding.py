@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.model.attention import AttentionMetadata, paged_attention
+from pagoda.attention import AttentionMetadata, paged_attention
 
 
 def test_padded_decode_positions_ignore_nan_in_unwritten_slots():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.model.attention import AttentionMetadata, paged_attention
+from pagoda.attention import AttentionMetadata, paged_attention
 from pagoda.model.layers.quantization import Q4Linear, q4_dequantize, q4_quantize
 from pagoda.ops import cpu_kernels
 

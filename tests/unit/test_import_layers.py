@@ -7,6 +7,8 @@ the rules:
   entrypoints, executor, worker or bench;
 - ``pagoda.worker``, ``pagoda.executor`` and ``pagoda.model`` import nothing from engine
   or entrypoints;
+- ``pagoda.attention`` and ``pagoda.ops`` (backends and kernels) import nothing from those,
+  the worker, the executor or the model's layers, families and loader;
 - only ``pagoda.bench`` itself and the CLI's ``pagoda bench`` dispatch
   (``pagoda.entrypoints.cli``) import ``pagoda.bench``;
 - ``pagoda.metrics.overhead`` (a measurement harness, ``python -m``) is imported by nobody;
@@ -27,6 +29,9 @@ PACKAGE = ROOT / "pagoda"
 LAYER_RULES: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("pagoda.core",), ("pagoda.engine", "pagoda.entrypoints", "pagoda.executor", "pagoda.worker", "pagoda.bench")),
     (("pagoda.worker", "pagoda.executor", "pagoda.model"), ("pagoda.engine", "pagoda.entrypoints")),
+    # The attention backends and the kernels sit below the model's layers and the runner.
+    (("pagoda.attention", "pagoda.ops"), ("pagoda.engine", "pagoda.entrypoints", "pagoda.executor", "pagoda.worker",
+                                          "pagoda.model.layers", "pagoda.model.models", "pagoda.model.loader")),
 ]
 BENCH = "pagoda.bench"
 BENCH_IMPORTERS = ("pagoda.entrypoints.cli",)   # its lazy `pagoda bench` dispatch

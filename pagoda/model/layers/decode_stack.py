@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.model.attention import AttentionMetadata, kernel_cache
+from pagoda.attention import AttentionMetadata, kernel_cache
 from pagoda.model.layers.blocks import BlocksLinear
 from pagoda.model.layers.decoder import Attention, DecoderLayer, GatedMLP
 from pagoda.model.layers.norm import RMSNorm

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig
-from pagoda.model.attention import AttentionMetadata, kernel_cache, paged_attention
+from pagoda.attention import AttentionMetadata, kernel_cache, paged_attention, rope_writes_kv
 from pagoda.model.layers.expert_parallel import dispatch_combine
 from pagoda.model.layers.norm import RMSNorm, fused_ops
 from pagoda.model.layers.pipeline import MissingLayer
@@ -111,8 +111,9 @@ class Attention(nn.Module):
             qkv = self._norm_qk(qkv)
         ops = fused_ops(qkv)
         if ops is not None and self.rotary_dim == self.head_dim:   # (partial rotary: the torch path)
-            # One op: rotary q and k, and (a cache the kernels write) k and v into their slots.
-            cache, scales = kernel_cache(kv_cache) or (None, None)
+            # One op: rotary q and k, and (a cache the kernels write, where the step's attention
+            # backend lets them) k and v into their slots.
+            cache, scales = (kernel_cache(kv_cache) if rope_writes_kv(meta) else None) or (None, None)
             in_place = cache is not None
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                                    cache, meta.slot_mapping if in_place else None, scales)

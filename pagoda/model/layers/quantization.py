@@ -430,7 +430,7 @@ CALIBRATION_TEXT = (
 def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Largest |activation| seen by each input channel of every linear layer while the
     (unquantized) model computes ``token_ids`` as one prompt: name -> [in_features]."""
-    from pagoda.model.attention import AttentionMetadata
+    from pagoda.attention import AttentionMetadata
 
     ranges: dict[str, torch.Tensor] = {}
 

@@ -1,4 +1,4 @@
-"""Paged attention over the KV cache, in plain torch.
+"""The attention metadata of one step: what every layer's attention reads, built once.
 
 The model runner puts the batch in order: all decode requests (one new token
 each) first, then requests computing a chunk of prompt. Per layer, the new
@@ -7,31 +7,19 @@ attention reads each request's whole context from the cache. Writing first is
 what lets a request reuse prefix blocks that another request in the same
 step is computing.
 
-- Decodes, on CPU with pagoda's C++ kernels (``pagoda/csrc``): one kernel call
-  reads every decode's K/V in place through its block table (no copy, no
-  padding to the longest context). Elsewhere: one batched SDPA over gathered,
-  padded contexts; grouped-query attention is folded into the query-length
-  axis (the G query heads sharing a KV head act as G queries of length 1), so
-  no K/V repeat is needed.
-- Prompt chunks: one SDPA per request over its gathered context, with a
-  causal mask offset by the tokens already computed.
-- Sliding-window layers (``window``): a query at position i sees keys j with
-  i - window < j <= i. Prompt chunks read only the keys some query of theirs sees;
-  the decode kernel starts each sequence at its window.
-
-The gather index (slot of every context position) and masks are built once
-per step by ``AttentionMetadata`` and shared by every layer.
+``AttentionMetadata.build`` makes the metadata of the torch and CPU backends
+(``pagoda/attention/torch_ref.py``, ``cpu.py``): the gather index (slot of every
+context position) and masks, or, for the CPU's in-place decode kernel, the decodes'
+block tables and lengths. Other backends subclass it with their own fields
+(``pagoda/attention/triton.py``); ``backend`` names the one that runs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-
-from pagoda.ops import cpu_kernels
-from pagoda.model.kv_quant import QuantizedKVCache
 
 
 @dataclass
@@ -70,6 +58,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int32
     decode_seq_lens: torch.Tensor | None = None      # [D] int32, context + 1
     decode_windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # The backend whose forward reads this metadata; None: the torch path (the CPU kernel
+    # for decodes where decode_block_tables is set), as ``build`` alone makes it.
+    backend: Any = None   # an AttentionBackend (pagoda/attention/backend.py, which imports this module)
 
     def decode_view(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The gather path's decode (slots, mask), narrowed to a window: positions before
@@ -166,114 +157,3 @@ class AttentionMetadata:
             decode_block_tables=decode_tables,
             decode_seq_lens=decode_lens,
         )
-
-
-def kernel_cache(kv_cache: torch.Tensor | QuantizedKVCache) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """What pagoda's CPU kernels read and write in place: (cache tensor, None) for a float32
-    or float16 cache, (int8 values, scales) for an int8 QuantizedKVCache; None for the others
-    (fp8, bfloat16), which go through torch."""
-    if isinstance(kv_cache, QuantizedKVCache):
-        return (kv_cache.data, kv_cache.scales) if kv_cache.dtype == torch.int8 else None
-    return (kv_cache, None) if kv_cache.dtype in (torch.float32, torch.float16) else None
-
-
-def paged_attention(
-    q: torch.Tensor,          # [T, H, D]
-    k: torch.Tensor,          # [T, KVH, D]
-    v: torch.Tensor,          # [T, KVH, D]
-    kv_cache: torch.Tensor | QuantizedKVCache,   # [2, num_blocks, block_size, KVH, D]
-    meta: AttentionMetadata,
-    scale: float,
-    kv_written: bool = False,  # the caller already wrote k and v to their slots
-    window: int | None = None,  # a sliding-window layer's window
-    softcap: float | None = None,  # Gemma 2: scores -> softcap * tanh(scores / softcap)
-    sinks: torch.Tensor | None = None,  # [H] GPT-OSS: a logit per head in every softmax, with no value
-) -> torch.Tensor:            # [T, H, D]
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    if isinstance(kv_cache, QuantizedKVCache):
-        if not kv_written:
-            kv_cache.write(meta.slot_mapping, k, v)
-
-        def read(i: int, slots: torch.Tensor) -> torch.Tensor:
-            return kv_cache.read(i, slots, q.dtype)
-    else:
-        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        if not kv_written:
-            k_flat.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-            v_flat.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
-
-        def read(i: int, slots: torch.Tensor) -> torch.Tensor:
-            return (k_flat if i == 0 else v_flat)[slots].to(q.dtype)
-
-    nd = meta.num_decodes
-
-    def decode_kernel(queries: torch.Tensor) -> torch.Tensor:
-        cache, scales = kernel_cache(kv_cache)
-        return cpu_kernels.kernels().paged_decode_attention(
-            queries, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, scales, window or 0, softcap or 0.0,
-            None if sinks is None else sinks.float()
-        )
-
-    if nd == num_tokens and meta.decode_block_tables is not None:
-        return decode_kernel(q)   # a decode-only step (the common one): the kernel's output is the result
-    out = torch.empty_like(q)
-    if nd and meta.decode_block_tables is not None:
-        out[:nd] = decode_kernel(q[:nd])
-    elif nd:
-        # [D, L, KVH, hd] -> [D, KVH, L, hd]; queries [D, KVH, G, hd].
-        slots, mask = meta.decode_view(window)
-        ks = read(0, slots).transpose(1, 2)
-        vs = read(1, slots).transpose(1, 2)
-        qs = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        o = _attend(qs, ks, vs, mask, scale, softcap, None if sinks is None else sinks.view(num_kv_heads, group, 1))
-        out[:nd] = o.reshape(nd, num_heads, head_dim)
-    for chunk in meta.prefills:
-        start, end = chunk.token_start, chunk.token_start + chunk.query_len
-        view = chunk.window_view(window) if window is not None else None
-        first, mask = view if view is not None else (0, chunk.mask)
-        if chunk.context_len == 0 and not isinstance(kv_cache, QuantizedKVCache):
-            # No cached prefix: the chunk's keys are its own k and v, rounded as the cache
-            # holds them (the values a read-back would give, without the gather).
-            ks = k[start + first:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
-            vs = v[start + first:end].to(kv_cache.dtype).to(q.dtype).transpose(0, 1)[None]
-        else:
-            ks = read(0, chunk.gather_slots[first:]).transpose(0, 1)[None]   # [1, KVH, S, hd]
-            vs = read(1, chunk.gather_slots[first:]).transpose(0, 1)[None]
-        qs = q[start:end].transpose(0, 1)[None]                              # [1, H, Q, hd]
-        if softcap or sinks is not None:
-            if mask is None:   # plain causal over the chunk's own keys
-                mask = torch.ones(qs.shape[2], ks.shape[2], dtype=torch.bool, device=qs.device).tril()
-            o = _attend(qs, ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1), mask, scale,
-                        softcap, None if sinks is None else sinks.view(num_heads, 1, 1))
-        else:
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=group > 1,
-            )
-        out[start:end] = o[0].transpose(0, 1)
-    return out
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention with its heads already matched (q [..., Q, hd] against k, v [..., S, hd]);
-    with ``softcap``, the scores are capped as transformers caps them, and with ``sinks``
-    (shaped to broadcast against the scores' [..., Q, 1]) each softmax takes one more logit
-    with no value (SDPA can do neither)."""
-    if not softcap and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
-    scores = torch.cat((scores.float(), sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
-    return torch.softmax(scores, dim=-1)[..., :-1].to(q.dtype) @ v
