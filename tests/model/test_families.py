@@ -181,6 +181,25 @@ def test_family_matches_transformers(family, source):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_family_through_the_triton_backend(family):
+    """The Triton attention kernels (in Triton's interpreter on the CPU, on the GPU where
+    there is one) give transformers' greedy tokens for every family: windows, soft-caps,
+    sinks, MLA's latent heads, chunked prefill and prefix-cache hits."""
+    from pagoda.ops import triton_attention
+
+    name, hf, hf_dir, _ = family
+    if not triton_attention.available() or not (triton_attention.interpreted() or torch.cuda.is_available()):
+        pytest.skip("triton is not installed, or its kernels were imported without TRITON_INTERPRET=1")
+    prompts = _prompts()[:3]
+    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32, attention_backend="triton")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    for _ in range(2):   # the second pass hits the prefix cache
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_greedy_matches_hf(hf, prompts, outputs, 8, f"{name} triton")
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_family_under_preemption(family):
     """A pool too small for the batch: requests are preempted and recomputed, and still
     produce transformers' tokens."""
