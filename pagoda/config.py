@@ -32,7 +32,7 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None      # None = the model's own context length
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # tokens per step; None = 512 on CPU, 8192 on GPU
     block_size: int | None = None         # tokens per KV block; None = 64 on CPU, 16 on GPU
     kv_cache_memory: int | None = None    # bytes for the KV pool; None = a share of free memory
     num_kv_blocks: int | None = None      # explicit pool size, overrides kv_cache_memory
@@ -95,6 +95,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is None:
+            # A step's budget: on the CPU a step of 512 tokens already keeps both cores busy (and
+            # bounds the decodes' wait behind a prompt); a GPU needs thousands (vLLM's serving
+            # default on large GPUs: 8192).
+            object.__setattr__(self, "max_num_batched_tokens", 512 if self.device.split(":")[0] == "cpu" else 8192)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no bound) or an integer >= 0, got {self.max_logprobs!r}")

@@ -31,6 +31,7 @@ from pagoda.model.stores import model_defaults
 from pagoda.pooling import PoolerConfig, resolve_pooler_config, resolve_task
 from pagoda.request import Request, RequestStatus
 from pagoda.validation import WrongTaskError
+from pagoda.worker.cuda_setup import cuda_defaults
 from pagoda.worker.kv_sizing import kv_blocks_for
 from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage, kv_layout
 
@@ -73,6 +74,8 @@ class EngineCore:
             logger.info("CPU threads: %d", torch.get_num_threads())
         if device.type == "cpu":
             keep_freed_memory()
+        if device.type == "cuda":
+            cuda_defaults(config)
         dtype = parse_dtype(config.dtype)
         self.tp_driver = None
         self.ep_group = None   # expert parallelism across data-parallel replicas (_join_expert_parallel)

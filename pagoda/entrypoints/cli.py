@@ -73,7 +73,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "OMP_NUM_THREADS if set)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the token budget of one step (default: 512 on the CPU, 8192 on a GPU)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for (vLLM's flag); -1: no bound, "
                         "so that a request may ask for the whole vocabulary with -1")

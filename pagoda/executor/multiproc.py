@@ -42,8 +42,13 @@ _WORKER_EXIT_TIMEOUT_S = 10.0
 
 
 def configure_threads(config: EngineConfig) -> None:
-    """One torch thread per rank (default) when ranks or replicas share a CPU."""
+    """One torch thread per rank (default) when ranks or replicas share a CPU; on CUDA,
+    ``cuda_defaults`` (worker/cuda_setup.py) for each rank."""
     if config.device != "cpu":
+        if config.device.startswith("cuda"):
+            from pagoda.worker.cuda_setup import cuda_defaults
+
+            cuda_defaults(config)
         return
     parallel = config.world_size > 1 or config.data_parallel_size > 1
     if config.threads_per_rank is not None or parallel:

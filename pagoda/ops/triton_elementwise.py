@@ -233,3 +233,48 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up of gate_up [T, 2I] -> [T, I] (or into ``out``)."""
     return _act_mul(gate_up, out, True, "gelu_tanh_mul")
+
+
+class LayerOps:
+    """These kernels under the names and contracts of pagoda's CPU kernels (``rms_norm``,
+    ``rope_qkv``, ``silu_mul``), so a layer's one fused path (``fused_ops`` in
+    pagoda/model/layers/norm.py) serves CUDA tensors too."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """norm(x), or with ``residual``: norm(x + residual), the sum written into ``residual``."""
+        if residual is None:
+            return rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps, residual)[0]
+
+    @staticmethod
+    def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 kv_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None,
+                 kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(q, k, v) [T, heads, D] of a fused qkv [T, (H + 2 KVH) D], q and k rotated (in place
+        in ``qkv``); with ``kv_cache``, k and v also stored at ``slot_mapping``."""
+        t = qkv.shape[0]
+        d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+        heads = qkv.view(t, num_heads + 2 * num_kv_heads, d)
+        q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        rope(q, k, cos, sin)
+        if kv_cache is not None:
+            from pagoda.ops import triton_attention
+
+            triton_attention.store_kv(k, v, kv_cache, slot_mapping, kv_scales)
+        return q, k, v
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
+
+
+def layer_ops(x: torch.Tensor) -> LayerOps | None:
+    """``LayerOps`` for a CUDA tensor where Triton runs (None elsewhere, or with
+    ``PAGODA_TRITON_LAYER_OPS=0``: the layers' torch path, for comparisons)."""
+    import os
+
+    if x.device.type != "cuda" or not available() or os.environ.get("PAGODA_TRITON_LAYER_OPS", "1") == "0":
+        return None
+    return LayerOps()

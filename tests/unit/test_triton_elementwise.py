@@ -257,3 +257,37 @@ def test_launchers_raise_without_triton(monkeypatch):
         te.gelu_tanh_mul(x)
     with pytest.raises(RuntimeError, match="Triton"):
         te.rope(torch.ones(2, 1, 8), None, torch.ones(2, 8), torch.ones(2, 8))
+
+
+def test_layer_ops_keep_the_cpu_kernels_contracts():
+    """LayerOps (what a layer's fused path calls on CUDA) against pagoda's C++ ops, which
+    it stands in for: the norm with its residual written in place, RoPE of a fused qkv with
+    K/V stored at their slots (slot -1 skipped), SiLU times up."""
+    from pagoda.ops import cpu_kernels
+
+    ops = cpu_kernels.kernels()
+    if ops is None or DEVICE != "cpu":
+        pytest.skip("compared with pagoda's CPU kernels, on CPU tensors")
+    torch.manual_seed(0)
+    t, heads, kv_heads, d = 5, 4, 2, 16
+    x, res, w = torch.randn(t, 64), torch.randn(t, 64), torch.randn(64)
+    res_cpu, res_tri = res.clone(), res.clone()
+    torch.testing.assert_close(te.LayerOps.rms_norm(x, w, EPS, res_tri), ops.rms_norm(x, w, EPS, res_cpu),
+                               **TOL[torch.float32])
+    torch.testing.assert_close(res_tri, res_cpu, rtol=0, atol=0)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    cos, sin = rope_cos_sin(torch.arange(3, 3 + t), rope_inv_freq(d, 1e4, None), torch.float32)
+    cos, sin = cos.view(t, d), sin.view(t, d)
+    slots = torch.tensor([5, -1, 0, 7, 2])
+    caches = [torch.zeros(2, 2, 4, kv_heads, d) for _ in range(2)]
+    want = ops.rope_qkv(qkv.clone(), cos, sin, heads, kv_heads, caches[0], slots.clamp(min=0), None)
+    got = te.LayerOps.rope_qkv(qkv.clone(), cos, sin, heads, kv_heads, caches[1], slots, None)
+    for g, wnt in zip(got, want):
+        torch.testing.assert_close(g, wnt, rtol=0, atol=0)
+    keep = slots >= 0   # the C++ op has no skipped slot: compare the written ones
+    flat = [c.view(2, -1, kv_heads, d)[:, slots[keep]] for c in caches]
+    torch.testing.assert_close(flat[1], flat[0], rtol=0, atol=0)
+    untouched = caches[1].view(2, -1, kv_heads, d)[:, 1]   # slot 1: no token wrote it
+    assert torch.equal(untouched, torch.zeros_like(untouched))
+    gate_up = torch.randn(t, 128)
+    torch.testing.assert_close(te.LayerOps.silu_mul(gate_up), ops.silu_mul(gate_up), **TOL[torch.float32])

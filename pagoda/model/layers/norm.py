@@ -9,7 +9,13 @@ from pagoda.ops import cpu_kernels
 
 
 def fused_ops(x: torch.Tensor):
-    """pagoda's C++ ops for this tensor, or None (not float32 on CPU, or not built)."""
+    """The fused layer ops for this tensor (``rms_norm``, ``rope_qkv``, ``silu_mul``): pagoda's
+    C++ ops for float32 on the CPU, its Triton kernels on CUDA; None elsewhere (or where
+    they are not built / installed)."""
+    if x.device.type == "cuda":
+        from pagoda.ops import triton_elementwise
+
+        return triton_elementwise.layer_ops(x)
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     return cpu_kernels.kernels()
