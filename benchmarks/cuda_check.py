@@ -8,6 +8,10 @@ pagoda's dependencies that the GPU machine's image does not hold (it reaches no 
 and writes the bundled model's tokenizer as tokenizer.json (the GGUF itself is too big to
 carry). `run` installs those wheels under /tmp/site, then, by --parts:
 
+- roof, backends, latency, e2e8b: the figures of the GPU issue (benchmarks/cuda_figures.py):
+  the device's copy bandwidth and bf16 matmul rate, the attention backend and the Triton
+  kernels against torch, decode steps at batch 1-128 eager and with CUDA graphs against the
+  memory roof, the 8B shape's end-to-end batch and prefill rate;
 - families: every family of tests/model/test_families.py, float32 on the GPU, against
   transformers float32 on the CPU: greedy tokens equal (a near-tie excused as there), the
   largest |logprob - transformers'|, every KV block back;
@@ -23,6 +27,8 @@ carry). `run` installs those wheels under /tmp/site, then, by --parts:
 - serve: the same checkpoint served, a completion, a streamed chat completion, then
   `pagoda bench serve` at concurrency 1 and 16.
 
+Every part adds its figures to OUT/summary.json (--out, default $OUT or the folder), with the
+device, the commit and the log of each part's seconds.
 Results: docs/benchmarks.md, "On a GPU".
 """
 
@@ -39,7 +45,10 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("families", "gguf", "preempt", "half", "bench", "steps", "serve")
+PARTS = ("roof", "backends", "families", "gguf", "preempt", "half", "latency", "e2e8b", "bench", "steps", "serve")
+# The default run (about 5 minutes on an H200): the roof, the attention backend, every family on
+# the Triton backend, the 1B decode sweep (eager and graphs), the 8B figures, serving.
+DEFAULT_PARTS = ("roof", "backends", "families", "latency", "e2e8b", "serve")
 # pagoda's runtime dependencies (and transformers, for the references) at the versions
 # tested here, with what they need that the GPU image (KINDS.md's package list) lacks.
 WHEELS = ["gguf", "msgspec", "pyzmq", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core",
@@ -127,8 +136,10 @@ def one_b_checkpoint(tmp: str, tokenizer_dir: str) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = os.path.join(tmp, "llama-1b")
-    config = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+    big = torch.cuda.is_available()   # (on a CPU, a small one: a smoke test of this script)
+    config = LlamaConfig(vocab_size=49152, hidden_size=2048 if big else 128, intermediate_size=8192 if big else 256,
+                         num_hidden_layers=16 if big else 2, num_attention_heads=32 if big else 4,
+                         num_key_value_heads=8 if big else 2, max_position_embeddings=4096,
                          rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                          architectures=["LlamaForCausalLM"], initializer_range=0.02)
     torch.manual_seed(0)
@@ -211,7 +222,7 @@ def offline_steps(path: str, device: str, num_prompts: int = 64, length: int = 1
                   f"{sum(r[1] for r in chosen) / len(chosen):.0f} tokens a step", flush=True)
 
 
-def serve(cli: list[str], path: str, device: str) -> None:
+def serve(cli: list[str], path: str, device: str, summary: dict) -> None:
     """pagoda serve on ``device``: /v1/models, a completion, a streamed chat completion, bench serve."""
     import httpx
 
@@ -237,11 +248,14 @@ def serve(cli: list[str], path: str, device: str) -> None:
                 "stream": True}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data:")]
         print("serve: streamed", r.status_code, len(events), "events, the last", events[-1:], flush=True)
-        for c in (1, 16):
+        for c in (1, 16, 64):
             before = httpx.get(f"{base}/dashboard/data", timeout=10).json()
+            saved = os.path.join(tempfile.mkdtemp(), "serve.json")
             sh(cli + ["bench", "serve", "--tokenizer", path, "--base-url", base, "--num-prompts", str(max(8, 2 * c)),
-                      "--max-concurrency", str(c), "--input-len", "128", "--output-len", "64"], 120)
+                      "--max-concurrency", str(c), "--input-len", "128", "--output-len", "64", "--ignore-eos",
+                      "--save-result", saved], 120)
             step_times(before, httpx.get(f"{base}/dashboard/data", params={"since": -1}, timeout=10).json())
+            summary.setdefault("serve", {})[f"c{c}"] = _served_figures(saved)
     finally:
         proc.terminate()
         try:
@@ -252,20 +266,56 @@ def serve(cli: list[str], path: str, device: str) -> None:
         print("serve log, the end:", out[-1500:], flush=True)
 
 
-def run(folder: str, device: str, parts: list[str]) -> None:
+def _served_figures(saved: str) -> dict:
+    """Median TTFT and ITL (ms) of a `bench serve --save-result` file."""
+    import json
+
+    try:
+        with open(saved) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    point = data["points"][0] if isinstance(data, dict) and "points" in data else data
+    metrics = point.get("metrics", point) if isinstance(point, dict) else {}
+    return {key: metrics[key]["median"] for key in ("ttft_ms", "itl_ms", "tpot_ms")
+            if isinstance(metrics.get(key), dict) and "median" in metrics[key]}
+
+
+def run(folder: str, device: str, parts: list[str], out: str) -> None:
+    import json
+
     import torch
 
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cuda_figures
+
     tmp = tempfile.mkdtemp()
     print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
           torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    summary: dict = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else device,
+                     "torch": torch.__version__, "commit": commit or None, "parts": {}}
+    os.makedirs(out, exist_ok=True)
+
+    def save() -> None:
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
 
     def report(label, fn, *args, **kwargs):
         start = time.time()
         try:
             print(f"[{label}] {fn(*args, **kwargs)} ({time.time() - start:.1f} s)", flush=True)
+            summary["parts"][label] = round(time.time() - start, 1)
         except Exception:
             print(f"[{label}] ERROR ({time.time() - start:.1f} s)\n{traceback.format_exc()[-3000:]}", flush=True)
+            summary["parts"][label] = "error"
+        save()
+
+    if "roof" in parts:
+        report("roof", cuda_figures.roof, device, summary)
+    if "backends" in parts:
+        report("backends", cuda_figures.backends, device, summary)
 
     if "families" in parts:
         from tests.model.test_families import _configs
@@ -282,9 +332,13 @@ def run(folder: str, device: str, parts: list[str]) -> None:
         for name in ("llama31", "qwen3", "gemma3", "qwen3moe"):
             for dtype in ("bfloat16", "float16"):
                 report(f"{name} {dtype} (reported)", check_family, name, "hf", device, tmp, dtype=dtype)
-    if {"bench", "steps", "serve"} & set(parts):
+    if {"bench", "steps", "serve", "latency"} & set(parts):
         path = one_b_checkpoint(tmp, os.path.join(folder, "tok"))
         cli = [sys.executable, "-m", "pagoda.entrypoints.cli"]
+        if "latency" in parts:
+            gpu = device.startswith("cuda")   # (on a CPU, a smoke test of small shapes)
+            report("latency 1b", cuda_figures.decode_sweep, path, device, "1b", summary,
+                   batches=(1, 8, 32, 64, 128) if gpu else (1, 2), context=512 if gpu else 32)
         if "bench" in parts:
             sh(cli + ["bench", "throughput", "--model", path, "--device", device, "--dtype", "bfloat16",
                       "--num-prompts", "64", "--input-len", "128", "--output-len", "128", "--compare-hf"], 300)
@@ -294,7 +348,17 @@ def run(folder: str, device: str, parts: list[str]) -> None:
         if "steps" in parts:
             offline_steps(path, device)
         if "serve" in parts:
-            serve(cli, path, device)
+            serve(cli, path, device, summary)
+            save()
+    if "e2e8b" in parts:
+        def eight_b() -> str:
+            path8 = cuda_figures.write_8b_checkpoint(tmp, os.path.join(folder, "tok"), device)
+            gpu = device.startswith("cuda")
+            sweep = cuda_figures.decode_sweep(path8, device, "8b", summary, batches=(1, 8, 64) if gpu else (1, 2),
+                                              context=512 if gpu else 32, modes=("graphs",) if gpu else ("eager",))
+            return sweep + "\n" + cuda_figures.e2e_8b(path8, device, summary)
+
+        report("e2e8b", eight_b)
 
 
 def main() -> int:
@@ -302,7 +366,9 @@ def main() -> int:
     p.add_argument("action", choices=["prepare", "run"])
     p.add_argument("folder", help="where prepare writes the wheels and tokenizer, and run reads them")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated choice of {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"a comma-separated choice of {', '.join(PARTS)} (default {','.join(DEFAULT_PARTS)})")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="where summary.json goes (default $OUT, else FOLDER)")
     args = p.parse_args()
     if args.action == "prepare":
         prepare(args.folder)
@@ -317,7 +383,7 @@ def main() -> int:
                         "--upgrade", "--target", "/tmp/site", *wheels], check=True)
         sys.path.insert(0, "/tmp/site")
         os.environ["PYTHONPATH"] = os.pathsep.join(["/tmp/site", ROOT, os.environ.get("PYTHONPATH", "")])
-    run(args.folder, args.device, parts)
+    run(args.folder, args.device, parts, args.out or args.folder)
     return 0
 
 
