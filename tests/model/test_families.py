@@ -190,13 +190,13 @@ def test_family_through_the_triton_backend(family):
     name, hf, hf_dir, _ = family
     if not triton_attention.available() or not (triton_attention.interpreted() or torch.cuda.is_available()):
         pytest.skip("triton is not installed, or its kernels were imported without TRITON_INTERPRET=1")
-    prompts = _prompts()[:3]
+    prompts = _prompts()[1:3]   # 17 and 33 tokens: chunked (32 a step), whole blocks to hit
     llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
               max_num_batched_tokens=32, attention_backend="triton")
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     for _ in range(2):   # the second pass hits the prefix cache
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert_greedy_matches_hf(hf, prompts, outputs, 8, f"{name} triton")
+        assert_greedy_matches_hf(hf, prompts, outputs, 6, f"{name} triton")
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
