@@ -25,7 +25,11 @@ processes every row in this order:
    ``q ~ Exp(1)`` drawn from the row's own generator, which picks token ``i``
    with probability ``probs[i]``. Each random row draws exactly ``V`` numbers
    per step, so a seeded request gets the same tokens whatever else is in the
-   batch and in whatever order.
+   batch and in whatever order. On a GPU the draws of every row come from one
+   counter-based hash instead (``counter_exponentials``): a pure function of the
+   row's seed (its generator's), its output position and the token, for the whole
+   batch in a few kernels with no per-row launch; the same properties hold, and a
+   preempted request redraws exactly what it drew.
 
 Work no row needs is skipped: a batch of greedy rows without a grammar, bias,
 penalties or logprobs is a bare argmax. ``forward`` never modifies the logits it is given.
@@ -109,11 +113,18 @@ class SamplingMetadata:
     # logprob_token_ids of every row, as (row, token) pairs; None when no row tracks any.
     tracked_rows: torch.Tensor | None = None
     tracked_tokens: torch.Tensor | None = None
+    # The counter-based draws (GPU): per random row, its seed and output position; None:
+    # each row draws from its generator.
+    random_rows: torch.Tensor | None = None     # [R] int64, indices of the random rows
+    random_seeds: torch.Tensor | None = None    # [R] int64
+    random_offsets: torch.Tensor | None = None  # [R] int64
 
     @classmethod
     def from_rows(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device, counter_rng: bool | None = None
     ) -> SamplingMetadata:
+        """``counter_rng``: draw with ``counter_exponentials`` (default: on CUDA, where every
+        random row has a generator to take its seed from)."""
         params = [row.params for row in rows]
         greedy = [p.is_greedy for p in params]
         random_rows = [p for p, g in zip(params, greedy) if not g]
@@ -184,6 +195,10 @@ class SamplingMetadata:
             grammar_banned = torch.ones(len(grammar_rows), vocab_size, dtype=torch.bool, device=device)
             grammar_banned[:, :width] = ~allowed[:, :width]
 
+        random_idx = [i for i, g in enumerate(greedy) if not g]
+        if counter_rng is None:
+            counter_rng = torch.device(device).type == "cuda"
+        counter = counter_rng and bool(random_idx) and all(rows[i].generator is not None for i in random_idx)
         asked = [vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
         # In range: validate_for_vocab checked them at admission.
         tracked = [(i, t) for i, p in enumerate(params) for t in p.logprob_token_ids or ()]
@@ -209,7 +224,11 @@ class SamplingMetadata:
             ban_rows=index(ban_rows) if ban_rows else None,
             ban_tokens=index(ban_tokens) if ban_rows else None,
             generators=[row.generator for row in rows],
-            random_row_indices=[i for i, g in enumerate(greedy) if not g],
+            random_row_indices=random_idx,
+            random_rows=index(random_idx) if counter else None,
+            # (a seed is any 64-bit integer: kept as its two's-complement int64)
+            random_seeds=index([_int64(rows[i].generator.initial_seed()) for i in random_idx]) if counter else None,
+            random_offsets=index([len(rows[i].output_token_ids) for i in random_idx]) if counter else None,
             max_num_logprobs=max(asked) if asked else None,
             tracked_rows=index([i for i, _ in tracked]) if tracked else None,
             tracked_tokens=index([t for _, t in tracked]) if tracked else None,
@@ -363,15 +382,51 @@ def _truncate(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return torch.full_like(logits, neg_inf).scatter(1, order, sorted_logits)
 
 
+def _int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _wrapped(constant: int) -> int:
+    """A 64-bit constant as the int64 with its bits (torch's int64 arithmetic wraps)."""
+    return _int64(constant & ((1 << 64) - 1))
+
+
+_GOLDEN, _MIX1, _MIX2 = _wrapped(0x9E3779B97F4A7C15), _wrapped(0xBF58476D1CE4E5B9), _wrapped(0x94D049BB133111EB)
+_TOKEN = _wrapped(0xD6E8FEB86659FD93)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_exponentials(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] Exp(1) draws, each a pure function of (seed, offset, token): splitmix64's
+    finaliser over seed + offset x golden ratio + token x another odd constant (all mod
+    2^64), its top 24 bits as a uniform u in (0, 1), then -log(u). No state, no per-row
+    call: one set of elementwise kernels for the whole batch."""
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    z = (seeds + offsets * _GOLDEN)[:, None] + tokens[None, :] * _TOKEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    u = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
 def _exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Sample each row from ``probs``: argmax of probs / q with q ~ Exp(1) per token.
 
     Each random row draws its V numbers from its own generator (rows without
-    one share torch's global RNG); greedy rows draw nothing.
+    one share torch's global RNG), or all rows at once from the counter-based hash
+    (``md.random_seeds``); greedy rows draw nothing.
     """
     q = torch.ones_like(probs)
-    for i in md.random_row_indices:
-        q[i].exponential_(generator=md.generators[i])
+    if md.random_seeds is not None:
+        q[md.random_rows] = counter_exponentials(md.random_seeds, md.random_offsets, probs.shape[1])
+    else:
+        for i in md.random_row_indices:
+            q[i].exponential_(generator=md.generators[i])
     # Exp(1) can round to exactly 0; 0/0 would be NaN and argmax picks NaN.
     # With q > 0 a cut token (prob exactly 0) scores 0 and can never beat the
     # row's most likely token, whose score is positive.

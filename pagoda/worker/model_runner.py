@@ -452,7 +452,7 @@ class ModelRunner:
             self._verify([order[i] for i in b.spec_rows], b.drafts, spec_logits, sampled, b.spec_rows)
         prompt_logprobs = self._prompt_logprobs(hidden, b.prompt_spans, dict(zip(order, b.states)))
         if b.sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(b.logits_indices, device=self.device)])
+            logits = self.model.compute_logits(self._rows(hidden, b.logits_indices))
         if b.sample_rows and self.samples:
             md = SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], self.device)
             out = self.sampler(logits, md)
@@ -488,6 +488,14 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
         )
+
+    def _rows(self, hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """hidden[indices] (strictly increasing rows): a slice where they are the first n rows
+        (a decode step in which every request samples: no index tensor to copy to the device)."""
+        n = len(indices)
+        if indices[-1] == n - 1:
+            return hidden[:n]
+        return hidden[torch.tensor(indices, device=self.device)]
 
     def _pool(self, order: list[str], query_lens: list[int], pool_rows: list[tuple[int, int]],
               hidden: torch.Tensor) -> dict[str, list[float]]:  # fmt: skip

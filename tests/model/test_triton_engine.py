@@ -153,7 +153,9 @@ def test_a_decode_step_forward_head_and_sampler_never_sync(tiny_llama_dir, monke
             b = real_start(so, grammar_masks)
             forward_ops = len(rec.ops)
             logits = runner.model.compute_logits(b.hidden)
-            md = SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], runner.device)
+            # (the GPU's counter-based draws for the random row: no per-row loop there)
+            md = SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], runner.device, counter_rng=True)
+            assert md.random_seeds is not None
             runner.sampler(logits, md)
         steps.append((rec, forward_ops))
         return b

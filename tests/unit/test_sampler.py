@@ -528,3 +528,56 @@ def test_sampling_matches_distribution(kwargs: dict[str, float], expected: list[
     # df <= 3; the 0.1% critical value is 16.3. The seed is fixed, so this is
     # a check that the sampler is not badly biased, not a flaky test.
     assert chi_square(tokens, expected) < 25.0
+
+
+# ---------------------------------------------------------------- counter-based draws (GPU)
+
+
+def _counter_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    md = SamplingMetadata.from_rows(rows, logits.shape[-1], CPU, counter_rng=True)
+    assert md.random_seeds is not None
+    return Sampler()(logits, md).sampled_token_ids
+
+
+def test_counter_draws_take_no_per_row_generator_call(monkeypatch) -> None:
+    """The GPU's draws: one hash for every random row (seeded or not), never a generator."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a per-row generator draw")
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", refuse)
+    logits = torch.randn(4, 50)
+    rows = [make_row(SamplingParams(temperature=0.8, seed=s)) for s in (1, 2, 3)] + [
+        make_row(SamplingParams(temperature=0.0))]
+    out = _counter_sample(logits, rows)
+    assert out[3].item() == logits[3].argmax().item()
+
+
+def test_counter_draws_depend_on_seed_and_position_only() -> None:
+    """A row's token is a function of its seed, its output position and its logits: the same
+    alone, in any batch order, and after a preemption (the same position redrawn); another
+    position or seed draws anew."""
+    torch.manual_seed(5)
+    vocab = 200
+    logits = torch.randn(3, vocab)
+
+    def row(seed: int, position: int) -> SamplingRow:
+        return make_row(SamplingParams(temperature=1.0, seed=seed), output=[7] * position)
+
+    alone = [_counter_sample(logits[i:i + 1], [row(10 + i, 4)]).item() for i in range(3)]
+    together = _counter_sample(logits, [row(10 + i, 4) for i in range(3)]).tolist()
+    reverse = _counter_sample(logits.flip(0), [row(12 - i, 4) for i in range(3)]).tolist()[::-1]
+    assert together == alone == reverse
+    flat = torch.zeros(1, vocab)   # a uniform row: a different draw changes the token
+    seen = {_counter_sample(flat, [row(10, p)]).item() for p in range(8)}
+    assert len(seen) > 4
+    assert {_counter_sample(flat, [row(s, 4)]).item() for s in range(8)} != {alone[0]}
+
+
+def test_counter_draws_sample_the_distribution() -> None:
+    """Over many positions a row picks token i with probability probs[i] (binomial bounds)."""
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
+    n = 3000
+    rows = [make_row(SamplingParams(temperature=1.0, seed=11), output=[0] * p) for p in range(n)]
+    tokens = _counter_sample(logits.expand(n, 3).contiguous(), rows)
+    freq = torch.bincount(tokens, minlength=3).float() / n
+    assert torch.allclose(freq, torch.tensor([0.2, 0.5, 0.3]), atol=4 * math.sqrt(0.25 / n))
