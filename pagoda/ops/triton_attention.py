@@ -16,8 +16,10 @@ scale, one scale per token per KV head, see ``pagoda.model.kv_quant``).
 
 Keys are processed in tiles of BLOCK_N that may span several pages: each key's page is
 looked up in the block table per key, so the page size (1..256) never constrains a tile.
-Loads are converted to float32, accumulation is float32, and every ``tl.dot`` runs with
-``input_precision="ieee"``. Nothing in the launchers syncs with the device (no ``.item()``,
+Loads are converted to float32 and accumulation is float32; the products (``tl.dot``) take
+float16 / bfloat16 operands for a half-precision q (tensor cores on a GPU: its q, K and V
+are exact in their type, the probabilities are rounded as FlashAttention rounds them) and
+float32 ones with ``input_precision="ieee"`` otherwise. Nothing in the launchers syncs with the device (no ``.item()``,
 no data-dependent shapes), so they can be captured in a CUDA graph.
 
 On a machine without a GPU the kernels run under the Triton interpreter
@@ -195,11 +197,20 @@ if triton is not None:
     def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, offs_n, mask_n, valid,
                      kvh, offs_d, mask_d, block_size, scale, softcap,
                      s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh,
-                     QUANT: tl.constexpr, USE_SOFTCAP: tl.constexpr):  # fmt: skip
-        """One online-softmax step: rows q [M, D] against keys offs_n; valid [M, N] masks scores."""
+                     QUANT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HALF_DOT: tl.constexpr):  # fmt: skip
+        """One online-softmax step: rows q [M, D] against keys offs_n; valid [M, N] masks scores.
+        HALF_DOT: the products' operands in float32 (0, exact: ``ieee``), float16 (1) or
+        bfloat16 (2), with float32 accumulation: a half-precision model's q, K and V are
+        exact in their own type (8-bit caches' values too), so only the probabilities are
+        rounded, as FlashAttention rounds them; on a GPU these run on the tensor cores."""
         k, ksc = _load_kv_tile(k_ptr, ks_ptr, bt_row_ptr, offs_n, mask_n, kvh, offs_d, mask_d, block_size,
                                s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, QUANT)  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if HALF_DOT == 1:
+            s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
+        elif HALF_DOT == 2:
+            s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         if QUANT != 0:
             s = s * ksc[None, :]
         s = s * scale
@@ -215,7 +226,13 @@ if triton is not None:
                                s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, QUANT)  # fmt: skip
         if QUANT != 0:
             p = p * vsc[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if HALF_DOT == 1:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        elif HALF_DOT == 2:
+            pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+        else:
+            pv = tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
 
     @triton.jit
@@ -236,7 +253,7 @@ if triton is not None:
                        s_ob, s_oh, s_od, s_wb, s_wh, s_ws,
                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                        QUANT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-                       DIRECT: tl.constexpr):  # fmt: skip
+                       DIRECT: tl.constexpr, HALF_DOT: tl.constexpr):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -265,7 +282,7 @@ if triton is not None:
             mask_n = offs_n < hi
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, offs_n, mask_n,
                                          mask_n[None, :], kvh, offs_d, mask_d, block_size, scale, softcap,
-                                         s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, QUANT, USE_SOFTCAP)  # fmt: skip
+                                         s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, QUANT, USE_SOFTCAP, HALF_DOT)  # fmt: skip
         if DIRECT:
             if HAS_SINKS:
                 sink = tl.load(sinks_ptr + heads, mask=mask_g, other=0.0).to(tl.float32)
@@ -313,7 +330,7 @@ if triton is not None:
                        s_qt, s_qh, s_qd, s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, s_bt, s_ot, s_oh, s_od,
                        BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                       HAS_SINKS: tl.constexpr):  # fmt: skip
+                       HAS_SINKS: tl.constexpr, HALF_DOT: tl.constexpr):  # fmt: skip
         n = tl.program_id(0)
         kvh = tl.program_id(1)
         qb = tl.program_id(2)
@@ -351,7 +368,7 @@ if triton is not None:
             valid = (mask_n[None, :] & (offs_n[None, :] <= pos[:, None])) & (offs_n[None, :] > lower[:, None])
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, offs_n, mask_n,
                                          valid, kvh, offs_d, mask_d, block_size, scale, softcap,
-                                         s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, QUANT, USE_SOFTCAP)  # fmt: skip
+                                         s_cb, s_co, s_ch, s_cd, s_sb, s_so, s_sh, QUANT, USE_SOFTCAP, HALF_DOT)  # fmt: skip
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
         else:
@@ -384,6 +401,12 @@ def _quant_mode(cache: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, 
     if cache.dtype == torch.float8_e4m3fn:
         return _QUANT_FP8, cache.view(torch.uint8)
     raise ValueError(f"an 8-bit cache must be int8 or uint8 (float8_e4m3fn bytes), got {cache.dtype}")
+
+
+def _half_dot(q: torch.Tensor) -> int:
+    """The products' operand type: q's own where it is float16 (1) or bfloat16 (2), else
+    float32 (0)."""
+    return {torch.float16: 1, torch.bfloat16: 2}.get(q.dtype, 0)
 
 
 def _check_cache(cache: torch.Tensor) -> None:
@@ -494,7 +517,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         float(scale), float(softcap) if softcap > 0 else 1.0, win, G, D, cache.shape[2],
         *q.stride(), *cs, *ss, block_tables.stride(0), *out.stride(), *ws_strides,
         BLOCK_G=max(16, _next_pow2(G)), BLOCK_D=BLOCK_D, BLOCK_N=DECODE_BLOCK_N // 2 if big else DECODE_BLOCK_N,
-        QUANT=quant, USE_SOFTCAP=softcap > 0, HAS_SINKS=has_sinks, DIRECT=direct, num_warps=8 if big else 4,
+        QUANT=quant, USE_SOFTCAP=softcap > 0, HAS_SINKS=has_sinks, DIRECT=direct, HALF_DOT=_half_dot(q),
+        num_warps=8 if big else 4,
     )  # fmt: skip
     if not direct:
         _combine_kernel[(B, H)](
@@ -538,6 +562,6 @@ def paged_extend(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         float(scale), float(softcap) if softcap > 0 else 1.0, win, G, D, cache.shape[2],
         *q.stride(), *cs, *ss, block_tables.stride(0), *out.stride(),
         BLOCK_Q=BLOCK_Q, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=EXTEND_BLOCK_N // 2 if big else EXTEND_BLOCK_N,
-        QUANT=quant, USE_SOFTCAP=softcap > 0, HAS_SINKS=has_sinks, num_warps=8 if big else 4,
+        QUANT=quant, USE_SOFTCAP=softcap > 0, HAS_SINKS=has_sinks, HALF_DOT=_half_dot(q), num_warps=8 if big else 4,
     )  # fmt: skip
     return out
