@@ -75,6 +75,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"           # auto | float16 | int8 | fp8 (8-bit KV with per-token scales)
     attention_backend: str = "auto"        # auto | cpu | torch | triton (pagoda/attention/selector.py)
     enforce_eager: bool = False            # no CUDA graphs for decode steps (vLLM's flag)
+    async_scheduling: bool | None = None   # overlapped steps (vLLM's flag); None = on CUDA
     preemption_mode: str = "recompute"     # recompute | swap | auto
     swap_space: int = 0                    # bytes of host memory for swapped-out KV blocks
     enable_lora: bool = False             # serve LoRA adapters (pagoda/lora)

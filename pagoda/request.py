@@ -89,6 +89,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Overlapped steps: tokens being sampled by steps in flight (not in all_token_ids yet;
+        # the next step may compute the position of each: the model runner takes the token
+        # from the step before on the device).
+        self.num_pending = 0
         # Prompt tokens found in the prefix cache when first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -123,6 +127,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def overlappable(self) -> bool:
+        """Whether a step may compute this request's next position before the token there is
+        known: nothing that samples it reads the output history on the host (penalties,
+        min_tokens, a grammar) and nothing but tokens comes out (no pooling, no prompt
+        logprobs)."""
+        p = self.sampling_params
+        return (self.pooling_params is None and self.matcher is None and self.grammar is None
+                and p.prompt_logprobs is None and p.min_tokens == 0 and p.repetition_penalty == 1.0
+                and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -212,7 +212,10 @@ class Scheduler:
         # The blocks of its computed tokens it still holds (a windowed group gave back
         # those behind its window): (group, table index, block id).
         live = self.kv.live_blocks(request.request_id, -(-request.num_computed_tokens // self.kv.block_size))
-        host = self._swap_space_for(request, len(live))
+        # A request with a token in flight is recomputed: its computed count runs ahead of
+        # its tokens, and the pending token is dropped when it arrives.
+        host = self._swap_space_for(request, len(live)) if not request.num_pending else None
+        request.num_pending = 0
         if host is not None:
             step.swap_out.extend(zip([b for _, _, b in live], host))
             request.host_block_ids = host
@@ -279,9 +282,16 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------
 
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None, overlap: bool = False) -> SchedulerOutput:
         """``token_budget``: at most this many tokens this step (within max_num_batched_tokens);
-        pipeline parallelism shares the work out over the micro-batches it keeps in flight."""
+        pipeline parallelism shares the work out over the micro-batches it keeps in flight.
+        ``overlap``: the step may be scheduled while the one before is in flight (the engine
+        core's overlapped steps): a request whose token that step samples gets the position
+        after it too (``Request.num_pending``), unless that token certainly ends it.
+
+        E.g. a decode with 11 tokens, 10 computed: step N computes position 10 and samples
+        the token at 11 (pending 1); step N+1, scheduled while N runs, computes position 11
+        (pending 2); N's token arrives (12 tokens, pending 1), and so on."""
         budget = self.config.max_num_batched_tokens
         step = _Step(budget if token_budget is None else max(1, min(token_budget, budget)))
         if self._host_release:
@@ -302,7 +312,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            want = request.num_tokens - request.num_computed_tokens
+            want = request.num_tokens + request.num_pending - request.num_computed_tokens
+            if request.num_pending and (request.num_output_tokens + request.num_pending >= request.max_output_tokens
+                                        or not overlap):
+                want = 0   # the pending token ends it (or steps are not overlapped now)
             num_new = self._cap(request, min(want, step.budget), step)
             if num_new == 0:
                 # All scheduled already (its sampled token has not arrived yet), or
@@ -361,6 +374,8 @@ class Scheduler:
             self.fair.charge(tenant_of(request), n)
             if request.matcher is not None and request.num_computed_tokens == request.num_tokens:
                 structured.append(rid)
+            if overlap and request.num_computed_tokens == request.num_tokens + request.num_pending:
+                request.num_pending += 1   # this step samples a token the next may build on
 
         finished = self._finished_ids
         self._finished_ids = set()
@@ -640,6 +655,8 @@ class Scheduler:
             prompt_lps = runner_out.prompt_logprobs.get(rid)
             if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile, or preempted after it was scheduled
+            if token_ids and request.num_pending:
+                request.num_pending -= 1
             if not token_ids:
                 if prompt_lps is not None:  # a prompt chunk samples nothing, but scored its tokens
                     outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=prompt_lps[1],

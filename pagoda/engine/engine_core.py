@@ -171,6 +171,7 @@ class EngineCore:
                 raise ValueError("--kv-role applies to an engine that generates, not to an embedding engine")
             self.kv_transfer = PDTransfer(config.kv_transfer_config, self.scheduler, self.runner.kv_buffers)
         self.shared_prefixes = self._shared_prefixes(config, loaded)
+        self.overlap = self._overlap_steps(config, device)
         self._structured = None
         self.step_stats: StepStatsCollector | None = None
         if collect_stats:
@@ -178,6 +179,26 @@ class EngineCore:
             elem = torch.empty(0, dtype=dtype).element_size()
             kv_elem = torch.empty(0, dtype=plan.kv_dtype).element_size() if plan.kv_quant == "auto" else 1
             self.step_stats = StepStatsCollector(arch, weight_bytes=weight_elem, act_bytes=elem, kv_bytes=kv_elem)
+
+    def _overlap_steps(self, config: EngineConfig, device: torch.device) -> bool:
+        """Whether steps overlap (--async-scheduling; default on CUDA): the next step is
+        scheduled and launched while the one before runs (``_step_overlapped``). One
+        process's engine only; the start-up log says why not."""
+        wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        if not wanted:
+            return False
+        why = ("tensor or pipeline parallelism" if self.tp_driver is not None else
+               "speculative decoding" if config.speculative_config is not None else
+               "prefill-decode disaggregation" if self.kv_transfer is not None else
+               "expert parallelism across replicas" if self.ep_group is not None else
+               "an embedding engine" if self.pooler_config is not None else None)
+        if why is not None:
+            if config.async_scheduling:
+                raise ValueError(f"--async-scheduling does not combine with {why}")
+            logger.info("steps run one after another (%s)", why)
+            return False
+        logger.info("steps overlap: the next is scheduled while the one before runs")
+        return True
 
     @staticmethod
     def _pooler_config(config: EngineConfig, loaded: LoadedModel) -> PoolerConfig | None:
@@ -427,7 +448,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests waiting or running, steps still in flight (pipeline parallelism), or KV
+        """Requests waiting or running, steps still in flight (pipeline parallelism, overlapped steps), or KV
         transfers under way (a prefill or decode instance)."""
         return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
                 or (self.kv_transfer is not None and self.kv_transfer.has_work()))
@@ -441,6 +462,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if self.pipeline_depth > 1:
             return self._step_pipelined()
+        if self.overlap:
+            return self._step_overlapped()
         start = time.monotonic()
         arrived = self.kv_transfer.poll() if self.kv_transfer is not None else []
         sched_out, record, masks = self._schedule(start)
@@ -494,9 +517,43 @@ class EngineCore:
         sched_out, record, start, batch = self._in_flight.popleft()
         return self._finish_step(sched_out, self.executor.collect(batch), record, start, outputs)
 
-    def _schedule(self, start: float, token_budget: int | None = None):
+    def _step_overlapped(self) -> EngineCoreOutputs:
+        """Overlapped steps (vLLM's async scheduling): schedule step N+1 and launch it, its
+        sampled ids left on the device, while step N runs; then read N's tokens back and
+        update the scheduler with them. A request whose token N samples is scheduled in N+1
+        at the next position (``Request.num_pending``), its input token taken from N's ids
+        on the device; a request that N's token ends (a stop, max_tokens) wastes that one
+        position, which nothing reads. Steps run one after another again, the step in flight
+        finished first, while any request needs its output history on the host to sample
+        (penalties, min_tokens, a grammar) or wants prompt logprobs.
+
+        E.g. call 1: launch A (nothing to return yet); call 2: launch B, return A's tokens;
+        call 3: launch C, return B's; ..."""
+        start = time.monotonic()
+        previous = self._in_flight.popleft() if self._in_flight else None
+        outputs: list[EngineCoreOutput] = []
+        sched = self.scheduler
+        if all(r.overlappable() for r in itertools.chain(sched.running, sched.waiting)):
+            sched_out, record, masks = self._schedule(start, overlap=True)
+            if not sched_out.is_empty:
+                batch = self.runner.start_batch(sched_out, masks)
+                self.runner.sample_batch(batch)
+                self._in_flight.append((sched_out, record, start, batch))
+            elif previous is None:
+                return self._finish_step(sched_out, self.executor.execute_model(sched_out), record, start)
+            else:   # nothing to launch: the runner still forgets ended requests
+                outputs = sched.update_from_output(sched_out, self.executor.execute_model(sched_out))
+        elif previous is None:   # a step that samples from the output history: not overlapped
+            sched_out, record, masks = self._schedule(start)
+            return self._finish_step(sched_out, self.executor.execute_model(sched_out, masks), record, start)
+        if previous is None:
+            return self._stats_out(outputs, None, time.monotonic())
+        sched_out, record, started, batch = previous
+        return self._finish_step(sched_out, self.runner.finish_batch(batch), record, started, outputs)
+
+    def _schedule(self, start: float, token_budget: int | None = None, overlap: bool = False):
         """This step's SchedulerOutput, its stats record and its requests' grammar masks."""
-        sched_out = self.scheduler.schedule(token_budget)
+        sched_out = self.scheduler.schedule(token_budget, overlap)
         if sched_out.kv_in:
             self.kv_transfer.install(sched_out)
         collector = self.step_stats

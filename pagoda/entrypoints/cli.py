@@ -112,6 +112,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying the CUDA graphs captured at "
                         "start-up (vLLM's flag; graphs need the triton attention backend)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped steps (vLLM's flag): schedule and launch the next step while the one before "
+                        "runs, its sampled tokens passed on the device (default: on with --device cuda, off on "
+                        "the CPU, where a step's work is all on the host)")
     p.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"),
                    help="how a preempted request gives its KV blocks back: recompute them later, swap them "
                         "to host memory (--swap-space) and back, or auto: swap long ones, recompute short ones")
@@ -250,6 +254,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         api_keys_file=getattr(args, "api_keys_file", None),

@@ -59,6 +59,9 @@ class SamplingRow:
     # Under a grammar (structured output): [V'] bool, True = allowed this step, from
     # the structured-output manager's bitmask. None: unconstrained.
     allowed_tokens: torch.Tensor | None = None
+    # Overlapped steps: tokens sampled by the step in flight, not in output_token_ids yet
+    # (the counter-based draws are keyed by the true output position).
+    num_pending: int = 0
 
 
 @dataclass
@@ -228,7 +231,8 @@ class SamplingMetadata:
             random_rows=index(random_idx) if counter else None,
             # (a seed is any 64-bit integer: kept as its two's-complement int64)
             random_seeds=index([_int64(rows[i].generator.initial_seed()) for i in random_idx]) if counter else None,
-            random_offsets=index([len(rows[i].output_token_ids) for i in random_idx]) if counter else None,
+            random_offsets=index([len(rows[i].output_token_ids) + rows[i].num_pending for i in random_idx])
+            if counter else None,
             max_num_logprobs=max(asked) if asked else None,
             tracked_rows=index([i for i, _ in tracked]) if tracked else None,
             tracked_tokens=index([t for _, t in tracked]) if tracked else None,

@@ -75,6 +75,11 @@ class _Batch:
     # prompt_logprobs: per request, (first prompt token scored, hidden rows that score it and on).
     prompt_spans: list[tuple[str, int, range]] = field(default_factory=list)
     pool_rows: list[tuple[int, int]] = field(default_factory=list)   # (index into `order`, first hidden row)
+    # Overlapped steps: (index into input_ids, row of the step before's sampled ids) of each
+    # input token still on the device, and per request how many of its tokens are.
+    fills: list[tuple[int, int]] = field(default_factory=list)
+    missing: dict[str, int] = field(default_factory=dict)
+    sampler_out: SamplerOutput | None = None   # sampled already (sample_batch), not read back yet
 
 
 def kv_layout(model: CausalLM) -> KVLayout:
@@ -258,6 +263,8 @@ class ModelRunner:
         # numbers whether or not it was preempted and recomputed.
         self.generators: dict[str, torch.Generator] = {}
         self._rng = random.Random(seed)
+        # Overlapped steps: the last sampled batch's (request -> row, sampled ids on the device).
+        self._previous: tuple[dict[str, int], torch.Tensor] | None = None
 
     def _generator_for(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.temperature < 1e-5:
@@ -381,7 +388,13 @@ class ModelRunner:
             draft = drafts.get(rid, [])
             start = state.num_computed_tokens
             end = start + n - len(draft)
-            input_ids.extend(state.all_token_ids[start:end])
+            known = state.all_token_ids[start:end]
+            input_ids.extend(known)
+            if len(known) < end - start:
+                # Overlapped steps: the last position's token is being sampled by the step
+                # before (Request.num_pending); it is taken from that step's ids on the device.
+                self._fill_from_previous(b, rid, len(input_ids), end - start - len(known))
+                input_ids.append(0)
             input_ids.extend(draft)
             positions.extend(range(start, start + n))
             b.query_lens.append(n)
@@ -398,7 +411,7 @@ class ModelRunner:
             elif draft:
                 b.spec_rows.append(i)
                 b.spec_indices.extend(range(offset - len(draft) - 1, offset))
-            elif end == len(state.all_token_ids):
+            elif end >= len(state.all_token_ids):
                 b.sample_rows.append(i)
                 b.logits_indices.append(offset - 1)
         if self.samples:
@@ -411,6 +424,7 @@ class ModelRunner:
                     generator=self._generator_for(state.req_id, state.sampling_params),
                     eos_token_ids=state.eos_token_ids,
                     allowed_tokens=grammar_masks.get(state.req_id),
+                    num_pending=b.missing.get(state.req_id, 0),
                 )
                 for state in (b.states[i] for i in b.sample_rows)
             ]
@@ -430,6 +444,9 @@ class ModelRunner:
         else:
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if b.fills:
+            at, rows = zip(*b.fills)
+            ids_t[torch.tensor(at, device=self.device)] = self._previous[1][torch.tensor(rows, device=self.device)]
         if self.graphs is not None and not drafts and len(input_ids) == len(order):
             b.hidden = self.graphs.run(ids_t, pos_t, metas)   # None: not a step a graph runs
         if b.hidden is None:
@@ -437,6 +454,27 @@ class ModelRunner:
         if self.proposer is not None and self.proposer.needs_sync:
             self.proposer.sync(ids_t, pos_t, metas)
         return b
+
+    def _fill_from_previous(self, b: _Batch, rid: str, at: int, missing: int) -> None:
+        previous = self._previous
+        if missing != 1 or previous is None or rid not in previous[0]:
+            raise RuntimeError(f"request {rid}: {missing} input token(s) unknown, and not sampled by the step "
+                               "before: only the token of the step in flight may be pending")
+        b.fills.append((at, previous[0][rid]))
+        b.missing[rid] = missing
+
+    @torch.inference_mode()
+    def sample_batch(self, b: _Batch | None) -> None:
+        """Overlapped steps: the batch's logits and sampled ids, left on the device (the next
+        step may take its input tokens from them before ``finish_batch`` reads them back)."""
+        if b is None or not b.sample_rows or not self.samples or b.sampler_out is not None:
+            return
+        if b.spec_rows or b.prompt_spans or b.pool_rows:
+            raise RuntimeError("a step with drafts, prompt logprobs or pooling is not sampled ahead")
+        logits = self.model.compute_logits(self._rows(b.hidden, b.logits_indices))
+        b.sampler_out = self.sampler(logits, SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1],
+                                                                        self.device))
+        self._previous = ({b.order[i]: j for j, i in enumerate(b.sample_rows)}, b.sampler_out.sampled_token_ids)
 
     @torch.inference_mode()
     def finish_batch(self, b: _Batch | None) -> ModelRunnerOutput:
@@ -451,11 +489,12 @@ class ModelRunner:
             spec_logits = self.model.compute_logits(hidden[torch.tensor(b.spec_indices, device=self.device)])
             self._verify([order[i] for i in b.spec_rows], b.drafts, spec_logits, sampled, b.spec_rows)
         prompt_logprobs = self._prompt_logprobs(hidden, b.prompt_spans, dict(zip(order, b.states)))
-        if b.sample_rows:
+        if b.sample_rows and b.sampler_out is None:
             logits = self.model.compute_logits(self._rows(hidden, b.logits_indices))
         if b.sample_rows and self.samples:
-            md = SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], self.device)
-            out = self.sampler(logits, md)
+            out = b.sampler_out
+            if out is None:
+                out = self.sampler(logits, SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], self.device))
             token_ids = out.sampled_token_ids.tolist()
             entries = _sampled_logprobs(out, [r.params for r in b.sampling_rows])
             for j, i in enumerate(b.sample_rows):

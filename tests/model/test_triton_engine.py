@@ -85,6 +85,21 @@ def test_decode_graphs_replay_the_eager_tokens(model, request):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_graphs_and_overlapped_steps_together(tiny_llama_dir):
+    """The GPU's configuration (Triton backend, decode graphs, overlapped steps): the tokens
+    of the CPU backend's synchronous steps."""
+    prompts, lengths = _prompts(), [9, 5, 9, 3, 7]
+    want = _generate(_llm(tiny_llama_dir, "auto"), prompts, lengths)
+    llm = _llm(tiny_llama_dir, "triton", max_model_len=128, async_scheduling=True)
+    capture = RecordingCapture()
+    assert llm.engine.runner.capture_graphs(capture, max_batch=8, max_model_len=llm.engine.max_model_len) is None
+    got = _generate(llm, prompts, lengths)
+    assert capture.replays > 0 and llm.engine.overlap
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
 def test_capture_sizes_are_vllms_buckets():
     assert capture_sizes(1) == [1]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
