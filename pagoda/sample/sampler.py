@@ -45,6 +45,20 @@ from pagoda.ops import cpu_kernels
 from pagoda.sampling_params import SamplingParams
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA through pinned
+    memory and a non-blocking copy (a plain copy from pageable memory waits until the
+    stream has run everything queued before it: with overlapped steps, the step in flight)."""
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` through ``to_device``."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 @dataclass
 class SamplingRow:
     """What the model runner knows about one request that samples this step."""
@@ -133,7 +147,7 @@ class SamplingMetadata:
         random_rows = [p for p, g in zip(params, greedy) if not g]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return device_tensor(values, torch.float32, device)
 
         temperature = None
         if any(p.temperature != 1.0 for p in random_rows):
@@ -144,7 +158,7 @@ class SamplingMetadata:
         if any(0 < p.top_k < vocab_size for p in random_rows):
             ks = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
                   for p, g in zip(params, greedy)]
-            top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            top_k = device_tensor(ks, torch.int64, device)
         if any(p.top_p < 1.0 for p in random_rows):
             top_p = floats([1.0 if g else p.top_p for p, g in zip(params, greedy)])
 
@@ -188,12 +202,12 @@ class SamplingMetadata:
                         ban_tokens.append(token_id)
 
         def index(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return device_tensor(values, torch.int64, device)
 
         grammar_rows = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
         grammar_banned = None
         if grammar_rows:
-            allowed = torch.stack([rows[i].allowed_tokens for i in grammar_rows]).to(device)
+            allowed = to_device(torch.stack([rows[i].allowed_tokens for i in grammar_rows]), device)
             width = min(allowed.shape[1], vocab_size)
             grammar_banned = torch.ones(len(grammar_rows), vocab_size, dtype=torch.bool, device=device)
             grammar_banned[:, :width] = ~allowed[:, :width]
@@ -209,7 +223,7 @@ class SamplingMetadata:
             num_rows=len(rows),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_greedy=device_tensor(greedy, torch.bool, device),
             temperature=temperature,
             min_p=min_p,
             top_k=top_k,
@@ -251,7 +265,7 @@ def _token_counts(
     for i, tokens in enumerate(token_lists):
         if tokens:
             padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64).clamp_(max=vocab_size)
-    padded = padded.to(device)
+    padded = to_device(padded, device)
     counts = torch.zeros((num_rows, vocab_size + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]

@@ -7,6 +7,7 @@ could live in another process or on another rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from pagoda.model.layers import decode_stack
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
-from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, device_tensor
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.proposer import DraftRequest, Proposer
 from pagoda.worker.pooler import Pooler
@@ -80,6 +81,7 @@ class _Batch:
     fills: list[tuple[int, int]] = field(default_factory=list)
     missing: dict[str, int] = field(default_factory=dict)
     sampler_out: SamplerOutput | None = None   # sampled already (sample_batch), not read back yet
+    ready: torch.cuda.Event | None = None      # on CUDA: sampler_out's copies to the host are done
 
 
 def kv_layout(model: CausalLM) -> KVLayout:
@@ -167,6 +169,21 @@ def _logprob_entries(lps: torch.Tensor, targets: torch.Tensor, k: int) -> list[T
     top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], targets[:, None][:, :0])
     return [TokenLogprobs(lp, ids, tlps, rank)
             for lp, ids, tlps, rank in zip(target_lps.tolist(), top_ids.tolist(), top_lps.tolist(), ranks)]
+
+
+def _to_host(out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event]:
+    """``out``'s tensors copied to pinned host memory without waiting (CUDA), and the event
+    after which they are there."""
+    copies = {}
+    for f in dataclasses.fields(out):
+        value = getattr(out, f.name)
+        if isinstance(value, torch.Tensor):
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            copies[f.name] = host
+    event = torch.cuda.Event()
+    event.record()
+    return dataclasses.replace(out, **copies), event
 
 
 def _sampled_logprobs(out: SamplerOutput, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
@@ -446,7 +463,8 @@ class ModelRunner:
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         if b.fills:
             at, rows = zip(*b.fills)
-            ids_t[torch.tensor(at, device=self.device)] = self._previous[1][torch.tensor(rows, device=self.device)]
+            at_t, rows_t = device_tensor([at, rows], torch.long, self.device)
+            ids_t[at_t] = self._previous[1][rows_t]
         if self.graphs is not None and not drafts and len(input_ids) == len(order):
             b.hidden = self.graphs.run(ids_t, pos_t, metas)   # None: not a step a graph runs
         if b.hidden is None:
@@ -472,9 +490,14 @@ class ModelRunner:
         if b.spec_rows or b.prompt_spans or b.pool_rows:
             raise RuntimeError("a step with drafts, prompt logprobs or pooling is not sampled ahead")
         logits = self.model.compute_logits(self._rows(b.hidden, b.logits_indices))
-        b.sampler_out = self.sampler(logits, SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1],
-                                                                        self.device))
-        self._previous = ({b.order[i]: j for j, i in enumerate(b.sample_rows)}, b.sampler_out.sampled_token_ids)
+        out = self.sampler(logits, SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], self.device))
+        self._previous = ({b.order[i]: j for j, i in enumerate(b.sample_rows)}, out.sampled_token_ids)
+        if self.device.type == "cuda":
+            # Back to the host now, behind this step's kernels but ahead of the next step's:
+            # reading them (finish_batch) then waits for this step only, not for the next.
+            b.sampler_out, b.ready = _to_host(out)
+        else:
+            b.sampler_out = out
 
     @torch.inference_mode()
     def finish_batch(self, b: _Batch | None) -> ModelRunnerOutput:
@@ -491,6 +514,8 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, b.prompt_spans, dict(zip(order, b.states)))
         if b.sample_rows and b.sampler_out is None:
             logits = self.model.compute_logits(self._rows(hidden, b.logits_indices))
+        if b.ready is not None:
+            b.ready.synchronize()
         if b.sample_rows and self.samples:
             out = b.sampler_out
             if out is None:
