@@ -320,8 +320,9 @@ class EngineCore:
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
                                   lora=self.lora, pooler_config=self.pooler_config,
                                   attention_backend=config.attention_backend)
-        if device.type == "cuda" and config.enforce_eager:
-            logger.info("decode steps run eagerly (--enforce-eager)")
+        if config.enforce_eager:
+            logger.info("decode steps run eagerly (--enforce-eager%s)",
+                        "" if device.type == "cuda" else ": on the CPU they always do")
         elif device.type == "cuda" and self.tp_driver is None and config.speculative_config is None:
             from pagoda.worker.cuda_graphs import CudaGraphCapture
 

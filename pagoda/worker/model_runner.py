@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagoda.attention import select_backend
+from pagoda.attention.cpu import CpuBackend
 from pagoda.core.kv_layout import KVLayout
 from pagoda.core.outputs import TokenLogprobs
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
-from pagoda.attention import select_backend
-from pagoda.attention.cpu import CpuBackend
 from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.layers import decode_stack
 from pagoda.model.layers.decoder import CausalLM

@@ -27,11 +27,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagoda import LLM, SamplingParams
+from pagoda.attention import AttentionMetadata
 from pagoda.bench.gguf_files import ModelShape, random_blocks, write_model
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.blocks import BlockWeight
 from pagoda.model.layers.parallel import ShardPlan, TensorShard
-from pagoda.attention import AttentionMetadata
 from pagoda.model.loader import load_model, parameter_bytes
 from pagoda.ops import cpu_kernels
 from tests.model.helpers import NEAR_TIE, compare_greedy, logprob_gap

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.arch import ModelArchConfig
 from pagoda.attention import AttentionMetadata, kernel_cache, paged_attention, rope_writes_kv
+from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.expert_parallel import dispatch_combine
 from pagoda.model.layers.norm import RMSNorm, fused_ops
 from pagoda.model.layers.pipeline import MissingLayer

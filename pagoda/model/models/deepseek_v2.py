@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields
 from pagoda.attention import AttentionMetadata, paged_attention
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields
 from pagoda.model.layers.decoder import CausalLM, DecoderLayer
 from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.layers.rotary import apply_rope, rope_kind, yarn_mscale
