@@ -64,7 +64,13 @@ def test_the_cli_flag_reaches_the_engine_config():
     from pagoda.entrypoints.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(["serve", "--attention-backend", "torch"])
-    assert config_from_args(args).attention_backend == "torch"
+    config = config_from_args(args)
+    assert config.attention_backend == "torch"
+    assert not config.enforce_eager and config.async_scheduling is None   # (graphs and overlap: CUDA's defaults)
+    assert config.max_num_batched_tokens == 512   # the CPU's step budget
+    config = config_from_args(build_parser().parse_args(["serve", "--enforce-eager", "--no-async-scheduling"]))
+    assert config.enforce_eager and config.async_scheduling is False
+    assert EngineConfig(device="cuda").max_num_batched_tokens == 8192
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--attention-backend", "flash"])
 
