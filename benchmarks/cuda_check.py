@@ -230,9 +230,11 @@ def serve(cli: list[str], path: str, device: str, summary: dict, extra: list[str
     import httpx
 
     base = "http://127.0.0.1:8123"
+    # The server's log to a file (a pipe nobody reads while it serves fills and stalls it).
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen(cli + ["serve", path, "--device", device, "--dtype", "bfloat16", "--host", "127.0.0.1",
-                                   "--port", "8123", *(extra or [])], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                                   "--port", "8123", *(extra or [])], stdout=log, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
     try:
         start = time.time()
         while True:
@@ -264,11 +266,14 @@ def serve(cli: list[str], path: str, device: str, summary: dict, extra: list[str
     finally:
         proc.terminate()
         try:
-            out, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
-        print("serve log, the end:", out[-1500:], flush=True)
+            proc.wait()
+        log.close()
+        with open(log.name) as f:
+            out = f.read()
+        print("serve log, the start:", out[:2500], "\nthe end:", out[-1500:], flush=True)
 
 
 def _served_figures(saved: str) -> dict:
@@ -328,7 +333,7 @@ def run(folder: str, device: str, parts: list[str], out: str) -> None:
         if "latency" in parts:
             gpu = device.startswith("cuda")   # (on a CPU, a smoke test of small shapes)
             report("latency 1b", cuda_figures.decode_sweep, path, device, "1b", summary,
-                   batches=(1, 8, 32, 64, 128) if gpu else (1, 2), context=512 if gpu else 32)
+                   batches=(1, 8, 16, 32, 64, 128) if gpu else (1, 2), context=512 if gpu else 32)
         if "bench" in parts:
             sh(cli + ["bench", "throughput", "--model", path, "--device", device, "--dtype", "bfloat16",
                       "--num-prompts", "64", "--input-len", "128", "--output-len", "128", "--compare-hf"], 300)

@@ -6,7 +6,7 @@
 - backends: which attention backend `auto` picks here and why; the Triton kernels against
   the torch reference on one mixed step (float32 and bfloat16); their first-call (compile)
   time apart from a steady call.
-- latency: decode step times of a checkpoint at batch 1, 8, 32, 64, 128 over 512-token
+- latency: decode step times of a checkpoint at batch 1, 8, 16, 32, 64, 128 over 512-token
   contexts, eager and with CUDA graphs, against (weight bytes + KV bytes read) / bandwidth.
 - e2e8b: the 8B shape (random weights, written here): decode at batch 1 against the roof,
   batch 8 x (32 in, 128 out) end to end (vLLM's CI: 833 ms on an H200), and the prefill of
