@@ -304,6 +304,8 @@ class ModelRunner:
             return f"the {self.attn_backend.name} attention backend is not captured"
         if self.lora is not None or self.model.stage is not None or self.proposer is not None:
             return "LoRA, pipeline stages and speculative decoding run eagerly"
+        if self.model.config.num_experts > 0:
+            return "MoE layers route tokens to experts on the host (a sync a graph cannot hold)"
         attn = self.model.model.layers[0].self_attn
         if not hasattr(attn, "num_heads") or not hasattr(attn, "head_dim"):
             return f"{type(attn).__name__} layers are not captured"

@@ -189,3 +189,10 @@ def test_a_decode_step_forward_head_and_sampler_never_sync(tiny_llama_dir, monke
         assert len(stores) == layers
         assert stores[1] - stores[0] <= 30, rec.ops[stores[0]:stores[1]]
         assert forward_ops - (stores[1] - stores[0]) * layers <= 60, rec.ops[:forward_ops]
+
+
+def test_moe_models_are_not_captured(tiny_mixtral_dir):
+    """MoE layers route on the host (a sync): their decode steps stay eager, and say why."""
+    llm = _llm(tiny_mixtral_dir, "triton")
+    why = llm.engine.runner.capture_graphs(RecordingCapture(), max_batch=4, max_model_len=llm.engine.max_model_len)
+    assert why is not None and "MoE" in why and llm.engine.runner.graphs is None
