@@ -8,6 +8,7 @@ H100 / H200). The interpreter the other tests use accepts programs the compiler 
 (types, layouts, unsupported ops); this catches those before a GPU is at hand.
 
     python -m tests.unit.triton_gpu_compile 90 80
+    python -m tests.unit.triton_gpu_compile 90 --regs    # and each kernel's registers and spills
 """
 
 from __future__ import annotations
@@ -108,7 +109,22 @@ def run_launchers() -> None:
         te.gelu_tanh_mul(torch.zeros(4, 2 * 1100, dtype=dtype))
 
 
-def main(archs: list[int]) -> int:
+def ptxas_info(ptx: str, arch: int) -> str:
+    """ptxas's register and spill report of one kernel (the ptxas Triton ships)."""
+    import subprocess
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{arch}a" if arch >= 90 else f"sm_{arch}", f.name,
+                        "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    lines = [line.split(":", 1)[-1].strip() for line in r.stderr.splitlines() if "registers" in line or "spill" in line]
+    return "; ".join(lines)
+
+
+def main(archs: list[int], regs: bool = False) -> int:
     launches = intercept()
     run_launchers()
     seen = set()
@@ -126,9 +142,11 @@ def main(archs: list[int]) -> int:
                                       options=options)
             print(f"sm_{arch} {fn.__name__} {consts} {options}: {len(compiled.asm['cubin'])} bytes "
                   f"({time.perf_counter() - start:.1f} s)", flush=True)
+            if regs:
+                print(f"    {ptxas_info(compiled.asm['ptx'], arch)}", flush=True)
     print(f"compiled {len(seen)} kernels")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main([int(a) for a in sys.argv[1:]] or [90]))
+    sys.exit(main([int(a) for a in sys.argv[1:] if a.isdigit()] or [90], "--regs" in sys.argv))
