@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -78,7 +79,15 @@ def _build() -> ModuleType:
     place = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
     build_dir = Path(cpp_extension.get_default_build_root()) / name / place
     build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
+    fresh = not (build_dir / f"{name}.so").exists()
+    if fresh:
+        # The first use on a machine compiles them (for minutes, before anything else moves):
+        # say so first.
+        logger.warning("compiling pagoda's CPU kernels for this machine, once: about 1-2.5 minutes on 2 cores "
+                       "(cached in %s; `python -m pagoda.ops.cpu_kernels --install DIR` with PAGODA_KERNELS_DIR=DIR "
+                       "builds them ahead)", build_dir)
+    start = time.monotonic()
+    module = cpp_extension.load(
         name=name,
         sources=[str(p) for p in sources],
         build_directory=str(build_dir),
@@ -88,6 +97,9 @@ def _build() -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+    if fresh:
+        logger.warning("pagoda's CPU kernels compiled in %.0f s", time.monotonic() - start)
+    return module
 
 
 def _prebuilt(name: str) -> ModuleType | None:

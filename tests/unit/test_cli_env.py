@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,32 @@ def test_prebuilt_kernels_load_from_their_folder(tmp_path):
     lines = out.stdout.split()
     assert lines == [str(installed), "True"]
     assert not (tmp_path / "empty").exists() or not any((tmp_path / "empty").rglob("*.so"))
+
+
+def test_a_first_build_of_the_kernels_is_said_before_it_starts(tmp_path, monkeypatch, caplog):
+    """The first use on a machine compiles the C++ kernels for minutes: a warning says so
+    before the compiler starts (and how long it took after); a cached build says nothing."""
+    from torch.utils import cpp_extension
+
+    from pagoda.ops import cpu_kernels
+
+    if {"avx2", "fma", "f16c"} - cpu_kernels.cpu_flags():
+        pytest.skip("the kernels need AVX2, FMA and F16C")
+    monkeypatch.delenv("PAGODA_KERNELS_DIR", raising=False)
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))   # (not the real cache)
+    said_before: list[bool] = []
+
+    def load(name, build_directory, **kwargs):
+        assert Path(build_directory).is_relative_to(tmp_path)
+        said_before.append(any("compiling pagoda's CPU kernels" in r.getMessage() for r in caplog.records))
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")   # as a finished build leaves it
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with caplog.at_level("WARNING", logger="pagoda.ops.cpu_kernels"):
+        assert cpu_kernels._build() == "module"
+        assert said_before == [True]
+        assert any("compiled in" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        assert cpu_kernels._build() == "module"   # built already: nothing said
+        assert said_before == [True, False] and not caplog.records
