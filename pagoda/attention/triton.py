@@ -29,6 +29,7 @@ from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.model.kv_quant import QuantizedKVCache
 from pagoda.ops import triton_attention as kernels
+from pagoda.ops.staging import StagingBuffers
 
 # Cache element types the kernels read (8-bit ones through their per-token scales; fp8 e4m3
 # is held as its bytes and decoded in the kernels).
@@ -37,6 +38,8 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.
 # Split-KV: a decode's keys are split so that about this many programs run per SM (decodes x
 # KV heads x splits), in chunks of at least _MIN_SPLIT_KEYS keys.
 _MIN_SPLIT_KEYS = 256
+# The metadata's device inputs (pagoda/ops/staging.py), per KV group.
+_INPUT_DTYPES = {"slots": torch.int64, "tables": torch.int32, "lens": torch.int32, "qsl": torch.int32}
 _MAX_SPLITS = 16
 
 
@@ -61,30 +64,6 @@ def num_splits(num_decodes: int, num_kv_heads: int, max_len: int, num_sms: int) 
     return max(1, min(wanted, max_len // _MIN_SPLIT_KEYS, _MAX_SPLITS))
 
 
-class _Buffers:
-    """One set of persistent inputs: host staging (pinned on CUDA) and device buffers."""
-
-    def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
-        pin = device.type == "cuda"
-        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-
-        def pair(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            host = torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-            return host, torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.slots_h, self.slots = pair(max_tokens, dtype=torch.int64)
-        self.tables_h, self.tables = pair(max_seqs, max_blocks, dtype=torch.int32)
-        self.lens_h, self.lens = pair(max_seqs, dtype=torch.int32)
-        self.qsl_h, self.qsl = pair(max_seqs + 1, dtype=torch.int32)
-
-    def fits(self, tokens: int, seqs: int, blocks: int) -> bool:
-        return tokens <= self.max_tokens and seqs <= self.max_seqs and blocks <= self.max_blocks
-
-
-def _grown(n: int, at_least: int) -> int:
-    return max(at_least, 1 << max(0, n - 1).bit_length())
-
-
 class TritonBackend(AttentionBackend):
     name = "triton"
     rope_writes_kv = False   # the store kernel writes K/V itself
@@ -93,31 +72,12 @@ class TritonBackend(AttentionBackend):
         self.device = torch.device(device)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 4)
-        self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._turn: dict[int, int] = {}
+        self._inputs: dict[int, StagingBuffers] = {}   # per KV group
         self._workspace = torch.empty(0, dtype=torch.float32, device=self.device)
 
     def describe(self) -> str:
         interp = " (interpreter)" if self.device.type == "cpu" else ""
         return f"triton{interp}: paged decode with split-KV, one varlen prefill launch, in-kernel KV store"
-
-    def reserve(self, max_tokens: int, max_seqs: int, max_blocks: int, num_groups: int = 1) -> None:
-        """Allocate every group's buffers for steps up to these sizes (at start-up: CUDA graphs
-        replay over these addresses; later steps that fit never reallocate)."""
-        for g in range(num_groups):
-            for turn in (0, 1):
-                self._buffers[g, turn] = _Buffers(self.device, max_tokens, max_seqs, max_blocks)
-
-    def buffers(self, group: int, tokens: int, seqs: int, blocks: int) -> _Buffers:
-        turn = self._turn.get(group, 1) ^ 1
-        self._turn[group] = turn
-        bufs = self._buffers.get((group, turn))
-        if bufs is None or not bufs.fits(tokens, seqs, blocks):
-            old = bufs or _Buffers(torch.device("cpu"), 0, 0, 0)
-            bufs = _Buffers(self.device, _grown(tokens, old.max_tokens), _grown(seqs, old.max_seqs),
-                            _grown(blocks, old.max_blocks))
-            self._buffers[group, turn] = bufs
-        return bufs
 
     def build(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device, group: int = 0) -> TritonMetadata:  # fmt: skip
@@ -126,35 +86,40 @@ class TritonBackend(AttentionBackend):
         while num_decodes < n and query_lens[num_decodes] == 1:
             num_decodes += 1
         num_tokens = sum(query_lens)
-        max_blocks = max((len(t) for t in block_tables), default=1)
-        bufs = self.buffers(group, num_tokens, n, max_blocks)
+        nb = max((len(t) for t in block_tables), default=1)
+        num_qsl = n - num_decodes + 1   # query_start_loc's length
+        if group not in self._inputs:
+            self._inputs[group] = StagingBuffers(self.device, _INPUT_DTYPES)
+        shapes = {"slots": (num_tokens,), "tables": (n, nb), "lens": (n,), "qsl": (num_qsl,)}
+        bufs = self._inputs[group].next(shapes)
+        host = {name: pair[0].numpy() for name, pair in bufs.items()}
         q_lens = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
-        tables = bufs.tables_h.numpy()
+        tables = host["tables"]
         for i, t in enumerate(block_tables):
             tables[i, :len(t)] = t
         # Each token's position: [2, 1] tokens with contexts [5, 0] -> [5, 6, 0].
         owner = np.repeat(np.arange(n), q_lens)
         first = np.cumsum(q_lens) - q_lens
         pos = np.arange(num_tokens) - first[owner] + ctx[owner]
-        bufs.slots_h.numpy()[:num_tokens] = tables[owner, pos // block_size].astype(np.int64) * block_size \
-            + pos % block_size
+        host["slots"][:num_tokens] = tables[owner, pos // block_size].astype(np.int64) * block_size + pos % block_size
         seq = q_lens + ctx
-        bufs.lens_h.numpy()[:n] = seq
+        host["lens"][:n] = seq
         prompt_lens = q_lens[num_decodes:]
-        qsl = bufs.qsl_h.numpy()
-        qsl[0] = 0
-        qsl[1:n - num_decodes + 1] = np.cumsum(prompt_lens)
-        nb = max_blocks
-        bufs.slots[:num_tokens].copy_(bufs.slots_h[:num_tokens], non_blocking=True)
-        bufs.tables[:n, :nb].copy_(bufs.tables_h[:n, :nb], non_blocking=True)
-        bufs.lens[:n].copy_(bufs.lens_h[:n], non_blocking=True)
-        bufs.qsl[:n - num_decodes + 1].copy_(bufs.qsl_h[:n - num_decodes + 1], non_blocking=True)
+        host["qsl"][0] = 0
+        host["qsl"][1:num_qsl] = np.cumsum(prompt_lens)
+        used = {"slots": (slice(num_tokens),), "tables": (slice(n), slice(nb)), "lens": (slice(n),),
+                "qsl": (slice(num_qsl),)}
+        dev = {}
+        for name, index in used.items():
+            h, d = bufs[name]
+            d[index].copy_(h[index], non_blocking=True)
+            dev[name] = d[index]
         return TritonMetadata(
-            slot_mapping=bufs.slots[:num_tokens], num_decodes=num_decodes, decode_gather_slots=None,
+            slot_mapping=dev["slots"], num_decodes=num_decodes, decode_gather_slots=None,
             decode_mask=None, prefills=[], backend=self,
-            block_tables=bufs.tables[:n, :nb], seq_lens=bufs.lens[:n],
-            query_start_loc=bufs.qsl[:n - num_decodes + 1], num_prefills=n - num_decodes,
+            block_tables=dev["tables"], seq_lens=dev["lens"],
+            query_start_loc=dev["qsl"], num_prefills=n - num_decodes,
             max_query_len=int(prompt_lens.max()) if n > num_decodes else 0,
             max_decode_len=int(seq[:num_decodes].max()) if num_decodes else 0,
         )
@@ -194,7 +159,8 @@ class TritonBackend(AttentionBackend):
         flat = meta.workspace
         if flat is None:
             if self._workspace.numel() < need:
-                self._workspace = torch.empty(_grown(need, 1 << 16), dtype=torch.float32, device=self.device)
+                size = max(need, 1 << 16, 2 * self._workspace.numel())
+                self._workspace = torch.empty(size, dtype=torch.float32, device=self.device)
             flat = self._workspace
         elif flat.numel() < need:
             raise RuntimeError(f"a captured step's split-KV workspace holds {flat.numel()} floats, {need} needed")

@@ -35,6 +35,9 @@ kernels were built in.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 try:
@@ -270,11 +273,16 @@ class LayerOps:
         return silu_mul(gate_up)
 
 
+_LAYER_OPS = LayerOps()
+
+
+@functools.lru_cache(maxsize=1)
+def _layer_ops_enabled() -> bool:
+    return available() and os.environ.get("PAGODA_TRITON_LAYER_OPS", "1") != "0"
+
+
 def layer_ops(x: torch.Tensor) -> LayerOps | None:
     """``LayerOps`` for a CUDA tensor where Triton runs (None elsewhere, or with
-    ``PAGODA_TRITON_LAYER_OPS=0``: the layers' torch path, for comparisons)."""
-    import os
-
-    if x.device.type != "cuda" or not available() or os.environ.get("PAGODA_TRITON_LAYER_OPS", "1") == "0":
-        return None
-    return LayerOps()
+    ``PAGODA_TRITON_LAYER_OPS=0`` at start-up: the layers' torch path, for comparisons).
+    Called by every layer of a step: the environment is read once."""
+    return _LAYER_OPS if x.device.type == "cuda" and _layer_ops_enabled() else None
