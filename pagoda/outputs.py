@@ -51,6 +51,12 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None   # when SamplingParams.prompt_logprobs is set
 
 
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine request that computes choice ``index`` (``CompletionOutput.index``) of a
+    request with ``n`` choices: each runs in the engine core as its own child request."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
 @dataclass
 class EmbeddingOutput:
     embedding: list[float]

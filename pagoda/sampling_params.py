@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.kv_transfer.params import KVTransferParams
+from pagoda.config.kv_transfer import KVTransferParams
 
 # The default bound on the top alternatives a request may ask logprobs for (the engine's
 # --max-logprobs; checked in pagoda/validation.py, since the operator may change it).
@@ -172,7 +172,7 @@ class SamplingParams:
     best_of: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
-    # Prefill-decode disaggregation (pagoda/kv_transfer/params.py): this request's part in a
+    # Prefill-decode disaggregation (pagoda/config/kv_transfer.py): this request's part in a
     # KV transfer between a prefill and a decode instance; a dict of its fields is accepted.
     kv_transfer_params: KVTransferParams | None = None
 

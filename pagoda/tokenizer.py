@@ -437,7 +437,7 @@ def model_tokenizer(path: str, gguf_metadata: dict[str, Any] | None = None) -> T
     if gguf_metadata is None and os.path.isdir(path):
         return Tokenizer.from_pretrained_dir(path)
     if gguf_metadata is None:
-        from pagoda.model.gguf_file import GGUFFile
+        from pagoda.hub.gguf_file import GGUFFile
 
         gguf_metadata = GGUFFile(path).metadata
     return Tokenizer.from_gguf_metadata(gguf_metadata)
@@ -445,7 +445,7 @@ def model_tokenizer(path: str, gguf_metadata: dict[str, Any] | None = None) -> T
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer:
     """The tokenizer alone, without the weights (the API server process needs only this)."""
-    from pagoda.model.stores import resolve_model
+    from pagoda.hub.stores import resolve_model
 
     resolved = resolve_model(config.model)
     return with_chat_template(model_tokenizer(resolved.path), config.chat_template, resolved.defaults.template)
@@ -466,7 +466,7 @@ def build_tokenizer(loaded: ModelFiles, chat_template: str | None, ollama_templa
 def with_chat_template(tokenizer: Tokenizer, chat_template: str | None, ollama_template: str | None = None) -> Tokenizer:
     """Set the chat template: ``chat_template`` (a string or a file) if given; else the
     model's own; else ``ollama_template`` (an Ollama model's Go template, translated by
-    pagoda/model/ollama_template.py; an untranslatable one is an error only when the model
+    pagoda/hub/ollama_template.py; an untranslatable one is an error only when the model
     has no template of its own to use instead)."""
     if chat_template is not None:
         if os.path.isfile(chat_template):
@@ -474,7 +474,7 @@ def with_chat_template(tokenizer: Tokenizer, chat_template: str | None, ollama_t
                 chat_template = f.read()
         tokenizer.chat_template = chat_template
     elif ollama_template is not None:
-        from pagoda.model.ollama_template import OllamaTemplateError, translate_ollama_template
+        from pagoda.hub.ollama_template import OllamaTemplateError, translate_ollama_template
 
         if tokenizer.chat_template is not None:
             try:

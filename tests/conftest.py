@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from pagoda.model.loader import default_model_path as find
+    from pagoda.hub.paths import default_model_path as find
 
     return find()
 

@@ -1,5 +1,5 @@
 """Model stores as their tools write them, around the bundled GGUF and tiny HF checkpoints,
-for the tests of pagoda/model/stores.py, ``pagoda run`` / ``list`` / ``ps``.
+for the tests of pagoda/hub/stores.py, ``pagoda run`` / ``list`` / ``ps``.
 
 - Ollama (``ollama pull``): ``manifests/<host>/<namespace>/<name>/<tag>`` is a Docker
   distribution v2 manifest whose layers are content-addressed files ``blobs/sha256-<hex>``.

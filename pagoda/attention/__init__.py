@@ -8,9 +8,9 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.cpu import CpuBackend, kernel_cache
+from pagoda.attention.kv_quant import QuantizedKVCache
 from pagoda.attention.metadata import AttentionMetadata, PrefillChunk
 from pagoda.attention.selector import ATTENTION_BACKENDS, select_backend
-from pagoda.model.kv_quant import QuantizedKVCache
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "PrefillChunk", "kernel_cache",
            "paged_attention", "rope_writes_kv", "select_backend"]

@@ -23,8 +23,8 @@ from typing import ClassVar
 
 import torch
 
+from pagoda.attention.kv_quant import QuantizedKVCache
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.model.kv_quant import QuantizedKVCache
 
 
 class AttentionBackend(ABC):

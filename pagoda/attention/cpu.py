@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from pagoda.attention.kv_quant import QuantizedKVCache
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.torch_ref import TorchBackend
-from pagoda.model.kv_quant import QuantizedKVCache
 from pagoda.ops import cpu_kernels
 
 

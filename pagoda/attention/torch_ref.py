@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.kv_quant import QuantizedKVCache
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.model.kv_quant import QuantizedKVCache
 
 
 class TorchBackend(AttentionBackend):

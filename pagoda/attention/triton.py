@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.kv_quant import QuantizedKVCache
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.model.kv_quant import QuantizedKVCache
 from pagoda.ops import triton_attention as kernels
 from pagoda.ops.staging import StagingBuffers
 

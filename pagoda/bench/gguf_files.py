@@ -221,8 +221,8 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     import gguf
     from tqdm import tqdm
 
-    from pagoda.model.gguf_file import GGUFFile
-    from pagoda.model.loader import default_model_path
+    from pagoda.hub.gguf_file import GGUFFile
+    from pagoda.hub.paths import default_model_path
 
     if isinstance(shape_name, str) and shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; known: {', '.join(SHAPES)}")

@@ -269,8 +269,8 @@ def write_tokenizer(out_dir: str, tokenizer_from: str | None = None) -> dict:
     tokenizer_config.json (special tokens, add_bos_token, the chat template),
     special_tokens_map.json and generation_config.json (every end-of-generation token).
     Returns the ids config.json names (vocab, bos, eos)."""
-    from pagoda.model.gguf_file import GGUFFile
-    from pagoda.model.loader import default_model_path
+    from pagoda.hub.gguf_file import GGUFFile
+    from pagoda.hub.paths import default_model_path
     from pagoda.tokenizer import Tokenizer
 
     metadata = GGUFFile(tokenizer_from or default_model_path()).metadata

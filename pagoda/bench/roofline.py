@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 from pagoda.metrics.cost import step_cost_breakdown
-from pagoda.config import EngineConfig, cpu_threads_policy
+from pagoda.config import EngineConfig
+from pagoda.host import cpu_threads_policy
 from pagoda.ops import cpu_kernels
 
 
@@ -105,8 +106,8 @@ class StepTimer:
     attention hit the caches and flatter decode)."""
 
     def __init__(self, config: EngineConfig, max_tokens_in_kv: int) -> None:
-        from pagoda.config import keep_freed_memory
-        from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
+        from pagoda.attention.kv_quant import QuantizedKVCache, storage_dtype
+        from pagoda.host import keep_freed_memory
         from pagoda.model.loader import load_model, parse_dtype
         from pagoda.worker.model_runner import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_storage, kv_layout
 

@@ -172,7 +172,7 @@ def default_specs(num_layers: int) -> list[dict]:
 
 def run_spec_bench(args: argparse.Namespace, config: EngineConfig) -> int:
     from pagoda.model.loader import load_model, parse_dtype
-    from pagoda.spec_decode.config import SpeculativeConfig
+    from pagoda.config.speculative import SpeculativeConfig
     from pagoda.tokenizer import build_tokenizer
 
     if args.spec and config.speculative_config is not None:

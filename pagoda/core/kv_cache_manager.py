@@ -7,7 +7,7 @@ from typing import Sequence
 from pagoda.core.block_hash import BlockHash, hash_request_blocks, request_extra_keys
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
 from pagoda.core.kv_layout import cdiv
-from pagoda.request import Request
+from pagoda.core.request import Request
 
 __all__ = ["KVCacheManager", "RELEASED_BLOCK_ID", "block_ids_of", "cdiv"]
 

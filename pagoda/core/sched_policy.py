@@ -17,30 +17,74 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Iterable
+from typing import ClassVar, Iterable
 
-from pagoda.request import Request
+from pagoda.core.request import Request
 from pagoda.tenants import DEFAULT_TENANT, TenantSpec
-
-POLICIES = ("fcfs", "priority", "fair")
-
 
 def queue_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
 
 
-def enqueue(waiting: deque[Request], request: Request, policy: str, front: bool = False) -> None:
-    """Put a request into the waiting queue: at the back (a new one) or the front (a
-    preempted one) in fcfs; at its (priority, arrival) place otherwise, so a preempted
-    request goes back ahead of later arrivals of its priority."""
-    if policy == "fcfs":
+class SchedulingPolicy:
+    """Who goes first: the order of the waiting queue, whether a waiting request may
+    preempt running ones, which running request is the victim, and whether each step's
+    budget is shared out per tenant. One object per scheduler (the fair policy's keeps
+    the tenants' counters)."""
+
+    name: ClassVar[str]
+    preempts_for_waiting: ClassVar[bool] = False   # a waiting request may take a running one's place
+    shares_budget: ClassVar[bool] = False          # per-tenant quotas of each step's tokens
+
+    def enqueue(self, waiting: deque[Request], request: Request, front: bool = False) -> None:
+        """Put a request into the waiting queue: a new one, or a preempted one (``front``)."""
+        # Equal keys keep their order: a new request goes after its equals, and a preempted
+        # one goes back ahead of later arrivals of its priority.
+        bisect.insort_right(waiting, request, key=queue_key)
+
+    def victim(self, running: list[Request]) -> Request:
+        """The running request to preempt: the most recently admitted one."""
+        return running[-1]
+
+
+class Fcfs(SchedulingPolicy):
+    """Arrival order; a preempted request goes back to the front."""
+
+    name = "fcfs"
+
+    def enqueue(self, waiting: deque[Request], request: Request, front: bool = False) -> None:
         if front:
             waiting.appendleft(request)
         else:
             waiting.append(request)
-        return
-    # Equal keys keep their order: a new request goes after its equals.
-    bisect.insort_right(waiting, request, key=queue_key)
+
+
+class Priority(SchedulingPolicy):
+    """(priority, arrival) order, lower first; preempts strictly lower priorities; the
+    victim is the lowest-priority running request (latest arrival among equals)."""
+
+    name = "priority"
+    preempts_for_waiting = True
+
+    def victim(self, running: list[Request]) -> Request:
+        return max(running, key=queue_key)
+
+
+class Fair(SchedulingPolicy):
+    """Each step's budget shared across tenants by weight, admission by virtual token
+    counters (``FairShare``); the queue within a tenant in (priority, arrival) order."""
+
+    name = "fair"
+    shares_budget = True
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {cls.name: cls for cls in (Fcfs, Priority, Fair)}
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return POLICIES[name]()
 
 
 def weighted_shares(budget: int, weights: dict[str, float], demands: dict[str, int] | None = None) -> dict[str, int]:

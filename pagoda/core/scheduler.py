@@ -30,14 +30,14 @@ from typing import Iterable
 from pagoda.core.host_pool import HostBlockPool
 from pagoda.core.kv_cache_manager import KVCacheManager, block_ids_of
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
-from pagoda.core.sched_policy import POLICIES, FairShare, enqueue, queue_key, tenant_of
+from pagoda.core.sched_policy import POLICIES, FairShare, make_policy, queue_key, tenant_of
 from pagoda.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from pagoda.request import Request, RequestStatus
+from pagoda.core.request import Request, RequestStatus
 from pagoda.tenants import TenantSpec
 from pagoda.validation import RequestLimits, admission_check
 
@@ -123,7 +123,7 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * config.num_speculative_tokens
-        self.policy = config.policy
+        self.policy = make_policy(config.policy)
         # What add_request re-checks (pagoda/validation.py): the front ends validated already.
         self.limits = RequestLimits(config.max_model_len, config.vocab_size, config.policy, config.max_loras > 0)
         self.fair = FairShare(config.tenants)
@@ -145,7 +145,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.fair.on_add(tenant_of(request))
-        enqueue(self.waiting, request, self.policy)
+        self.policy.enqueue(self.waiting, request)
 
     def check_request(self, request: Request) -> None:
         """``add_request``'s checks alone (a request that waits for its KV first checks early)."""
@@ -229,7 +229,7 @@ class Scheduler:
         request.long_prefill_end = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        enqueue(self.waiting, request, self.policy, front=True)
+        self.policy.enqueue(self.waiting, request, front=True)
 
     def _swap_space_for(self, request: Request, num_blocks: int) -> list[int] | None:
         """``num_blocks`` host blocks for the victim's computed KV, or None to recompute it."""
@@ -244,9 +244,7 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         """The running request to preempt: the most recently admitted one, or under
         the priority policy the lowest-priority one (latest arrival among equals)."""
-        if self.policy == "priority":
-            return max(self.running, key=queue_key)
-        return self.running[-1]
+        return self.policy.victim(self.running)
 
     def _grammar_ready(self, request: Request) -> bool:
         """True once the request's grammar (if any) is compiled. A failed
@@ -298,7 +296,7 @@ class Scheduler:
             # Swapped in by the last step, whose copies are done.
             self.host.free(self._host_release)
             self._host_release = []
-        if self.policy == "fair":
+        if self.policy.shares_budget:
             # What each tenant could use this step: its running requests' remaining tokens
             # and its waiting requests' prompts (an upper bound; the top-up evens it out).
             demand: dict[str, int] = {}
@@ -354,7 +352,7 @@ class Scheduler:
         # 2. Waiting requests while budget, seats and blocks last. Nothing new is
         # admitted in a step that had to preempt a running request to continue.
         if not step.preempted:
-            if self.policy == "fair":
+            if self.policy.shares_budget:
                 self._admit_fair(step)
             else:
                 self._admit_in_order(step)
@@ -464,7 +462,7 @@ class Scheduler:
         """Admit ``request`` (just taken off the waiting queue) if a seat, budget and
         blocks allow; under the priority policy, preempting lower-priority running
         requests for them. False, changing nothing for it, if it cannot run now."""
-        priority = self.policy == "priority"
+        priority = self.policy.preempts_for_waiting
         while len(self.running) >= self.config.max_num_seqs:
             if not (priority and self._preempt_lower(request, step)):
                 return False

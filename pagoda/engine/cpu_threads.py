@@ -77,6 +77,23 @@ def available() -> bool:
         return False
 
 
+def governed_threads(requested: int | None) -> tuple[int, int] | None:
+    """(low, high): the range the engine's ``ThreadGovernor`` moves its torch threads in
+    (below), or None for a fixed count (``cpu_threads_policy``):
+    when ``--num-threads`` or ``OMP_NUM_THREADS`` says how many, on one core and off
+    Linux. Else every core while the machine is otherwise idle, and one less (at least
+    one) while other processes want a core."""
+    if requested is not None or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+    if cores < 2 or not available():
+        return None
+    return max(1, cores - 1), cores
+
+
 class ThreadGovernor:
     """Sets the engine's thread count between ``low`` and ``high`` after each step
     (``step_done``), from the machine's contention over the last window."""

@@ -15,21 +15,23 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.config import EngineConfig, cpu_threads_policy, governed_threads, keep_freed_memory
+from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_layout import KVLayout
 from pagoda.core.outputs import EngineCoreOutput
+from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.cpu_threads import governed_threads
 from pagoda.engine.cpu_threads import ThreadGovernor
 from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest, Heartbeat
+from pagoda.host import cpu_threads_policy, keep_freed_memory
+from pagoda.hub.stores import model_defaults, resolve_model_path
 from pagoda.lora.errors import LoRAInUseError
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
-from pagoda.model.stores import model_defaults
 from pagoda.pooling import PoolerConfig, resolve_pooler_config, resolve_task
-from pagoda.request import Request, RequestStatus
 from pagoda.validation import WrongTaskError
 from pagoda.worker.cuda_setup import cuda_defaults
 from pagoda.worker.kv_sizing import kv_blocks_for
@@ -64,6 +66,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, collect_stats: bool = True) -> None:
         """``collect_stats``: attach a StepRecord (batch, FLOPs/bytes estimate) to each step's
         outputs and now and then a KV pool picture, for metrics and the dashboard."""
+        config, why = config.resolve_quantization(resolve_model_path(config.model))
+        if why is not None:
+            logger.info(why)
         self.config = config
         device = torch.device(config.device)
         parallel = config.world_size > 1 or config.data_parallel_size > 1
@@ -241,7 +246,7 @@ class EngineCore:
                  draft: LoadedModel | None) -> _KVPlan:
         """How many KV blocks (device and host) this engine holds, and the longest request
         they fit; sets max_model_len, num_blocks, num_host_blocks and logs the memory plan."""
-        # An Ollama model's num_ctx is its default context length (pagoda/model/stores.py).
+        # An Ollama model's num_ctx is its default context length (pagoda/hub/stores.py).
         default_len = model_defaults(config.model).max_model_len
         max_model_len = config.max_model_len or min(default_len or loaded.arch.max_position_embeddings,
                                                     loaded.arch.max_position_embeddings)

@@ -18,8 +18,8 @@ from pagoda.engine.beam_search import (
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
+from pagoda.hub.stores import model_defaults
 from pagoda.lora.request import LoRARequest
-from pagoda.model.stores import model_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.pooling import PoolingParams, placeholder_sampling_params, truncate_prompt
@@ -44,7 +44,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = EngineCore(self.config, collect_stats=False)  # no metrics consumer offline
-        # An Ollama model's params, system prompt and template (pagoda/model/stores.py).
+        # An Ollama model's params, system prompt and template (pagoda/hub/stores.py).
         self.defaults = model_defaults(model)
         self.tokenizer: Tokenizer | None = None
         if not self.config.skip_tokenizer_init:

@@ -22,13 +22,10 @@ from pagoda.outputs import (
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
+    child_request_id,
 )
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
-
-
-def child_request_id(request_id: str, index: int, n: int) -> str:
-    return request_id if n == 1 else f"{index}_{request_id}"
 
 
 def make_core_requests(

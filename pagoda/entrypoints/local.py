@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.model.stores import ModelDefaults
+    from pagoda.hub.stores import ModelDefaults
 
 HELP = """Available commands:
   /set parameter NAME VALUE   Set a sampling parameter for the next replies: temperature, top_p,
@@ -78,7 +78,7 @@ class TerminalChat:
 
     def set_parameter(self, name: str, text: str) -> None:
         """``/set parameter NAME VALUE`` (Ollama's parameter names); ValueError for a bad one."""
-        from pagoda.model.stores import ollama_params
+        from pagoda.hub.stores import ollama_params
 
         try:
             value = json.loads(text)
@@ -210,7 +210,7 @@ def _repl(loop: asyncio.AbstractEventLoop, chat: TerminalChat) -> int:
 
 def cmd_run(args: argparse.Namespace, config) -> int:
     from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.model.stores import model_defaults
+    from pagoda.hub.stores import model_defaults
 
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
@@ -262,7 +262,7 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from pagoda.model.stores import (
+    from pagoda.hub.stores import (
         hf_hub_cache,
         list_models,
         models_folder,

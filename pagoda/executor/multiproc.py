@@ -32,7 +32,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from pagoda.config import EngineConfig, torchrun_rank
+from pagoda.config import EngineConfig
+from pagoda.host import torchrun_rank
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.distributed.group import DistributedError, RankGroups, rendezvous_store
 

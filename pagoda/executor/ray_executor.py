@@ -26,7 +26,8 @@ import uuid
 from types import ModuleType
 from typing import Any
 
-from pagoda.config import RAY_MISSING, EngineConfig
+from pagoda.config import EngineConfig
+from pagoda.host import RAY_MISSING
 
 logger = logging.getLogger(__name__)
 

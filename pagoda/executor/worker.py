@@ -77,7 +77,7 @@ def _exit_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagoda.config import torchrun_rank
+    from pagoda.host import torchrun_rank
 
     p = argparse.ArgumentParser(prog="python -m pagoda.executor.worker")
     p.add_argument("--rank", type=int, default=None)

@@ -4,21 +4,22 @@ A prefill instance (``pagoda serve --kv-role prefill``) computes a request's pro
 its first token and keeps the request's KV blocks pinned ("parked") under a transfer id
 instead of decoding on. A decode instance (``--kv-role decode``) fetches those blocks into
 free blocks of its own pool and decodes from the first token on, as if it had computed the
-prompt itself. ``pagoda router`` (pagoda/kv_transfer/router.py) runs the two halves of one
-client request on a prefill and a decode instance and streams the decode instance's answer.
+prompt itself. ``pagoda router`` (pagoda/entrypoints/kv_transfer/router.py) runs the two
+halves of one client request on a prefill and a decode instance and streams the decode
+instance's answer.
 
 The modules:
 
-- ``params``     what a request carries (``kv_transfer_params``) and an instance's
-                 ``--kv-transfer-config``; no torch, imported by SamplingParams and EngineConfig
 - ``blocks``     a KV cache's blocks as byte rows: layout checks, gather, install
 - ``connector``  the KV connector: ``KVSender`` (prefill side: parked blocks served on a
                  ZMQ endpoint) and ``KVReceiver`` (decode side: fetches), over one of two
                  payload transports, shared memory (one host) or TCP frames (any hosts)
 - ``engine``     the engine core's side: parking, fetching, and handing arrived requests
                  to the scheduler (``PDTransfer``)
-- ``api``        ``GET /v1/kv_transfer/info`` on an instance with a KV role
-- ``router``     the router's app and ``pagoda router``
+
+What a request carries (``kv_transfer_params``) and an instance's ``--kv-transfer-config``
+are options: pagoda/config/kv_transfer.py. The HTTP side (``GET /v1/kv_transfer/info`` and the router) is an entry point:
+pagoda/entrypoints/kv_transfer/.
 
 docs/parallel.md ("Prefill-decode disaggregation") says how to run it and what happens on failure.
 """

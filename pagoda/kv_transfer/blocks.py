@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagoda.model.kv_quant import QuantizedKVCache
+from pagoda.attention.kv_quant import QuantizedKVCache
 
 LayerCache = Any  # torch.Tensor | QuantizedKVCache
 

@@ -46,7 +46,7 @@ import zmq
 import zmq.utils.monitor
 
 from pagoda.kv_transfer.blocks import LayerCache, cache_parts, gather_into, install, layout_of, part_views, row_bytes
-from pagoda.kv_transfer.params import check_tcp_address
+from pagoda.config.kv_transfer import check_tcp_address
 from pagoda.kv_transfer.wire import FetchRequest, TransferError, TransferMeta, encode as _encode, machine_id
 
 logger = logging.getLogger(__name__)

@@ -31,13 +31,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from pagoda.config.kv_transfer import KVTransferConfig
 from pagoda.core.kv_cache_manager import cdiv
 from pagoda.core.outputs import EngineCoreOutput
+from pagoda.core.request import Request, RequestStatus
 from pagoda.kv_transfer.blocks import LayerCache, cache_parts
 from pagoda.kv_transfer.connector import FetchFailed, KVReceiver, KVSender, ReceivedKV
 from pagoda.kv_transfer.wire import TransferMeta
-from pagoda.kv_transfer.params import KVTransferConfig
-from pagoda.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
-from pagoda.core.outputs import SchedulerStats, StepRecord
-from pagoda.engine.output_processor import child_request_id
-from pagoda.engine.messages import EngineCoreOutputs
+from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, StepRecord
 from pagoda.metrics.histogram import (
     INTER_TOKEN_BUCKETS,
     LATENCY_BUCKETS,
@@ -31,7 +29,20 @@ from pagoda.metrics.histogram import (
     buckets_1_2_5,
     buckets_pow2,
 )
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import RequestOutput, child_request_id
+
+
+class EngineOutputs(Protocol):
+    """What the metrics read of one message from the engine core (the engine's
+    ``EngineCoreOutputs`` or ``Heartbeat``; the metrics sit below the engine)."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None
+    timestamp: float
+    step: StepRecord | None
+    kv_block_map: str | None
+    expert_load: list[list[int]] | None
+
 
 HISTORY_STEPS = 400           # steps kept for the dashboard's timeline
 SERIES_INTERVAL_S = 0.25      # queue / KV usage sampled at most this often
@@ -167,7 +178,7 @@ class EngineMetrics:
         by_priority.requests += 1
         self._requests[request_id] = _RequestState(arrival, num_prompt_tokens, by_tenant, by_priority)
 
-    def on_engine_outputs(self, msg: EngineCoreOutputs, now: float) -> None:
+    def on_engine_outputs(self, msg: EngineOutputs, now: float) -> None:
         """One message from the engine core: a step's outputs, a heartbeat, or aborts."""
         if msg.scheduler_stats is not None:
             self.stats = stats = msg.scheduler_stats

@@ -15,9 +15,9 @@ from pagoda.metrics.cost import step_cost
 
 if TYPE_CHECKING:
     from pagoda.core.block_pool import BlockPool
+    from pagoda.core.request import Request
     from pagoda.core.sched_output import SchedulerOutput
     from pagoda.metrics.cost import ArchLike
-    from pagoda.request import Request
 
 # At most this many blocks are sampled for the pool picture: exact for small pools,
 # evenly strided for big ones, so the cost stays bounded (~0.3 ms) whatever the size.

@@ -14,15 +14,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from pagoda.config import PIPELINE_MODES
+from pagoda.config.engine import PIPELINE_MODES, auto_quantization
+from pagoda.hub.paths import ModelLoadError
+from pagoda.hub.stores import resolve_model_path
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.gguf_tensors import copy_rows, load_tensor, tensor_rows
 from pagoda.model.hf_quant import QuantMethod, method_for
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.parallel import EXPERT_NAME, Collectives, ShardPlan, checkpoint_name
 from pagoda.model.layers.pipeline import StageLink, StagePlan
 from pagoda.model.models import model_class
-from pagoda.model.paths import ModelLoadError, default_model_path  # noqa: F401 (re-exported)
-from pagoda.model.stores import resolve_model_path
 from pagoda.ops import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -88,10 +89,12 @@ def load_model(
     (pagoda/model/layers/pipeline.py): other stages' tensors are never read."""
     from pagoda.model.layers.quantization import QUANTIZATION_MODES, calibration_token_ids, quantize_model
 
-    if quantization not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {quantization!r}")
     path = resolve_model_path(model)
     device = torch.device(device)
+    if quantization == "auto":
+        quantization, _ = auto_quantization(path, str(device), str(dtype).removeprefix("torch."))
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {quantization!r}")
     tp = None if tp_group is None else _TP(tp_group, tp_rank, expert_parallel, quantization)
     if pipe is not None and quantization not in PIPELINE_MODES:
         raise ValueError(f"--quantization {quantization} is not supported with pipeline parallelism "
@@ -463,7 +466,7 @@ CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors
 def _read_gguf(path: str):
     """(the open file, its architecture, its GGUF -> HF names, the family's model built on
     the meta device) for a GGUF model file."""
-    from pagoda.model.gguf_file import GGUFFile
+    from pagoda.hub.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
     # Tensors that are configuration (LongRoPE's factors): read into the metadata the
@@ -471,7 +474,7 @@ def _read_gguf(path: str):
     md = dict(gf.metadata)
     for name in CONFIG_TENSORS:
         if name in gf.tensors:
-            md[name] = gf.load_tensor(name, dtype=torch.float32).flatten().tolist()
+            md[name] = load_tensor(gf, name, dtype=torch.float32).flatten().tolist()
     arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
@@ -499,7 +502,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
                 continue
             if stage is not None and not stage.holds(hf_name[0] if isinstance(hf_name, list) else hf_name):
                 continue   # another pipeline stage's: not read
-            t = gf.load_tensor(gguf_name, dtype=torch.float32)
+            t = load_tensor(gf, gguf_name, dtype=torch.float32)
             if isinstance(hf_name, list):   # a layer's experts, stacked
                 _check_experts(path, gguf_name, tuple(t.shape), len(hf_name))
                 yield from ((n, t[e].to(dtype)) for e, n in enumerate(hf_name))
@@ -582,11 +585,11 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
             _check_experts(path, gguf_name, info.shape, len(hf_name))
             held = [(e, n) for e, n in enumerate(hf_name) if plan is None or plan.holds(n)]
             if len(info.shape) == 2:   # their biases (GPT-OSS): [experts, rows]
-                t = gf.load_tensor(gguf_name, dtype=torch.float32)
+                t = load_tensor(gf, gguf_name, dtype=torch.float32)
                 floats.update((n, narrow(n, t[e])) for e, n in held)
                 continue
             _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
-            rows, data = info.shape[1], gf.tensor_rows(gguf_name)
+            rows, data = info.shape[1], tensor_rows(gf, gguf_name)
             for e, n in held:
                 module, shard = slots[n]
                 blocks.setdefault(module, {})[shard] = narrow(n, BlockWeight(data[e * rows:(e + 1) * rows],
@@ -597,11 +600,11 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
         if slot is not None:
             _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
             mapped = proj not in heads
-            data = gf.tensor_rows(gguf_name) if mapped else unpermute_rope(gf.copy_rows(gguf_name), heads[proj])
+            data = tensor_rows(gf, gguf_name) if mapped else unpermute_rope(copy_rows(gf, gguf_name), heads[proj])
             w = BlockWeight(data, info.ggml_type, info.shape[1], mapped)
             blocks.setdefault(slot[0], {})[slot[1]] = narrow(hf_name, w)
             continue
-        t = gf.load_tensor(gguf_name, dtype=torch.float32)
+        t = load_tensor(gf, gguf_name, dtype=torch.float32)
         if proj in heads and hf_name.endswith(".bias"):
             t = unpermute_rope(t, heads[proj])
         floats[hf_name] = narrow(hf_name, t)

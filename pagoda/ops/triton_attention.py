@@ -3,7 +3,7 @@
 One layer's cache is ``cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K,
 1 = V) in float32 / float16 / bfloat16, or 8-bit (int8, or uint8 holding float8_e4m3fn
 bytes) with ``scales[2, num_blocks, block_size, num_kv_heads]`` float32 (value = stored *
-scale, one scale per token per KV head, see ``pagoda.model.kv_quant``).
+scale, one scale per token per KV head, see ``pagoda.attention.kv_quant``).
 
 - ``store_kv``: writes new tokens' K and V into their slots (``block_id * block_size +
   offset``), quantizing bit for bit like ``QuantizedKVCache.write`` for an 8-bit cache.

@@ -9,12 +9,12 @@ scheduler rolls back what was rejected.
 from __future__ import annotations
 
 from pagoda.lazy import lazy_exports
-from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.config.speculative import SpeculativeConfig
 
 __all__ = ["DraftRequest", "ModelDraftProposer", "NgramProposer", "Proposer", "SpeculativeConfig",
            "build_proposer", "check_draft_model", "draft_kv_caches"]
 
-# Everything but the config needs torch (pagoda.config imports the config).
+# Everything but the config (pagoda/config/speculative.py) needs torch.
 __getattr__ = lazy_exports(__name__, {
     "DraftRequest": "proposer", "ModelDraftProposer": "proposer", "Proposer": "proposer",
     "NgramProposer": "ngram", "build_proposer": "build", "check_draft_model": "build", "draft_kv_caches": "build",

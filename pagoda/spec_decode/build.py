@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.config.speculative import SpeculativeConfig
 from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.spec_decode.proposer import ModelDraftProposer, Proposer
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.config import EngineConfig, available_memory_bytes
+from pagoda.config import EngineConfig
+from pagoda.host import available_memory_bytes
 from pagoda.worker.model_runner import kv_cache_bytes_per_block
 
 # Default KV budget on CPU: this share of available memory, at most this much.

@@ -17,11 +17,11 @@ import torch
 
 from pagoda.attention import select_backend
 from pagoda.attention.cpu import CpuBackend
+from pagoda.attention.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.core.kv_layout import KVLayout
 from pagoda.core.outputs import TokenLogprobs
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
-from pagoda.model.kv_quant import QuantizedKVCache, storage_dtype
 from pagoda.model.layers import decode_stack
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.pooling import PoolerConfig, PoolingParams

@@ -53,8 +53,8 @@ DEAD = "engine core process exited with code -9"
 
 @lru_cache(maxsize=1)
 def load_tokenizer() -> Tokenizer:
-    from pagoda.model.gguf_file import GGUFFile
-    from pagoda.model.loader import default_model_path
+    from pagoda.hub.gguf_file import GGUFFile
+    from pagoda.hub.paths import default_model_path
 
     return Tokenizer.from_gguf_metadata(GGUFFile(default_model_path()).metadata)
 

@@ -253,7 +253,7 @@ def test_run_stopped_reply_gives_every_block_back(stores):
     from pagoda.config import EngineConfig
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.local import TerminalChat, add_run_args
-    from pagoda.model.stores import model_defaults
+    from pagoda.hub.stores import model_defaults
 
     parser = argparse.ArgumentParser()
     add_run_args(parser)

@@ -1,4 +1,4 @@
-"""A model's own defaults (an Ollama model's params and system layers, pagoda/model/stores.py)
+"""A model's own defaults (an Ollama model's params and system layers, pagoda/hub/stores.py)
 apply in every dialect where a request leaves the field unset, and the request's own
 fields win: chat, Ollama, Anthropic and Responses, over the fake engine."""
 
@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 
-from pagoda.model.stores import ModelDefaults
+from pagoda.hub.stores import ModelDefaults
 from tests.e2e.conftest import MODEL
 from tests.e2e.fake_engine import FakeEngine
 from tests.e2e.server_utils import RunningServer, running_server

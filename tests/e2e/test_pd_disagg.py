@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from pagoda.config import EngineConfig
-from pagoda.kv_transfer.router import PDRouter, build_router_app
+from pagoda.entrypoints.kv_transfer.router import PDRouter, build_router_app
 from tests.e2e.server_utils import running_server, sse_events
 
 MODEL = "smollm2"

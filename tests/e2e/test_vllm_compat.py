@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.model.loader import default_model_path
+from pagoda.hub.paths import default_model_path
 from tests.e2e.conftest import MODEL
 from tests.e2e.fake_engine import FakeEngine
 from tests.e2e.server_utils import running_server, sse_events

@@ -12,6 +12,7 @@ from torch import nn
 
 from pagoda.core.block_hash import request_extra_keys
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAModuleWeights, load_adapter
 from pagoda.lora.layers import LoRABatch, LoRALinear
@@ -19,7 +20,6 @@ from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.models.llama import LlamaForCausalLM
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from tests.lora.helpers import make_adapter
 from tests.unit.test_scheduler import run_to_completion, step

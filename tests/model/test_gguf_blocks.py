@@ -15,10 +15,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagoda.bench.gguf_files import ModelShape, write_model
-from pagoda.model.gguf_file import GGUFFile
+from pagoda.hub.gguf_file import GGUFFile
+from pagoda.hub.paths import ModelLoadError
 from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
 from pagoda.model.layers.quantization import quantize_model
-from pagoda.model.loader import ModelLoadError, _load_gguf, load_model
+from pagoda.model.loader import _load_gguf, load_model
 from pagoda.ops import cpu_kernels
 from tests.model.test_reference import pagoda_prompt_logits
 

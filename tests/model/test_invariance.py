@@ -48,8 +48,9 @@ def _run(prompts, **engine_kwargs):
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from pagoda.model.loader import LoadedModel, default_model_path
-    from pagoda.model.gguf_file import GGUFFile
+    from pagoda.hub.gguf_file import GGUFFile
+    from pagoda.hub.paths import default_model_path
+    from pagoda.model.loader import LoadedModel
     from pagoda.tokenizer import build_tokenizer
 
     md = GGUFFile(default_model_path()).metadata

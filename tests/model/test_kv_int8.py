@@ -7,10 +7,10 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention import AttentionMetadata
+from pagoda.attention.kv_quant import QuantizedKVCache
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.messages import EngineCoreRequest
-from pagoda.model.kv_quant import QuantizedKVCache
 from tests.model.helpers import compare_greedy
 from tests.model.test_swap import poison
 from tests.model.test_reference import CHATS

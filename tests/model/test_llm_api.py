@@ -9,9 +9,9 @@ import os
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.hub.gguf_file import GGUFError
+from pagoda.hub.paths import ModelLoadError
 from pagoda.model.arch import UnsupportedModelError
-from pagoda.model.gguf_file import GGUFError
-from pagoda.model.loader import ModelLoadError
 
 
 @pytest.fixture(scope="module")

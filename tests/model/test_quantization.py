@@ -114,16 +114,17 @@ def test_q4_keeps_the_gguf_4bit_values():
     """The default GGUF stores its projections as Q4_1: re-quantizing the
     dequantized fp32 weights recovers the same 4-bit grid, so q4 mode computes
     with the file's own values (to float rounding)."""
-    from pagoda.model.gguf_file import GGUFFile
+    from pagoda.hub.gguf_file import GGUFFile
+    from pagoda.hub.paths import default_model_path
+    from pagoda.model.gguf_tensors import load_tensor
     from pagoda.model.layers.quantization import q4_dequantize, q4_quantize
-    from pagoda.model.loader import default_model_path
 
     f = GGUFFile(default_model_path())
     name = "blk.0.ffn_down.weight"
     info = f.tensors[name]
     if info.ggml_type.name != "Q4_1":
         pytest.skip(f"{name} is {info.ggml_type.name} in this file, not Q4_1")
-    original = f.load_tensor(name)
+    original = load_tensor(f, name)
     ours = q4_dequantize(*q4_quantize(original))
     torch.testing.assert_close(ours, original, rtol=0, atol=1e-5)
 

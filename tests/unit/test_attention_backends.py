@@ -11,10 +11,10 @@ import torch
 
 from pagoda.attention import AttentionMetadata, paged_attention, select_backend
 from pagoda.attention.cpu import CpuBackend
+from pagoda.attention.kv_quant import QuantizedKVCache
 from pagoda.attention.selector import AttentionBackendError
 from pagoda.attention.torch_ref import TorchBackend
 from pagoda.config import EngineConfig
-from pagoda.model.kv_quant import QuantizedKVCache
 from pagoda.ops import cpu_kernels
 
 CPU = torch.device("cpu")

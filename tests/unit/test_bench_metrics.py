@@ -281,9 +281,9 @@ def test_roofline_steps_run_on_the_engines_kv_cache(tiny_llama_dir, default_mode
     """The roofline times steps against the KV cache the engine would use (float16 in the
     quantized modes, 8 bits with scales for --kv-cache-dtype int8) and counts its bytes.
     (int8 calibrates on a text, so it needs a model with a tokenizer: the default one.)"""
+    from pagoda.attention.kv_quant import QuantizedKVCache
     from pagoda.bench.roofline import StepTimer
     from pagoda.config import EngineConfig
-    from pagoda.model.kv_quant import QuantizedKVCache
 
     model = default_model_path if quantization == "int8" else tiny_llama_dir
     config = EngineConfig(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype)

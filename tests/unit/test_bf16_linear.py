@@ -92,7 +92,7 @@ def test_dtype_bfloat16_on_cpu_is_the_bf16_mode():
     assert (c.quantization, c.dtype) == ("bf16", "float32")
     assert c.resolved_kv_cache_dtype == "float16"
     assert EngineConfig(quantization="bf16").quantization == "bf16"
-    with pytest.raises(ValueError, match="does not combine with --quantization int8"):
+    with pytest.raises(ValueError, match="cannot be combined with --quantization int8"):
         EngineConfig(dtype="bf16", quantization="int8")
     with pytest.raises(ValueError, match="on a GPU use --dtype bfloat16"):
         EngineConfig(quantization="bf16", dtype="float16")

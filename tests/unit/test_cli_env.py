@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.entrypoints.cli import build_parser, env_defaults
+from pagoda.config.options import apply_environment
+from pagoda.entrypoints.cli import build_parser, parse_args
 
 
 def serve_args(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], *argv: str) -> argparse.Namespace:
@@ -20,7 +21,7 @@ def serve_args(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], *argv: str)
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return build_parser(with_bench_commands=False).parse_args(["serve", *argv])
+    return parse_args(build_parser(with_bench_commands=False), ["serve", *argv])
 
 
 def test_variables_are_typed_flag_defaults(monkeypatch):
@@ -42,7 +43,7 @@ def test_the_command_line_wins_and_empty_means_unset(monkeypatch):
     args = serve_args(monkeypatch, {"PAGODA_PORT": "9000", "PAGODA_QUANTIZATION": "", "PAGODA_MODEL": "/env.gguf"},
                       "/cli.gguf", "--port", "8001")
     assert args.port == 8001 and args.model == "/cli.gguf"
-    assert args.quantization == "none"   # the flag's own default
+    assert args.quantization == "auto"   # the flag's own default
 
 
 @pytest.mark.parametrize("env, message", [
@@ -60,7 +61,7 @@ def test_a_bad_value_names_the_variable(monkeypatch, capsys, env, message):
 def test_variables_naming_no_flag_are_left_alone():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
-    env_defaults(parser, {"PAGODA_CPU_ISA": "avx2", "PAGODA_THREADS": "3"})
+    apply_environment(parser, {"PAGODA_CPU_ISA": "avx2", "PAGODA_THREADS": "3"})
     assert vars(parser.parse_args([])) == {"threads": 3}
 
 

@@ -576,7 +576,7 @@ def test_int8_cache_decode_and_write(heads, kv_heads, head_dim):
     exactly as QuantizedKVCache.write does (values and per-token scales), and decode
     attention over it equals the float32 reference on the dequantized values, whatever
     the batch. (6, 2, 12) takes the generic path."""
-    from pagoda.model.kv_quant import QuantizedKVCache
+    from pagoda.attention.kv_quant import QuantizedKVCache
 
     torch.manual_seed(heads)
     d = head_dim
@@ -616,7 +616,7 @@ def test_int8_cache_kernel_path_equals_gather_path():
     """paged_attention over an int8 cache: the in-place kernel (K/V written by the
     caller, as the model's fused op does) and the gather path give the same outputs
     for a mixed batch, and the same cache."""
-    from pagoda.model.kv_quant import QuantizedKVCache
+    from pagoda.attention.kv_quant import QuantizedKVCache
 
     heads, kv_heads, d, bs = 6, 2, 16, 4
     query_lens, context_lens = [1, 1, 3], [6, 2, 5]

@@ -8,7 +8,7 @@ import pytest
 
 SCRIPT = r"""
 import resource, sys, torch
-from pagoda.config import keep_freed_memory
+from pagoda.host import keep_freed_memory
 if sys.argv[1] == "1":
     applied = keep_freed_memory()
 else:  # glibc's starting point, fixed (its dynamic threshold depends on history)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pagoda.config import governed_threads
+from pagoda.engine.cpu_threads import governed_threads
 from pagoda.engine import cpu_threads
 from pagoda.engine.cpu_threads import CpuSample, ThreadGovernor
 

@@ -1,4 +1,5 @@
-"""Tests for pagoda.model.gguf_file: our GGUF reader against the reference `gguf` package."""
+"""Tests for pagoda.hub.gguf_file (and pagoda.model.gguf_tensors, its tensors in torch): our GGUF
+reader against the reference `gguf` package."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from pagoda.model.gguf_file import SUPPORTED_TYPES, GGUFError, GGUFFile, GGUFTensorInfo
+from pagoda.hub.gguf_file import SUPPORTED_TYPES, GGUFError, GGUFFile, GGUFTensorInfo
+from pagoda.model.gguf_tensors import load_tensor
 
 
 def _default_model_path() -> str:
@@ -92,7 +94,7 @@ def test_tensors_dequantize_like_gguf(ours: GGUFFile, reference: gguf.GGUFReader
     for name in names:
         ref = by_name[name]
         expected = gguf.quants.dequantize(ref.data, ref.tensor_type).reshape(ours.tensors[name].shape)
-        got = ours.load_tensor(name)
+        got = load_tensor(ours, name)
         assert got.dtype == torch.float32 and got.is_contiguous()
         assert tuple(got.shape) == ours.tensors[name].shape
         np.testing.assert_array_equal(got.numpy(), expected, err_msg=name)
@@ -100,18 +102,18 @@ def test_tensors_dequantize_like_gguf(ours: GGUFFile, reference: gguf.GGUFReader
 
 def test_load_tensor_owns_memory_and_converts_dtype(ours: GGUFFile) -> None:
     name = "blk.0.attn_norm.weight"  # F32: the path most likely to alias the file mapping
-    a = ours.load_tensor(name)
+    a = load_tensor(ours, name)
     a.add_(1.0)  # must be writable, and must not write through to the file
-    b = ours.load_tensor(name)
+    b = load_tensor(ours, name)
     torch.testing.assert_close(a - 1.0, b)
-    half = ours.load_tensor("blk.0.attn_k.weight", dtype=torch.float16)
+    half = load_tensor(ours, "blk.0.attn_k.weight", dtype=torch.float16)
     assert half.dtype == torch.float16 and half.shape == (192, 576)
-    torch.testing.assert_close(half.float(), ours.load_tensor("blk.0.attn_k.weight"), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(half.float(), load_tensor(ours, "blk.0.attn_k.weight"), rtol=1e-3, atol=1e-3)
 
 
 def test_missing_tensor_and_missing_file(ours: GGUFFile, tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="nope"):
-        ours.load_tensor("nope")
+        load_tensor(ours, "nope")
     with pytest.raises(FileNotFoundError):
         GGUFFile(tmp_path / "absent.gguf")
 
@@ -190,13 +192,13 @@ def test_float_tensors_round_trip(tmp_path: Path, alignment: int | None) -> None
     assert all(info.offset % f.alignment == 0 for info in f.tensors.values())
     assert f.tensors["f32"].shape == (3, 5, 7) and f.tensors["f32"].ggml_type == T.F32
     assert f.tensors["bf16"].shape == (2, 8) and f.tensors["bf16"].ggml_type == T.BF16
-    np.testing.assert_array_equal(f.load_tensor("f32").numpy(), f32)
-    np.testing.assert_array_equal(f.load_tensor("f16").numpy(), f16.astype(np.float32))
-    np.testing.assert_array_equal(f.load_tensor("vec").numpy(), vec)
-    np.testing.assert_array_equal(f.load_tensor("bf16").numpy(), gguf.quants.dequantize(bf16_bytes, T.BF16))
+    np.testing.assert_array_equal(load_tensor(f, "f32").numpy(), f32)
+    np.testing.assert_array_equal(load_tensor(f, "f16").numpy(), f16.astype(np.float32))
+    np.testing.assert_array_equal(load_tensor(f, "vec").numpy(), vec)
+    np.testing.assert_array_equal(load_tensor(f, "bf16").numpy(), gguf.quants.dequantize(bf16_bytes, T.BF16))
     # BF16 keeps the top 16 bits of each float32, so it is within 2^-8 relative.
-    np.testing.assert_allclose(f.load_tensor("bf16").numpy(), bf16, rtol=2**-8)
-    assert f.load_tensor("f16", dtype=torch.float16).dtype == torch.float16
+    np.testing.assert_allclose(load_tensor(f, "bf16").numpy(), bf16, rtol=2**-8)
+    assert load_tensor(f, "f16", dtype=torch.float16).dtype == torch.float16
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
@@ -210,7 +212,7 @@ def test_block_quantized_round_trip(tmp_path: Path, qtype: T) -> None:
     f = GGUFFile(path)
     assert f.tensors["w"].shape == (2, 3, 64) and f.tensors["w"].ggml_type == qtype
     assert f.tensors["w"].nbytes == packed.nbytes
-    got = f.load_tensor("w").numpy()
+    got = load_tensor(f, "w").numpy()
     np.testing.assert_array_equal(got, gguf.quants.dequantize(packed, qtype))
     bits = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5}[qtype]
     assert np.abs(got - original).max() < 2 * np.abs(original).max() / 2 ** (bits - 1)
@@ -235,7 +237,7 @@ def test_k_quants_match_gguf_dequantize(tmp_path: Path, qtype: T) -> None:
     f = GGUFFile(path)
     assert qtype in SUPPORTED_TYPES
     assert f.tensors["k"].shape == (rows, blocks_per_row * block_size)
-    got = f.load_tensor("k").numpy()
+    got = load_tensor(f, "k").numpy()
     expected = gguf.quants.dequantize(raw, qtype)
     assert np.isfinite(expected).all()
     np.testing.assert_array_equal(got, expected)
@@ -247,7 +249,7 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
     _write(path, {"odd.weight": (np.zeros((2, type_size), dtype=np.uint8), T.IQ4_NL)})
     f = GGUFFile(path)  # opening is fine: the layout is known
     with pytest.raises(GGUFError, match=r"odd\.weight.*IQ4_NL"):
-        f.load_tensor("odd.weight")
+        load_tensor(f, "odd.weight")
 
 
 # ---------------------------------------------------------------------------- broken files
@@ -268,7 +270,7 @@ def test_small_file_is_valid(tmp_path: Path) -> None:
     data = _small_file(tmp_path)
     f = _open_bytes(tmp_path, data)
     assert f.metadata["some.key"] == "value"
-    np.testing.assert_array_equal(f.load_tensor("w").numpy(), np.arange(40, dtype=np.float32).reshape(5, 8))
+    np.testing.assert_array_equal(load_tensor(f, "w").numpy(), np.arange(40, dtype=np.float32).reshape(5, 8))
 
 
 def test_empty_file(tmp_path: Path) -> None:

@@ -24,12 +24,12 @@ from pagoda.bench.hf_quant_files import (
     write_checkpoint,
     write_safetensors,
 )
+from pagoda.hub.paths import ModelLoadError, default_model_path
 from pagoda.model.hf_quant import method_for
 from pagoda.model.hf_quant.awq import unpack_awq
 from pagoda.model.hf_quant.int_groups import unpack_int32
 from pagoda.model.layers.blocks import BlocksEmbedding, BlocksLinear
-from pagoda.model.loader import default_model_path, load_model
-from pagoda.model.paths import ModelLoadError
+from pagoda.model.loader import load_model
 from pagoda.ops import cpu_kernels
 from pagoda.tokenizer import model_tokenizer
 from tests.model.test_reference import pagoda_prompt_logits

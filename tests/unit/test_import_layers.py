@@ -1,8 +1,13 @@
 """The package's layering, read from the source: every ``import`` / ``from ... import``
 in every module under pagoda/, wherever it stands (module level, inside a function, under
-``if TYPE_CHECKING``), relative ones resolved. README.md's "Architecture" section states
+``if TYPE_CHECKING``), relative ones resolved. docs/architecture.md ("Import rules") states
 the rules:
 
+- the house has floors (``FLOORS``, bottom first): a room (a top-level package
+  ``pagoda/X/`` or module ``pagoda/X.py``; ``pagoda`` itself, the package's public face,
+  is one too) imports only rooms on floors below its own, so rooms on one floor import
+  nothing of each other; imports inside a room are free. Every room stands on a floor, and
+  there is no import cycle between rooms;
 - ``pagoda.core`` (the scheduler, KV cache bookkeeping) imports nothing from engine,
   entrypoints, executor, worker or bench;
 - ``pagoda.worker``, ``pagoda.executor`` and ``pagoda.model`` import nothing from engine
@@ -11,7 +16,7 @@ the rules:
   the worker, the executor or the model's layers, families and loader;
 - only ``pagoda.bench`` itself and the CLI's ``pagoda bench`` dispatch
   (``pagoda.entrypoints.cli``) import ``pagoda.bench``;
-- ``pagoda.metrics.overhead`` (a measurement harness, ``python -m``) is imported by nobody;
+- ``pagoda.bench.overhead`` (a measurement harness, ``python -m``) is imported by nobody;
 - no import cycle among pagoda's modules: ``from pagoda.x import y`` is an edge to
   ``pagoda.x``, or to ``pagoda.x.y`` when that is a module.
 """
@@ -35,7 +40,31 @@ LAYER_RULES: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
 ]
 BENCH = "pagoda.bench"
 BENCH_IMPORTERS = ("pagoda.entrypoints.cli",)   # its lazy `pagoda bench` dispatch
-HARNESSES = ("pagoda.metrics.overhead",)        # run as scripts, imported by no module
+HARNESSES = ("pagoda.bench.overhead",)          # run as scripts, imported by no module
+
+# The house, bottom floor first. A room imports only rooms on lower floors (none on its own).
+FLOORS: list[tuple[str, ...]] = [
+    # standard library and third-party packages only
+    ("pagoda.json_options", "pagoda.lazy", "pagoda.outputs", "pagoda.shared_prefix", "pagoda.tenants",
+     "pagoda.host", "pagoda.distributed", "pagoda.ops"),
+    ("pagoda.config",),             # the engine's configuration (no torch)
+    ("pagoda.sampling_params",),
+    # what requests ask for beyond sampling, finding model files, grammars, sampling,
+    # attention over the paged KV cache
+    ("pagoda.pooling", "pagoda.hub", "pagoda.structured_output", "pagoda.sample", "pagoda.attention"),
+    ("pagoda.tokenizer", "pagoda.reasoning"),
+    ("pagoda.model",),
+    ("pagoda.lora", "pagoda.spec_decode"),
+    ("pagoda.validation",),
+    ("pagoda.core",),               # the scheduler and its requests, KV cache bookkeeping
+    ("pagoda.kv_transfer", "pagoda.metrics", "pagoda.worker"),
+    ("pagoda.executor",),
+    ("pagoda.engine",),
+    ("pagoda",),                    # the package's public face: LLM, SamplingParams, ...
+    ("pagoda.bench",),
+    ("pagoda.entrypoints",),        # the CLI (``pagoda bench`` included) and the servers
+]
+FLOOR = {room: i for i, floor in enumerate(FLOORS) for room in floor}
 
 
 @dataclass(frozen=True)
@@ -97,6 +126,11 @@ def _within(name: str, package: str) -> bool:
 
 def _describe(imp: Import) -> str:
     return f"{imp.path}:{imp.line}: {imp.module} imports {imp.target} ({imp.statement})"
+
+
+def _room(name: str) -> str:
+    """The room a module is in: ``pagoda.x`` for ``pagoda.x`` and everything under it."""
+    return ".".join(name.split(".")[:2])
 
 
 def test_the_scan_sees_the_package():
@@ -218,3 +252,36 @@ def test_cycle_finder_finds_a_cycle():
     imp = Import("a", "a.py", 1, "import b", "b")
     edges = {"a": {"b": imp}, "b": {"c": imp}, "c": {"a": imp}, "d": {"a": imp}, "e": {"e": imp}}
     assert sorted(_cycles(edges)) == [["a", "b", "c", "a"], ["e", "e"]]
+
+
+def test_every_room_stands_on_one_floor():
+    """A new package or module at the top of pagoda/ is given its floor; a floor names only rooms there are."""
+    placed = [room for floor in FLOORS for room in floor]
+    rooms = {_room(name) for name in _modules()}
+    assert len(placed) == len(set(placed)), f"rooms on two floors: {sorted({r for r in placed if placed.count(r) > 1})}"
+    assert not rooms - FLOOR.keys(), f"rooms on no floor (add them to FLOORS): {sorted(rooms - FLOOR.keys())}"
+    assert not FLOOR.keys() - rooms, f"FLOORS names rooms that are not there: {sorted(FLOOR.keys() - rooms)}"
+
+
+def test_every_import_goes_down_the_floors():
+    bad = []
+    for imp in _all_imports():
+        here, there = _room(imp.module), _room(imp.target)
+        if here != there and here in FLOOR and there in FLOOR and FLOOR[there] >= FLOOR[here]:
+            bad.append(f"{_describe(imp)}: {here} (floor {FLOOR[here]}) may import only rooms on lower floors, "
+                       f"{there} is on floor {FLOOR[there]}")
+    assert not bad, "imports that do not go down the floors:\n" + "\n".join(bad)
+
+
+def test_no_cycles_between_rooms():
+    edges: dict[str, dict[str, Import]] = {}
+    for imp in _all_imports():
+        here, there = _room(imp.module), _room(imp.target)
+        if here != there:
+            edges.setdefault(here, {}).setdefault(there, imp)
+    cycles = _cycles(edges)
+    report = []
+    for cycle in cycles:
+        report.append(" -> ".join(cycle))
+        report += [f"    {_describe(edges[a][b])}" for a, b in zip(cycle, cycle[1:])]
+    assert not cycles, "import cycles between pagoda's rooms:\n" + "\n".join(report)

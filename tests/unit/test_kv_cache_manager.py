@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
-from pagoda.request import Request
+from pagoda.core.request import Request
 from pagoda.sampling_params import SamplingParams
 
 BS = 16

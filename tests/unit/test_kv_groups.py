@@ -9,9 +9,9 @@ import pytest
 
 from pagoda.core.kv_cache_manager import RELEASED_BLOCK_ID, KVCacheManager, cdiv
 from pagoda.core.kv_layout import KVLayout
+from pagoda.core.request import Request
 from pagoda.core.sched_output import ModelRunnerOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 BS = 4

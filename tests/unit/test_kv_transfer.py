@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
+from pagoda.attention.kv_quant import QuantizedKVCache
+from pagoda.config.kv_transfer import KVTransferConfig, KVTransferParams
 from pagoda.core.outputs import TokenLogprobs
 from pagoda.kv_transfer.blocks import cache_parts
 from pagoda.kv_transfer.connector import FetchFailed, KVReceiver, KVSender, ReceivedKV
 from pagoda.kv_transfer.wire import TransferMeta, release_transfer
-from pagoda.kv_transfer.params import KVTransferConfig, KVTransferParams
-from pagoda.model.kv_quant import QuantizedKVCache
 
 BLOCK = 4
 

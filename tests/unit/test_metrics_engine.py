@@ -7,13 +7,13 @@ import msgspec
 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import StepRecord
+from pagoda.core.request import Request
 from pagoda.core.sched_output import ModelRunnerOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.metrics.cost import step_cost
 from pagoda.metrics.step import StepStatsCollector, kv_block_map
 from pagoda.model.arch import ModelArchConfig
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """Models found by name: the models folder, the Hugging Face cache and Ollama's store
-(pagoda/model/stores.py), written here as their tools write them (tests/fake_stores.py)."""
+(pagoda/hub/stores.py), written here as their tools write them (tests/fake_stores.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from pagoda.config import EngineConfig
 from pagoda.entrypoints.cli import main
 from pagoda.entrypoints.openai.launch import default_served_model_name
-from pagoda.model.paths import ModelLoadError
-from pagoda.model.stores import resolve_model_path
-from pagoda.model.stores import ResolvedModel, list_models, resolve_model
+from pagoda.hub.paths import ModelLoadError
+from pagoda.hub.stores import resolve_model_path
+from pagoda.hub.stores import ResolvedModel, list_models, resolve_model
 from tests.fake_stores import (
     CHATML_MESSAGES_TEMPLATE,
     OLLAMA_PARAMS,

@@ -1,4 +1,4 @@
-"""Ollama's Go chat templates translated to Jinja (pagoda/model/ollama_template.py), and the
+"""Ollama's Go chat templates translated to Jinja (pagoda/hub/ollama_template.py), and the
 choice between a GGUF's own template and an Ollama model's (tokenizer.with_chat_template)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from pagoda.model.gguf_file import GGUFFile
-from pagoda.model.ollama_template import OllamaTemplateError, translate_ollama_template
+from pagoda.hub.gguf_file import GGUFFile
+from pagoda.hub.ollama_template import OllamaTemplateError, translate_ollama_template
 from pagoda.tokenizer import (
     ChatTemplateError,
     Tokenizer,

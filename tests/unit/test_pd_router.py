@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-import pagoda.kv_transfer.router as router_mod
-from pagoda.kv_transfer.router import PDRouter, build_router_app
+import pagoda.entrypoints.kv_transfer.router as router_mod
+from pagoda.entrypoints.kv_transfer.router import PDRouter, build_router_app
 
 P1, P2, D1, D2 = "http://p1", "http://p2", "http://d1", "http://d2"
 

@@ -21,7 +21,7 @@ from pagoda.pooling import (
     placeholder_sampling_params,
     truncate_prompt,
 )
-from pagoda.request import Request, RequestStatus
+from pagoda.core.request import Request, RequestStatus
 from pagoda.validation import (
     InvalidRequestError,
     RequestLimits,

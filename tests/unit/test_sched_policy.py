@@ -9,10 +9,10 @@ from collections import deque
 import pytest
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagoda.core.sched_policy import FairShare, enqueue, weighted_shares
+from pagoda.core.sched_policy import POLICIES, FairShare, make_policy, weighted_shares
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
-from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.tenants import TenantSpec
 
@@ -86,13 +86,23 @@ def test_priority_queue_orders_by_priority_then_arrival() -> None:
     reqs = [Request(f"r{i}", [1], params, arrival_time=float(t), priority=p)
             for i, (p, t) in enumerate([(5, 1), (0, 2), (5, 0.5), (0, 3), (-1, 9)])]  # fmt: skip
     for r in reqs:
-        enqueue(q, r, "priority")
+        make_policy("priority").enqueue(q, r)
     assert [r.request_id for r in q] == ["r4", "r1", "r3", "r2", "r0"]
+    assert make_policy("priority").victim(list(reqs)).request_id == "r0"   # lowest priority, latest arrival
+    assert make_policy("fcfs").victim(list(reqs)).request_id == "r4"       # the last admitted
     fcfs: deque[Request] = deque()
     for r in reqs:
-        enqueue(fcfs, r, "fcfs")
-    enqueue(fcfs, reqs[3], "fcfs", front=True)
+        make_policy("fcfs").enqueue(fcfs, r)
+    make_policy("fcfs").enqueue(fcfs, reqs[3], front=True)
     assert [r.request_id for r in fcfs][:2] == ["r3", "r0"]
+
+
+def test_the_policies_are_the_options_choices() -> None:
+    from pagoda.config import SCHEDULING_POLICIES
+
+    assert tuple(POLICIES) == SCHEDULING_POLICIES
+    with pytest.raises(ValueError, match="must be one of fcfs, priority, fair"):
+        make_policy("lottery")
 
 
 def test_fcfs_rejects_nonzero_priority_and_config_validates() -> None:

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import EngineCoreOutput
+from pagoda.core.request import Request, RequestStatus
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
-from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
 

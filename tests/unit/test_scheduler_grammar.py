@@ -5,9 +5,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request
 from pagoda.core.sched_output import ModelRunnerOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 

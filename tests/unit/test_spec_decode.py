@@ -10,7 +10,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.entrypoints.cli import build_parser, config_from_args, main
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
-from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.config.speculative import SpeculativeConfig
 from pagoda.spec_decode.ngram import ngram_lookup
 
 # ---- config ------------------------------------------------------------------------------

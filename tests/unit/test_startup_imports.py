@@ -53,6 +53,6 @@ def test_lazy_packages_still_export_their_names():
 
 @pytest.fixture
 def default_model_path():
-    from pagoda.model.paths import default_model_path
+    from pagoda.hub.paths import default_model_path
 
     return default_model_path()

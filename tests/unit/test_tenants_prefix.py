@@ -11,10 +11,10 @@ from pagoda.config import EngineConfig
 from pagoda.core.block_hash import hash_request_blocks
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats
+from pagoda.core.request import Request
 from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.metrics.prometheus import make_registry, render
 from pagoda.metrics.stats import EngineMetrics
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.shared_prefix import SharedPrefixes, read_shared_prefix_file
 from pagoda.tenants import TenantSpec, load_api_keys_file, tenants_of

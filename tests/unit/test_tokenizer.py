@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from pagoda.model.gguf_file import GGUFFile
+from pagoda.hub.gguf_file import GGUFFile
 from pagoda.tokenizer import ChatTemplateError, Tokenizer
 
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

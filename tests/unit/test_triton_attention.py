@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from pagoda.model.kv_quant import QuantizedKVCache  # noqa: E402
+from pagoda.attention.kv_quant import QuantizedKVCache  # noqa: E402
 from pagoda.ops import triton_attention as ta  # noqa: E402
 
 if ta.interpreted():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request
 from pagoda.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.lora.request import LoRARequest
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.validation import InvalidRequestError, RequestLimits, admission_check, validate_request
 

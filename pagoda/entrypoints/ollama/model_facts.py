@@ -79,7 +79,7 @@ def file_identity(path: str) -> tuple[int, datetime, str]:
 
 def read_model_facts(config: EngineConfig) -> ModelFacts:
     """The facts of the model ``config`` names (the bundled default when it names none)."""
-    from pagoda.model.stores import resolve_model_path
+    from pagoda.hub.stores import resolve_model_path
 
     path = resolve_model_path(config.model)
     if os.path.isfile(path):
@@ -90,7 +90,7 @@ def read_model_facts(config: EngineConfig) -> ModelFacts:
 def _gguf_facts(path: str) -> ModelFacts:
     import gguf
 
-    from pagoda.model.gguf_file import GGUFFile
+    from pagoda.hub.gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
         metadata = dict(f.metadata)
@@ -120,7 +120,7 @@ def _hf_facts(path: str, quantization: str) -> ModelFacts:
         count = None
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
     names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-    quant = quantization.upper() if quantization != "none" else names.get(dtype, dtype.upper())
+    quant = quantization.upper() if quantization not in ("none", "auto") else names.get(dtype, dtype.upper())
     info: dict[str, Any] = {"general.architecture": family, "general.parameter_count": count}
     info.update({f"{family}.{k}": v for k, v in config.items() if isinstance(v, (int, float, str, bool))})
     size, modified, digest = file_identity(path)

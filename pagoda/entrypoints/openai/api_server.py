@@ -50,16 +50,16 @@ from pagoda.entrypoints.openai.responses import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
+from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
-from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagoda.entrypoints.openai.serving_embedding import EmbeddingServing
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
-from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
-from pagoda.reasoning import get_reasoning_parser
-from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
 from pagoda.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
 from pagoda.entrypoints.openai.tools import plan_tools
+from pagoda.hub.stores import NO_DEFAULTS, ModelDefaults
+from pagoda.reasoning import get_reasoning_parser
 from pagoda.entrypoints.openai.vllm_compat import (
     LORA_PATH_REFUSED,
     LoRAPathPolicy,
@@ -279,7 +279,7 @@ class ServerConfig:
     stream ends with a usage chunk, asked for or not. ``allow_runtime_lora``: POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter work (off: adapters are only those of
     --lora-modules); ``lora_roots``: the only folders runtime adapters may be loaded from. ``model_defaults``: the model's own
-    sampling defaults and system prompt (an Ollama model's layers, pagoda/model/stores.py).
+    sampling defaults and system prompt (an Ollama model's layers, pagoda/hub/stores.py).
     """
 
     served_model_name: str
@@ -450,7 +450,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     _add_observability_routes(app, engine, served_model_name)
     if engine.config.kv_role is not None:
-        from pagoda.kv_transfer.api import add_kv_transfer_routes
+        from pagoda.entrypoints.kv_transfer.api import add_kv_transfer_routes
 
         add_kv_transfer_routes(app, engine, served_model_name)
     if config.enable_debug_endpoints:

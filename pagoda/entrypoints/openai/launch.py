@@ -25,7 +25,7 @@ def default_served_model_name(config: EngineConfig) -> str:
         return config.served_model_name
     if config.model is None:
         return DEFAULT_SERVED_NAME
-    from pagoda.model.stores import resolve_model
+    from pagoda.hub.stores import resolve_model
 
     return resolve_model(config.model).name
 
@@ -33,7 +33,7 @@ def default_served_model_name(config: EngineConfig) -> str:
 async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None) -> None:
     from pagoda.engine.client import EngineClient
     from pagoda.entrypoints.openai.server import ServerConfig, serve
-    from pagoda.model.stores import model_defaults
+    from pagoda.hub.stores import model_defaults
     from pagoda.tenants import load_api_keys_file
 
     options = dict(
@@ -86,7 +86,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         logger.info("node %d of %d: starting tensor-parallel workers for %s", config.node_rank,
                     config.nnodes, config.distributed_init_method)
         return start_node_workers(config)
-    from pagoda.config import torchrun_rank
+    from pagoda.host import torchrun_rank
 
     launched = torchrun_rank()
     if launched is not None and launched[0] > 0:

@@ -166,7 +166,7 @@ class _SamplingRequest(_Strict):
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | None = None
-    # Prefill-decode disaggregation (vLLM's field; pagoda/kv_transfer/params.py): set by `pagoda router`.
+    # Prefill-decode disaggregation (vLLM's field; pagoda/config/kv_transfer.py): set by `pagoda router`.
     kv_transfer_params: dict[str, Any] | None = None
 
     @property

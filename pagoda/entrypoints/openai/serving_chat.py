@@ -50,7 +50,7 @@ from pagoda.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
-from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
+from pagoda.hub.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.reasoning import ReasoningStreamer, get_reasoning_parser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams

@@ -27,8 +27,8 @@ from pagoda.entrypoints.openai.request_group import (
     SubRequest,
 )
 from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
+from pagoda.hub.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.lora.request import LoRARequest
-from pagoda.model.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.backend import GrammarError
@@ -95,7 +95,7 @@ class OpenAIServing:
         *, force_include_usage: bool = False,
     ) -> None:
         """``model_defaults``: what the model brings (an Ollama model's sampling defaults and
-        system prompt, pagoda/model/stores.py), applied where a request sets nothing."""
+        system prompt, pagoda/hub/stores.py), applied where a request sets nothing."""
         self.engine = engine
         self.model_defaults = model_defaults
         # --enable-force-include-usage: streams end with a usage chunk even without stream_options.

@@ -112,7 +112,7 @@ def model_root(engine: EngineClient) -> str | None:
     model = engine.config.model
     if model is not None:
         return str(model)
-    from pagoda.model.paths import ModelLoadError, default_model_path
+    from pagoda.hub.paths import ModelLoadError, default_model_path
 
     try:
         return default_model_path()

@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from pagoda.hub.paths import ModelLoadError
 from pagoda.model.layers.blocks import BlockWeight
-from pagoda.model.paths import ModelLoadError
 
 
 class QuantConfigError(ModelLoadError):

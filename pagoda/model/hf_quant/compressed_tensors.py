@@ -37,7 +37,7 @@ from pagoda.model.hf_quant.int_groups import (
     group_blocks,
     unpack_int32,
 )
-from pagoda.model.paths import ModelLoadError
+from pagoda.hub.paths import ModelLoadError
 
 _INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 _COMPANIONS = (".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx",

@@ -195,7 +195,7 @@ def _fp8_blocks(weights: Any, tensor: torch.Tensor) -> ScaleBlocks:
 
 
 def _companion(checkpoint: Checkpoint, name: str, owner: str) -> torch.Tensor:
-    from pagoda.model.paths import ModelLoadError
+    from pagoda.hub.paths import ModelLoadError
 
     try:
         return checkpoint(name)

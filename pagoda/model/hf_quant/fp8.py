@@ -40,8 +40,8 @@ from pagoda.model.hf_quant.float_blocks import (
     fp8_weight,
     release_checkpoint_pages,
 )
+from pagoda.hub.paths import ModelLoadError
 from pagoda.model.layers.blocks import BlockWeight
-from pagoda.model.paths import ModelLoadError
 
 SCALE_NAMES = (".weight_scale_inv", ".weight_scale")
 # Activation / KV-cache scales: read with their layer and not needed by float32 products.

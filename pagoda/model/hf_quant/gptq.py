@@ -31,7 +31,7 @@ from pagoda.model.hf_quant.int_groups import (
     group_blocks,
     unpack_int32,
 )
-from pagoda.model.paths import ModelLoadError
+from pagoda.hub.paths import ModelLoadError
 
 
 

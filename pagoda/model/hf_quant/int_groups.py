@@ -29,9 +29,9 @@ from typing import ClassVar
 
 import torch
 
+from pagoda.hub.paths import ModelLoadError
 from pagoda.model.hf_quant.base import Checkpoint, QuantConfigError, QuantMethod
 from pagoda.model.layers.blocks import BlockWeight, own_type
-from pagoda.model.paths import ModelLoadError
 
 PQ4Z = own_type(200, "PAGODA_Q4Z", 32, 19)
 PQ8Z = own_type(201, "PAGODA_Q8Z", 32, 36)

@@ -51,7 +51,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from pagoda.config import release_freed_memory
+from pagoda.config import QUANTIZATION_MODES
+from pagoda.host import release_freed_memory
 from pagoda.model.layers.blocks import BlocksLinear, BlockWeight
 from pagoda.model.layers.decoder import SparseMoeBlock
 from pagoda.model.layers.parallel import Collectives, RowParallelLinear, checkpoint_name
@@ -59,7 +60,6 @@ from pagoda.ops import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("none", "int8", "q4", "gguf", "bf16")
 Q4_GROUP = 32
 # int8 mode: up to this many tokens per step run pagoda's int8 GEMV (bound by weight
 # bytes); more run torch._int_mm. Both are exact integer products. Measured (20 layers

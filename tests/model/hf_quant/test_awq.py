@@ -89,7 +89,7 @@ def test_errors_name_the_field_or_tensor(tiny_llama_dir, tmp_path):
     with pytest.raises(QuantConfigError, match="l.scales: expected float \\[2, 16\\]"):
         list(method.tensors("l.qweight", tensors["l.qweight"], lambda n: tensors[n][:1] if n == "l.scales" else tensors[n]))
     with pytest.raises(QuantConfigError, match="l.qweight: its companion tensor l.qzeros is missing"):
-        from pagoda.model.paths import ModelLoadError
+        from pagoda.hub.paths import ModelLoadError
 
         def reader(n):
             if n == "l.qzeros":

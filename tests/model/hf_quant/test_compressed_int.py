@@ -115,7 +115,7 @@ def test_a_missing_scale_or_a_wrong_shape_names_the_tensor():
     def without(name):
         def read(n):
             if n == name:
-                from pagoda.model.paths import ModelLoadError
+                from pagoda.hub.paths import ModelLoadError
                 raise ModelLoadError(n)
             return t[n]
         return read

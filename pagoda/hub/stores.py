@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagoda.model.paths import ModelLoadError, default_model_path
+from pagoda.hub.paths import ModelLoadError, default_model_path
 from pagoda.sampling_params import SamplingParams
 
 OLLAMA_REGISTRY = "registry.ollama.ai"

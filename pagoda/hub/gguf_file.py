@@ -20,15 +20,12 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.constants import GGUFValueType
-
-if TYPE_CHECKING:  # torch is imported where tensors are made: the API process reads metadata only
-    import torch
 
 __all__ = ["GGUFError", "GGUFTensorInfo", "GGUFFile", "SUPPORTED_TYPES"]
 
@@ -180,7 +177,7 @@ class GGUFFile:
         if size == 0:
             raise self._error("file is empty")
         self._data: np.memmap[Any, np.dtype[np.uint8]] | None = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._cow: np.memmap[Any, np.dtype[np.uint8]] | None = None  # for tensor_rows
+        self._cow: np.memmap[Any, np.dtype[np.uint8]] | None = None  # for mapped_rows
         view = memoryview(self._data)
         try:
             self._parse(_Cursor(view, self._error), size)
@@ -263,28 +260,23 @@ class GGUFFile:
             raise ValueError(f"{self.path}: file is closed")
         return self._data[info.offset : info.offset + info.nbytes]
 
-    def tensor_rows(self, name: str) -> torch.Tensor:
-        """The tensor's stored bytes as a uint8 tensor [rows, bytes per row] (a row: the
-        innermost dimension's blocks), without copying: a view into a copy-on-write map
-        of the file, so only the pages a kernel reads become resident, and they are the
-        page cache's own. The map lives as long as any tensor taken from it."""
-        import torch
-
+    def mapped_rows(self, name: str) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The tensor's stored bytes as [rows, bytes per row] (a row: the innermost
+        dimension's blocks), without copying: a view into a copy-on-write map of the file,
+        so only the pages a kernel reads become resident, and they are the page cache's
+        own. The map lives as long as any array (or tensor) taken from it."""
         info = self._info(name)
         if self._cow is None:
             self._cow = np.memmap(self.path, dtype=np.uint8, mode="c")
-        view = self._cow[info.offset : info.offset + info.nbytes].reshape(self._row_shape(info))
-        return torch.from_numpy(np.asarray(view))
+        return np.asarray(self._cow[info.offset : info.offset + info.nbytes].reshape(self._row_shape(info)))
 
-    def copy_rows(self, name: str) -> torch.Tensor:
-        """Like ``tensor_rows``, but a private copy read with pread (for a tensor whose
-        rows the loader reorders; no page of the file's maps becomes resident)."""
-        import torch
-
+    def read_rows(self, name: str) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Like ``mapped_rows``, but a private, writable copy read with pread (for a tensor
+        whose rows the loader reorders; no page of the file's maps becomes resident)."""
         info = self._info(name)
         with open(self.path, "rb") as f:
             raw = os.pread(f.fileno(), info.nbytes, info.offset)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(self._row_shape(info))
+        return np.frombuffer(bytearray(raw), dtype=np.uint8).reshape(self._row_shape(info))
 
     @staticmethod
     def _row_shape(info: GGUFTensorInfo) -> tuple[int, int]:
@@ -292,27 +284,24 @@ class GGUFFile:
         row_bytes = (info.shape[-1] if info.shape else 1) // block_size * type_size
         return (info.nbytes // row_bytes if row_bytes else 0), row_bytes
 
-    def load_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dequantize a tensor into a new contiguous tensor (float32 unless ``dtype``
-        says otherwise) in PyTorch dimension order."""
-        import torch
-
-        dtype = torch.float32 if dtype is None else dtype
+    def dequantize(self, name: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """The tensor dequantized into a new float32 array of its own memory, in PyTorch
+        dimension order."""
         info = self._info(name)
         if info.ggml_type not in SUPPORTED_TYPES:
             raise self._error(f"tensor {name!r} has unsupported type {info.ggml_type.name}")
         if info.nbytes == 0:
-            return torch.zeros(info.shape, dtype=dtype)
+            return np.zeros(info.shape, dtype=np.float32)
         # A plain ndarray view: numpy math on np.memmap slices would keep wrapping results as memmaps.
         raw = np.asarray(self.raw_bytes(name))
         if info.ggml_type in _PLAIN_DTYPES:
-            # Copy out of the read-only mapping so the tensor owns writable memory.
+            # Copy out of the read-only mapping so the array owns writable memory.
             values = np.array(raw.view(_PLAIN_DTYPES[info.ggml_type]), dtype=np.float32)
         else:
             block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
             row_bytes = info.shape[-1] // block_size * type_size
             values = gguf.quants.dequantize(raw.reshape(-1, row_bytes), info.ggml_type)
-        return torch.from_numpy(values.reshape(info.shape)).to(dtype).contiguous()
+        return values.reshape(info.shape)
 
     def _info(self, name: str) -> GGUFTensorInfo:
         try:
@@ -321,7 +310,7 @@ class GGUFFile:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
     def close(self) -> None:
-        """Drop the memory maps; tensors taken from them stay valid (a view keeps its map)."""
+        """Drop the memory maps; arrays and tensors taken from them stay valid (a view keeps its map)."""
         self._data = None
         self._cow = None
 

@@ -1,5 +1,5 @@
 """Where a model is: the bundled default, a local path, or a name in a model store
-(pagoda/model/stores.py). No torch here: the API process resolves the model for its
+(pagoda/hub/stores.py). No torch here: the API process resolves the model for its
 tokenizer while the engine core loads it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the metrics cost the engine's step: ``python -m pagoda.metrics.overhead``.
+"""What the metrics cost the engine's step: ``python -m pagoda.bench.overhead``.
 
 Two measurements on the same EngineCore and workload:
 
@@ -111,10 +111,10 @@ def record_cost_per_request(arch: Any, batch: int = 256, repeats: int = 200) -> 
     """Seconds record_step spends per request on a decode batch of ``batch`` requests
     (no model: the scheduler alone), to extrapolate to fast (GPU) steps."""
     from pagoda.core.kv_cache_manager import KVCacheManager
+    from pagoda.core.request import Request
     from pagoda.core.sched_output import ModelRunnerOutput
     from pagoda.core.scheduler import Scheduler, SchedulerConfig
     from pagoda.metrics.step import StepStatsCollector
-    from pagoda.request import Request
 
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=batch * 32, max_num_seqs=batch, max_model_len=256),
                       KVCacheManager(batch * 4, 16))
