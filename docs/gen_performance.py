@@ -61,6 +61,8 @@ MODELS = {
 # (machine, model, folder under docs/results, table): served runs, every pagoda mode in the
 # folder against llama-server in the same run. Order: the order of the tables' rows.
 SERVED = [
+    ("zen4", "smollm2", "defaults-bundled", "main"),
+    ("zen4", "llama1b", "defaults-1b-q4_k_m", "main"),
     ("zen4", "smollm2", "cpu-roof-served", "main"),
     ("zen4", "smollm2", "bundled-check-vnni", "main"),
     ("zen4", "llama1b", "real-1b-vnni-2", "main"),
@@ -85,8 +87,13 @@ OFFLINE = [
     ("zen4", "llama1b", "cpu-roof-1b"),
 ]
 
+# Runs made since `--quantization auto` became the default: their "pagoda" row is the default
+# (the gguf mode for a GGUF file of 256 MiB or more on the CPU, else exact), "pagoda-exact"
+# the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
+AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled"}
 MODE_NAMES = {
-    "pagoda": "exact (default)",
+    "pagoda": "exact",
+    "pagoda-exact": "exact",
     "pagoda-gguf": "`--quantization gguf`",
     "pagoda-int8": "`--quantization int8`",
     "pagoda-q4": "`--quantization q4`",
@@ -107,8 +114,10 @@ def _load(path: Path) -> dict:
         raise ResultsError(f"{path}: {e}") from None
 
 
-def _mode(label: str) -> str:
+def _mode(label: str, folder: str | None = None) -> str:
     base = label.removesuffix("-offline")
+    if base == "pagoda" and folder in AUTO_DEFAULT_RUNS:
+        return "default (`auto`)"
     name = MODE_NAMES.get(base, f"`{base}`")
     return name
 
@@ -198,7 +207,7 @@ def served_table(results: Path, runs: list[tuple[str, str]]) -> tuple[list[str],
         peer = next((e for e in engines if e.label == PEER), None)
         ordered = [e for e in engines if e.label != PEER] + ([peer] if peer else [])
         for i, e in enumerate(ordered):
-            name = "llama-server `-t 2`" if e is peer else f"pagoda {_mode(e.label)}"
+            name = "llama-server `-t 2`" if e is peer else f"pagoda {_mode(e.label, folder)}"
             workload = f"{e.workload[0]} / {e.workload[1]}" if e.workload else ""
             row = [MODELS[model] if i == 0 else "", name] + [_cell(e, c, peer) for c in conc] + \
                   [_ms(e.ttft_c1) if e.ttft_c1 is not None else "", _gib(e.rss_mb), workload,
@@ -225,7 +234,7 @@ def offline_table(results: Path, runs: list[tuple[str, str]]) -> list[str]:
             if e.label.startswith("openvino"):
                 name = f"OpenVINO GenAI `{e.label.removeprefix('openvino-')}`"
             else:
-                name = f"pagoda {_mode(e.label)}"
+                name = f"pagoda {_mode(e.label, folder)}"
             cells = []
             for c in conc:
                 if c not in e.tok_s:
@@ -253,8 +262,9 @@ def summary_rows(machine: Machine, ratios: list[tuple]) -> list[str]:
             if best is None:
                 cells.append("")
                 continue
-            _, _, engine, _, ratio = best
-            cells.append(f"[{ratio:.2f}x]({engine.file}) ({_mode(engine.label)}, {_fmt(engine.tok_s[c])} tok/s)")
+            _, folder, engine, _, ratio = best
+            cells.append(f"[{ratio:.2f}x]({engine.file}) ({_mode(engine.label, folder)}, "
+                         f"{_fmt(engine.tok_s[c])} tok/s)")
         rows.append(f"| {machine.name} | {MODELS[model]} | " + " | ".join(cells) + " |")
     return rows
 
