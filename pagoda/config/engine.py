@@ -130,9 +130,15 @@ class ModelOptions(OptionGroup):
 @dataclass(frozen=True)
 class LoadOptions(OptionGroup):
     TITLE = "loading"
-    DESCRIPTION = "How weights are read."
+    DESCRIPTION = ("Where weights come from: a model named ORG/NAME that no store holds is fetched from the Hugging "
+                   "Face Hub (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE), only the files the engine reads.")
 
     show_progress: bool = option(True, "show progress bars while weights load", cli=False)
+    revision: str | None = option(
+        None, "the Hub revision (branch, tag or commit) of a model named ORG/NAME, fetched when the cache lacks "
+              "it (vLLM's flag)", default_text="main")
+    hf_file: str | None = option(
+        None, "the GGUF file of a Hub repository to fetch and serve (llama.cpp's --hf-file; or ORG/NAME:QUANT)")
 
 
 @dataclass(frozen=True)

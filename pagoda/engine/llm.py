@@ -18,6 +18,7 @@ from pagoda.engine.beam_search import (
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor, make_core_requests
+from pagoda.hub.fetch import localize
 from pagoda.hub.stores import model_defaults
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
@@ -42,10 +43,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, **kwargs)
+        # A Hub name (ORG/NAME) that no store holds is fetched first (pagoda/hub/fetch.py).
+        self.config = localize(EngineConfig(model=model, **kwargs), progress=kwargs.get("show_progress", True))
         self.engine = EngineCore(self.config, collect_stats=False)  # no metrics consumer offline
         # An Ollama model's params, system prompt and template (pagoda/hub/stores.py).
-        self.defaults = model_defaults(model)
+        self.defaults = model_defaults(self.config.model)
         self.tokenizer: Tokenizer | None = None
         if not self.config.skip_tokenizer_init:
             self.tokenizer = build_tokenizer(self.engine.loaded, self.config.chat_template, self.defaults.template)

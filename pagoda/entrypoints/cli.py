@@ -161,7 +161,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "loaded from)")
     if args.lora_root and not args.allow_runtime_lora:
         raise ValueError("--lora-root is for --allow-runtime-lora (adapters loaded at run time)")
-    return run_server(args, config_from_args(args))
+    from pagoda.hub.fetch import localize
+
+    return run_server(args, localize(config_from_args(args)))
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:

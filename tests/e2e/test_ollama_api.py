@@ -191,6 +191,26 @@ def test_bad_chat_requests_raise_response_error(oc: ollama.Client, engine: FakeE
     assert engine.calls == []
 
 
+def test_ollama_readme_curl_calls_are_read_whatever_the_content_type(http: httpx.Client, engine: FakeEngine) -> None:
+    """Ollama's documentation calls the API as ``curl URL -d '{...}'``: a form content type
+    (or none) carrying JSON. Ollama reads the JSON; so does pagoda on /api/*."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "stream": False, "options": {"num_predict": 2}})
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"}, {}):
+        r = http.post("/api/generate", content=body, headers=headers)
+        assert r.status_code == 200, (headers, r.text)
+        assert r.json()["done"] is True and r.json()["eval_count"] == 2
+    chat = json.dumps({"model": MODEL, "messages": HI, "stream": False, "options": {"num_predict": 1}})
+    r = http.post("/api/chat", content=chat, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["message"]["role"] == "assistant"
+    # not JSON at all: Ollama's error shape, naming the problem
+    assert "JSON" in error_of(http.post("/api/generate", content="model=x",
+                                        headers={"content-type": "application/x-www-form-urlencoded"}), 400)
+    # the OpenAI routes keep vLLM's behaviour: JSON only with its content type
+    r = http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+
+
 def test_routing_errors_in_ollama_shape(http: httpx.Client) -> None:
     assert "/api/nothing" in error_of(http.post("/api/nothing", json={}), 404)
     assert "not allowed" in error_of(http.get("/api/chat"), 405)

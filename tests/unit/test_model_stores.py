@@ -131,7 +131,7 @@ def test_unknown_name_lists_every_place(env):
                   env.hf.root / "models--nowhere--to-be" / "refs" / "main",
                   env.ollama.root / "manifests/registry.ollama.ai/nowhere/to-be/found"):  # fmt: skip
         assert str(place) in message, place
-    with pytest.raises(ModelLoadError, match="nothing is downloaded"):
+    with pytest.raises(ModelLoadError, match="pagoda pull NAME"):
         resolve_model("../escape")
 
 
@@ -179,6 +179,7 @@ def test_unsupported_layer_and_missing_blob(tmp_path, monkeypatch, default_model
 def test_list_models_and_command(env, capsys):
     found = {(m.name, m.where.split(" ")[0]) for m in list_models()}
     assert found == {
+        ("SmolLM2-135M-Instruct", "bundled"),
         ("mine", "models"), ("tinyhf", "models"), ("org/tiny", "huggingface"),
         ("org/smol-GGUF:Q4_1", "huggingface"), ("org/smol-GGUF:Q8_0", "huggingface"),
         ("smollm2:latest", "ollama"), ("myns/plain:v1", "ollama"), ("example.com/team/thing:q4", "ollama"),
@@ -197,6 +198,6 @@ def test_list_models_and_command(env, capsys):
 def test_list_with_empty_stores(tmp_path, monkeypatch, capsys):
     for key in ("PAGODA_MODELS", "HF_HUB_CACHE", "OLLAMA_MODELS"):
         monkeypatch.setenv(key, str(tmp_path / key))
-    assert list_models() == []
+    assert [(m.name, m.where.split(" ")[0]) for m in list_models()] == [("SmolLM2-135M-Instruct", "bundled")]
     assert main(["list"]) == 0
-    assert "no models found" in capsys.readouterr().err
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "SmolLM2-135M-Instruct"

@@ -78,6 +78,7 @@ class OllamaRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
+            request = _as_json(request)
             try:
                 return await handler(request)
             except RequestValidationError as e:
@@ -88,6 +89,19 @@ class OllamaRoute(APIRoute):
                 return error_response(APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})))
 
         return route
+
+
+def _as_json(request: Request) -> Request:
+    """The request with its body read as JSON whatever its content type says, as Ollama
+    reads it: its documentation calls the API as ``curl URL -d '{...}'``, which sends
+    ``application/x-www-form-urlencoded`` (and a client may send no content type at all)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() == "application/json" or request.method in ("GET", "HEAD"):
+        return request
+    scope = dict(request.scope)
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+    scope["headers"].append((b"content-type", b"application/json"))
+    return Request(scope, request.receive)
 
 
 def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
