@@ -233,6 +233,19 @@ def _add_server_args(serve: argparse.ArgumentParser, groups: dict[str, argparse.
     lora.add_argument("--lora-root", nargs="+", action="extend", default=[], metavar="DIR",
                       help="with --allow-runtime-lora: the only folders adapters may be loaded from (symlinks "
                            "are followed before the check; repeatable)")
+    many = serve.add_argument_group("several models", "One server over several models, each loaded on first use "
+                                    "in an engine core process of its own (Ollama's way; docs/local.md).")
+    many.add_argument("--models-dir", default=None, metavar="DIR",
+                      help="serve every model in DIR (GGUF files, HF folders), each request naming its model")
+    many.add_argument("--models-max", type=int, default=None, metavar="N",
+                      help="at most N models loaded at once, the least recently used idle one unloaded for "
+                           "another; without a model or --models-dir: serve every model of the stores "
+                           "(`pagoda list`) (default with --models-dir: 3, as Ollama on a CPU)")
+    many.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                      help="how long a model stays loaded after its last request (Ollama's keep_alive: 5m, 1h, "
+                           "30s; 0: unload at once; -1: keep); a request's keep_alive wins")
+    many.add_argument("--model-load-timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                      help="how long a request waits for its model to load (or for room to load it)")
     logs = serve.add_argument_group("logging", "What the server logs.")
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="do not log a line (id, queue time, TTFT, tokens, finish reason) per finished request")

@@ -333,6 +333,17 @@ def cmd_ps(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     status = "healthy" if health.status_code == 200 else f"unhealthy (HTTP {health.status_code})"
+    try:
+        several = "models_loaded" in health.json()
+    except ValueError:
+        several = False
+    if several:   # a server of several models (--models-dir): what is loaded, and until when
+        with httpx.Client(base_url=base, timeout=args.timeout, headers=headers) as client:
+            loaded = client.get("/api/ps").json()["models"]
+        rows = [("NAME", "CONTEXT", "UNTIL", "STATUS")]
+        rows += [(m["name"], str(m.get("context_length", "?")), m.get("expires_at", "?"), status) for m in loaded]
+        print(_table(rows))
+        return 0 if health.status_code == 200 else 1
     rows = [("NAME", "CONTEXT", "PARENT", "STATUS")]
     rows += [(c.get("id", "?"), str(c.get("max_model_len", "?")), c.get("parent") or "-", status) for c in cards]
     print(_table(rows))

@@ -32,9 +32,7 @@ def default_served_model_name(config: EngineConfig) -> str:
 
 async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None) -> None:
     from pagoda.engine.client import EngineClient
-    from pagoda.entrypoints.openai.server import ServerConfig, serve
-    from pagoda.hub.stores import model_defaults
-    from pagoda.tenants import load_api_keys_file
+    from pagoda.entrypoints.openai.server import serve
 
     options = dict(
         log_stats=not getattr(args, "disable_log_stats", False),
@@ -57,8 +55,17 @@ async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProces
     except BaseException:
         await engine.shutdown()
         raise
-    await serve(engine, ServerConfig(
-        served_model_name=args.served_model_name or default_served_model_name(config),
+    await serve(engine, server_config(args, config, args.served_model_name or default_served_model_name(config)))
+
+
+def server_config(args: argparse.Namespace, config: EngineConfig, served_model_name: str):
+    """The HTTP server's settings from `pagoda serve`'s flags, for the model ``config`` names."""
+    from pagoda.entrypoints.openai.server import ServerConfig
+    from pagoda.hub.stores import model_defaults
+    from pagoda.tenants import load_api_keys_file
+
+    return ServerConfig(
+        served_model_name=served_model_name,
         host=args.host, port=args.port, api_key=args.api_key, max_num_queued_requests=args.max_num_queued_requests,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
@@ -73,12 +80,69 @@ async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProces
         enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
         allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
         lora_roots=tuple(getattr(args, "lora_root", None) or ()),
-    ))  # fmt: skip
+    )  # fmt: skip
+
+
+def multi_model(args: argparse.Namespace, config: EngineConfig) -> bool:
+    """Whether `pagoda serve` serves several models: --models-dir, or --models-max without a model."""
+    return getattr(args, "models_dir", None) is not None or (getattr(args, "models_max", None) is not None
+                                                             and config.model is None)
+
+
+def _check_multi_model(args: argparse.Namespace, config: EngineConfig) -> None:
+    refused = [(config.model is not None, "a model argument (each request names its model)"),
+               (config.served_model_name is not None, "--served-model-name"),
+               (config.world_size > 1, "--tensor-parallel-size / --pipeline-parallel-size > 1"),
+               (config.data_parallel_size > 1, "--data-parallel-size > 1"),
+               (config.kv_role is not None, "--kv-role"),
+               (config.enable_lora or bool(getattr(args, "lora_modules", None)), "--enable-lora / --lora-modules"),
+               (config.node_rank > 0 or config.nnodes > 1, "--nnodes / --node-rank")]
+    names = [name for bad, name in refused if bad]
+    if names:
+        raise ValueError(f"serving several models (--models-dir / --models-max) cannot be combined with "
+                         f"{', '.join(names)} yet")
+
+
+async def _main_multi(args: argparse.Namespace, config: EngineConfig) -> None:
+    import uvicorn
+
+    from pagoda.entrypoints.openai.api_server import build_app
+    from pagoda.entrypoints.openai.multi_model import (
+        ModelRouter,
+        catalogue_from_dir,
+        catalogue_from_stores,
+        parse_keep_alive,
+        per_model_kv_budget,
+    )
+    from pagoda.entrypoints.openai.server import _ABORT_GRACE_S, PagodaServer
+
+    models_max = args.models_max or 3
+    catalogue = catalogue_from_dir(args.models_dir) if args.models_dir else catalogue_from_stores()
+    base = per_model_kv_budget(config, models_max)
+
+    def build(engine, slot):
+        return build_app(engine, server_config(args, slot.config, slot.name))
+
+    router = ModelRouter(catalogue, base, build, models_max, parse_keep_alive(args.keep_alive), args.model_load_timeout,
+                         api_key=args.api_key)
+    logger.info("serving %d model(s), at most %d loaded at once, kept %s after their last request: %s",
+                len(catalogue), models_max, args.keep_alive, ", ".join(catalogue))
+    uv = uvicorn.Config(router, host=args.host, port=args.port, log_level=args.uvicorn_log_level, lifespan="off",
+                        timeout_graceful_shutdown=int(_ABORT_GRACE_S))
+    server = PagodaServer(uv, router.state, args.shutdown_timeout)
+    try:
+        await server.serve()
+    finally:
+        await router.shutdown()
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """Returns the exit status: 0 after a graceful shutdown."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if multi_model(args, config):
+        _check_multi_model(args, config)
+        asyncio.run(_main_multi(args, config))
+        return 0
     if config.node_rank > 0:
         # A worker node of a multi-node tensor-parallel group: no API server here.
         from pagoda.executor.multiproc import start_node_workers
