@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.config.pooling import POOLING_TYPES, TASKS, PoolerOverrides, _dimensions_tuple, _is_int
+from pagoda.config.pooling import POOLING_TYPES, PoolerOverrides, _dimensions_tuple, _is_int
 
 # sentence-transformers' Pooling config flag -> our pooling type.
 _ST_MODES = {

@@ -37,7 +37,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagoda.hub.paths import ModelLoadError, default_model_path
+from pagoda.hub.paths import ModelLoadError
 from pagoda.hub.stores import (
     DEFAULT_NAME,
     OllamaName,

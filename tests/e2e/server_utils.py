@@ -142,3 +142,38 @@ def real_engine_server(engine_config: Any = None, **server_kwargs: Any) -> Itera
     engine = AsyncLLM.from_config(config)
     with running_server(engine, shutdown_engine=True, **server_kwargs) as running:
         yield engine, running
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], env: dict[str, str], timeout: float = 240.0) -> Iterator[tuple[Any, str]]:
+    """`pagoda serve ARGS` in a process of its own on a free port: (the process, its base URL)
+    once /health answers 200; SIGTERM on exit, and a clean exit asserted."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *args, "--port", str(port),
+                             "--disable-log-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"pagoda serve exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "pagoda serve did not become healthy in time"
+            time.sleep(0.2)
+        yield proc, base
+    finally:
+        proc.send_signal(15)
+        proc.wait(90)
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]

@@ -7,19 +7,16 @@ with the Hub gone serves from the cache; `pagoda pull` of an Ollama-registry mod
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from pagoda.entrypoints.cli import main
 from pagoda.hub.paths import default_model_path
+from tests.e2e.server_utils import serve_process
 from tests.hub_servers import FakeHub, FakeOllamaRegistry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,37 +36,12 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_and_chat(name: str, env: dict[str, str]) -> str:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", name, "--port", str(port),
-                             "--num-kv-blocks", "32", "--max-model-len", "1024", "--disable-log-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"pagoda serve exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "pagoda serve did not become healthy in time"
-            time.sleep(0.3)
-        with openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120) as client:
-            assert [m.id for m in client.models.list().data] == [name]   # served under its Hub name
-            reply = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=8, temperature=0)
-        return reply.choices[0].message.content
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    with serve_process([name, "--num-kv-blocks", "32", "--max-model-len", "1024"], env) as (_, base), \
+            openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        assert [m.id for m in client.models.list().data] == [name]   # served under its Hub name
+        reply = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=8, temperature=0)
+    return reply.choices[0].message.content
 
 
 def test_serve_a_hub_name_from_an_empty_cache_then_from_the_cache(tmp_path, smol_bytes):

@@ -7,8 +7,6 @@ request's keep_alive runs out."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +18,10 @@ import pytest
 
 from pagoda.entrypoints.openai.multi_model import parse_keep_alive
 from pagoda.hub.paths import default_model_path
+from tests.e2e.server_utils import serve_process
 
 REPO = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "Name a color."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tree_rss(pid: int) -> int:
@@ -67,30 +60,9 @@ def server(tmp_path):
     models.mkdir()
     for name in ("a", "b", "c"):
         (models / f"{name}.gguf").symlink_to(default_model_path())
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--models-dir", str(models),
-                             "--models-max", "2", "--num-kv-blocks", "16", "--max-model-len", "512",
-                             "--port", str(port), "--disable-log-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"pagoda serve exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
-    try:
-        yield proc, base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(90)
-    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    args = ["--models-dir", str(models), "--models-max", "2", "--num-kv-blocks", "16", "--max-model-len", "512"]
+    with serve_process(args, {**os.environ, "PYTHONPATH": str(REPO)}, timeout=120) as running:
+        yield running
 
 
 def test_two_models_alternate_evict_and_unload(server):
