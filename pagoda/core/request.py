@@ -83,6 +83,7 @@ class Request:
         # Swap preemption: the host blocks holding this request's KV while it waits, and
         # where each came from: (KV group, table index).
         self.host_block_ids: list[int] = []
+        self.state_slot = -1   # a hybrid model's state slot while running (pagoda/core/state_pool.py)
         self.host_block_places: list[tuple[int, int]] = []
         self.lora_request = lora_request
         self.pooling_params = pooling_params

@@ -24,6 +24,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     lora_int_id: int = 0            # 0 = the base model
     pooling_params: PoolingParams | None = None   # an embedding request: pool, never sample
+    state_slot: int = -1            # a hybrid model's state slot (pagoda/core/state_pool.py); -1: none
 
 
 @dataclass

@@ -38,6 +38,7 @@ from pagoda.core.sched_output import (
     SchedulerOutput,
 )
 from pagoda.core.request import Request, RequestStatus
+from pagoda.core.state_pool import StatePool
 from pagoda.tenants import TenantSpec
 from pagoda.validation import RequestLimits, admission_check
 
@@ -74,6 +75,8 @@ class SchedulerConfig:
     max_loras: int = 0
     # The model's vocabulary, for the admission re-check of prompt token ids (None: unchecked).
     vocab_size: int | None = None
+    # A hybrid model's state slots (pagoda/core/state_pool.py): one per running request; 0: none.
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -127,6 +130,7 @@ class Scheduler:
         # What add_request re-checks (pagoda/validation.py): the front ends validated already.
         self.limits = RequestLimits(config.max_model_len, config.vocab_size, config.policy, config.max_loras > 0)
         self.fair = FairShare(config.tenants)
+        self.states = StatePool(config.num_state_slots) if config.num_state_slots else None
         self.host = HostBlockPool(config.num_host_blocks)
         self.num_swap_preemptions = 0
         # Host blocks of requests swapped in by the last step, released at the next one.
@@ -193,6 +197,7 @@ class Scheduler:
             self.parked[request.request_id] = request
         else:
             self.kv.free(request)
+        self._free_state(request)
         if request.host_block_ids:
             self.host.free(request.host_block_ids)
             request.host_block_ids = []
@@ -200,6 +205,11 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.fair.on_finish(tenant_of(request))
+
+    def _free_state(self, request: Request) -> None:
+        if request.state_slot >= 0:
+            self.states.free(request.state_slot)
+            request.state_slot = -1
 
     def _remove_running(self, request: Request) -> None:
         self.running.remove(request)
@@ -225,6 +235,7 @@ class Scheduler:
         else:
             request.num_computed_tokens = 0
         self.kv.free(request)
+        self._free_state(request)   # recomputed from its first token: its state made afresh
         request.status = RequestStatus.PREEMPTED
         request.long_prefill_end = 0
         request.num_preemptions += 1
@@ -526,6 +537,12 @@ class Scheduler:
             ]))  # fmt: skip
         else:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        if self.states is not None:
+            # A seat was free, so a slot is (one per seat); a request keeps it while it runs.
+            slot = self.states.allocate()
+            if slot is None:
+                raise AssertionError("no free state slot for a free seat")
+            request.state_slot = slot
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -547,6 +564,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             lora_int_id=request.lora_int_id,
             pooling_params=request.pooling_params,
+            state_slot=request.state_slot,
         )
         step.charge(request, num_new, capped=num_new < want)
         return True
@@ -795,6 +813,10 @@ class Scheduler:
             if request.host_block_ids:
                 raise AssertionError(f"running {request} holds host blocks")
         self.host.check_integrity([r.host_block_ids for r in self.waiting] + [self._host_release])
+        if self.states is not None:
+            if any(r.state_slot >= 0 for r in self.waiting):
+                raise AssertionError("a waiting request holds a state slot")
+            self.states.check_integrity([r.state_slot for r in self.running])
 
 
 class _Step:

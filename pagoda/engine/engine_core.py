@@ -62,6 +62,21 @@ class _KVPlan:
     layout: KVLayout
 
 
+def _check_hybrid(config: EngineConfig) -> None:
+    """What a hybrid model (state layers beside attention: pagoda/model/models/lfm2.py) does
+    not combine with yet, each named: the runner's state slots hold one state per running
+    request, which drafts, swapped or transferred KV blocks and parallel ranks would not."""
+    refused = [(config.speculative_config is not None, "--speculative-config"),
+               (config.preemption_mode != "recompute", f"--preemption-mode {config.preemption_mode}"),
+               (config.kv_role is not None, "--kv-role"),
+               (config.world_size > 1, "--tensor-parallel-size / --pipeline-parallel-size > 1"),
+               (config.dp_expert_parallel, "--enable-expert-parallel"),
+               (config.enable_lora, "--enable-lora")]
+    names = [name for bad, name in refused if bad]
+    if names:
+        raise ValueError(f"a hybrid model (recurrent state layers) cannot be combined with {', '.join(names)} yet")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, collect_stats: bool = True) -> None:
         """``collect_stats``: attach a StepRecord (batch, FLOPs/bytes estimate) to each step's
@@ -164,6 +179,8 @@ class EngineCore:
         if self.tp_driver is not None:
             self.tp_driver.gather_weight_bytes(loaded.model)
         self.pooler_config = self._pooler_config(config, loaded)
+        if arch.is_hybrid:
+            _check_hybrid(config)
         draft = self._load_draft(config, loaded, device, dtype)
         plan = self._plan_kv(config, loaded, device, dtype, draft)
         self._build_scheduler(config, plan)
@@ -293,6 +310,11 @@ class EngineCore:
         # an embedding engine with them never looks prefixes up (LAST pooling does: a hit
         # always leaves the last position to compute).
         caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
+        if caching and self.loaded.arch.is_hybrid:
+            # A prefix hit would skip the tokens a state layer's state is made of (no state
+            # checkpoints at block ends yet): every prompt is computed whole.
+            logger.info("prefix caching off: a hybrid model's state layers need every token computed")
+            caching = False
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, caching,
                                          group_windows=plan.layout.group_windows)
         self.scheduler = Scheduler(
@@ -309,6 +331,7 @@ class EngineCore:
                 num_host_blocks=plan.num_host_blocks,
                 max_loras=config.max_loras if config.enable_lora else 0,
                 vocab_size=self.vocab_size,
+                num_state_slots=config.max_num_seqs if self.loaded.arch.is_hybrid else 0,
             ),
             self.kv_manager,
         )
@@ -324,11 +347,12 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, device, plan.kv_dtype, config.seed,
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
                                   lora=self.lora, pooler_config=self.pooler_config,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend, num_state_slots=config.max_num_seqs)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")
-        elif device.type == "cuda" and self.tp_driver is None and config.speculative_config is None:
+        elif device.type == "cuda" and self.tp_driver is None and config.speculative_config is None \
+                and not loaded.arch.is_hybrid:
             from pagoda.worker.cuda_graphs import CudaGraphCapture
 
             why = self.runner.capture_graphs(CudaGraphCapture(), min(config.max_num_seqs, 256), plan.max_model_len)

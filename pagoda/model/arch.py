@@ -128,6 +128,11 @@ class ModelArchConfig:
     # False: an embedding checkpoint with no LM head (transformers' base model, e.g. Qwen3Model);
     # its head is tied to the embedding, never used (pagoda/pooling.py).
     has_lm_head: bool = True
+    # Hybrid models (LFM2): per layer whether it is a gated short convolution (a fixed-size
+    # state per request, no KV cache) instead of attention; its kernel width and bias.
+    conv_layers: tuple[bool, ...] | None = None
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in hf_architectures():
@@ -181,12 +186,23 @@ class ModelArchConfig:
                 raise UnsupportedModelError(f"{self.num_experts} experts in {groups} groups, {kept} kept")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
+        if self.conv_layers is not None and (len(self.conv_layers) != self.num_hidden_layers or self.conv_kernel < 2):
+            raise ValueError(f"conv_layers has {len(self.conv_layers)} entries for {self.num_hidden_layers} layers "
+                             f"(kernel {self.conv_kernel})")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_hidden_layers} layers")
 
     def without_lm_head(self) -> ModelArchConfig:
         """This architecture as an embedding checkpoint of it holds it: no LM head."""
         return dataclasses.replace(self, has_lm_head=False, tie_word_embeddings=True)
+
+    def is_conv_layer(self, layer: int) -> bool:
+        return self.conv_layers is not None and self.conv_layers[layer]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state per request instead of a KV cache."""
+        return self.conv_layers is not None and any(self.conv_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])

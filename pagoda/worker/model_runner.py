@@ -8,6 +8,7 @@ could live in another process or on another rank.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -230,6 +231,7 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         pooler_config: PoolerConfig | None = None,
         attention_backend: str = "auto",
+        num_state_slots: int = 0,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
@@ -254,6 +256,21 @@ class ModelRunner:
         self.kv_buffers = [cache(num_blocks, device) if b in held else None for b in range(self.layout.num_buffers)]
         # Per layer, its buffer (layers of different KV groups share one).
         self.kv_caches = [self.kv_buffers[b] for b in self.layout.layer_buffer]
+        # A hybrid model's state layers: one state per slot of the scheduler's state pool
+        # (pagoda/core/state_pool.py), passed where attention layers get their KV cache.
+        self.state_slots: dict[str, int] = {}   # the slots of the requests this runner knows
+        shapes = model.state_shapes()
+        if any(shape is not None for shape in shapes):
+            if num_state_slots < 1:
+                raise ValueError("a hybrid model needs state slots (num_state_slots)")
+            for i, shape in enumerate(shapes):
+                if shape is not None:
+                    self.kv_caches[i] = torch.zeros(num_state_slots, *shape, dtype=model.activation_dtype,
+                                                    device=device)
+        self._state_caches = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
+        if self._state_caches:
+            logger.info("state slots: %d, of %d layers' states (%.1f MiB)", num_state_slots, len(self._state_caches),
+                        sum(c.numel() * c.element_size() for c in self._state_caches) / 2**20)
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
         self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda")
                                 for _ in range(self.layout.num_buffers)] if num_host_blocks else []  # fmt: skip
@@ -334,11 +351,19 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+            self.state_slots.pop(rid, None)
             if self.pooler is not None:
                 self.pooler.forget(rid)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
+            self.state_slots.pop(rid, None)
         for new in so.scheduled_new_reqs:
+            if self._state_caches:
+                if new.state_slot < 0:
+                    raise RuntimeError(f"{new.req_id} was scheduled without a state slot on a hybrid model")
+                for cache in self._state_caches:
+                    cache[new.state_slot].zero_()   # its first token meets zeros (the causal padding)
+                self.state_slots[new.req_id] = new.state_slot
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
@@ -452,6 +477,14 @@ class ModelRunner:
         metas = [self.attn_backend.build(b.query_lens, context_lens, [t[g] for t in tables], self.block_size,
                                          self.device, group=g)
                  for g in range(self.layout.num_groups)]  # fmt: skip
+        if self.state_slots:
+            # Each sequence's state slot, in the metadata's order: decodes (one token each,
+            # first), then the prompt chunks by their first token.
+            by_offset = dict(zip(itertools.accumulate([0, *b.query_lens[:-1]]),
+                                 (self.state_slots[rid] for rid in order)))
+            for m in metas:
+                m.state_slots = [by_offset[t] for t in range(m.num_decodes)] + [by_offset[c.token_start]
+                                                                                for c in m.prefills]
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
         if self.lora is not None:
             token_loras: list[int] = []

@@ -86,6 +86,8 @@ def build(model: nn.Module) -> tuple[DecodeStack | None, str]:
     if ops is None or not hasattr(ops, "DecodeStack"):
         return None, "pagoda's CPU kernels are not built"
     c = model.config
+    if c.is_hybrid:
+        return None, "a hybrid model's state layers run from Python"
     tables = ["global"] + (["local"] if c.local_rope_theta is not None else []) + (
         ["none"] if c.rope_layers is not None else [])
     layers = []

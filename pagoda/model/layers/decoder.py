@@ -317,6 +317,10 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm = RMSNorm(h, eps)
         self.residual_multiplier = config.residual_multiplier
 
+    @property
+    def rope_table(self) -> str:
+        return self.self_attn.rope_table
+
     def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         if self.post_norm:
             stream = x if residual is None else x + residual
@@ -466,10 +470,17 @@ class CausalLM(nn.Module):
 
     def kv_specs(self) -> list[KVSpec | None]:
         """Per layer: the KV heads this process holds, their size, and the window; None for
-        a layer another pipeline stage holds."""
-        return [None if isinstance(layer, MissingLayer) else
+        a layer another pipeline stage holds, or one without a KV cache (a hybrid model's
+        state layers: ``state_shapes``)."""
+        return [None if isinstance(layer, MissingLayer) or self.config.is_conv_layer(i) else
                 KVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, self.config.sliding_window_of(i))
                 for i, layer in enumerate(self.model.layers)]
+
+    def state_shapes(self) -> list[tuple[int, ...] | None]:
+        """Per layer: the shape of one request's recurrent state (a hybrid model's state
+        layers), else None. The runner keeps one per request slot and passes the layer its
+        [slots, *shape] tensor where attention layers get their KV cache."""
+        return [None] * len(self.model.layers)
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -540,7 +551,7 @@ class CausalLM(nn.Module):
                 return done
         metas = itertools.repeat(meta) if isinstance(meta, AttentionMetadata) else itertools.islice(meta, start, None)
         for layer, kv_cache, layer_meta in zip(self.model.layers[start:end], kv_caches[start:end], metas):
-            cos, sin = tables[layer.self_attn.rope_table]
+            cos, sin = tables[layer.rope_table]
             x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta)
         return x, residual
 

@@ -1,0 +1,154 @@
+"""LFM2 (Liquid AI): a hybrid. Most layers are gated short convolutions, the rest GQA
+attention with per-head q/k norms; both are followed by a SwiGLU MLP, pre-norm.
+
+A convolution layer computes ``B, C, x = in_proj(h)``, a depthwise causal convolution of
+width L over ``B * x`` along the sequence, then ``out_proj(C * conv)``. What a request
+carries from one step to the next is its last L - 1 inputs ``B * x`` per channel: a state
+of fixed size ([hidden, L - 1]) in a slot of the runner's state pool
+(pagoda/worker/model_runner.py), not KV blocks. A prompt chunk starting at position 0
+starts from zeros (the convolution's causal padding); a later chunk or a decode step from
+the slot's state, which it then updates in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.attention import AttentionMetadata
+from pagoda.model.arch import ModelArchConfig
+from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP
+from pagoda.model.layers.norm import RMSNorm
+from pagoda.model.models import UnsupportedModelError
+
+# HF checkpoint name parts -> this model's (the shared layers' names).
+_RENAMES = (
+    (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    (".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+    (".conv.conv.weight", ".conv.conv_weight"), (".conv.conv.bias", ".conv.conv_bias"),
+    ("model.embedding_norm.", "model.norm."),
+)  # fmt: skip
+
+
+class ShortConv(nn.Module):
+    """The gated short convolution of one LFM2 layer."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        h, self.kernel = config.hidden_size, config.conv_kernel
+        self.hidden_size = h
+        self.in_proj = nn.Linear(h, 3 * h, bias=config.conv_bias)
+        self.out_proj = nn.Linear(h, h, bias=config.conv_bias)
+        self.conv_weight = nn.Parameter(torch.empty(h, self.kernel), requires_grad=False)
+        self.conv_bias = nn.Parameter(torch.zeros(h), requires_grad=False) if config.conv_bias else None
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b, c, v = self.in_proj(x).split(self.hidden_size, dim=-1)
+        u = b * v                                   # [T, hidden]: the convolution's input
+        out = torch.empty_like(u)
+        slots = meta.state_slots
+        weight = self.conv_weight.to(u.dtype)
+        d = meta.num_decodes
+        if d:
+            # One token each: the state's L - 1 inputs and this one, times the kernel.
+            index = torch.tensor(slots[:d], dtype=torch.long, device=u.device)
+            window = torch.cat((state.index_select(0, index).to(u.dtype), u[:d, :, None]), dim=-1)   # [D, h, L]
+            y = (window * weight).sum(-1)
+            out[:d] = y if self.conv_bias is None else y + self.conv_bias
+            state.index_copy_(0, index, window[:, :, 1:].to(state.dtype))
+        for chunk, slot in zip(meta.prefills, slots[d:], strict=True):
+            a, n = chunk.token_start, chunk.query_len
+            before = state[slot].to(u.dtype) if chunk.context_len else u.new_zeros(self.hidden_size, self.kernel - 1)
+            window = torch.cat((before, u[a:a + n].t()), dim=-1)          # [h, L - 1 + n]
+            out[a:a + n] = F.conv1d(window[None], weight[:, None, :], self.conv_bias, groups=self.hidden_size)[0].t()
+            state[slot] = window[:, -(self.kernel - 1):].to(state.dtype)
+        return self.out_proj(c * out)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    """Pre-norm: a convolution or attention, then the MLP; the residual stream carried
+    separately (as ``DecoderLayer``)."""
+
+    def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.is_conv = config.is_conv_layer(layer_idx)
+        if self.is_conv:
+            self.conv = ShortConv(config)
+        else:
+            self.self_attn = Attention(config, layer_idx)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def rope_table(self) -> str:
+        return "global" if self.is_conv else self.self_attn.rope_table
+
+    def forward(self, x, residual, cos, sin, cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.conv(h, cache, meta) if self.is_conv else self.self_attn(h, cos, sin, cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Lfm2ForCausalLM(CausalLM):
+    layer_cls = Lfm2DecoderLayer
+    # Not yet: the convolutions' channels split over ranks, adapters on their projections.
+    tensor_parallel = False
+    lora = False
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        n = config["num_hidden_layers"]
+        layer_types = config.get("layer_types")
+        if layer_types is None:
+            full = set(config.get("full_attn_idxs") or ())
+            layer_types = ["full_attention" if i in full else "conv" for i in range(n)]
+        unknown = set(layer_types) - {"conv", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"LFM2 layer types {sorted(unknown)} are not supported")
+        intermediate = config.get("block_ff_dim", config["intermediate_size"])
+        if config.get("block_auto_adjust_ff_dim", False):
+            intermediate = int(2 * intermediate / 3)
+            multiplier = config.get("block_ffn_dim_multiplier")
+            if multiplier is not None:
+                intermediate = int(multiplier * intermediate)
+                step = config.get("block_multiple_of", 256)
+                intermediate = step * ((intermediate + step - 1) // step)
+        fields = {**config, "intermediate_size": intermediate, "rms_norm_eps": config.get("norm_eps", 1e-5),
+                  "tie_word_embeddings": config.get("tie_embedding", config.get("tie_word_embeddings", True)),
+                  "layer_types": None, "sliding_window": None}
+        return ModelArchConfig(**{**ModelArchConfig.hf_fields(fields, architecture), "qk_norm": "head",
+                                  "conv_layers": tuple(t == "conv" for t in layer_types),
+                                  "conv_kernel": config.get("conv_L_cache", 3),
+                                  "conv_bias": bool(config.get("conv_bias", False))})
+
+    @classmethod
+    def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
+        raise UnsupportedModelError("LFM2 GGUF files are not supported yet (its HF checkpoints are)")
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        return name
+
+    @classmethod
+    def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".conv.conv.weight"):   # [hidden, 1, L] -> [hidden, L]
+            return tensor.reshape(tensor.shape[0], -1)
+        return tensor
+
+    def state_shapes(self) -> list[tuple[int, ...] | None]:
+        c = self.config
+        return [(c.hidden_size, c.conv_kernel - 1) if c.is_conv_layer(i) else None
+                for i in range(len(self.model.layers))]
