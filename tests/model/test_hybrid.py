@@ -133,3 +133,31 @@ def test_state_pool_under_a_random_workload(lfm2):
         engine.check_integrity()
     assert engine.scheduler.num_preemptions > 0
     assert _free(llm) == free
+
+
+@pytest.mark.parametrize("mode", ["q4", "bf16"])
+def test_lfm2_in_the_quantized_modes(lfm2, mode):
+    """The quantized linear layers replace LFM2's projections too (the convolutions' in/out
+    projections included); bf16 stays near transformers' greedy choices, q4 runs. (int8
+    calibrates on text: these tiny checkpoints have no tokenizer, as in test_families.)"""
+    from pagoda.ops import cpu_kernels
+
+    hf, path = lfm2
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the quantized modes need pagoda's CPU kernels")
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, quantization=mode,
+              max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    converted = [m for m in model.modules() if type(m).__name__ != "Linear" and "Linear" in type(m).__name__]
+    assert len(converted) >= 3 * model.config.num_hidden_layers
+    ids = _prompts()[3]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    top = [max(entry.items(), key=lambda kv: kv[1].logprob)[0] for entry in out.prompt_logprobs[1:]]
+    agree = sum(int(t == w) for t, w in zip(top, want.argmax(-1)[:-1].tolist())) / len(top)
+    assert all(e[t].logprob > -1e9 for e, t in zip(out.prompt_logprobs[1:], ids[1:]))
+    if mode != "q4":
+        assert agree >= 0.85, agree
+    assert _free(llm) == (16, llm.engine.scheduler.states.num_slots)
