@@ -61,9 +61,9 @@ class AttentionMetadata:
     # The backend whose forward reads this metadata; None: the torch path (the CPU kernel
     # for decodes where decode_block_tables is set), as ``build`` alone makes it.
     backend: Any = None   # an AttentionBackend (pagoda/attention/backend.py, which imports this module)
-    # Hybrid models: per sequence (decodes, then prefills in their order), its slot of the
-    # runner's state pool (pagoda/model/models/lfm2.py); None for models without state layers.
-    state_slots: list[int] | None = None
+    # Hybrid models: the step's plan for their state layers (pagoda/attention/state.py); None
+    # for models without state layers.
+    states: Any = None
 
     def decode_view(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The gather path's decode (slots, mask), narrowed to a window: positions before

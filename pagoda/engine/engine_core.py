@@ -310,11 +310,6 @@ class EngineCore:
         # an embedding engine with them never looks prefixes up (LAST pooling does: a hit
         # always leaves the last position to compute).
         caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
-        if caching and self.loaded.arch.is_hybrid:
-            # A prefix hit would skip the tokens a state layer's state is made of (no state
-            # checkpoints at block ends yet): every prompt is computed whole.
-            logger.info("prefix caching off: a hybrid model's state layers need every token computed")
-            caching = False
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, caching,
                                          group_windows=plan.layout.group_windows)
         self.scheduler = Scheduler(
@@ -347,7 +342,8 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, device, plan.kv_dtype, config.seed,
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
                                   lora=self.lora, pooler_config=self.pooler_config,
-                                  attention_backend=config.attention_backend, num_state_slots=config.max_num_seqs)
+                                  attention_backend=config.attention_backend, num_state_slots=config.max_num_seqs,
+                                  state_checkpoints=self.kv_manager.enable_caching)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")

@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.attention import select_backend
+from pagoda.attention import AttentionMetadata, select_backend
 from pagoda.attention.cpu import CpuBackend
 from pagoda.attention.kv_quant import QuantizedKVCache, storage_dtype
+from pagoda.attention.state import StateCache, StepStates
 from pagoda.core.kv_layout import KVLayout
 from pagoda.core.outputs import TokenLogprobs
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -113,10 +115,13 @@ def kv_cache_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtyp
     KV groups share buffers)."""
     c = model.config
     num_buffers = len(held_buffers(model))
+    # A hybrid model's blocks also carry each state layer's state at their end (prefix caching).
+    states = sum(math.prod(shape) for shape in getattr(model, "state_shapes", list)() if shape is not None) * \
+        model.activation_dtype.itemsize
     if storage_dtype(kv_cache_dtype) is not None:
-        return num_buffers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim)
+        return num_buffers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim) + states
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * num_buffers * block_size * local_kv_heads(model) * c.head_dim * elem
+    return 2 * num_buffers * block_size * local_kv_heads(model) * c.head_dim * elem + states
 
 
 def kv_cache_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, str]:
@@ -232,6 +237,7 @@ class ModelRunner:
         pooler_config: PoolerConfig | None = None,
         attention_backend: str = "auto",
         num_state_slots: int = 0,
+        state_checkpoints: bool = False,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
@@ -258,19 +264,26 @@ class ModelRunner:
         self.kv_caches = [self.kv_buffers[b] for b in self.layout.layer_buffer]
         # A hybrid model's state layers: one state per slot of the scheduler's state pool
         # (pagoda/core/state_pool.py), passed where attention layers get their KV cache.
+        # With prefix caching, also the state at each KV block's end (``state_checkpoints``).
         self.state_slots: dict[str, int] = {}   # the slots of the requests this runner knows
+        self._restore: dict[str, int] = {}      # new requests' prefix hits: the block to start from
         shapes = model.state_shapes()
         if any(shape is not None for shape in shapes):
             if num_state_slots < 1:
                 raise ValueError("a hybrid model needs state slots (num_state_slots)")
+            dtype = model.activation_dtype
             for i, shape in enumerate(shapes):
                 if shape is not None:
-                    self.kv_caches[i] = torch.zeros(num_state_slots, *shape, dtype=model.activation_dtype,
-                                                    device=device)
-        self._state_caches = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
+                    self.kv_caches[i] = StateCache(
+                        torch.zeros(num_state_slots, *shape, dtype=dtype, device=device),
+                        torch.zeros(num_blocks, *shape, dtype=dtype, device=device) if state_checkpoints else None)
+        self._state_caches: list[StateCache] = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
         if self._state_caches:
-            logger.info("state slots: %d, of %d layers' states (%.1f MiB)", num_state_slots, len(self._state_caches),
-                        sum(c.numel() * c.element_size() for c in self._state_caches) / 2**20)
+            size = sum(t.numel() * t.element_size() for c in self._state_caches for t in (c.slots, c.blocks)
+                       if t is not None)
+            logger.info("state slots: %d, of %d layers' states%s (%.1f MiB)", num_state_slots,
+                        len(self._state_caches), ", and each KV block's end state" if state_checkpoints else "",
+                        size / 2**20)
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
         self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda")
                                 for _ in range(self.layout.num_buffers)] if num_host_blocks else []  # fmt: skip
@@ -362,8 +375,12 @@ class ModelRunner:
                 if new.state_slot < 0:
                     raise RuntimeError(f"{new.req_id} was scheduled without a state slot on a hybrid model")
                 for cache in self._state_caches:
-                    cache[new.state_slot].zero_()   # its first token meets zeros (the causal padding)
+                    cache.slots[new.state_slot].zero_()   # its first token meets zeros (the causal padding)
                 self.state_slots[new.req_id] = new.state_slot
+                if new.num_computed_tokens:   # a prefix hit, whole blocks: from the last one's end state
+                    if self._state_caches[0].blocks is None:
+                        raise RuntimeError(f"{new.req_id}: a prefix hit on a hybrid model without state checkpoints")
+                    self._restore[new.req_id] = new.block_ids[0][new.num_computed_tokens // self.block_size - 1]
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
@@ -376,6 +393,23 @@ class ModelRunner:
             for table, ids in zip(state.block_ids, cached.new_block_ids):
                 table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _step_states(self, order: list[str], query_lens: list[int], context_lens: list[int],
+                     tables: list[list[list[int]]], meta: AttentionMetadata) -> StepStates:
+        """The step's plan for the state layers, in the metadata's order (decodes, one token
+        each and first, then the prompt chunks by their first token)."""
+        by_offset = {offset: i for i, offset in enumerate(itertools.accumulate([0, *query_lens[:-1]]))}
+        rows = [by_offset[t] for t in range(meta.num_decodes)] + [by_offset[c.token_start] for c in meta.prefills]
+        checkpoints = self._state_caches[0].blocks is not None
+        bs = self.block_size
+        plan = StepStates([], [], [])
+        for i in rows:
+            rid, start, n = order[i], context_lens[i], query_lens[i]
+            plan.slots.append(self.state_slots[rid])
+            plan.restore.append(self._restore.pop(rid, -1))
+            ends = range(-(-(start + 1) // bs) * bs, start + n + 1, bs) if checkpoints else ()
+            plan.checkpoints.append([(e - start, tables[i][0][e // bs - 1]) for e in ends])
+        return plan
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy preempted requests' blocks to the host pool, then resumed ones' back (out
@@ -477,14 +511,10 @@ class ModelRunner:
         metas = [self.attn_backend.build(b.query_lens, context_lens, [t[g] for t in tables], self.block_size,
                                          self.device, group=g)
                  for g in range(self.layout.num_groups)]  # fmt: skip
-        if self.state_slots:
-            # Each sequence's state slot, in the metadata's order: decodes (one token each,
-            # first), then the prompt chunks by their first token.
-            by_offset = dict(zip(itertools.accumulate([0, *b.query_lens[:-1]]),
-                                 (self.state_slots[rid] for rid in order)))
+        if self._state_caches:
+            states = self._step_states(order, b.query_lens, context_lens, tables, metas[0])
             for m in metas:
-                m.state_slots = [by_offset[t] for t in range(m.num_decodes)] + [by_offset[c.token_start]
-                                                                                for c in m.prefills]
+                m.states = states
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
         if self.lora is not None:
             token_loras: list[int] = []

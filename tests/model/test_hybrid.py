@@ -46,21 +46,47 @@ def test_lfm2_matches_transformers_through_chunks_and_a_second_pass(lfm2):
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
               max_num_batched_tokens=32, max_num_seqs=8)
     assert type(llm.engine.runner.model) is Lfm2ForCausalLM
-    assert llm.engine.kv_manager.enable_caching is False   # no state checkpoints for prefix hits yet
     free = _free(llm)
     assert free == (64, 8)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    for _ in range(2):   # a second pass: the same tokens, the state computed afresh
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    kv = llm.engine.kv_manager
+    for run in range(2):   # a second pass: prefix hits, the states restored from the blocks' ends
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert_greedy_matches_hf(hf, prompts, outputs, 16, "lfm2")
-        for ids, out in zip(prompts, outputs):
-            with torch.inference_mode():
-                want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-            got = [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], ids[1:])]
-            ref = [want[i, tok].item() for i, tok in enumerate(ids[1:])]
-            assert max((abs(a - b) for a, b in zip(got, ref)), default=0.0) < 1e-3
+        assert (kv.prefix_hits > 0) == (run == 1)
         llm.engine.check_integrity()
         assert _free(llm) == free
+    # Prompt logprobs read every position: no prefix hit, the states computed chunk by chunk.
+    logprobs = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    for ids, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        got = [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+        ref = [want[i, tok].item() for i, tok in enumerate(ids[1:])]
+        assert max((abs(a - b) for a, b in zip(got, ref)), default=0.0) < 1e-3
+
+
+def test_lfm2_five_turns_compute_only_their_new_tokens(lfm2):
+    """A conversation of five turns: each later turn hits the prefix cache up to the last
+    whole block of the turn before, restores the convolutions' states there, and computes at
+    most its new tokens plus one block; its tokens are transformers' greedy ones."""
+    hf, path = lfm2
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32)
+    gen = torch.Generator().manual_seed(2)
+    history: list[int] = []
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    for turn in range(5):
+        new = torch.randint(3, 512, (11 + 3 * turn,), generator=gen).tolist()
+        prompt = history + new
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        computed = len(prompt) - out.num_cached_tokens
+        if turn:
+            assert computed <= len(new) + 16, (turn, computed)   # its new tokens and at most one block
+            assert out.num_cached_tokens > 0
+        assert_greedy_matches_hf(hf, [prompt], [out], 8, f"lfm2 turn {turn}")
+        history = prompt + list(out.outputs[0].token_ids)
+    llm.engine.check_integrity()
 
 
 def test_lfm2_under_preemption_and_aborts(lfm2):
@@ -103,8 +129,9 @@ def test_hybrid_refuses_what_it_cannot_combine_with_yet(lfm2, kwargs, words):
 
 
 def test_state_pool_under_a_random_workload(lfm2):
-    """Admissions, aborts, preemptions (a small KV pool) and finishes in random order, with
-    check_integrity() after every step: every slot is held by one running request or free."""
+    """Admissions, aborts, preemptions (a small KV pool), prefix hits and finishes in random
+    order, with check_integrity() after every step: every slot is held by one running
+    request or free."""
     import random
 
     from pagoda.engine.messages import EngineCoreRequest
@@ -114,11 +141,13 @@ def test_state_pool_under_a_random_workload(lfm2):
               max_num_seqs=3, max_num_batched_tokens=32)
     engine, rng = llm.engine, random.Random(0)
     free = _free(llm)
+    base = [rng.randrange(3, 512) for _ in range(60)]
     live: list[str] = []
     for step in range(120):
         if rng.random() < 0.4:
             rid = f"r{step}"
-            ids = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 60))]
+            # Prefixes of one text, often: prefix hits restore the states of blocks' ends.
+            ids = base[:rng.randrange(1, 60)] if rng.random() < 0.6 else [rng.randrange(3, 512) for _ in range(40)]
             engine.add_request(EngineCoreRequest(rid, ids, SamplingParams(max_tokens=rng.randrange(1, 30),
                                                                           ignore_eos=True)))
             live.append(rid)
@@ -131,7 +160,7 @@ def test_state_pool_under_a_random_workload(lfm2):
     while engine.scheduler.has_unfinished_requests():
         engine.step()
         engine.check_integrity()
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hits > 0
     assert _free(llm) == free
 
 

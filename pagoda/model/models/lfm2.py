@@ -5,9 +5,11 @@ A convolution layer computes ``B, C, x = in_proj(h)``, a depthwise causal convol
 width L over ``B * x`` along the sequence, then ``out_proj(C * conv)``. What a request
 carries from one step to the next is its last L - 1 inputs ``B * x`` per channel: a state
 of fixed size ([hidden, L - 1]) in a slot of the runner's state pool
-(pagoda/worker/model_runner.py), not KV blocks. A prompt chunk starting at position 0
+(pagoda/core/state_pool.py), not KV blocks. A prompt chunk starting at position 0
 starts from zeros (the convolution's causal padding); a later chunk or a decode step from
-the slot's state, which it then updates in place.
+the slot's state, which it then updates in place. With prefix caching, the state at the end
+of every KV block a step crosses is kept beside the block, and a request whose prefix hit
+ends at that block starts from it (pagoda/attention/state.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.attention import AttentionMetadata
+from pagoda.attention.state import StateCache, StepStates
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP
 from pagoda.model.layers.norm import RMSNorm
@@ -47,26 +50,41 @@ class ShortConv(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(h, self.kernel), requires_grad=False)
         self.conv_bias = nn.Parameter(torch.zeros(h), requires_grad=False) if config.conv_bias else None
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: StateCache, meta: AttentionMetadata) -> torch.Tensor:
         b, c, v = self.in_proj(x).split(self.hidden_size, dim=-1)
         u = b * v                                   # [T, hidden]: the convolution's input
         out = torch.empty_like(u)
-        slots = meta.state_slots
+        plan: StepStates = meta.states
         weight = self.conv_weight.to(u.dtype)
+        keep = self.kernel - 1
         d = meta.num_decodes
-        if d:
+        spans = [(i, 1, 1) for i in range(d)] + [(p.token_start, p.query_len, p.context_len) for p in meta.prefills]
+        # Sequences that start from a block's end state (a prefix hit) go last: the block may
+        # be one another sequence of this step computes.
+        first = [i for i in range(len(spans)) if plan.restore[i] < 0]
+        decodes = [i for i in first if i < d]
+        if decodes:
             # One token each: the state's L - 1 inputs and this one, times the kernel.
-            index = torch.tensor(slots[:d], dtype=torch.long, device=u.device)
-            window = torch.cat((state.index_select(0, index).to(u.dtype), u[:d, :, None]), dim=-1)   # [D, h, L]
+            index = torch.tensor([plan.slots[i] for i in decodes], dtype=torch.long, device=u.device)
+            rows = torch.tensor(decodes, dtype=torch.long, device=u.device)
+            window = torch.cat((cache.slots.index_select(0, index).to(u.dtype), u[rows, :, None]), dim=-1)   # [D, h, L]
             y = (window * weight).sum(-1)
-            out[:d] = y if self.conv_bias is None else y + self.conv_bias
-            state.index_copy_(0, index, window[:, :, 1:].to(state.dtype))
-        for chunk, slot in zip(meta.prefills, slots[d:], strict=True):
-            a, n = chunk.token_start, chunk.query_len
-            before = state[slot].to(u.dtype) if chunk.context_len else u.new_zeros(self.hidden_size, self.kernel - 1)
+            out[rows] = y if self.conv_bias is None else y + self.conv_bias
+            cache.slots.index_copy_(0, index, window[:, :, 1:].to(cache.slots.dtype))
+            for j, i in enumerate(decodes):
+                for offset, block in plan.checkpoints[i]:
+                    cache.blocks[block] = window[j, :, offset:offset + keep].to(cache.blocks.dtype)
+        for i in [i for i in first if i >= d] + [i for i in range(len(spans)) if plan.restore[i] >= 0]:
+            a, n, context = spans[i]
+            slot = plan.slots[i]
+            if plan.restore[i] >= 0:
+                cache.slots[slot] = cache.blocks[plan.restore[i]]
+            before = cache.slots[slot].to(u.dtype) if context else u.new_zeros(self.hidden_size, keep)
             window = torch.cat((before, u[a:a + n].t()), dim=-1)          # [h, L - 1 + n]
             out[a:a + n] = F.conv1d(window[None], weight[:, None, :], self.conv_bias, groups=self.hidden_size)[0].t()
-            state[slot] = window[:, -(self.kernel - 1):].to(state.dtype)
+            cache.slots[slot] = window[:, -keep:].to(cache.slots.dtype)
+            for offset, block in plan.checkpoints[i]:
+                cache.blocks[block] = window[:, offset:offset + keep].to(cache.blocks.dtype)
         return self.out_proj(c * out)
 
 

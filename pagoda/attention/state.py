@@ -1,0 +1,29 @@
+"""What a hybrid model's state layers (pagoda/model/models/lfm2.py) get for a step, beside
+the attention layers' KV cache and metadata.
+
+``StateCache`` is one state layer's memory: a state per slot of the scheduler's state pool
+(pagoda/core/state_pool.py), and, with prefix caching, the state at the end of every KV
+block (written when the block is computed, read when a later request's prefix hit ends at
+that block). ``StepStates`` is the step's per-sequence plan (in the attention metadata's
+order: decodes, then prompt chunks): each sequence's slot, the block whose end state it
+starts from (a prefix hit, on its first step), and the block ends its tokens cross.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StateCache:
+    slots: torch.Tensor                # [slots, *state shape]
+    blocks: torch.Tensor | None = None  # [KV blocks, *state shape]: the state at each block's end
+
+
+@dataclass
+class StepStates:
+    slots: list[int]                         # per sequence, its state slot
+    restore: list[int]                       # per sequence, the block whose end state it starts from, or -1
+    checkpoints: list[list[tuple[int, int]]]  # per sequence, (block end - chunk start, block id)
