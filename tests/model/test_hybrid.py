@@ -10,22 +10,31 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.model.models.lfm2 import Lfm2ForCausalLM
+from pagoda.model.models import model_class
 from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, top2_gap
 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory):
-    config = transformers.Lfm2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3,
-        max_position_embeddings=1024, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        block_auto_adjust_ff_dim=False)
+_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3,
+             max_position_embeddings=1024, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module", params=["lfm2", "lfm2moe"])
+def lfm2(request, tmp_path_factory):
+    if request.param == "lfm2":
+        config = transformers.Lfm2Config(**_TINY, block_auto_adjust_ff_dim=False)
+    else:   # the first layer dense, then 8 experts of 32, 2 per token
+        config = transformers.Lfm2MoeConfig(**_TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                            num_dense_layers=1)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    path = tmp_path_factory.mktemp("lfm2")
+    with torch.no_grad():
+        for m in hf.modules():
+            if getattr(m, "expert_bias", None) is not None:   # zeros at init: make it choose
+                m.expert_bias.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     return hf, str(path)
 
@@ -45,7 +54,7 @@ def test_lfm2_matches_transformers_through_chunks_and_a_second_pass(lfm2):
     # Small blocks and a small step budget: prompts in chunks of up to 32 tokens.
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
               max_num_batched_tokens=32, max_num_seqs=8)
-    assert type(llm.engine.runner.model) is Lfm2ForCausalLM
+    assert type(llm.engine.runner.model) is model_class(hf.config.architectures[0])
     free = _free(llm)
     assert free == (64, 8)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)

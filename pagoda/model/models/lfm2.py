@@ -22,15 +22,16 @@ from torch import nn
 
 from pagoda.attention import AttentionMetadata
 from pagoda.attention.state import StateCache, StepStates
-from pagoda.model.arch import ModelArchConfig
-from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP
+from pagoda.model.arch import ModelArchConfig, moe_fields
+from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP, SparseMoeBlock
 from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.models import UnsupportedModelError
 
-# HF checkpoint name parts -> this model's (the shared layers' names).
+# HF checkpoint name parts -> this model's (the shared layers' names), in order.
 _RENAMES = (
-    (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
-    (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".feed_forward.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."),
+    (".mlp.expert_bias", ".mlp.score_bias"),   # LFM2-MoE: the bias that chooses experts, not weighs them
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
     (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."),
     (".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
     (".conv.conv.weight", ".conv.conv_weight"), (".conv.conv.bias", ".conv.conv_bias"),
@@ -99,7 +100,7 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = ShortConv(config)
         else:
             self.self_attn = Attention(config, layer_idx)
-        self.mlp = GatedMLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -170,3 +171,24 @@ class Lfm2ForCausalLM(CausalLM):
         c = self.config
         return [(c.hidden_size, c.conv_kernel - 1) if c.is_conv_layer(i) else None
                 for i in range(len(self.model.layers))]
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2-MoE: LFM2's layers, the MLP of every layer from ``num_dense_layers`` on replaced by
+    experts chosen by sigmoid scores plus a per-expert bias (``expert_bias``: it chooses,
+    it does not weigh), their weights renormalised and scaled."""
+
+    unquantized_modules = (".mlp.gate",)
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        import dataclasses
+
+        arch = super().arch_from_hf(config, architecture)
+        n, dense = arch.num_hidden_layers, config.get("num_dense_layers", 0)
+        return dataclasses.replace(
+            arch, moe_layers=tuple(i >= dense for i in range(n)), expert_scoring="sigmoid",
+            expert_score_bias=bool(config.get("use_expert_bias", True)),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            **moe_fields(config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+                         bool(config.get("norm_topk_prob", True))))
