@@ -29,9 +29,11 @@ def gguf_files(tmp_path_factory) -> dict[str, str]:
 
 def _llm(monkeypatch, model: str, **kwargs) -> LLM:
     monkeypatch.setenv("PAGODA_DECODE_STACK", "1")
-    # No prefix caching: a second run of the same prompts computes them again.
+    # No prefix caching: a second run of the same prompts computes them again. A fixed thread
+    # count: the thread governor would move it with the machine's load between the two runs,
+    # and bit-for-bit equality holds for one count.
     return LLM(model, show_progress=False, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
-               **kwargs)
+               num_threads=1, **kwargs)
 
 
 def _generate(llm: LLM, stack) -> tuple[list, int]:
