@@ -78,6 +78,11 @@ def test_two_models_alternate_evict_and_unload(server):
             replies.setdefault(name, r.choices[0].message.content)
             assert r.choices[0].message.content == replies[name] and r.model == name
         assert replies["a"] == replies["b"]   # the same weights under two names
+        # Streamed through the router as from a one-model server.
+        stream = client.chat.completions.create(model="a", messages=QUESTION, max_tokens=6, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == replies["a"]
+        client.chat.completions.create(model="b", messages=QUESTION, max_tokens=2)   # b the most recent again
         assert _loaded(http) == {"a:latest", "b:latest"}
         port = base.rsplit(":", 1)[1]
         out = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "ps", "--port", port],
@@ -117,6 +122,8 @@ def test_two_models_alternate_evict_and_unload(server):
         assert r.status_code == 404 and "a, b, c" in r.json()["error"]["message"]
         r = http.post("/api/chat", json={"model": "nope", "messages": QUESTION})
         assert r.status_code == 404 and "not found" in r.json()["error"]
+        r = http.get("/metrics")
+        assert r.status_code == 404 and "not served by a server of several models" in r.json()["error"]["message"]
         r = http.post("/api/chat", json={"model": "a", "messages": QUESTION, "keep_alive": "soon"})
         assert r.status_code == 400 and "not a duration" in r.json()["error"]
 

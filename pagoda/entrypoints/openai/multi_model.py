@@ -265,6 +265,10 @@ class ModelRouter:
                 body = {"/": "Ollama is running", "/api/version": {"version": "0.12.0"},
                         "/health": {"status": "ok", "models_loaded": len(self.loaded())}}.get(path, {"version": "pagoda"})
                 return await _reply(send, 200, body)
+            # /metrics, /dashboard, ...: each model's app has its own; none for the router yet.
+            return await _reply(send, 404, _error(f"{path} is not served by a server of several models (yet); "
+                                                  f"it serves /v1/models, /api/tags, /api/ps, /health and the "
+                                                  f"requests that name a model", ollama, "not_found"))
         body = await _read_body(receive)
         try:
             request = json.loads(body) if body else {}
