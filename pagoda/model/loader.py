@@ -425,7 +425,7 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
     table = get_tensor_name_map(arch, model.config.num_hidden_layers)
     names: dict[str, str | list[str]] = {}
     for hf_name in checkpoint_names(model):
-        module, _, leaf = hf_name.rpartition(".")
+        module, _, leaf = type(model).gguf_lookup_name(hf_name).rpartition(".")
         expert = EXPERT_NAME.search(module)
         gguf = table.get_name(EXPERT_NAME.sub(".experts.", module) if expert else module)
         if gguf is None and module == "lm_head" and model.config.tie_word_embeddings:

@@ -40,10 +40,14 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
     w.add_feed_forward_length(c.intermediate_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_head_count(heads)
-    w.add_head_count_kv(kv)
+    if gguf_arch == "lfm2":   # llama.cpp's LFM2 converter: KV heads per layer, 0 for the convolutions
+        w.add_head_count_kv([0 if t == "conv" else kv for t in c.layer_types])
+        w.add_shortconv_l_cache(c.conv_L_cache)
+    else:
+        w.add_head_count_kv(kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_layer_norm_rms_eps(getattr(c, "rms_norm_eps", None) or c.norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)   # per layer type (Gemma 3): the global layers'
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
@@ -94,6 +98,8 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
             continue
         module, _, leaf = name.rpartition(".")
         t = t.detach().float()
+        if gguf_arch == "lfm2" and name.endswith("conv.conv.weight"):
+            t = t.squeeze(1)   # [hidden, 1, L] -> [hidden, L], as llama.cpp's converter writes it
         if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1.0   # llama.cpp's Gemma converters store Gemma's 1 + w
         if gguf_arch in PERMUTED and module.endswith("q_proj"):

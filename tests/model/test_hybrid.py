@@ -12,6 +12,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.model.models import model_class
 from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, top2_gap
+from tests.model.hf_to_gguf import write_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,8 +36,10 @@ def lfm2(request, tmp_path_factory):
             if getattr(m, "expert_bias", None) is not None:   # zeros at init: make it choose
                 m.expert_bias.normal_(0, 0.3)
     path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    return hf, str(path)
+    hf.save_pretrained(path / "hf", safe_serialization=True)
+    # llama.cpp's names and keys, the same tensors (LFM2's dense files; LFM2-MoE's are refused yet)
+    gguf = write_gguf(hf, str(path / "model.gguf"), "lfm2", str(path / "hf")) if request.param == "lfm2" else None
+    return hf, str(path / "hf"), gguf
 
 
 def _prompts() -> list[list[int]]:
@@ -48,8 +51,17 @@ def _free(llm: LLM) -> tuple[int, int]:
     return llm.engine.kv_manager.num_free_blocks, llm.engine.scheduler.states.num_free
 
 
-def test_lfm2_matches_transformers_through_chunks_and_a_second_pass(lfm2):
-    hf, path = lfm2
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_lfm2_matches_transformers_through_chunks_and_a_second_pass(lfm2, source):
+    hf, path, gguf = lfm2
+    if source == "gguf":
+        from pagoda.ops import cpu_kernels
+
+        if gguf is None:
+            pytest.skip("no GGUF file of this family yet")
+        if cpu_kernels.kernels() is None:
+            pytest.skip("GGUF files are served from their blocks by pagoda's CPU kernels")
+        path = gguf
     prompts = _prompts()
     # Small blocks and a small step budget: prompts in chunks of up to 32 tokens.
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
@@ -79,7 +91,7 @@ def test_lfm2_five_turns_compute_only_their_new_tokens(lfm2):
     """A conversation of five turns: each later turn hits the prefix cache up to the last
     whole block of the turn before, restores the convolutions' states there, and computes at
     most its new tokens plus one block; its tokens are transformers' greedy ones."""
-    hf, path = lfm2
+    hf, path, _ = lfm2
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16,
               max_num_batched_tokens=32)
     gen = torch.Generator().manual_seed(2)
@@ -99,7 +111,7 @@ def test_lfm2_five_turns_compute_only_their_new_tokens(lfm2):
 
 
 def test_lfm2_under_preemption_and_aborts(lfm2):
-    hf, path = lfm2
+    hf, path, _ = lfm2
     prompts = _prompts()[1:]
     # Room for about one request at a time: the others are preempted and recomputed.
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, block_size=16, num_kv_blocks=8,
@@ -132,7 +144,7 @@ def test_lfm2_under_preemption_and_aborts(lfm2):
     ({"preemption_mode": "swap", "swap_space": 1 << 20}, "--preemption-mode swap"),
 ])
 def test_hybrid_refuses_what_it_cannot_combine_with_yet(lfm2, kwargs, words):
-    _, path = lfm2
+    _, path, _ = lfm2
     with pytest.raises(ValueError, match=f"hybrid model .* cannot be combined with {words}"):
         LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, **kwargs)
 
@@ -145,7 +157,7 @@ def test_state_pool_under_a_random_workload(lfm2):
 
     from pagoda.engine.messages import EngineCoreRequest
 
-    _, path = lfm2
+    _, path, _ = lfm2
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, block_size=16, num_kv_blocks=10,
               max_num_seqs=3, max_num_batched_tokens=32)
     engine, rng = llm.engine, random.Random(0)
@@ -180,7 +192,7 @@ def test_lfm2_in_the_quantized_modes(lfm2, mode):
     calibrates on text: these tiny checkpoints have no tokenizer, as in test_families.)"""
     from pagoda.ops import cpu_kernels
 
-    hf, path = lfm2
+    hf, path, _ = lfm2
     if cpu_kernels.kernels() is None:
         pytest.skip("the quantized modes need pagoda's CPU kernels")
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, quantization=mode,

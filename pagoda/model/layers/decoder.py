@@ -410,6 +410,12 @@ class CausalLM(nn.Module):
         return name
 
     @classmethod
+    def gguf_lookup_name(cls, name: str) -> str:
+        """The name under which llama.cpp's table (``gguf``'s TensorNameMap) knows one of
+        this model's checkpoint names, where the family renamed it (LFM2's final norm)."""
+        return name
+
+    @classmethod
     def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor of an HF checkpoint as the model holds it (Gemma's norms: 1 + w)."""
         return tensor

@@ -50,6 +50,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",   # Mixtral files are "llama" files with experts
     "gpt-oss": "GptOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2moe": "Lfm2MoeForCausalLM",
 }
 
 

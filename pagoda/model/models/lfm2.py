@@ -153,7 +153,24 @@ class Lfm2ForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        raise UnsupportedModelError("LFM2 GGUF files are not supported yet (its HF checkpoints are)")
+        """llama.cpp's ``lfm2`` files: ``attention.head_count_kv`` per layer, 0 for the
+        convolution layers; ``shortconv.l_cache`` the kernel width."""
+        p = f"{md['general.architecture']}."
+        kv = md[p + "attention.head_count_kv"]
+        n = md[p + "block_count"]
+        per_layer = list(kv) if isinstance(kv, (list, tuple)) else [kv] * n
+        attention = [int(k) for k in per_layer if int(k)]
+        if len(per_layer) != n or len(set(attention)) != 1:
+            raise UnsupportedModelError(f"LFM2 GGUF: head_count_kv {per_layer} for {n} layers")
+        fields = ModelArchConfig.gguf_fields({**md, p + "attention.head_count_kv": attention[0]}, tensor_names,
+                                             architecture)
+        return ModelArchConfig(**{**fields, "qk_norm": "head", "conv_layers": tuple(int(k) == 0 for k in per_layer),
+                                  "conv_kernel": int(md[p + "shortconv.l_cache"]),
+                                  "conv_bias": "blk.0.shortconv.in_proj.bias" in tensor_names})
+
+    @classmethod
+    def gguf_lookup_name(cls, name: str) -> str:
+        return name.replace("model.norm.", "model.embedding_norm.").replace(".conv.conv_weight", ".conv.conv.weight")
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
@@ -179,6 +196,10 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     it does not weigh), their weights renormalised and scaled."""
 
     unquantized_modules = (".mlp.gate",)
+
+    @classmethod
+    def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
+        raise UnsupportedModelError("LFM2-MoE GGUF files are not supported yet (its HF checkpoints are)")
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
