@@ -185,16 +185,21 @@ def test_state_pool_under_a_random_workload(lfm2):
     assert _free(llm) == free
 
 
-@pytest.mark.parametrize("mode", ["q4", "bf16"])
+@pytest.mark.parametrize("mode", ["q4", "bf16", "gguf"])
 def test_lfm2_in_the_quantized_modes(lfm2, mode):
     """The quantized linear layers replace LFM2's projections too (the convolutions' in/out
-    projections included); bf16 stays near transformers' greedy choices, q4 runs. (int8
-    calibrates on text: these tiny checkpoints have no tokenizer, as in test_families.)"""
+    projections included); bf16 and the gguf mode (a GGUF file's blocks, int8 activations)
+    stay near transformers' greedy choices, q4 runs. (int8 calibrates on text: these tiny
+    checkpoints have no tokenizer, as in test_families.)"""
     from pagoda.ops import cpu_kernels
 
-    hf, path, _ = lfm2
+    hf, path, gguf = lfm2
     if cpu_kernels.kernels() is None:
         pytest.skip("the quantized modes need pagoda's CPU kernels")
+    if mode == "gguf":
+        if gguf is None:
+            pytest.skip("no GGUF file of this family yet")
+        path = gguf
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, quantization=mode,
               max_num_batched_tokens=32)
     model = llm.engine.runner.model
