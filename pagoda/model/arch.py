@@ -133,6 +133,11 @@ class ModelArchConfig:
     conv_layers: tuple[bool, ...] | None = None
     conv_kernel: int = 0
     conv_bias: bool = False
+    # Hybrid models with Mamba-2 layers (Granite 4.0-H): per layer whether it is one, and
+    # their geometry: heads, head_dim, groups, d_state, d_conv, intermediate, conv_bias,
+    # proj_bias, dt_min, dt_max (pagoda/model/models/granite_hybrid.py).
+    mamba_layers: tuple[bool, ...] | None = None
+    mamba: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in hf_architectures():
@@ -199,10 +204,17 @@ class ModelArchConfig:
     def is_conv_layer(self, layer: int) -> bool:
         return self.conv_layers is not None and self.conv_layers[layer]
 
+    def is_mamba_layer(self, layer: int) -> bool:
+        return self.mamba_layers is not None and self.mamba_layers[layer]
+
+    def is_state_layer(self, layer: int) -> bool:
+        """A layer that keeps a fixed-size state per request instead of a KV cache."""
+        return self.is_conv_layer(layer) or self.is_mamba_layer(layer)
+
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state per request instead of a KV cache."""
-        return self.conv_layers is not None and any(self.conv_layers)
+        return any(self.is_state_layer(i) for i in range(self.num_hidden_layers))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])

@@ -22,10 +22,17 @@ _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attentio
              max_position_embeddings=1024, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-@pytest.fixture(scope="module", params=["lfm2", "lfm2moe"])
+@pytest.fixture(scope="module", params=["lfm2", "lfm2moe", "granite4h"])
 def lfm2(request, tmp_path_factory):
     if request.param == "lfm2":
         config = transformers.Lfm2Config(**_TINY, block_auto_adjust_ff_dim=False)
+    elif request.param == "granite4h":   # Mamba-2 layers (8 heads of 16 in 2 groups, d_state 16) and attention
+        tiny = {k: v for k, v in _TINY.items() if k not in ("layer_types", "conv_L_cache")}
+        config = transformers.GraniteMoeHybridConfig(
+            **tiny, shared_intermediate_size=96, num_local_experts=0,
+            layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_n_groups=2,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, embedding_multiplier=2.0,
+            residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0, position_embedding_type="rope")
     else:   # the first layer dense, then 8 experts of 32, 2 per token
         config = transformers.Lfm2MoeConfig(**_TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                             num_dense_layers=1)

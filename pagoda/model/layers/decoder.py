@@ -478,7 +478,7 @@ class CausalLM(nn.Module):
         """Per layer: the KV heads this process holds, their size, and the window; None for
         a layer another pipeline stage holds, or one without a KV cache (a hybrid model's
         state layers: ``state_shapes``)."""
-        return [None if isinstance(layer, MissingLayer) or self.config.is_conv_layer(i) else
+        return [None if isinstance(layer, MissingLayer) or self.config.is_state_layer(i) else
                 KVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, self.config.sliding_window_of(i))
                 for i, layer in enumerate(self.model.layers)]
 

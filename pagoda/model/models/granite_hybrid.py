@@ -1,0 +1,221 @@
+"""Granite 4.0-H (``GraniteMoeHybridForCausalLM``): a hybrid of Mamba-2 layers and GQA
+attention, Granite's multipliers, a gated MLP after each. Dense checkpoints
+(``num_local_experts`` 0) so far; the MoE ones are refused by name.
+
+A Mamba-2 layer projects the hidden state to a gate z, the convolution's input xBC and a
+time step per head; a depthwise causal convolution (width d_conv, SiLU) over xBC gives x,
+B and C (B and C per group of heads); then per head h, with dt = softplus(dt + dt_bias)
+and A = -exp(A_log), the state S [head_dim, d_state] runs
+
+    S <- exp(dt A) S + dt x B^T,     y = S C + D x,
+
+and the output is out_proj(RMSNorm_groups(y * silu(z))). What a request carries from one
+step to the next, in its slot of the state pool (pagoda/core/state_pool.py), is the
+convolution's last d_conv - 1 inputs and every head's S, one flat vector per layer; with
+prefix caching, both at each KV block's end too (pagoda/attention/state.py). The scan runs
+token by token in torch here (exact; a chunked C++ scan is the next step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.attention import AttentionMetadata
+from pagoda.attention.state import StateCache, StepStates
+from pagoda.model.arch import ModelArchConfig
+from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP
+from pagoda.model.layers.norm import RMSNorm
+from pagoda.model.models import UnsupportedModelError
+
+_RENAMES = (
+    (".shared_mlp.output_linear.", ".mlp.down_proj."),
+    (".mamba.conv1d.weight", ".mamba.conv_weight"), (".mamba.conv1d.bias", ".mamba.conv_bias"),
+    (".mamba.norm.weight", ".mamba.norm_weight"),
+)  # fmt: skip
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        m = config.mamba
+        self.heads, self.head_dim, self.groups = m["heads"], m["head_dim"], m["groups"]
+        self.d_state, self.d_conv, self.inner = m["d_state"], m["d_conv"], m["intermediate"]
+        self.dt_min, self.dt_max = m["dt_min"], m["dt_max"]
+        self.conv_dim = self.inner + 2 * self.groups * self.d_state
+        self.eps = config.rms_norm_eps
+        self.in_proj = nn.Linear(config.hidden_size, self.inner + self.conv_dim + self.heads, bias=m["proj_bias"])
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.d_conv), requires_grad=False)
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False) if m["conv_bias"] else None
+        self.dt_bias = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(self.heads), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.ones(self.inner), requires_grad=False)
+        self.out_proj = nn.Linear(self.inner, config.hidden_size, bias=m["proj_bias"])
+
+    @staticmethod
+    def state_size(config: ModelArchConfig) -> int:
+        m = config.mamba
+        conv_dim = m["intermediate"] + 2 * m["groups"] * m["d_state"]
+        return conv_dim * (m["d_conv"] - 1) + m["heads"] * m["head_dim"] * m["d_state"]
+
+    def _split(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A flat state as (the convolution's last inputs [conv_dim, d_conv - 1], S [heads, head_dim, d_state])."""
+        k = self.conv_dim * (self.d_conv - 1)
+        return state[:k].view(self.conv_dim, self.d_conv - 1), state[k:].view(self.heads, self.head_dim, self.d_state)
+
+    def _store(self, target: torch.Tensor, window: torch.Tensor, ssm: torch.Tensor) -> None:
+        conv, s = self._split(target)
+        conv.copy_(window)
+        s.copy_(ssm)
+
+    def forward(self, x: torch.Tensor, cache: StateCache, meta: AttentionMetadata) -> torch.Tensor:
+        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        plan: StepStates = meta.states
+        d = meta.num_decodes
+        spans = [(i, 1, 1) for i in range(d)] + [(p.token_start, p.query_len, p.context_len) for p in meta.prefills]
+        # Sequences restoring a block's end state last (the block may be computed in this step).
+        order = [i for i in range(len(spans)) if plan.restore[i] < 0] + \
+                [i for i in range(len(spans)) if plan.restore[i] >= 0]
+        weight = self.conv_weight.to(x.dtype)
+        A = -torch.exp(self.A_log.float())
+        keep = self.d_conv - 1
+        y = torch.empty(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
+        rep = self.heads // self.groups
+        for i in order:
+            a, n, context = spans[i]
+            slot = plan.slots[i]
+            if plan.restore[i] >= 0:
+                cache.slots[slot] = cache.blocks[plan.restore[i]]
+            if context:
+                conv, s = self._split(cache.slots[slot])
+                before, ssm = conv.to(x.dtype), s.float().clone()
+            else:
+                before = x.new_zeros(self.conv_dim, keep)
+                ssm = torch.zeros(self.heads, self.head_dim, self.d_state, device=x.device)
+            window = torch.cat((before, xbc[a:a + n].t()), dim=-1)             # [conv_dim, keep + n]
+            conv_out = F.silu(F.conv1d(window[None], weight[:, None, :], self.conv_bias, groups=self.conv_dim)[0].t())
+            xs, B, C = conv_out.float().split([self.inner, self.groups * self.d_state, self.groups * self.d_state], -1)
+            xs = xs.view(n, self.heads, self.head_dim)
+            B = B.view(n, self.groups, self.d_state).repeat_interleave(rep, dim=1)   # [n, heads, d_state]
+            C = C.view(n, self.groups, self.d_state).repeat_interleave(rep, dim=1)
+            step = F.softplus(dt[a:a + n].float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)  # [n, heads]
+            ends = dict(plan.checkpoints[i])
+            for t in range(n):
+                ssm = ssm * torch.exp(step[t] * A)[:, None, None] + (step[t][:, None] * xs[t])[:, :, None] * B[t][:, None, :]
+                y[a + t] = (torch.einsum("hpn,hn->hp", ssm, C[t]) + self.D.float()[:, None] * xs[t]).reshape(-1)
+                block = ends.get(t + 1)
+                if block is not None:
+                    self._store(cache.blocks[block], window[:, t + 1:t + 1 + keep], ssm)
+            self._store(cache.slots[slot], window[:, -keep:], ssm)
+        # The gated RMSNorm, per group of channels, in float32.
+        z = (y * F.silu(gate.float())).view(-1, self.groups, self.inner // self.groups)
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.out_proj((self.norm_weight.float() * z.view(-1, self.inner)).to(x.dtype))
+
+
+class GraniteHybridLayer(nn.Module):
+    """Pre-norm: Mamba-2 or attention, then the MLP, each scaled by the residual
+    multiplier before its add (as Granite's ``DecoderLayer``)."""
+
+    def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.is_mamba = config.is_mamba_layer(layer_idx)
+        if self.is_mamba:
+            self.mamba = Mamba2Mixer(config)
+        else:
+            self.self_attn = Attention(config, layer_idx)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
+
+    @property
+    def rope_table(self) -> str:
+        return "global" if self.is_mamba else self.self_attn.rope_table
+
+    def forward(self, x, residual, cos, sin, cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.mamba(h, cache, meta) if self.is_mamba else self.self_attn(h, cos, sin, cache, meta)
+        h, residual = self.post_attention_layernorm(h * self.residual_multiplier, residual)
+        return self.mlp(h) * self.residual_multiplier, residual
+
+
+class GraniteMoeHybridForCausalLM(CausalLM):
+    layer_cls = GraniteHybridLayer
+    # Not yet: the Mamba heads split over ranks, adapters on the mixers' projections.
+    tensor_parallel = False
+    lora = False
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        if config.get("num_local_experts"):
+            raise UnsupportedModelError("Granite 4.0-H with experts (num_local_experts > 0) is not supported yet; "
+                                        "its dense checkpoints are")
+        n = config["num_hidden_layers"]
+        types = config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * n
+        mamba = tuple(t in ("mamba", "linear_attention") for t in types)
+        unknown = set(types) - {"mamba", "linear_attention", "attention", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"Granite 4.0-H layer types {sorted(unknown)} are not supported")
+        hidden, heads = config["hidden_size"], config["mamba_n_heads"]
+        inner = config.get("mamba_expand", 2) * hidden
+        head_dim = config.get("mamba_d_head", "auto")
+        limit = config.get("time_step_limit") or (0.0, float("inf"))
+        dt_max = limit[1]
+        if isinstance(dt_max, dict):   # JSON's infinity as transformers writes it
+            dt_max = float(dt_max.get("__float__", "inf"))
+        fields = {**config, "intermediate_size": config["shared_intermediate_size"], "layer_types": None,
+                  "sliding_window": None}
+        nope = config.get("position_embedding_type") not in (None, "rope")
+        return ModelArchConfig(
+            **ModelArchConfig.hf_fields(fields, architecture),
+            embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(config.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(config.get("attention_multiplier", 1.0)),
+            logits_divisor=float(config.get("logits_scaling", 1.0)),
+            rope_layers=tuple(False for _ in range(n)) if nope else None,
+            mamba_layers=mamba,
+            mamba=dict(heads=heads, head_dim=inner // heads if head_dim == "auto" else int(head_dim),
+                       groups=config.get("mamba_n_groups", 1), d_state=config["mamba_d_state"],
+                       d_conv=config.get("mamba_d_conv", 4), intermediate=inner,
+                       conv_bias=bool(config.get("mamba_conv_bias", True)),
+                       proj_bias=bool(config.get("mamba_proj_bias", False)),
+                       dt_min=float(limit[0]), dt_max=float(dt_max)))
+
+    @classmethod
+    def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
+        raise UnsupportedModelError("Granite 4.0-H GGUF files are not supported yet (its HF checkpoints are)")
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        return name
+
+    @classmethod
+    def hf_tensors(cls, name: str, tensor: torch.Tensor, checkpoint=None):
+        if name.endswith(".shared_mlp.input_linear.weight"):   # [gate; up] stacked in the checkpoint
+            base = name[: -len("shared_mlp.input_linear.weight")]
+            gate, up = tensor.chunk(2, dim=0)
+            yield base + "mlp.gate_proj.weight", gate
+            yield base + "mlp.up_proj.weight", up
+            return
+        yield from super().hf_tensors(name, tensor, checkpoint)
+
+    @classmethod
+    def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".mamba.conv1d.weight"):   # [conv_dim, 1, d_conv] -> [conv_dim, d_conv]
+            return tensor.reshape(tensor.shape[0], -1)
+        return tensor
+
+    def state_shapes(self) -> list[tuple[int, ...] | None]:
+        c = self.config
+        return [(Mamba2Mixer.state_size(c),) if c.is_mamba_layer(i) else None for i in range(len(self.model.layers))]
