@@ -35,7 +35,7 @@ from pagoda.pooling import PoolerConfig, resolve_pooler_config, resolve_task
 from pagoda.validation import WrongTaskError
 from pagoda.worker.cuda_setup import cuda_defaults
 from pagoda.worker.kv_sizing import kv_blocks_for
-from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage, kv_layout
+from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage, kv_layout, state_bytes
 
 logger = logging.getLogger(__name__)
 EXPERT_LOAD_INTERVAL_S = 1.0   # how often a MoE model's expert load goes to the API process
@@ -272,7 +272,21 @@ class EngineCore:
         if draft is not None:
             # The draft model's own cache has as many blocks, over the same block ids.
             per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
+        self.num_state_slots, self.state_checkpoints = 0, False
+        if loaded.arch.is_hybrid:
+            per_block = self._plan_states(config, loaded, per_block)
         num_blocks = kv_blocks_for(config, loaded.model, device, dtype, per_block)
+        if self.num_state_slots:
+            # The state slots come out of the same budget: as many as half of it holds, at
+            # most one per seat.
+            budget = num_blocks * per_block
+            slot = state_bytes(loaded.model)
+            self.num_state_slots = max(1, min(config.max_num_seqs, budget // 2 // slot))
+            if config.num_kv_blocks is None:
+                num_blocks = (budget - self.num_state_slots * slot) // per_block
+            logger.info("state slots: %d of %.1f MiB (%s)", self.num_state_slots, slot / 2**20,
+                        "one per seat" if self.num_state_slots == config.max_num_seqs else
+                        f"half the cache budget: at most {self.num_state_slots} requests run at once")
         if self.tp_driver is not None:
             # Every rank sizes its own pool (its own heads, its own memory); the smallest wins.
             num_blocks = self.tp_driver.group.all_reduce_min(num_blocks)
@@ -303,6 +317,23 @@ class EngineCore:
         self.num_host_blocks = num_host_blocks
         return _KVPlan(num_blocks, num_host_blocks, max_model_len, kv_dtype, kv_quant, layout)
 
+    def _plan_states(self, config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:
+        """A hybrid model's state slots and whether blocks keep their end states (prefix
+        caching): kept where they cost at most the block's own KV (LFM2's convolutions),
+        else prefix caching is off (a Mamba layer's state is megabytes). Returns the bytes
+        of a block."""
+        slot = state_bytes(loaded.model)
+        self.num_state_slots = config.max_num_seqs
+        caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
+        if caching and slot <= per_block:
+            self.state_checkpoints = True
+            return per_block + slot
+        if caching:
+            logger.info("prefix caching off: a block's end state (%.2f MiB, every state layer's) would cost %.0fx "
+                        "its KV (%.2f MiB); every prompt is computed whole", slot / 2**20, slot / per_block,
+                        per_block / 2**20)
+        return per_block
+
     def _build_scheduler(self, config: EngineConfig, plan: _KVPlan) -> None:
         spec = config.speculative_config
         # Windowed groups give back the blocks that slide out of their window. MEAN and CLS
@@ -310,12 +341,14 @@ class EngineCore:
         # an embedding engine with them never looks prefixes up (LAST pooling does: a hit
         # always leaves the last position to compute).
         caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
+        if self.loaded.arch.is_hybrid:
+            caching = self.state_checkpoints
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, caching,
                                          group_windows=plan.layout.group_windows)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
+                max_num_seqs=min(config.max_num_seqs, self.num_state_slots or config.max_num_seqs),
                 max_model_len=plan.max_model_len,
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                 policy=config.scheduling_policy,
@@ -326,7 +359,7 @@ class EngineCore:
                 num_host_blocks=plan.num_host_blocks,
                 max_loras=config.max_loras if config.enable_lora else 0,
                 vocab_size=self.vocab_size,
-                num_state_slots=config.max_num_seqs if self.loaded.arch.is_hybrid else 0,
+                num_state_slots=self.num_state_slots,
             ),
             self.kv_manager,
         )
@@ -342,8 +375,8 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, device, plan.kv_dtype, config.seed,
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
                                   lora=self.lora, pooler_config=self.pooler_config,
-                                  attention_backend=config.attention_backend, num_state_slots=config.max_num_seqs,
-                                  state_checkpoints=self.kv_manager.enable_caching)
+                                  attention_backend=config.attention_backend, num_state_slots=self.num_state_slots,
+                                  state_checkpoints=self.state_checkpoints)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")

@@ -109,15 +109,20 @@ def local_kv_heads(model: CausalLM) -> int:
     return next(iter(specs))[0]
 
 
+def state_bytes(model: CausalLM) -> int:
+    """A hybrid model's state, every state layer's, for one request (0 for other models)."""
+    shapes = getattr(model, "state_shapes", list)()
+    return sum(math.prod(shape) for shape in shapes if shape is not None) * model.activation_dtype.itemsize
+
+
 def kv_cache_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype,
-                             kv_cache_dtype: str = "auto") -> int:  # fmt: skip
+                             kv_cache_dtype: str = "auto", state_checkpoints: bool = False) -> int:  # fmt: skip
     """A block is a page of every cache buffer (one per layer, unless layers of different
-    KV groups share buffers)."""
+    KV groups share buffers); with ``state_checkpoints``, also a hybrid model's state at the
+    block's end (prefix caching)."""
     c = model.config
     num_buffers = len(held_buffers(model))
-    # A hybrid model's blocks also carry each state layer's state at their end (prefix caching).
-    states = sum(math.prod(shape) for shape in getattr(model, "state_shapes", list)() if shape is not None) * \
-        model.activation_dtype.itemsize
+    states = state_bytes(model) if state_checkpoints else 0
     if storage_dtype(kv_cache_dtype) is not None:
         return num_buffers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim) + states
     elem = torch.empty(0, dtype=dtype).element_size()
