@@ -27,8 +27,8 @@ from torch import nn
 from pagoda.attention import AttentionMetadata
 from pagoda.attention.state import StateCache, StepStates
 from pagoda.model.arch import ModelArchConfig
-from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP
-from pagoda.model.layers.norm import RMSNorm
+from pagoda.model.layers.decoder import CausalLM
+from pagoda.model.layers.hybrid import HybridDecoderLayer, processing_order, renamed, sequence_spans
 from pagoda.model.models import UnsupportedModelError
 
 _RENAMES = (
@@ -75,17 +75,13 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, cache: StateCache, meta: AttentionMetadata) -> torch.Tensor:
         gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
         plan: StepStates = meta.states
-        d = meta.num_decodes
-        spans = [(i, 1, 1) for i in range(d)] + [(p.token_start, p.query_len, p.context_len) for p in meta.prefills]
-        # Sequences restoring a block's end state last (the block may be computed in this step).
-        order = [i for i in range(len(spans)) if plan.restore[i] < 0] + \
-                [i for i in range(len(spans)) if plan.restore[i] >= 0]
+        spans = sequence_spans(meta)
         weight = self.conv_weight.to(x.dtype)
         A = -torch.exp(self.A_log.float())
         keep = self.d_conv - 1
         y = torch.empty(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
         rep = self.heads // self.groups
-        for i in order:
+        for i in processing_order(plan):
             a, n, context = spans[i]
             slot = plan.slots[i]
             if plan.restore[i] >= 0:
@@ -117,35 +113,11 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj((self.norm_weight.float() * z.view(-1, self.inner)).to(x.dtype))
 
 
-class GraniteHybridLayer(nn.Module):
-    """Pre-norm: Mamba-2 or attention, then the MLP, each scaled by the residual
-    multiplier before its add (as Granite's ``DecoderLayer``)."""
+class GraniteHybridLayer(HybridDecoderLayer):
+    mixer_name = "mamba"
 
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.is_mamba = config.is_mamba_layer(layer_idx)
-        if self.is_mamba:
-            self.mamba = Mamba2Mixer(config)
-        else:
-            self.self_attn = Attention(config, layer_idx)
-        self.mlp = GatedMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.residual_multiplier = config.residual_multiplier
-
-    @property
-    def rope_table(self) -> str:
-        return "global" if self.is_mamba else self.self_attn.rope_table
-
-    def forward(self, x, residual, cos, sin, cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.mamba(h, cache, meta) if self.is_mamba else self.self_attn(h, cos, sin, cache, meta)
-        h, residual = self.post_attention_layernorm(h * self.residual_multiplier, residual)
-        return self.mlp(h) * self.residual_multiplier, residual
+        super().__init__(config, layer_idx, Mamba2Mixer(config) if config.is_mamba_layer(layer_idx) else None)
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
@@ -196,9 +168,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name
+        return renamed(name, _RENAMES)
 
     @classmethod
     def hf_tensors(cls, name: str, tensor: torch.Tensor, checkpoint=None):

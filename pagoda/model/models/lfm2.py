@@ -23,8 +23,8 @@ from torch import nn
 from pagoda.attention import AttentionMetadata
 from pagoda.attention.state import StateCache, StepStates
 from pagoda.model.arch import ModelArchConfig, moe_fields
-from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP, SparseMoeBlock
-from pagoda.model.layers.norm import RMSNorm
+from pagoda.model.layers.decoder import CausalLM
+from pagoda.model.layers.hybrid import HybridDecoderLayer, processing_order, renamed, sequence_spans
 from pagoda.model.models import UnsupportedModelError
 
 # HF checkpoint name parts -> this model's (the shared layers' names), in order.
@@ -59,11 +59,9 @@ class ShortConv(nn.Module):
         weight = self.conv_weight.to(u.dtype)
         keep = self.kernel - 1
         d = meta.num_decodes
-        spans = [(i, 1, 1) for i in range(d)] + [(p.token_start, p.query_len, p.context_len) for p in meta.prefills]
-        # Sequences that start from a block's end state (a prefix hit) go last: the block may
-        # be one another sequence of this step computes.
-        first = [i for i in range(len(spans)) if plan.restore[i] < 0]
-        decodes = [i for i in first if i < d]
+        spans = sequence_spans(meta)
+        order = processing_order(plan)
+        decodes = [i for i in order if i < d and plan.restore[i] < 0]   # batched: one token each
         if decodes:
             # One token each: the state's L - 1 inputs and this one, times the kernel.
             index = torch.tensor([plan.slots[i] for i in decodes], dtype=torch.long, device=u.device)
@@ -75,7 +73,7 @@ class ShortConv(nn.Module):
             for j, i in enumerate(decodes):
                 for offset, block in plan.checkpoints[i]:
                     cache.blocks[block] = window[j, :, offset:offset + keep].to(cache.blocks.dtype)
-        for i in [i for i in first if i >= d] + [i for i in range(len(spans)) if plan.restore[i] >= 0]:
+        for i in [i for i in order if i not in decodes]:
             a, n, context = spans[i]
             slot = plan.slots[i]
             if plan.restore[i] >= 0:
@@ -89,34 +87,11 @@ class ShortConv(nn.Module):
         return self.out_proj(c * out)
 
 
-class Lfm2DecoderLayer(nn.Module):
-    """Pre-norm: a convolution or attention, then the MLP; the residual stream carried
-    separately (as ``DecoderLayer``)."""
+class Lfm2DecoderLayer(HybridDecoderLayer):
+    mixer_name = "conv"
 
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.is_conv = config.is_conv_layer(layer_idx)
-        if self.is_conv:
-            self.conv = ShortConv(config)
-        else:
-            self.self_attn = Attention(config, layer_idx)
-        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    @property
-    def rope_table(self) -> str:
-        return "global" if self.is_conv else self.self_attn.rope_table
-
-    def forward(self, x, residual, cos, sin, cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.conv(h, cache, meta) if self.is_conv else self.self_attn(h, cos, sin, cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        super().__init__(config, layer_idx, ShortConv(config) if config.is_conv_layer(layer_idx) else None)
 
 
 class Lfm2ForCausalLM(CausalLM):
@@ -174,9 +149,7 @@ class Lfm2ForCausalLM(CausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name
+        return renamed(name, _RENAMES)
 
     @classmethod
     def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
