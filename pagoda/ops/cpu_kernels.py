@@ -79,6 +79,7 @@ def _build() -> ModuleType:
     place = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
     build_dir = Path(cpp_extension.get_default_build_root()) / name / place
     build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir)
     fresh = not (build_dir / f"{name}.so").exists()
     if fresh:
         # The first use on a machine compiles them (for minutes, before anything else moves):
@@ -100,6 +101,29 @@ def _build() -> ModuleType:
     if fresh:
         logger.warning("pagoda's CPU kernels compiled in %.0f s", time.monotonic() - start)
     return module
+
+
+# A build takes 1-2.5 minutes on 2 cores and writes its objects as it goes.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove torch's build lock in ``build_dir`` when the build that took it is gone: the
+    lock and every file beside it untouched for STALE_LOCK_S (a build that was killed).
+    torch waits on a lock for ever, so a start after a killed build would hang. Returns
+    whether it removed one."""
+    lock = build_dir / "lock"
+    now = time.time() if now is None else now
+    try:
+        newest = max(p.stat().st_mtime for p in build_dir.iterdir())
+    except (OSError, ValueError):
+        return False
+    if not lock.exists() or now - newest < STALE_LOCK_S:
+        return False
+    logger.warning("removing a stale build lock %s: nothing in its folder changed for %.0f minutes (a build that "
+                   "was stopped)", lock, (now - newest) / 60)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _prebuilt(name: str) -> ModuleType | None:

@@ -112,3 +112,19 @@ def test_a_first_build_of_the_kernels_is_said_before_it_starts(tmp_path, monkeyp
         caplog.clear()
         assert cpu_kernels._build() == "module"   # built already: nothing said
         assert said_before == [True, False] and not caplog.records
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path):
+    """torch waits on its build lock for ever: a lock a killed build left behind (nothing in
+    its folder changed for STALE_LOCK_S) is removed; one beside fresh files is a build running."""
+    from pagoda.ops.cpu_kernels import STALE_LOCK_S, clear_stale_lock
+
+    lock, obj = tmp_path / "lock", tmp_path / "gguf_blocks.o"
+    lock.write_text("")
+    obj.write_text("x")
+    old = lock.stat().st_mtime - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert not clear_stale_lock(tmp_path) and lock.exists()        # a file changed just now: a live build
+    os.utime(obj, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()        # everything old: the build is gone
+    assert not clear_stale_lock(tmp_path)                          # no lock, nothing to do
