@@ -20,6 +20,8 @@ import torch
 class StateCache:
     slots: torch.Tensor                # [slots, *state shape]
     blocks: torch.Tensor | None = None  # [KV blocks, *state shape]: the state at each block's end
+    # A layer that is both (Falcon-H1: attention and Mamba-2 side by side): its KV cache.
+    kv: torch.Tensor | None = None
 
 
 @dataclass

@@ -117,7 +117,7 @@ def apply_lora(model: nn.Module, max_loras: int, max_rank: int, batch: LoRABatch
                 continue   # a MoE layer's MLP: adapters there are refused when loaded
             base = getattr(parent, module_name)
             if module_name == "qkv_proj":
-                sizes = [parent.q_size, parent.kv_size, parent.kv_size]
+                sizes = [parent.q_rows, parent.kv_size, parent.kv_size]
             elif module_name == "gate_up_proj":
                 sizes = [parent.intermediate_size] * 2
             else:

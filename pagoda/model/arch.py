@@ -98,6 +98,10 @@ class ModelArchConfig:
     moe_layers: tuple[bool, ...] | None = None
     routed_scaling_factor: float = 1.0       # DeepSeek: the routed experts' weights x this
     num_shared_experts: int = 0              # DeepSeek: an MLP of that many experts' width, every token
+    # Qwen2-MoE style: a shared expert of its own width (0: num_shared_experts x the experts'),
+    # its output scaled per token by sigmoid(shared_expert_gate(x)) where the flag is set.
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # Group-limited routing: (groups, groups kept per token), experts only from the kept
     # groups, ranked by their best expert ("max": DeepSeek-V2) or their best two's sum
     # ("top2": V3); None: all experts compete.
@@ -138,6 +142,14 @@ class ModelArchConfig:
     # proj_bias, dt_min, dt_max (pagoda/model/models/granite_hybrid.py).
     mamba_layers: tuple[bool, ...] | None = None
     mamba: dict[str, Any] | None = field(default=None, hash=False)
+    # Hybrids with Gated DeltaNet layers (Qwen3.5, Qwen3-Next): per layer whether it is one,
+    # and their geometry: k_heads, v_heads, k_dim, v_dim, conv_kernel
+    # (pagoda/model/layers/gated_deltanet.py).
+    linear_attn_layers: tuple[bool, ...] | None = None
+    linear_attn: dict[str, Any] | None = field(default=None, hash=False)
+    # Qwen3-Next / Qwen3.5 attention: q_proj also yields a gate per query head's output
+    # (o = attention * sigmoid(gate)), its rows interleaved with the query's per head.
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in hf_architectures():
@@ -207,9 +219,12 @@ class ModelArchConfig:
     def is_mamba_layer(self, layer: int) -> bool:
         return self.mamba_layers is not None and self.mamba_layers[layer]
 
+    def is_linear_attn_layer(self, layer: int) -> bool:
+        return self.linear_attn_layers is not None and self.linear_attn_layers[layer]
+
     def is_state_layer(self, layer: int) -> bool:
         """A layer that keeps a fixed-size state per request instead of a KV cache."""
-        return self.is_conv_layer(layer) or self.is_mamba_layer(layer)
+        return self.is_conv_layer(layer) or self.is_mamba_layer(layer) or self.is_linear_attn_layer(layer)
 
     @property
     def is_hybrid(self) -> bool:

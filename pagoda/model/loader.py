@@ -425,13 +425,16 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
     table = get_tensor_name_map(arch, model.config.num_hidden_layers)
     names: dict[str, str | list[str]] = {}
     for hf_name in checkpoint_names(model):
-        module, _, leaf = type(model).gguf_lookup_name(hf_name).rpartition(".")
+        lookup = type(model).gguf_lookup_name(hf_name)
+        module, _, leaf = lookup.rpartition(".")
         expert = EXPERT_NAME.search(module)
         gguf = table.get_name(EXPERT_NAME.sub(".experts.", module) if expert else module)
         if gguf is None and module == "lm_head" and model.config.tie_word_embeddings:
             continue   # an architecture whose files always tie it (Gemma 2)
-        if gguf is None and leaf not in ("weight", "bias") and table.get_name(hf_name) is not None:
-            gguf, leaf = table.get_name(hf_name), "weight"   # a bare parameter (GPT-OSS's sinks)
+        if gguf is None and leaf not in ("weight", "bias") and table.get_name(lookup) is not None:
+            # A bare parameter: "<name>.weight" (GPT-OSS's sinks) or the name alone (the SSM's A).
+            gguf, leaf = table.get_name(lookup), "weight"
+            names[gguf] = hf_name
         if gguf is None:
             raise UnsupportedModelError(f"llama.cpp has no name for {module} in {gguf_arch} files")
         if expert:

@@ -281,7 +281,8 @@ class ModelRunner:
                 if shape is not None:
                     self.kv_caches[i] = StateCache(
                         torch.zeros(num_state_slots, *shape, dtype=dtype, device=device),
-                        torch.zeros(num_blocks, *shape, dtype=dtype, device=device) if state_checkpoints else None)
+                        torch.zeros(num_blocks, *shape, dtype=dtype, device=device) if state_checkpoints else None,
+                        self.kv_caches[i])   # a layer with a KV cache too keeps it (Falcon-H1)
         self._state_caches: list[StateCache] = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
         if self._state_caches:
             size = sum(t.numel() * t.element_size() for c in self._state_caches for t in (c.slots, c.blocks)

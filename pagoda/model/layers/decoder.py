@@ -55,8 +55,12 @@ class Attention(nn.Module):
         h = config.hidden_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # Qwen3-Next / Qwen3.5: q_proj's rows hold, per head, the query then a gate of the
+        # head's output (o * sigmoid(gate)).
+        self.output_gate = config.attn_output_gate
+        self.q_rows = self.q_size * (2 if self.output_gate else 1)
         # q, k and v in one GEMM (the loader fills the three row ranges).
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(h, self.q_rows + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias)
         # GPT-OSS: per query head, a logit in every softmax's denominator (no value).
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
@@ -107,6 +111,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        gate = None
+        if self.output_gate:
+            q_gate, kv = qkv.split([self.q_rows, 2 * self.kv_size], dim=-1)
+            q, gate = q_gate.view(t, self.num_heads, 2, self.head_dim).unbind(2)
+            qkv = torch.cat((q.reshape(t, -1), kv), dim=-1)
         if self.qk_norm is not None:
             qkv = self._norm_qk(qkv)
         ops = fused_ops(qkv)
@@ -127,7 +136,10 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale,
                                 window=self.window, softcap=self.softcap, sinks=self.sinks)
-        return self.o_proj(o.reshape(t, -1))
+        o = o.reshape(t, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)
 
 
 class GatedMLP(nn.Module):
@@ -176,8 +188,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = nn.ModuleList(GatedMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         # DeepSeek: experts every token goes through (one MLP of their combined width).
-        self.shared_experts = (GatedMLP(config, config.moe_intermediate_size * config.num_shared_experts)
-                               if config.num_shared_experts else None)  # fmt: skip
+        shared = config.shared_expert_intermediate_size or config.moe_intermediate_size * config.num_shared_experts
+        self.shared_experts = GatedMLP(config, shared) if config.num_shared_experts else None
+        # Qwen3-Next / Qwen3.5: the shared expert's output x sigmoid(a per-token gate).
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
         self._fused: tuple | bool | None = None   # the gguf mode's one-call arguments, found on first use
         # Expert parallelism (ShardPlan.apply): the experts this rank holds, and its group.
         self.local_experts = range(config.num_experts)
@@ -260,7 +274,12 @@ class SparseMoeBlock(nn.Module):
 
     def _add_shared(self, routed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum plus the shared experts' output (transformers' order)."""
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        if self.shared_experts is None:
+            return routed
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared
 
     def _experts_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                      picks: torch.Tensor) -> torch.Tensor:
@@ -500,7 +519,7 @@ class CausalLM(nn.Module):
         parent_path, _, stacked = module_path.rpartition(".")
         parent = self.get_submodule(parent_path)
         if stacked == "qkv_proj":
-            q, kv = parent.q_size, parent.kv_size
+            q, kv = parent.q_rows, parent.kv_size
             bounds = [0, q, q + kv, q + 2 * kv]
         elif stacked == "gate_up_proj":
             i = parent.intermediate_size

@@ -221,8 +221,9 @@ class ShardPlan:
             attn, mlp = layer.self_attn, layer.mlp
             attn.num_heads, attn.num_kv_heads = self.num_heads, self.num_kv_heads
             attn.q_size, attn.kv_size = self.num_heads * d, self.num_kv_heads * d
+            attn.q_rows = attn.q_size * (2 if attn.output_gate else 1)
             bias = attn.qkv_proj.bias is not None
-            attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_size + 2 * attn.kv_size, bias=bias)
+            attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_rows + 2 * attn.kv_size, bias=bias)
             attn.o_proj = RowParallelLinear(nn.Linear(attn.q_size, attn.o_proj.out_features, bias=False), comm,
                                             q_cols, bias=attn.o_proj.bias is not None)
             if getattr(attn, "sinks", None) is not None:   # GPT-OSS: this rank's heads' sinks

@@ -35,6 +35,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granite_hybrid", "GraniteMoeHybridForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
+    "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3NextForCausalLM": ("qwen3_5", "Qwen3NextForCausalLM"),
 }
 
 # GGUF `general.architecture` -> HF architecture name.
@@ -53,6 +60,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gpt-oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2moe": "Lfm2MoeForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
 }
 
 
