@@ -71,6 +71,9 @@ class KVCacheManager:
         # Prefix-cache counters in tokens, for metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # A hybrid model's: whether a hit may end at the block of this hash (a saved state
+        # there, pagoda/core/state_pool.py's StateCheckpoints); None: at any block.
+        self.hit_filter: Callable[[BlockHash], bool] | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -151,6 +154,9 @@ class KVCacheManager:
         n = limit
         while n and not all(r[n - 1] >= n - self._first_needed(g, n * self.block_size) for g, r in runs.items()):
             n -= 1
+        if self.hit_filter is not None:
+            while n and not self.hit_filter(hashes[n - 1]):
+                n -= 1
         if n == 0:
             return none
         hits = [cached[g][:n] if w is None else

@@ -25,6 +25,7 @@ class NewRequestData:
     lora_int_id: int = 0            # 0 = the base model
     pooling_params: PoolingParams | None = None   # an embedding request: pool, never sample
     state_slot: int = -1            # a hybrid model's state slot (pagoda/core/state_pool.py); -1: none
+    state_restore: int = -1         # a prefix hit's saved state to start from (StateCheckpoints entry); -1: none
 
 
 @dataclass
@@ -55,6 +56,9 @@ class SchedulerOutput:
     # Prefill-decode disaggregation: requests admitted with KV received from a prefill instance,
     # each with the (KV group, table index, block id) its received rows go to before the forward.
     kv_in: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)
+    # A hybrid model's prefix cache: req_id -> (block end - chunk start, checkpoint entry) of
+    # the states its chunk saves (pagoda/core/state_pool.py's StateCheckpoints).
+    state_writes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -38,7 +38,7 @@ from pagoda.core.sched_output import (
     SchedulerOutput,
 )
 from pagoda.core.request import Request, RequestStatus
-from pagoda.core.state_pool import StatePool
+from pagoda.core.state_pool import StateCheckpoints, StatePool
 from pagoda.tenants import TenantSpec
 from pagoda.validation import RequestLimits, admission_check
 
@@ -77,6 +77,10 @@ class SchedulerConfig:
     vocab_size: int | None = None
     # A hybrid model's state slots (pagoda/core/state_pool.py): one per running request; 0: none.
     num_state_slots: int = 0
+    # Its prefix cache's saved states (StateCheckpoints; 0: none, prefix hits off for it), and
+    # how often a long prompt chunk saves one (every interval-th block end, and its last).
+    num_state_checkpoints: int = 0
+    state_checkpoint_interval: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -131,6 +135,10 @@ class Scheduler:
         self.limits = RequestLimits(config.max_model_len, config.vocab_size, config.policy, config.max_loras > 0)
         self.fair = FairShare(config.tenants)
         self.states = StatePool(config.num_state_slots) if config.num_state_slots else None
+        self.checkpoints = None
+        if config.num_state_checkpoints:
+            self.checkpoints = StateCheckpoints(config.num_state_checkpoints, config.state_checkpoint_interval)
+            kv_manager.hit_filter = self.checkpoints.has   # a hit ends where a state is saved
         self.host = HostBlockPool(config.num_host_blocks)
         self.num_swap_preemptions = 0
         # Host blocks of requests swapped in by the last step, released at the next one.
@@ -303,6 +311,8 @@ class Scheduler:
         (pending 2); N's token arrives (12 tokens, pending 1), and so on."""
         budget = self.config.max_num_batched_tokens
         step = _Step(budget if token_budget is None else max(1, min(token_budget, budget)))
+        if self.checkpoints is not None:
+            self.checkpoints.begin_step()
         if self._host_release:
             # Swapped in by the last step, whose copies are done.
             self.host.free(self._host_release)
@@ -375,8 +385,11 @@ class Scheduler:
         # The step will compute these tokens; account for them now so the next
         # schedule() (possibly before this step's output arrives) sees them.
         structured: list[str] = []
+        state_writes: dict[str, list[tuple[int, int]]] = {}
         for rid, n in step.num_scheduled.items():
             request = self.requests[rid]
+            if self.checkpoints is not None:
+                state_writes[rid] = self._state_writes(request, n)
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.long_prefill_end:
                 request.long_prefill_end = 0
@@ -408,9 +421,33 @@ class Scheduler:
             swap_out=step.swap_out,
             swap_in=step.swap_in,
             kv_in=step.kv_in,
+            state_writes=state_writes,
         )
 
     # ---- pieces of a step --------------------------------------------------------
+
+    def _state_writes(self, request: Request, n: int) -> list[tuple[int, int]]:
+        """Where a hybrid model's step over n tokens of ``request`` saves its state: (block
+        end - the chunk's first position, checkpoint entry) for every interval-th block end
+        the chunk completes and its last one; the request's previous last one (of no use
+        once a later one is saved) becomes the first entry to reuse."""
+        bs, start = self.kv.block_size, request.num_computed_tokens
+        first, last = start // bs + 1, min(start + n, request.num_tokens) // bs
+        if last < first:
+            return []
+        hashes = self.kv.block_hashes(request)
+        interval = self.checkpoints.interval
+        writes = []
+        for k in range(first, min(last, len(hashes)) + 1):
+            if k % interval == 0 or k == last:
+                entry = self.checkpoints.write(hashes[k - 1])
+                if entry is not None:
+                    writes.append((k * bs - start, entry))
+        if last <= len(hashes) and last % interval:
+            if request.state_tail is not None and request.state_tail != hashes[last - 1]:
+                self.checkpoints.demote(request.state_tail)
+            request.state_tail = hashes[last - 1]
+        return writes
 
     def _cap(self, request: Request, num_new: int, step: _Step) -> int:
         """Hold back a long prefill's chunk at the threshold and a tenant at its share
@@ -537,6 +574,10 @@ class Scheduler:
             ]))  # fmt: skip
         else:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        restore = -1
+        if num_hit_tokens and self.checkpoints is not None:
+            # The hit ends at a saved state (the KV manager's filter): the request starts from it.
+            restore = self.checkpoints.restore(self.kv.block_hashes(request)[num_hit_tokens // self.kv.block_size - 1])
         if self.states is not None:
             # A seat was free, so a slot is (one per seat); a request keeps it while it runs.
             slot = self.states.allocate()
@@ -565,6 +606,7 @@ class Scheduler:
             lora_int_id=request.lora_int_id,
             pooling_params=request.pooling_params,
             state_slot=request.state_slot,
+            state_restore=restore,
         )
         step.charge(request, num_new, capped=num_new < want)
         return True
@@ -817,6 +859,8 @@ class Scheduler:
             if any(r.state_slot >= 0 for r in self.waiting):
                 raise AssertionError("a waiting request holds a state slot")
             self.states.check_integrity([r.state_slot for r in self.running])
+        if self.checkpoints is not None:
+            self.checkpoints.check_integrity()
 
 
 class _Step:

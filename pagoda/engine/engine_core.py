@@ -272,7 +272,7 @@ class EngineCore:
         if draft is not None:
             # The draft model's own cache has as many blocks, over the same block ids.
             per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
-        self.num_state_slots, self.state_checkpoints = 0, False
+        self.num_state_slots, self.num_state_checkpoints, self.state_checkpoint_interval = 0, 0, 1
         if loaded.arch.is_hybrid:
             per_block = self._plan_states(config, loaded, per_block)
         num_blocks = kv_blocks_for(config, loaded.model, device, dtype, per_block)
@@ -282,11 +282,25 @@ class EngineCore:
             budget = num_blocks * per_block
             slot = state_bytes(loaded.model)
             self.num_state_slots = max(1, min(config.max_num_seqs, budget // 2 // slot))
+            if self.state_checkpoint_interval > 1:
+                # Saved states for prefix hits, apart from the blocks: a quarter of the budget
+                # (at least two per slot), one every interval blocks of a long prompt.
+                self.num_state_checkpoints = max(2 * self.num_state_slots, budget // 4 // slot)
+            spent = self.num_state_slots * slot + (self.num_state_checkpoints * slot
+                                                   if self.state_checkpoint_interval > 1 else 0)
             if config.num_kv_blocks is None:
-                num_blocks = (budget - self.num_state_slots * slot) // per_block
+                num_blocks = (budget - spent) // per_block
             logger.info("state slots: %d of %.1f MiB (%s)", self.num_state_slots, slot / 2**20,
                         "one per seat" if self.num_state_slots == config.max_num_seqs else
                         f"half the cache budget: at most {self.num_state_slots} requests run at once")
+            if self.state_checkpoint_interval == 1 and self.num_state_checkpoints:
+                self.num_state_checkpoints = num_blocks   # one beside each block
+            if self.num_state_checkpoints:
+                logger.info("prefix caching: %d saved states (%.1f MiB), %s", self.num_state_checkpoints,
+                            self.num_state_checkpoints * slot / 2**20,
+                            "one at each block's end" if self.state_checkpoint_interval == 1 else
+                            f"at every {self.state_checkpoint_interval}th block end of a long prompt and each "
+                            f"chunk's last (a state costs {slot / per_block:.1f} blocks' KV)")
         if self.tp_driver is not None:
             # Every rank sizes its own pool (its own heads, its own memory); the smallest wins.
             num_blocks = self.tp_driver.group.all_reduce_min(num_blocks)
@@ -318,20 +332,21 @@ class EngineCore:
         return _KVPlan(num_blocks, num_host_blocks, max_model_len, kv_dtype, kv_quant, layout)
 
     def _plan_states(self, config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:
-        """A hybrid model's state slots and whether blocks keep their end states (prefix
-        caching): kept where they cost at most the block's own KV (LFM2's convolutions),
-        else prefix caching is off (a Mamba layer's state is megabytes). Returns the bytes
-        of a block."""
+        """A hybrid model's state slots and its prefix cache's saved states: one beside
+        every block where a state costs at most the block's own KV (LFM2's convolutions;
+        counted in the block's bytes, returned), else (a Gated DeltaNet's or Mamba layer's
+        state is megabytes) a pool of their own, one saved every ``ceil(state / block KV)``
+        blocks of a long prompt and at each chunk's last block end (so that a conversation's
+        next turn starts from its last one), least recently used reused first."""
         slot = state_bytes(loaded.model)
         self.num_state_slots = config.max_num_seqs
         caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
-        if caching and slot <= per_block:
-            self.state_checkpoints = True
+        if not caching:
+            return per_block
+        self.num_state_checkpoints = 1   # sized once the blocks are
+        if slot <= per_block:
             return per_block + slot
-        if caching:
-            logger.info("prefix caching off: a block's end state (%.2f MiB, every state layer's) would cost %.0fx "
-                        "its KV (%.2f MiB); every prompt is computed whole", slot / 2**20, slot / per_block,
-                        per_block / 2**20)
+        self.state_checkpoint_interval = -(-slot // per_block)
         return per_block
 
     def _build_scheduler(self, config: EngineConfig, plan: _KVPlan) -> None:
@@ -342,7 +357,7 @@ class EngineCore:
         # always leaves the last position to compute).
         caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
         if self.loaded.arch.is_hybrid:
-            caching = self.state_checkpoints
+            caching = self.num_state_checkpoints > 0
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, caching,
                                          group_windows=plan.layout.group_windows)
         self.scheduler = Scheduler(
@@ -360,6 +375,8 @@ class EngineCore:
                 max_loras=config.max_loras if config.enable_lora else 0,
                 vocab_size=self.vocab_size,
                 num_state_slots=self.num_state_slots,
+                num_state_checkpoints=self.num_state_checkpoints,
+                state_checkpoint_interval=self.state_checkpoint_interval,
             ),
             self.kv_manager,
         )
@@ -376,7 +393,7 @@ class EngineCore:
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
                                   lora=self.lora, pooler_config=self.pooler_config,
                                   attention_backend=config.attention_backend, num_state_slots=self.num_state_slots,
-                                  state_checkpoints=self.state_checkpoints)
+                                  num_state_checkpoints=self.num_state_checkpoints)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")

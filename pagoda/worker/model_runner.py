@@ -242,7 +242,7 @@ class ModelRunner:
         pooler_config: PoolerConfig | None = None,
         attention_backend: str = "auto",
         num_state_slots: int = 0,
-        state_checkpoints: bool = False,
+        num_state_checkpoints: int = 0,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
@@ -269,9 +269,10 @@ class ModelRunner:
         self.kv_caches = [self.kv_buffers[b] for b in self.layout.layer_buffer]
         # A hybrid model's state layers: one state per slot of the scheduler's state pool
         # (pagoda/core/state_pool.py), passed where attention layers get their KV cache.
-        # With prefix caching, also the state at each KV block's end (``state_checkpoints``).
+        # With prefix caching, also the states saved at block ends, in the entries of the
+        # scheduler's StateCheckpoints (pagoda/core/state_pool.py).
         self.state_slots: dict[str, int] = {}   # the slots of the requests this runner knows
-        self._restore: dict[str, int] = {}      # new requests' prefix hits: the block to start from
+        self._restore: dict[str, int] = {}      # new requests' prefix hits: the saved state to start from
         shapes = model.state_shapes()
         if any(shape is not None for shape in shapes):
             if num_state_slots < 1:
@@ -281,14 +282,16 @@ class ModelRunner:
                 if shape is not None:
                     self.kv_caches[i] = StateCache(
                         torch.zeros(num_state_slots, *shape, dtype=dtype, device=device),
-                        torch.zeros(num_blocks, *shape, dtype=dtype, device=device) if state_checkpoints else None,
+                        torch.zeros(num_state_checkpoints, *shape, dtype=dtype, device=device)
+                        if num_state_checkpoints else None,
                         self.kv_caches[i])   # a layer with a KV cache too keeps it (Falcon-H1)
         self._state_caches: list[StateCache] = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
         if self._state_caches:
             size = sum(t.numel() * t.element_size() for c in self._state_caches for t in (c.slots, c.blocks)
                        if t is not None)
             logger.info("state slots: %d, of %d layers' states%s (%.1f MiB)", num_state_slots,
-                        len(self._state_caches), ", and each KV block's end state" if state_checkpoints else "",
+                        len(self._state_caches), f", and {num_state_checkpoints} saved for prefix hits"
+                        if num_state_checkpoints else "",
                         size / 2**20)
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
         self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda")
@@ -383,10 +386,10 @@ class ModelRunner:
                 for cache in self._state_caches:
                     cache.slots[new.state_slot].zero_()   # its first token meets zeros (the causal padding)
                 self.state_slots[new.req_id] = new.state_slot
-                if new.num_computed_tokens:   # a prefix hit, whole blocks: from the last one's end state
-                    if self._state_caches[0].blocks is None:
-                        raise RuntimeError(f"{new.req_id}: a prefix hit on a hybrid model without state checkpoints")
-                    self._restore[new.req_id] = new.block_ids[0][new.num_computed_tokens // self.block_size - 1]
+                if new.num_computed_tokens:   # a prefix hit, whole blocks: from the state saved at its end
+                    if self._state_caches[0].blocks is None or new.state_restore < 0:
+                        raise RuntimeError(f"{new.req_id}: a prefix hit on a hybrid model without a saved state")
+                    self._restore[new.req_id] = new.state_restore
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
@@ -400,21 +403,20 @@ class ModelRunner:
                 table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _step_states(self, order: list[str], query_lens: list[int], context_lens: list[int],
-                     tables: list[list[list[int]]], meta: AttentionMetadata) -> StepStates:
+    def _step_states(self, order: list[str], query_lens: list[int], writes: dict[str, list[tuple[int, int]]],
+                     meta: AttentionMetadata) -> StepStates:
         """The step's plan for the state layers, in the metadata's order (decodes, one token
-        each and first, then the prompt chunks by their first token)."""
+        each and first, then the prompt chunks by their first token): each sequence's slot,
+        the saved state a prefix hit starts from, and the states its tokens save (the
+        scheduler's ``state_writes``)."""
         by_offset = {offset: i for i, offset in enumerate(itertools.accumulate([0, *query_lens[:-1]]))}
         rows = [by_offset[t] for t in range(meta.num_decodes)] + [by_offset[c.token_start] for c in meta.prefills]
-        checkpoints = self._state_caches[0].blocks is not None
-        bs = self.block_size
         plan = StepStates([], [], [])
         for i in rows:
-            rid, start, n = order[i], context_lens[i], query_lens[i]
+            rid = order[i]
             plan.slots.append(self.state_slots[rid])
             plan.restore.append(self._restore.pop(rid, -1))
-            ends = range(-(-(start + 1) // bs) * bs, start + n + 1, bs) if checkpoints else ()
-            plan.checkpoints.append([(e - start, tables[i][0][e // bs - 1]) for e in ends])
+            plan.checkpoints.append(list(writes.get(rid, ())))
         return plan
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -518,7 +520,7 @@ class ModelRunner:
                                          self.device, group=g)
                  for g in range(self.layout.num_groups)]  # fmt: skip
         if self._state_caches:
-            states = self._step_states(order, b.query_lens, context_lens, tables, metas[0])
+            states = self._step_states(order, b.query_lens, so.state_writes, metas[0])
             for m in metas:
                 m.states = states
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]

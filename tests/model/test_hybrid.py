@@ -91,9 +91,13 @@ def test_hybrid_matches_transformers_through_chunks_and_a_second_pass(hybrid, so
 
 def test_hybrid_five_turns_compute_only_their_new_tokens(hybrid):
     """A conversation of five turns: each later turn hits the prefix cache up to the last
-    whole block of the turn before, restores the convolutions' states there, and computes at
-    most its new tokens plus one block; its tokens are transformers' greedy ones."""
+    whole block of the turn before, restores the states saved there, and computes at most
+    its new tokens plus one block; its tokens are transformers' greedy ones."""
     hf, path, _, block, _ = hybrid
+    _five_turns(hf, path, block)
+
+
+def _five_turns(hf, path: str, block: int) -> LLM:
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=block,
               max_num_batched_tokens=32)
     gen = torch.Generator().manual_seed(2)
@@ -110,6 +114,7 @@ def test_hybrid_five_turns_compute_only_their_new_tokens(hybrid):
         assert_greedy_matches_hf(hf, [prompt], [out], 8, f"hybrid turn {turn}")
         history = prompt + list(out.outputs[0].token_ids)
     llm.engine.check_integrity()
+    return llm
 
 
 def test_hybrid_under_preemption_and_aborts(hybrid):
@@ -221,17 +226,32 @@ def test_hybrid_in_the_quantized_modes(hybrid, mode):
     assert _free(llm) == (16, llm.engine.scheduler.states.num_slots)
 
 
-def test_a_state_larger_than_a_blocks_kv_turns_prefix_caching_off(hybrid):
-    """Granite 4.0-H's Mamba state per request outweighs a 16-token block's KV: the blocks do
-    not keep their end states, prefix caching is off, and the outputs stay transformers'."""
+def test_a_state_larger_than_a_blocks_kv_is_saved_sparsely(hybrid):
+    """A state that outweighs a 16-token block's KV (Mamba-2, Gated DeltaNet) is not kept
+    beside every block: the prefix cache saves one every ceil(state / block KV) blocks of a
+    long prompt and at each chunk's last block end, in a pool of its own. Prefix hits end
+    where a state is saved: a second pass and a five-turn conversation still compute only
+    what is new (and at most one block more), greedy-equal to transformers."""
+    from pagoda.worker.model_runner import state_bytes
+
     hf, path, _, block, _ = hybrid
-    if block == 16:
-        pytest.skip("this family's state fits beside a 16-token block")
-    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=64, block_size=16)
-    assert not llm.engine.kv_manager.enable_caching and llm.engine.runner._state_caches[0].blocks is None
-    prompts = _prompts()[2:4]
+    llm = _five_turns(hf, path, 16)
+    engine = llm.engine
+    per_block = 16 * sum(2 * s.num_kv_heads * s.head_dim * 4 for s in engine.runner.model.kv_specs() if s)
+    state = state_bytes(engine.runner.model)
+    checkpoints = engine.scheduler.checkpoints
+    assert engine.kv_manager.enable_caching and checkpoints is not None
+    if state <= per_block:
+        assert checkpoints.interval == 1 and checkpoints.capacity == engine.kv_manager.num_blocks
+        return
+    assert checkpoints.interval == -(-state // per_block) > 1
+    assert engine.runner._state_caches[0].blocks.shape[0] == checkpoints.capacity
+    assert 0 < len(checkpoints) <= checkpoints.capacity and checkpoints.num_restores >= 4
+    prompts = _prompts()[2:]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    hits = engine.kv_manager.prefix_hits
     for _ in range(2):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert_greedy_matches_hf(hf, prompts, outputs, 8, "granite4h without checkpoints")
-    assert llm.engine.kv_manager.prefix_hits == 0
+        assert_greedy_matches_hf(hf, prompts, outputs, 8, "hybrid, sparse saved states")
+    assert engine.kv_manager.prefix_hits > hits
+    engine.check_integrity()
