@@ -116,6 +116,14 @@ class ModelShape:
     gpt_oss: bool = False
     sliding_window: int = 0
     yarn: tuple[float, int] | None = None
+    # Qwen3.5: Gated DeltaNet layers (key heads, value heads, key size, value size, conv
+    # width) with every full_attention_interval-th layer gated attention on a quarter of
+    # each head's rotary dimensions.
+    linear: tuple[int, int, int, int, int] | None = None
+    full_attention_interval: int = 4
+
+    def is_linear(self, layer: int) -> bool:
+        return self.linear is not None and (layer + 1) % self.full_attention_interval != 0
 
     @property
     def head_size(self) -> int:
@@ -137,6 +145,10 @@ SHAPES: dict[str, ModelShape] = {
     # at a size this machine holds twice over: 1.6B parameters, 0.34B active per token.
     "qwen3-moe-1.6b-a0.3b": ModelShape("qwen3moe", 1024, 16, 16, 4, 3072, True, 1000000.0, head_dim=128,
                                        qk_norm=True, experts=64, experts_used=8, expert_ffn=512),
+    # Qwen3.5-2B: 18 Gated DeltaNet layers (16 key and 16 value heads of 128) and 6 gated
+    # attention layers (8 heads of 256, 2 KV heads).
+    "qwen3.5-2b": ModelShape("qwen35", 2048, 24, 8, 2, 6144, True, 10000000.0, head_dim=256, qk_norm=True,
+                             linear=(16, 16, 128, 128, 4)),
     # gpt-oss-20b (21B parameters, 3.6B active: top-4 of 32 experts per layer).
     "gpt-oss-20b": ModelShape("gpt-oss", 2880, 24, 64, 8, 2880, False, 150000.0, qkv_bias=True, head_dim=64,
                               experts=32, experts_used=4, expert_ffn=2880, gpt_oss=True, sliding_window=128,
@@ -182,14 +194,26 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
     out: list = [("token_embd.weight", (vocab, h), -1)]
     for i in range(shape.layers):
         b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (h,), i), (b + "attn_q.weight", (shape.heads * hd, h), i),
+        if shape.is_linear(i):   # Qwen3.5's Gated DeltaNet
+            nk, nv, dk, dv, kernel = shape.linear
+            conv = 2 * nk * dk + nv * dv
+            out += [(b + "attn_norm.weight", (h,), i), (b + "attn_qkv.weight", (conv, h), i),
+                    (b + "attn_gate.weight", (nv * dv, h), i), (b + "ssm_beta.weight", (nv, h), i),
+                    (b + "ssm_alpha.weight", (nv, h), i), (b + "ssm_conv1d.weight", (conv, kernel), i),
+                    (b + "ssm_dt.bias", (nv,), i), (b + "ssm_a", (nv,), i), (b + "ssm_norm.weight", (dv,), i),
+                    (b + "ssm_out.weight", (h, nv * dv), i), (b + "post_attention_norm.weight", (h,), i),
+                    (b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
+                    (b + "ffn_down.weight", (h, shape.ffn), i)]
+            continue
+        q_rows = shape.heads * hd * (2 if shape.linear else 1)   # Qwen3.5: a gate row per query row
+        out += [(b + "attn_norm.weight", (h,), i), (b + "attn_q.weight", (q_rows, h), i),
                 (b + "attn_k.weight", (shape.kv_heads * hd, h), i), (b + "attn_v.weight", (shape.kv_heads * hd, h), i)]
         if shape.qkv_bias:
             out += [(b + "attn_q.bias", (shape.heads * hd,), i), (b + "attn_k.bias", (shape.kv_heads * hd,), i),
                     (b + "attn_v.bias", (shape.kv_heads * hd,), i)]
         if shape.qk_norm:
             out += [(b + "attn_q_norm.weight", (hd,), i), (b + "attn_k_norm.weight", (hd,), i)]
-        norm = "post_attention_norm" if shape.gpt_oss else "ffn_norm"
+        norm = "post_attention_norm" if shape.gpt_oss or shape.linear else "ffn_norm"
         out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + f"{norm}.weight", (h,), i)]
         if shape.gpt_oss:
             out += [(b + "attn_output.bias", (h,), i), (b + "attn_sinks.weight", (shape.heads,), i)]
@@ -245,7 +269,7 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_uint32(f"{a}.vocab_size", vocab)
-    w.add_uint32(f"{a}.rope.dimension_count", shape.head_size)
+    w.add_uint32(f"{a}.rope.dimension_count", shape.head_size // 4 if shape.linear else shape.head_size)
     w.add_uint32(f"{a}.attention.key_length", shape.head_size)
     w.add_uint32(f"{a}.attention.value_length", shape.head_size)
     if shape.sliding_window:
@@ -254,6 +278,15 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
         w.add_string(f"{a}.rope.scaling.type", "yarn")
         w.add_float32(f"{a}.rope.scaling.factor", shape.yarn[0])
         w.add_uint32(f"{a}.rope.scaling.original_context_length", shape.yarn[1])
+    if shape.linear:
+        nk, nv, dk, dv, kernel = shape.linear
+        w.add_uint32(f"{a}.ssm.conv_kernel", kernel)
+        w.add_uint32(f"{a}.ssm.state_size", dk)
+        w.add_uint32(f"{a}.ssm.group_count", nk)
+        w.add_uint32(f"{a}.ssm.time_step_rank", nv)
+        w.add_uint32(f"{a}.ssm.inner_size", nv * dv)
+        w.add_uint32(f"{a}.full_attention_interval", shape.full_attention_interval)
+        w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
     if shape.experts:
         w.add_uint32(f"{a}.expert_count", shape.experts)
         w.add_uint32(f"{a}.expert_used_count", shape.experts_used)
@@ -272,7 +305,7 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     rng = np.random.default_rng(seed)
     plan = []
     for name, np_shape, layer in _tensors(shape, vocab):
-        if len(np_shape) == 1 or name.endswith(".bias"):   # norms, biases (GPT-OSS's experts': 2-D)
+        if len(np_shape) == 1 or name.endswith((".bias", "ssm_conv1d.weight")):   # norms, biases, convolutions
             plan.append((name, np_shape, _Q.F32))
             w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * int(np.prod(np_shape)))
             continue
@@ -286,7 +319,9 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, np_shape, t in tqdm(plan, desc=f"writing {os.path.basename(path)}", disable=not show_progress):
-        if t == _Q.F32 and name != "token_embd.weight":
+        if t == _Q.F32 and name.endswith("ssm_a"):
+            data = -np.ones(np_shape, np.float32)   # A = -exp(A_log) < 0: a decaying memory
+        elif t == _Q.F32 and name != "token_embd.weight":
             data = (np.ones(np_shape, np.float32) if name.endswith("norm.weight")
                     else rng.standard_normal(np_shape, dtype=np.float32) * np.float32(0.02))
         elif t in QUANTIZABLE or t in FP16_FIELDS or t in E8M0_FIELDS:

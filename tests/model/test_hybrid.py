@@ -255,3 +255,28 @@ def test_a_state_larger_than_a_blocks_kv_is_saved_sparsely(hybrid):
         assert_greedy_matches_hf(hf, prompts, outputs, 8, "hybrid, sparse saved states")
     assert engine.kv_manager.prefix_hits > hits
     engine.check_integrity()
+
+
+def test_a_random_qwen35_shaped_file_serves_in_every_gguf_mode(tmp_path):
+    """pagoda.bench.gguf_files' Qwen3.5 shape (the hybrid speed benchmark's file, scaled
+    down): Gated DeltaNet and gated attention tensors under llama.cpp's names, K-quant
+    blocks, served from its blocks and in the exact mode, every slot and block back."""
+    import dataclasses
+
+    from pagoda.bench.gguf_files import SHAPES, write_model
+    from pagoda.ops import cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("K-quant blocks are served by pagoda's CPU kernels")
+    shape = dataclasses.replace(SHAPES["qwen3.5-2b"], hidden=256, layers=8, ffn=512, heads=4, head_dim=64,
+                                linear=(2, 4, 32, 32, 4))
+    path = write_model(str(tmp_path / "q35.gguf"), shape, "Q4_K_M", show_progress=False)
+    for mode in ("gguf", "none"):
+        llm = LLM(path, show_progress=False, num_kv_blocks=32, quantization=mode)
+        assert llm.engine.loaded.arch.linear_attn["v_order"] == "tiled"
+        assert sum(llm.engine.loaded.arch.linear_attn_layers) == 6
+        free = _free(llm)
+        out = llm.generate(["Hello there"] * 3, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in out] == [12] * 3
+        llm.engine.check_integrity()
+        assert _free(llm) == free
