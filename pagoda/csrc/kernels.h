@@ -25,6 +25,9 @@
 //   silu_mul, rms_norm, rope_qkv: a layer's elementwise work in one call each.
 // sampling.cpp
 //   argmax_rows: the greedy sampler's argmax.
+// recurrent.cpp
+//   gated_delta_rule: a Gated DeltaNet layer's convolution and delta rule over a step's
+//     sequences, in place in their state slots (hybrid models).
 // decode_stack.cpp
 //   DecodeStack: a decode-only step's decoder layers in one call (the kernels above in
 //   DecoderLayer.forward's order; pagoda/model/layers/decode_stack.py builds it).
@@ -88,3 +91,9 @@ torch::Tensor gguf_moe_int8(torch::Tensor x, torch::Tensor ids, torch::Tensor we
 torch::Tensor gguf_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
                        std::vector<torch::Tensor> down, std::vector<int64_t> down_types);
+
+// ---- recurrent.cpp ----
+void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor mixed,
+                      torch::Tensor conv_weight, torch::Tensor decay, torch::Tensor beta, torch::Tensor out,
+                      c10::optional<torch::Tensor> saved, torch::Tensor save_seq, torch::Tensor save_at,
+                      torch::Tensor save_row, int64_t k_heads, int64_t k_dim, int64_t v_dim, bool tiled);

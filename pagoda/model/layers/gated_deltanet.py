@@ -15,7 +15,9 @@ and the output is out_proj(RMSNorm(o) w * silu(z)), the norm per value head. Wha
 request carries from one step to the next, in its slot of the state pool
 (pagoda/core/state_pool.py), is the convolution's last ``conv_kernel - 1`` inputs and every
 value head's S, one flat vector per layer; with prefix caching, both at checkpointed block
-ends too (pagoda/attention/state.py). The recurrence runs token by token (exact).
+ends too (pagoda/attention/state.py). The recurrence runs token by token (exact), in
+pagoda's C++ kernel on the CPU (pagoda/csrc/recurrent.cpp: every sequence of the step in
+place in its slot, (sequence, head) pairs in parallel), else in torch (decodes batched).
 
 The projection's rows come in one of two layouts: ``split`` (Qwen3.5: [q; k; v], z, b, a)
 or ``next`` (Qwen3-Next: q, k, v, z stacked per key head, then b, a per key head), which
@@ -26,6 +28,8 @@ its order, so a file is served in its own order and no weight is permuted.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +110,47 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())
         decay = torch.exp(self.A.float() * F.softplus(a.float() + self.dt_bias.float()))  # [T, v_heads]
         out = torch.empty(x.shape[0], self.v_heads, self.v_dim, dtype=torch.float32, device=x.device)
+        ops = _kernels(cache.slots)
+        if ops is not None:
+            self._kernel(ops, mixed, beta, decay, out, cache, plan, sequence_spans(meta))
+        else:
+            self._torch(mixed, beta, decay, out, cache, plan, meta)
+        # The gated RMSNorm per value head, in float32.
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
+        gated = normed * F.silu(z.float().view(-1, self.v_heads, self.v_dim))
+        return self.out_proj(gated.reshape(x.shape[0], -1).to(x.dtype))
+
+    def _kernel(self, ops, mixed, beta, decay, out, cache: StateCache, plan: StepStates, spans) -> None:
+        """pagoda's C++ kernel (pagoda/csrc/recurrent.cpp) over every sequence in place in
+        its slot: first those not restoring a prefix hit's saved state, then those (the
+        state they restore may be one the first call saves)."""
+        first = [i for i in range(len(spans)) if plan.restore[i] < 0]
+        later = [i for i in range(len(spans)) if plan.restore[i] >= 0]
+        for group in (first, later):
+            if not group:
+                continue
+            for i in group:
+                if plan.restore[i] >= 0:
+                    cache.slots[plan.slots[i]] = cache.blocks[plan.restore[i]]
+            rows = [r for i in group for r in range(spans[i][0], spans[i][0] + spans[i][1])]
+            if rows == list(range(rows[0], rows[0] + len(rows))):   # (decodes first: usually so)
+                take = slice(rows[0], rows[0] + len(rows))
+                x, d, b, part = mixed[take], decay[take], beta[take], out[take]
+            else:
+                take = torch.tensor(rows)
+                x, d, b = mixed[take], decay[take], beta[take]
+                part = torch.empty(len(rows), self.v_heads, self.v_dim)
+            starts = list(itertools.accumulate((spans[i][1] for i in group), initial=0))
+            saves = [(j, at, row) for j, i in enumerate(group) for at, row in plan.checkpoints[i]]
+            ops.gated_delta_rule(cache.slots, _longs(plan.slots[i] for i in group), _longs(starts), x,
+                                 self.conv_weight, d, b, part, cache.blocks, _longs(s[0] for s in saves),
+                                 _longs(s[1] for s in saves), _longs(s[2] for s in saves), self.k_heads, self.k_dim,
+                                 self.v_dim, self.tiled)
+            if isinstance(take, torch.Tensor):
+                out[take] = part
+
+    def _torch(self, mixed, beta, decay, out, cache: StateCache, plan: StepStates, meta: AttentionMetadata) -> None:
+        """The reference path, in torch."""
         # Decodes (one token each, first in the step) in one batch, but those starting from a
         # prefix hit's block end; then the rest token by token, those restoring last.
         batch = [i for i in range(meta.num_decodes) if plan.restore[i] < 0]
@@ -117,10 +162,6 @@ class GatedDeltaNet(nn.Module):
                 start, n, context = spans[i]
                 rows = slice(start, start + n)
                 self._sequence(mixed[rows], beta[rows], decay[rows], out[rows], cache, plan, i, context > 0)
-        # The gated RMSNorm per value head, in float32.
-        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
-        gated = normed * F.silu(z.float().view(-1, self.v_heads, self.v_dim))
-        return self.out_proj(gated.reshape(x.shape[0], -1).to(x.dtype))
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [n, conv_dim] as q, k (L2-normalised, q scaled; one per
@@ -188,6 +229,19 @@ class GatedDeltaNet(nn.Module):
             if block is not None:
                 self._store(cache.blocks[block], window[:, t + 1:t + 1 + keep], memory)
         self._store(cache.slots[slot], window[:, -keep:], memory)
+
+
+def _longs(values) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+def _kernels(states: torch.Tensor):
+    """pagoda's C++ kernels for float32 states on the CPU (None: the torch path)."""
+    if states.dtype != torch.float32 or states.device.type != "cpu" or not states.is_contiguous():
+        return None
+    from pagoda.ops import cpu_kernels
+
+    return cpu_kernels.kernels()
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,0 +1,137 @@
+// Recurrent state layers of hybrid models (pagoda/csrc/kernels.h): gated_delta_rule, the
+// Gated DeltaNet of Qwen3.5 / Qwen3-Next (pagoda/model/layers/gated_deltanet.py) over a
+// step's sequences, each from the state in its slot, updated there in place.
+//
+// A slot's row is the convolution's last K - 1 inputs [conv_dim, K - 1] then every value
+// head's memory S [k_dim, v_dim]. Per sequence, the depthwise convolution (SiLU) runs over
+// its tokens, q and k are L2-normalised (q scaled by 1/sqrt(k_dim)); then per value head,
+// token by token,
+//     S <- decay S,  S <- S + k (beta (v - S^T k))^T,  o = S^T q,
+// with two passes over S a token (S^T k, then the update with o accumulated), S staying in
+// cache between them. States saved for the prefix cache (``saved`` rows) are copied after
+// the token that completes their block. Sequences are independent: (sequence, value head)
+// pairs run in parallel, each in a fixed order, so a sequence's numbers do not depend on
+// its batch.
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+void l2norm(float* x, int64_t n, float scale) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = scale / std::sqrt(ss + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+}  // namespace
+
+void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor mixed,
+                      torch::Tensor conv_weight, torch::Tensor decay, torch::Tensor beta, torch::Tensor out,
+                      c10::optional<torch::Tensor> saved, torch::Tensor save_seq, torch::Tensor save_at,
+                      torch::Tensor save_row, int64_t k_heads, int64_t k_dim, int64_t v_dim, bool tiled) {
+  TORCH_CHECK(states.scalar_type() == torch::kFloat32 && states.is_contiguous() && states.dim() == 2,
+              "states: contiguous float32 [slots, state]");
+  TORCH_CHECK(mixed.scalar_type() == torch::kFloat32 && mixed.dim() == 2 && mixed.stride(1) == 1,
+              "mixed: float32 [tokens, conv_dim], rows contiguous");
+  TORCH_CHECK(conv_weight.scalar_type() == torch::kFloat32 && conv_weight.is_contiguous(), "conv_weight: float32");
+  TORCH_CHECK(decay.is_contiguous() && beta.is_contiguous() && out.is_contiguous(), "decay, beta, out: contiguous");
+  const int64_t B = slots.numel(), T = mixed.size(0), C = mixed.size(1), K = conv_weight.size(1);
+  const int64_t nv = decay.size(1), r = nv / k_heads, key = k_heads * k_dim, keep = K - 1;
+  const int64_t conv_size = C * keep, head = k_dim * v_dim, width = states.size(1);
+  TORCH_CHECK(conv_weight.size(0) == C && C == 2 * key + nv * v_dim && width == conv_size + nv * head,
+              "gated_delta_rule: shapes disagree");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  TORCH_CHECK(starts.numel() == B + 1 && start[B] <= T, "starts: B + 1 token offsets");
+  float* st = states.data_ptr<float>();
+  const float* x = mixed.data_ptr<float>();
+  const int64_t ldx = mixed.stride(0);
+  const float* w = conv_weight.data_ptr<float>();
+  const float* dec = decay.data_ptr<float>();
+  const float* bet = beta.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t M = save_seq.numel();
+  const int64_t* sseq = save_seq.data_ptr<int64_t>();
+  const int64_t* sat = save_at.data_ptr<int64_t>();
+  const int64_t* srow = save_row.data_ptr<int64_t>();
+  float* sv = nullptr;
+  if (M) {
+    TORCH_CHECK(saved.has_value() && saved->is_contiguous() && saved->size(1) == width, "saved: [entries, state]");
+    sv = saved->data_ptr<float>();
+  }
+  // 1. Per sequence: the convolution over its tokens (from the slot's last inputs), q and k
+  // normalised; the slot (and the saved states) keep the last K - 1 inputs.
+  std::vector<float> conv(T * C);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> win;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t0 = start[b], n = start[b + 1] - t0;
+      float* cs = st + slot[b] * width;   // [C, keep]
+      win.resize((keep + n));
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t j = 0; j < keep; ++j) win[j] = cs[c * keep + j];
+        for (int64_t t = 0; t < n; ++t) win[keep + t] = x[(t0 + t) * ldx + c];
+        const float* wc = w + c * K;
+        for (int64_t t = 0; t < n; ++t) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < K; ++j) acc += wc[j] * win[t + j];
+          conv[(t0 + t) * C + c] = silu(acc);
+        }
+        for (int64_t m = 0; m < M; ++m)
+          if (sseq[m] == b)
+            for (int64_t j = 0; j < keep; ++j) sv[srow[m] * width + c * keep + j] = win[sat[m] + j];
+        for (int64_t j = 0; j < keep; ++j) cs[c * keep + j] = win[n + j];
+      }
+      const float qscale = 1.f / std::sqrt(static_cast<float>(k_dim));
+      for (int64_t t = t0; t < t0 + n; ++t)
+        for (int64_t h = 0; h < k_heads; ++h) {
+          l2norm(&conv[t * C + h * k_dim], k_dim, qscale);
+          l2norm(&conv[t * C + key + h * k_dim], k_dim, 1.f);
+        }
+    }
+  });
+  // 2. Per (sequence, value head): the delta rule token by token on S in the slot.
+  at::parallel_for(0, B * nv, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> kv(v_dim), delta(v_dim);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / nv, h = p % nv, kh = tiled ? h % k_heads : h / r;
+      float* S = st + slot[b] * width + conv_size + h * head;   // [k_dim, v_dim]
+      for (int64_t t = start[b]; t < start[b + 1]; ++t) {
+        const float* q = &conv[t * C + kh * k_dim];
+        const float* k = &conv[t * C + key + kh * k_dim];
+        const float* v = &conv[t * C + 2 * key + h * v_dim];
+        const float g = dec[t * nv + h], bt = bet[t * nv + h];
+        std::fill(kv.begin(), kv.end(), 0.f);
+        for (int64_t i = 0; i < k_dim; ++i) {
+          const float ki = k[i];
+          const float* Si = S + i * v_dim;
+          for (int64_t j = 0; j < v_dim; ++j) kv[j] += Si[j] * ki;
+        }
+        for (int64_t j = 0; j < v_dim; ++j) delta[j] = (v[j] - g * kv[j]) * bt;
+        float* ot = o + (t * nv + h) * v_dim;
+        std::fill(ot, ot + v_dim, 0.f);
+        for (int64_t i = 0; i < k_dim; ++i) {
+          const float ki = k[i], qi = q[i];
+          float* Si = S + i * v_dim;
+          for (int64_t j = 0; j < v_dim; ++j) {
+            const float s = Si[j] * g + ki * delta[j];
+            Si[j] = s;
+            ot[j] += s * qi;
+          }
+        }
+        for (int64_t m = 0; m < M; ++m)
+          if (sseq[m] == b && start[b] + sat[m] == t + 1)
+            std::memcpy(sv + srow[m] * width + conv_size + h * head, S, head * sizeof(float));
+      }
+    }
+  });
+}
