@@ -431,9 +431,10 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
         gguf = table.get_name(EXPERT_NAME.sub(".experts.", module) if expert else module)
         if gguf is None and module == "lm_head" and model.config.tie_word_embeddings:
             continue   # an architecture whose files always tie it (Gemma 2)
-        if gguf is None and leaf not in ("weight", "bias") and table.get_name(lookup) is not None:
-            # A bare parameter: "<name>.weight" (GPT-OSS's sinks) or the name alone (the SSM's A).
-            gguf, leaf = table.get_name(lookup), "weight"
+        if gguf is None and table.get_name(lookup) is not None:
+            # A name the table knows whole: "<name>.weight" (GPT-OSS's sinks) or the name alone
+            # (the SSM's A and D; Falcon-H1's pre_ff_layernorm.weight, stored as ffn_pre_norm).
+            gguf, leaf = table.get_name(lookup), leaf if leaf in ("weight", "bias") else "weight"
             names[gguf] = hf_name
         if gguf is None:
             raise UnsupportedModelError(f"llama.cpp has no name for {module} in {gguf_arch} files")
@@ -508,12 +509,12 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
             t = load_tensor(gf, gguf_name, dtype=torch.float32)
             if isinstance(hf_name, list):   # a layer's experts, stacked
                 _check_experts(path, gguf_name, tuple(t.shape), len(hf_name))
-                yield from ((n, t[e].to(dtype)) for e, n in enumerate(hf_name))
+                yield from ((n, type(model).gguf_tensor(n, t[e]).to(dtype)) for e, n in enumerate(hf_name))
                 continue
             proj = hf_name.split(".")[-2]
             if proj in heads:
                 t = unpermute_rope(t, heads[proj])
-            yield hf_name, t.to(dtype)
+            yield hf_name, type(model).gguf_tensor(hf_name, t).to(dtype)
 
     _fill(model, tensors(), len(gf.tensors), path, show_progress, plan, stage)
     return LoadedModel(model, arch, path, gguf_metadata=gf.metadata, shard=plan, stage=stage)
@@ -610,7 +611,7 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
         t = load_tensor(gf, gguf_name, dtype=torch.float32)
         if proj in heads and hf_name.endswith(".bias"):
             t = unpermute_rope(t, heads[proj])
-        floats[hf_name] = narrow(hf_name, t)
+        floats[hf_name] = narrow(hf_name, type(model).gguf_tensor(hf_name, t))
     bar.close()
     gf.close()  # the header's map; the weights keep the copy-on-write map alive
     if unexpected:

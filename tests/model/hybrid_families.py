@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import transformers
 
+from tests.model.granite_gguf_writer import write_granite_hybrid_gguf
+
 
 @dataclass(frozen=True)
 class HybridFamily:
@@ -57,7 +59,7 @@ FAMILIES: dict[str, HybridFamily] = {
     "lfm2moe": HybridFamily(_lfm2moe),
     # Blocks whose KV outweighs a request's state (this Granite 4.0-H's Mamba states are
     # 12 KiB, a 16-token block's KV 8 KiB).
-    "granite4h": HybridFamily(_granite4h, block=64),
+    "granite4h": HybridFamily(_granite4h, block=64, gguf_writer=write_granite_hybrid_gguf),
 }
 
 

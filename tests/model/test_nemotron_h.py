@@ -51,20 +51,16 @@ def _save(config, path, stacked: bool = False, mtp: bool = False):
     return hf
 
 
-@pytest.mark.parametrize("variant", ["latent_mtp", "stacked"])
-def test_nemotronh_routing_bias_latent_experts_and_checkpoint_forms(tmp_path, variant):
-    from pagoda import LLM, SamplingParams
+def _assert_matches_hf(llm, hf, label: str) -> None:
+    """Greedy tokens of two prompts and one prompt's logprobs (within 1e-3) as transformers'."""
+    from pagoda import SamplingParams
     from tests.model.helpers import assert_greedy_matches_hf
 
-    config = _nemotronh(moe_latent_size=48) if variant == "latent_mtp" else _nemotronh()
-    hf = _save(config, str(tmp_path), stacked=variant == "stacked", mtp=variant == "latent_mtp")
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=64,
-              max_num_batched_tokens=32)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 40)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2), use_tqdm=False)
-    assert_greedy_matches_hf(hf, prompts, outputs, 8, f"nemotronh {variant}")
+    assert_greedy_matches_hf(hf, prompts, outputs, 8, label)
     out = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=1, prompt_logprobs=1),
                        use_tqdm=False)[0]
     with torch.inference_mode():
@@ -72,6 +68,17 @@ def test_nemotronh_routing_bias_latent_experts_and_checkpoint_forms(tmp_path, va
     got = [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], prompts[1][1:])]
     ref = [want[i, tok].item() for i, tok in enumerate(prompts[1][1:])]
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-3
+
+
+@pytest.mark.parametrize("variant", ["latent_mtp", "stacked"])
+def test_nemotronh_routing_bias_latent_experts_and_checkpoint_forms(tmp_path, variant):
+    from pagoda import LLM
+
+    config = _nemotronh(moe_latent_size=48) if variant == "latent_mtp" else _nemotronh()
+    hf = _save(config, str(tmp_path), stacked=variant == "stacked", mtp=variant == "latent_mtp")
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=64,
+              max_num_batched_tokens=32)
+    _assert_matches_hf(llm, hf, f"nemotronh {variant}")
 
 
 @pytest.mark.parametrize(("change", "words"), [
@@ -88,12 +95,29 @@ def test_nemotronh_refuses_what_it_cannot_serve(change, words):
         ModelArchConfig.from_hf_config(config)
 
 
-def test_nemotronh_gguf_files_are_refused():
-    from pagoda.model.models import UnsupportedModelError, model_class
+def test_nemotronh_gguf_file_matches_transformers(tmp_path):
+    """llama.cpp's ``nemotron_h`` file of a checkpoint without experts (Q/K permuted, A as
+    -exp(A_log), D and the gated norm reshaped, ``backbone.*`` names), served from its blocks:
+    transformers' greedy tokens and prompt logprobs."""
+    from pagoda import LLM
+    from pagoda.ops import cpu_kernels
+    from tests.model.hybrid_nemotron_h import DENSE_LAYERS, write_nemotronh_gguf
 
-    with pytest.raises(UnsupportedModelError, match="Nemotron-H GGUF files are not supported"):
-        model_class("NemotronHForCausalLM").arch_from_gguf({"general.architecture": "nemotron_h"}, set(),
-                                                           "NemotronHForCausalLM")
+    if cpu_kernels.kernels() is None:
+        pytest.skip("GGUF files are served from their blocks by pagoda's CPU kernels")
+    hf = _save(_nemotronh(layers_block_type=DENSE_LAYERS), str(tmp_path / "hf"))
+    gguf = write_nemotronh_gguf(hf, str(tmp_path / "model.gguf"), str(tmp_path / "hf"))
+    llm = LLM(gguf, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=64,
+              max_num_batched_tokens=32)
+    _assert_matches_hf(llm, hf, "nemotronh gguf")
+
+
+def test_nemotronh_moe_gguf_files_are_refused():
+    from pagoda.model.arch import ModelArchConfig
+    from pagoda.model.models import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'nemotron_h_moe' is not supported"):
+        ModelArchConfig.from_gguf_metadata({"general.architecture": "nemotron_h_moe"}, set())
 
 
 def test_nemotronh_reads_the_older_config_keys():

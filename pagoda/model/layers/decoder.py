@@ -452,6 +452,13 @@ class CausalLM(nn.Module):
         if ours is not None:
             yield ours, cls.hf_tensor(name, tensor)
 
+    @classmethod
+    def gguf_tensor(cls, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A float tensor of a GGUF file (read under ``hf_name``, the checkpoint name it
+        maps to) as the model holds it, where llama.cpp's converter stored it transformed
+        (the SSM's D as [heads, 1]). Quantized weights kept in their blocks do not pass here."""
+        return tensor
+
     def init_rope(self, device: torch.device) -> None:
         """The rotary tables' inverse frequencies (buffers: checkpoints do not hold them):
         ``inv_freq`` for every layer, ``inv_freq_local`` for windowed layers with a base

@@ -63,6 +63,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "qwen3next": "Qwen3NextForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "falcon-h1": "FalconH1ForCausalLM",
 }
 
 

@@ -16,8 +16,9 @@ in the mixer, in_proj's output times ``ssm_multipliers`` per part (z, x, B, C, d
 attention, the keys times ``key_multiplier`` (here: the attention scale, the same scores); in
 the MLP, ``down(up * silu(gate * m0)) * m1`` (``mlp_multipliers``). The mixer's gate is
 ``y * silu(z)``, or with ``mamba_rms_norm`` a group RMSNorm before (``mamba_norm_before_gate``)
-or after it. (llama.cpp's converter folds the multipliers into the weights; its files are
-refused yet: ``arch_from_gguf``.)
+or after it. llama.cpp's ``falcon-h1`` files hold the multipliers folded into the weights
+(``arch_from_gguf``); a tied embedding's file then scales the logits by the embedding's
+multiplier, not the LM head's, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.attention import AttentionMetadata
-from pagoda.attention.state import StateCache, StepStates
+from pagoda.attention.state import StateCache
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.decoder import Attention, CausalLM, GatedMLP, KVSpec
-from pagoda.model.layers.hybrid import processing_order, renamed, sequence_spans
-from pagoda.model.layers.mamba2 import Mamba2Mixer
+from pagoda.model.layers.hybrid import renamed
+from pagoda.model.layers.mamba2 import Mamba2Mixer, gguf_mixer_lookup_name, gguf_mixer_tensor, hf_mixer_tensor
 from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.models import UnsupportedModelError
@@ -42,7 +43,7 @@ _RENAMES = (
     (".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
     ("model.final_layernorm.", "model.norm."),
     (".mamba.conv1d.weight", ".mamba.conv_weight"), (".mamba.conv1d.bias", ".mamba.conv_bias"),
-    (".mamba.norm.weight", ".mamba.norm_weight"),
+    (".mamba.norm.weight", ".mamba.norm_weight"), (".mamba.A_log", ".mamba.A"),
 )  # fmt: skip
 
 
@@ -76,7 +77,7 @@ class FalconH1Mixer(Mamba2Mixer):
     def forward(self, x: torch.Tensor, cache: StateCache, meta: AttentionMetadata) -> torch.Tensor:
         proj = self._scale(self.in_proj(x * self.in_multiplier if self.in_multiplier != 1.0 else x))
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
-        y = self._scan(x, xbc, dt, cache, meta)
+        y = self.scan(xbc, dt, cache, meta)
         g = F.silu(gate.float())
         if not self.rms_norm:
             z = y * g
@@ -91,45 +92,6 @@ class FalconH1Mixer(Mamba2Mixer):
         z = y.view(-1, self.groups, self.inner // self.groups)
         z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.norm_weight.float() * z.view(-1, self.inner)
-
-    def _scan(self, x: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCache,
-              meta: AttentionMetadata) -> torch.Tensor:
-        """The convolution and the scan of every sequence of the step (Mamba2Mixer's, without
-        its gate and norm): y [T, inner] in float32; the slots' and blocks' states updated."""
-        plan: StepStates = meta.states
-        spans = sequence_spans(meta)
-        weight = self.conv_weight.to(x.dtype)
-        A = -torch.exp(self.A_log.float())
-        keep = self.d_conv - 1
-        y = torch.empty(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
-        rep = self.heads // self.groups
-        for i in processing_order(plan):
-            a, n, context = spans[i]
-            slot = plan.slots[i]
-            if plan.restore[i] >= 0:
-                cache.slots[slot] = cache.blocks[plan.restore[i]]
-            if context:
-                conv, s = self._split(cache.slots[slot])
-                before, ssm = conv.to(x.dtype), s.float().clone()
-            else:
-                before = x.new_zeros(self.conv_dim, keep)
-                ssm = torch.zeros(self.heads, self.head_dim, self.d_state, device=x.device)
-            window = torch.cat((before, xbc[a:a + n].t()), dim=-1)             # [conv_dim, keep + n]
-            conv_out = F.silu(F.conv1d(window[None], weight[:, None, :], self.conv_bias, groups=self.conv_dim)[0].t())
-            xs, B, C = conv_out.float().split([self.inner, self.groups * self.d_state, self.groups * self.d_state], -1)
-            xs = xs.view(n, self.heads, self.head_dim)
-            B = B.view(n, self.groups, self.d_state).repeat_interleave(rep, dim=1)   # [n, heads, d_state]
-            C = C.view(n, self.groups, self.d_state).repeat_interleave(rep, dim=1)
-            step = F.softplus(dt[a:a + n].float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)  # [n, heads]
-            ends = dict(plan.checkpoints[i])
-            for t in range(n):
-                ssm = ssm * torch.exp(step[t] * A)[:, None, None] + (step[t][:, None] * xs[t])[:, :, None] * B[t][:, None, :]
-                y[a + t] = (torch.einsum("hpn,hn->hp", ssm, C[t]) + self.D.float()[:, None] * xs[t]).reshape(-1)
-                block = ends.get(t + 1)
-                if block is not None:
-                    self._store(cache.blocks[block], window[:, t + 1:t + 1 + keep], ssm)
-            self._store(cache.slots[slot], window[:, -keep:], ssm)
-        return y
 
 
 class FalconH1MLP(GatedMLP):
@@ -230,20 +192,37 @@ class FalconH1ForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        # llama.cpp's files store A = -exp(A_log) and D as [heads, 1] under names without a
-        # ".weight" suffix (blk.N.ssm_a, blk.N.ssm_d), the group norm as [groups, inner / groups]:
-        # the GGUF loaders have no per-family hook for either yet.
-        raise UnsupportedModelError("Falcon-H1 GGUF files are not supported yet (its HF checkpoints are)")
+        """llama.cpp's ``falcon-h1`` files: its converter folds every multiplier into the
+        weights (none left here: all 1), and its mixer's group RMSNorm, where the file has
+        one, comes after the gate; the time step unclamped (llama.cpp does not clamp it)."""
+        p = f"{md['general.architecture']}."
+        fields = ModelArchConfig.gguf_fields(md, tensor_names, architecture)
+        heads, inner = int(md[p + "ssm.time_step_rank"]), int(md[p + "ssm.inner_size"])
+        n = fields["num_hidden_layers"]
+        return ModelArchConfig(
+            **fields, o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+            mlp_bias="blk.0.ffn_up.bias" in tensor_names, mamba_layers=(True,) * n,
+            mamba=dict(heads=heads, head_dim=inner // heads, groups=int(md[p + "ssm.group_count"]),
+                       d_state=int(md[p + "ssm.state_size"]), d_conv=int(md[p + "ssm.conv_kernel"]),
+                       intermediate=inner, conv_bias="blk.0.ssm_conv1d.bias" in tensor_names,
+                       proj_bias="blk.0.ssm_in.bias" in tensor_names, dt_min=0.0, dt_max=float("inf"),
+                       out_proj_bias="blk.0.ssm_out.bias" in tensor_names,
+                       rms_norm="blk.0.ssm_norm.weight" in tensor_names, norm_before_gate=False,
+                       ssm_in=1.0, ssm_out=1.0, ssm_parts=(1.0,) * 5, attention_in=1.0, attention_out=1.0,
+                       mlp=(1.0, 1.0), lm_head=1.0))
+
+    @classmethod
+    def gguf_lookup_name(cls, name: str) -> str:
+        # llama.cpp's table knows the MLP's norm only by the checkpoint's whole name
+        return gguf_mixer_lookup_name(name).replace(".post_attention_layernorm.weight", ".pre_ff_layernorm.weight")
+
+    gguf_tensor = staticmethod(gguf_mixer_tensor)
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
         return renamed(name, _RENAMES)
 
-    @classmethod
-    def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.endswith(".mamba.conv1d.weight"):   # [conv_dim, 1, d_conv] -> [conv_dim, d_conv]
-            return tensor.reshape(tensor.shape[0], -1)
-        return tensor
+    hf_tensor = staticmethod(hf_mixer_tensor)
 
     def kv_specs(self) -> list[KVSpec | None]:
         """Every layer has attention, so a KV cache (beside its state: ``state_shapes``)."""

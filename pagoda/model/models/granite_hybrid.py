@@ -1,6 +1,8 @@
 """Granite 4.0-H (``GraniteMoeHybridForCausalLM``): a hybrid of Mamba-2 layers
 (pagoda/model/layers/mamba2.py) and GQA attention, Granite's multipliers, a gated MLP after
 each. Dense checkpoints (``num_local_experts`` 0) so far; the MoE ones are refused by name.
+GGUF files under llama.cpp's ``granitehybrid`` (Mamba tensors as its converter stores them:
+``pagoda.model.layers.mamba2.gguf_mixer_tensor``; Q/K rows permuted, put back at load).
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import torch
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.hybrid import HybridDecoderLayer, renamed
-from pagoda.model.layers.mamba2 import Mamba2Mixer
+from pagoda.model.layers.mamba2 import Mamba2Mixer, gguf_mixer_lookup_name, gguf_mixer_tensor, hf_mixer_tensor
 from pagoda.model.models import UnsupportedModelError
 
 _RENAMES = (
     (".shared_mlp.output_linear.", ".mlp.down_proj."),
     (".mamba.conv1d.weight", ".mamba.conv_weight"), (".mamba.conv1d.bias", ".mamba.conv_bias"),
-    (".mamba.norm.weight", ".mamba.norm_weight"),
+    (".mamba.norm.weight", ".mamba.norm_weight"), (".mamba.A_log", ".mamba.A"),
 )  # fmt: skip
 
 
@@ -31,6 +33,7 @@ class GraniteHybridLayer(HybridDecoderLayer):
 
 class GraniteMoeHybridForCausalLM(CausalLM):
     layer_cls = GraniteHybridLayer
+    gguf_qk_permuted = True   # llama.cpp's converter permutes the attention layers' (its LlamaModel)
     # Not yet: the Mamba heads split over ranks, adapters on the mixers' projections.
     tensor_parallel = False
     lora = False
@@ -73,7 +76,40 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        raise UnsupportedModelError("Granite 4.0-H GGUF files are not supported yet (its HF checkpoints are)")
+        """llama.cpp's ``granitehybrid`` files: ``attention.head_count_kv`` per layer, 0 for
+        the Mamba layers; the MLP's width as the shared expert's; RoPE on where
+        ``rope.scaling.finetuned`` (llama.cpp's switch for it) is; Granite's scales; the
+        time step unclamped (llama.cpp does not clamp it)."""
+        p = f"{md['general.architecture']}."
+        if md.get(p + "expert_count"):
+            raise UnsupportedModelError("Granite 4.0-H GGUF files with experts are not supported yet; dense ones are")
+        n = int(md[p + "block_count"])
+        kv = md[p + "attention.head_count_kv"]
+        per_layer = [int(k) for k in kv] if isinstance(kv, (list, tuple)) else [int(kv)] * n
+        attention = {k for k in per_layer if k}
+        if len(per_layer) != n or len(attention) > 1:
+            raise UnsupportedModelError(f"Granite 4.0-H GGUF: head_count_kv {per_layer} for {n} layers")
+        ffn = md.get(p + "expert_shared_feed_forward_length") or md[p + "feed_forward_length"]
+        fields = ModelArchConfig.gguf_fields({**md, p + "attention.head_count_kv": min(attention, default=1),
+                                              p + "feed_forward_length": ffn}, tensor_names, architecture)
+        heads, inner, groups = int(md[p + "ssm.time_step_rank"]), int(md[p + "ssm.inner_size"]), \
+            int(md[p + "ssm.group_count"])
+        first = per_layer.index(0) if 0 in per_layer else 0
+        return ModelArchConfig(
+            **fields,
+            embedding_multiplier=float(md.get(p + "embedding_scale", 1.0)),
+            residual_multiplier=float(md.get(p + "residual_scale", 1.0)),
+            attention_multiplier=float(md.get(p + "attention.scale", 1.0)),
+            logits_divisor=float(md.get(p + "logit_scale", 1.0)),
+            rope_layers=None if md.get(p + "rope.scaling.finetuned", True) else (False,) * n,
+            mamba_layers=tuple(k == 0 for k in per_layer),
+            mamba=dict(heads=heads, head_dim=inner // heads, groups=groups, d_state=int(md[p + "ssm.state_size"]),
+                       d_conv=int(md[p + "ssm.conv_kernel"]), intermediate=inner,
+                       conv_bias=f"blk.{first}.ssm_conv1d.bias" in tensor_names,
+                       proj_bias=f"blk.{first}.ssm_in.bias" in tensor_names, dt_min=0.0, dt_max=float("inf")))
+
+    gguf_lookup_name = staticmethod(gguf_mixer_lookup_name)
+    gguf_tensor = staticmethod(gguf_mixer_tensor)
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
@@ -89,11 +125,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             return
         yield from super().hf_tensors(name, tensor, checkpoint)
 
-    @classmethod
-    def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.endswith(".mamba.conv1d.weight"):   # [conv_dim, 1, d_conv] -> [conv_dim, d_conv]
-            return tensor.reshape(tensor.shape[0], -1)
-        return tensor
+    hf_tensor = staticmethod(hf_mixer_tensor)
 
     def state_shapes(self) -> list[tuple[int, ...] | None]:
         c = self.config

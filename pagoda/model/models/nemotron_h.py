@@ -15,9 +15,9 @@ and a layer computes ``x + mixer(RMSNorm(x))``. The Mamba layers keep their stat
 request in the state pool as Granite 4.0-H's do; only the attention layers have KV caches.
 
 Not served: the multi-token-prediction layers (``num_nextn_predict_layers``; their ``mtp.*``
-tensors are skipped), tensor parallelism and LoRA (as for Granite 4.0-H), and GGUF files
-(llama.cpp stores the Mamba tensors transformed: A = -exp(A_log), D and the norm reshaped,
-which the GGUF loaders have no per-family hook to undo yet).
+tensors are skipped), tensor parallelism and LoRA (as for Granite 4.0-H), and llama.cpp's
+``nemotron_h_moe`` GGUF files (its ``nemotron_h`` ones, without experts, are read: the Mamba
+tensors as its converter stores them, ``pagoda.model.layers.mamba2.gguf_mixer_tensor``).
 
 The time step is clamped to ``time_step_limit`` on every token, as transformers' prompt
 path does (its one-token decode path does not; the published configs' limit, (0, inf),
@@ -36,7 +36,7 @@ from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, moe_fields
 from pagoda.model.layers.decoder import Attention, CausalLM, KVSpec, SparseMoeBlock
-from pagoda.model.layers.mamba2 import Mamba2Mixer
+from pagoda.model.layers.mamba2 import Mamba2Mixer, gguf_mixer_lookup_name, gguf_mixer_tensor, hf_mixer_tensor
 from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.models import UnsupportedModelError
@@ -54,7 +54,8 @@ _MIXER_PARTS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
 _OWNER = {part: module for module, parts in _MIXER_PARTS.items() for part in parts}
 _MIXER = re.compile(r"^model\.layers\.(\d+)\.mixer\.([A-Za-z0-9_]+)")
 _LEAVES = {".mamba.conv1d.weight": ".mamba.conv_weight", ".mamba.conv1d.bias": ".mamba.conv_bias",
-           ".mamba.norm.weight": ".mamba.norm_weight", ".mlp.gate.e_score_correction_bias": ".mlp.score_bias"}
+           ".mamba.norm.weight": ".mamba.norm_weight", ".mamba.A_log": ".mamba.A",
+           ".mlp.gate.e_score_correction_bias": ".mlp.score_bias"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +166,7 @@ class NemotronHForCausalLM(CausalLM):
     layer_cls = NemotronHLayer
     # q/k/v stacked; the MLPs' up_proj is a projection of its own (no gate).
     packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    gguf_qk_permuted = True   # llama.cpp's converter permutes them (its GraniteHybridModel's LlamaModel)
     unquantized_modules = (".mlp.gate",)
     # Not yet: the Mamba heads split over ranks, adapters on the mixers' projections.
     tensor_parallel = False
@@ -220,7 +222,38 @@ class NemotronHForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        raise UnsupportedModelError("Nemotron-H GGUF files are not supported yet (its HF checkpoints are)")
+        """llama.cpp's ``nemotron_h`` files: a layer's kind from its ``attention.head_count_kv``
+        and ``feed_forward_length`` (arrays): attention where it has KV heads, the MLP where it
+        has a width, else Mamba-2; no RoPE; the time step unclamped (llama.cpp does not clamp
+        it). (Its ``nemotron_h_moe`` files, with experts, are not read yet.)"""
+        p = f"{md['general.architecture']}."
+        n = int(md[p + "block_count"])
+
+        def per_layer(key: str) -> list[int]:
+            v = md[p + key]
+            return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)] * n
+
+        kv, ff = per_layer("attention.head_count_kv"), per_layer("feed_forward_length")
+        if len(kv) != n or len(ff) != n or len({k for k in kv if k}) > 1 or len({f for f in ff if f}) > 1:
+            raise UnsupportedModelError(f"Nemotron-H GGUF: head_count_kv {kv}, feed_forward_length {ff} for {n} layers")
+        types = tuple("attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ff))
+        eps = md.get(p + "attention.layer_norm_rms_epsilon", md.get(p + "attention.layer_norm_epsilon", 1e-5))
+        fields = ModelArchConfig.gguf_fields({**md, p + "attention.head_count_kv": max(kv) or 1,
+                                              p + "feed_forward_length": max(ff)}, tensor_names, architecture)
+        heads, inner = int(md[p + "ssm.time_step_rank"]), int(md[p + "ssm.inner_size"])
+        mamba = types.index("mamba") if "mamba" in types else 0
+        mlp = types.index("mlp") if "mlp" in types else 0
+        return NemotronHArch(
+            **{**fields, "rms_norm_eps": eps, "attention_bias": False},
+            mlp_bias=f"blk.{mlp}.ffn_up.bias" in tensor_names,
+            rope_layers=(False,) * n, block_types=types, mamba_layers=tuple(t == "mamba" for t in types),
+            mamba=dict(heads=heads, head_dim=inner // heads, groups=int(md[p + "ssm.group_count"]),
+                       d_state=int(md[p + "ssm.state_size"]), d_conv=int(md[p + "ssm.conv_kernel"]),
+                       intermediate=inner, conv_bias=f"blk.{mamba}.ssm_conv1d.bias" in tensor_names,
+                       proj_bias=f"blk.{mamba}.ssm_in.bias" in tensor_names, dt_min=0.0, dt_max=float("inf")))
+
+    gguf_lookup_name = staticmethod(gguf_mixer_lookup_name)
+    gguf_tensor = staticmethod(gguf_mixer_tensor)
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
@@ -247,11 +280,7 @@ class NemotronHForCausalLM(CausalLM):
             return
         yield from super().hf_tensors(name, tensor, checkpoint)
 
-    @classmethod
-    def hf_tensor(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.endswith(".mixer.conv1d.weight"):   # [conv_dim, 1, d_conv] -> [conv_dim, d_conv]
-            return tensor.reshape(tensor.shape[0], -1)
-        return tensor
+    hf_tensor = staticmethod(hf_mixer_tensor)
 
     def kv_specs(self) -> list[KVSpec | None]:
         c = self.config
