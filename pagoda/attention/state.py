@@ -12,7 +12,7 @@ step), and the states its tokens save.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,3 +30,5 @@ class StepStates:
     slots: list[int]                         # per sequence, its state slot
     restore: list[int]                       # per sequence, the saved state it starts from, or -1
     checkpoints: list[list[tuple[int, int]]]  # per sequence, (block end - chunk start, saved state's row)
+    # What the state layers derive from the plan once a step (the kernels' index tensors)
+    memo: dict = field(default_factory=dict)

@@ -94,6 +94,8 @@ torch::Tensor gguf_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights
 
 // ---- recurrent.cpp ----
 void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor mixed,
-                      torch::Tensor conv_weight, torch::Tensor decay, torch::Tensor beta, torch::Tensor out,
-                      c10::optional<torch::Tensor> saved, torch::Tensor save_seq, torch::Tensor save_at,
-                      torch::Tensor save_row, int64_t k_heads, int64_t k_dim, int64_t v_dim, bool tiled);
+                      torch::Tensor conv_weight, torch::Tensor a, torch::Tensor b, torch::Tensor z,
+                      torch::Tensor A, torch::Tensor dt_bias, torch::Tensor norm_weight, double eps,
+                      torch::Tensor out, c10::optional<torch::Tensor> saved, torch::Tensor save_seq,
+                      torch::Tensor save_at, torch::Tensor save_row, int64_t k_heads, int64_t k_dim, int64_t v_dim,
+                      bool tiled);

@@ -49,8 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sinks") = py::none());
   m.def("gated_delta_rule", &gated_delta_rule, "a Gated DeltaNet layer's convolution and delta rule over a step's "
         "sequences, in place in their state slots", py::arg("states"), py::arg("slots"), py::arg("starts"),
-        py::arg("mixed"), py::arg("conv_weight"), py::arg("decay"), py::arg("beta"), py::arg("out"),
-        py::arg("saved"), py::arg("save_seq"), py::arg("save_at"), py::arg("save_row"), py::arg("k_heads"),
+        py::arg("mixed"), py::arg("conv_weight"), py::arg("a"), py::arg("b"), py::arg("z"), py::arg("A"),
+        py::arg("dt_bias"), py::arg("norm_weight"), py::arg("eps"), py::arg("out"), py::arg("saved"), py::arg("save_seq"), py::arg("save_at"), py::arg("save_row"), py::arg("k_heads"),
         py::arg("k_dim"), py::arg("v_dim"), py::arg("tiled"));
   bind_decode_stack(m);
 }

@@ -8,7 +8,8 @@
 // token by token,
 //     S <- decay S,  S <- S + k (beta (v - S^T k))^T,  o = S^T q,
 // with two passes over S a token (S^T k, then the update with o accumulated), S staying in
-// cache between them. States saved for the prefix cache (``saved`` rows) are copied after
+// cache between them; decay = exp(A softplus(a + dt_bias)), beta = sigmoid(b) per token and
+// value head, and the output is RMSNorm(o) w silu(z) (the layer's gated norm). States saved for the prefix cache (``saved`` rows) are copied after
 // the token that completes their block. Sequences are independent: (sequence, value head)
 // pairs run in parallel, each in a fixed order, so a sequence's numbers do not depend on
 // its batch.
@@ -34,18 +35,38 @@ void l2norm(float* x, int64_t n, float scale) {
 
 }  // namespace
 
+namespace {
+
+// Rows of a [tokens, n] float32 view whose rows may be strided.
+struct Rows {
+  const float* p;
+  int64_t ld;
+  explicit Rows(const torch::Tensor& t) : p(t.data_ptr<float>()), ld(t.stride(0)) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
+                "gated_delta_rule: float32 [tokens, n] inputs with contiguous rows");
+  }
+  const float* operator[](int64_t t) const { return p + t * ld; }
+};
+
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+}  // namespace
+
 void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor mixed,
-                      torch::Tensor conv_weight, torch::Tensor decay, torch::Tensor beta, torch::Tensor out,
-                      c10::optional<torch::Tensor> saved, torch::Tensor save_seq, torch::Tensor save_at,
-                      torch::Tensor save_row, int64_t k_heads, int64_t k_dim, int64_t v_dim, bool tiled) {
+                      torch::Tensor conv_weight, torch::Tensor a, torch::Tensor b, torch::Tensor z,
+                      torch::Tensor A, torch::Tensor dt_bias, torch::Tensor norm_weight, double eps,
+                      torch::Tensor out, c10::optional<torch::Tensor> saved, torch::Tensor save_seq,
+                      torch::Tensor save_at, torch::Tensor save_row, int64_t k_heads, int64_t k_dim, int64_t v_dim,
+                      bool tiled) {
   TORCH_CHECK(states.scalar_type() == torch::kFloat32 && states.is_contiguous() && states.dim() == 2,
               "states: contiguous float32 [slots, state]");
   TORCH_CHECK(mixed.scalar_type() == torch::kFloat32 && mixed.dim() == 2 && mixed.stride(1) == 1,
               "mixed: float32 [tokens, conv_dim], rows contiguous");
   TORCH_CHECK(conv_weight.scalar_type() == torch::kFloat32 && conv_weight.is_contiguous(), "conv_weight: float32");
-  TORCH_CHECK(decay.is_contiguous() && beta.is_contiguous() && out.is_contiguous(), "decay, beta, out: contiguous");
+  TORCH_CHECK(out.is_contiguous() && A.is_contiguous() && dt_bias.is_contiguous() && norm_weight.is_contiguous(),
+              "out, A, dt_bias, norm_weight: contiguous");
   const int64_t B = slots.numel(), T = mixed.size(0), C = mixed.size(1), K = conv_weight.size(1);
-  const int64_t nv = decay.size(1), r = nv / k_heads, key = k_heads * k_dim, keep = K - 1;
+  const int64_t nv = A.numel(), r = nv / k_heads, key = k_heads * k_dim, keep = K - 1;
   const int64_t conv_size = C * keep, head = k_dim * v_dim, width = states.size(1);
   TORCH_CHECK(conv_weight.size(0) == C && C == 2 * key + nv * v_dim && width == conv_size + nv * head,
               "gated_delta_rule: shapes disagree");
@@ -56,8 +77,11 @@ void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor s
   const float* x = mixed.data_ptr<float>();
   const int64_t ldx = mixed.stride(0);
   const float* w = conv_weight.data_ptr<float>();
-  const float* dec = decay.data_ptr<float>();
-  const float* bet = beta.data_ptr<float>();
+  const Rows ar(a), br(b), zr(z);
+  const float* Ah = A.data_ptr<float>();
+  const float* dtb = dt_bias.data_ptr<float>();
+  const float* nw = norm_weight.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
   float* o = out.data_ptr<float>();
   const int64_t M = save_seq.numel();
   const int64_t* sseq = save_seq.data_ptr<int64_t>();
@@ -109,7 +133,8 @@ void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor s
         const float* q = &conv[t * C + kh * k_dim];
         const float* k = &conv[t * C + key + kh * k_dim];
         const float* v = &conv[t * C + 2 * key + h * v_dim];
-        const float g = dec[t * nv + h], bt = bet[t * nv + h];
+        const float g = std::exp(Ah[h] * softplus(ar[t][h] + dtb[h]));
+        const float bt = 1.f / (1.f + std::exp(-br[t][h]));
         std::fill(kv.begin(), kv.end(), 0.f);
         for (int64_t i = 0; i < k_dim; ++i) {
           const float ki = k[i];
@@ -128,6 +153,12 @@ void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor s
             ot[j] += s * qi;
           }
         }
+        // The gated RMSNorm of the head's output.
+        float ss = 0.f;
+        for (int64_t j = 0; j < v_dim; ++j) ss += ot[j] * ot[j];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(v_dim) + feps);
+        const float* zt = zr[t] + h * v_dim;
+        for (int64_t j = 0; j < v_dim; ++j) ot[j] = ot[j] * inv * nw[j] * silu(zt[j]);
         for (int64_t m = 0; m < M; ++m)
           if (sseq[m] == b && start[b] + sat[m] == t + 1)
             std::memcpy(sv + srow[m] * width + conv_size + h * head, S, head * sizeof(float));

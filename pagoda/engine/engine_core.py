@@ -284,8 +284,8 @@ class EngineCore:
             self.num_state_slots = max(1, min(config.max_num_seqs, budget // 2 // slot))
             if self.state_checkpoint_interval > 1:
                 # Saved states for prefix hits, apart from the blocks: a quarter of the budget
-                # (at least two per slot), one every interval blocks of a long prompt.
-                self.num_state_checkpoints = max(2 * self.num_state_slots, budget // 4 // slot)
+                # (at least two), one every interval blocks of a long prompt.
+                self.num_state_checkpoints = max(2, budget // 4 // slot)
             spent = self.num_state_slots * slot + (self.num_state_checkpoints * slot
                                                    if self.state_checkpoint_interval > 1 else 0)
             if config.num_kv_blocks is None:

@@ -280,9 +280,11 @@ class ModelRunner:
             dtype = model.activation_dtype
             for i, shape in enumerate(shapes):
                 if shape is not None:
+                    # Uninitialised (no memory is touched before use, as the KV cache): a slot
+                    # is zeroed when a request takes it, a saved state written before it is read.
                     self.kv_caches[i] = StateCache(
-                        torch.zeros(num_state_slots, *shape, dtype=dtype, device=device),
-                        torch.zeros(num_state_checkpoints, *shape, dtype=dtype, device=device)
+                        torch.empty(num_state_slots, *shape, dtype=dtype, device=device),
+                        torch.empty(num_state_checkpoints, *shape, dtype=dtype, device=device)
                         if num_state_checkpoints else None,
                         self.kv_caches[i])   # a layer with a KV cache too keeps it (Falcon-H1)
         self._state_caches: list[StateCache] = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]

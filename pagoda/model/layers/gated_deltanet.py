@@ -107,46 +107,37 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: StateCache, meta: AttentionMetadata) -> torch.Tensor:
         mixed, z, b, a = self._parts(self.in_proj(x))
         plan: StepStates = meta.states
+        ops = _kernels(cache.slots)
+        if ops is not None:
+            out = torch.empty(x.shape[0], self.v_heads, self.v_dim)
+            self._kernel(ops, mixed, z, b, a, out, cache, plan, meta)
+            return self.out_proj(out.view(x.shape[0], -1).to(x.dtype))
         beta = torch.sigmoid(b.float())
         decay = torch.exp(self.A.float() * F.softplus(a.float() + self.dt_bias.float()))  # [T, v_heads]
         out = torch.empty(x.shape[0], self.v_heads, self.v_dim, dtype=torch.float32, device=x.device)
-        ops = _kernels(cache.slots)
-        if ops is not None:
-            self._kernel(ops, mixed, beta, decay, out, cache, plan, sequence_spans(meta))
-        else:
-            self._torch(mixed, beta, decay, out, cache, plan, meta)
+        self._torch(mixed, beta, decay, out, cache, plan, meta)
         # The gated RMSNorm per value head, in float32.
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
         gated = normed * F.silu(z.float().view(-1, self.v_heads, self.v_dim))
         return self.out_proj(gated.reshape(x.shape[0], -1).to(x.dtype))
 
-    def _kernel(self, ops, mixed, beta, decay, out, cache: StateCache, plan: StepStates, spans) -> None:
-        """pagoda's C++ kernel (pagoda/csrc/recurrent.cpp) over every sequence in place in
-        its slot: first those not restoring a prefix hit's saved state, then those (the
-        state they restore may be one the first call saves)."""
-        first = [i for i in range(len(spans)) if plan.restore[i] < 0]
-        later = [i for i in range(len(spans)) if plan.restore[i] >= 0]
-        for group in (first, later):
-            if not group:
-                continue
-            for i in group:
-                if plan.restore[i] >= 0:
-                    cache.slots[plan.slots[i]] = cache.blocks[plan.restore[i]]
-            rows = [r for i in group for r in range(spans[i][0], spans[i][0] + spans[i][1])]
-            if rows == list(range(rows[0], rows[0] + len(rows))):   # (decodes first: usually so)
-                take = slice(rows[0], rows[0] + len(rows))
-                x, d, b, part = mixed[take], decay[take], beta[take], out[take]
-            else:
-                take = torch.tensor(rows)
-                x, d, b = mixed[take], decay[take], beta[take]
-                part = torch.empty(len(rows), self.v_heads, self.v_dim)
-            starts = list(itertools.accumulate((spans[i][1] for i in group), initial=0))
-            saves = [(j, at, row) for j, i in enumerate(group) for at, row in plan.checkpoints[i]]
-            ops.gated_delta_rule(cache.slots, _longs(plan.slots[i] for i in group), _longs(starts), x,
-                                 self.conv_weight, d, b, part, cache.blocks, _longs(s[0] for s in saves),
-                                 _longs(s[1] for s in saves), _longs(s[2] for s in saves), self.k_heads, self.k_dim,
-                                 self.v_dim, self.tiled)
-            if isinstance(take, torch.Tensor):
+    def _kernel(self, ops, mixed, z, b, a, out, cache: StateCache, plan: StepStates, meta: AttentionMetadata) -> None:
+        """pagoda's C++ kernel (pagoda/csrc/recurrent.cpp; the gated norm too) over every
+        sequence in place in its slot: first those not restoring a prefix hit's saved
+        state, then those (the state they restore may be one the first call saves). The
+        index tensors are made once a step (the plan's memo), for every layer."""
+        groups = plan.memo.get("gated_delta")
+        if groups is None:
+            groups = plan.memo["gated_delta"] = _kernel_groups(plan, sequence_spans(meta))
+        for restores, take, args in groups:
+            for slot, entry in restores:
+                cache.slots[slot] = cache.blocks[entry]
+            part = out[take] if isinstance(take, slice) else torch.empty(len(take), self.v_heads, self.v_dim)
+            ops.gated_delta_rule(cache.slots, args[0], args[1], mixed[take], self.conv_weight.float(), a[take],
+                                 b[take], z[take], self.A.float(), self.dt_bias.float(), self.norm_weight.float(),
+                                 self.eps, part, cache.blocks, *args[2:], self.k_heads, self.k_dim, self.v_dim,
+                                 self.tiled)
+            if not isinstance(take, slice):
                 out[take] = part
 
     def _torch(self, mixed, beta, decay, out, cache: StateCache, plan: StepStates, meta: AttentionMetadata) -> None:
@@ -233,6 +224,28 @@ class GatedDeltaNet(nn.Module):
 
 def _longs(values) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
+
+
+def _kernel_groups(plan: StepStates, spans: list[tuple[int, int, int]]) -> list:
+    """The kernel's calls of a step: sequences not restoring a saved state, then those that
+    do; per call, (the (slot, saved entry) restores before it, its token rows (a slice, or
+    an index tensor), its index tensors: slots, token offsets, saves' sequence, offset and
+    entry)."""
+    calls = []
+    first = [i for i in range(len(spans)) if plan.restore[i] < 0]
+    later = [i for i in range(len(spans)) if plan.restore[i] >= 0]
+    for group in (first, later):
+        if not group:
+            continue
+        rows = [r for i in group for r in range(spans[i][0], spans[i][0] + spans[i][1])]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))   # (decodes first: usually so)
+        take = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows)
+        saves = [(j, at, row) for j, i in enumerate(group) for at, row in plan.checkpoints[i]]
+        args = (_longs(plan.slots[i] for i in group), _longs(itertools.accumulate((spans[i][1] for i in group),
+                                                                                  initial=0)),
+                _longs(s[0] for s in saves), _longs(s[1] for s in saves), _longs(s[2] for s in saves))
+        calls.append(([(plan.slots[i], plan.restore[i]) for i in group if plan.restore[i] >= 0], take, args))
+    return calls
 
 
 def _kernels(states: torch.Tensor):
