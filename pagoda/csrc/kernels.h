@@ -27,7 +27,8 @@
 //   argmax_rows: the greedy sampler's argmax.
 // recurrent.cpp
 //   gated_delta_rule: a Gated DeltaNet layer's convolution and delta rule over a step's
-//     sequences, in place in their state slots (hybrid models).
+//     sequences, in place in their state slots (hybrid models); mamba2_scan: a Mamba-2
+//     mixer's convolution and scan, likewise.
 // decode_stack.cpp
 //   DecodeStack: a decode-only step's decoder layers in one call (the kernels above in
 //   DecoderLayer.forward's order; pagoda/model/layers/decode_stack.py builds it).
@@ -99,3 +100,8 @@ void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor s
                       torch::Tensor out, c10::optional<torch::Tensor> saved, torch::Tensor save_seq,
                       torch::Tensor save_at, torch::Tensor save_row, int64_t k_heads, int64_t k_dim, int64_t v_dim,
                       bool tiled);
+void mamba2_scan(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor xbc,
+                 torch::Tensor dt, torch::Tensor conv_weight, c10::optional<torch::Tensor> conv_bias,
+                 torch::Tensor dt_bias, torch::Tensor A, torch::Tensor D, double dt_min, double dt_max,
+                 torch::Tensor y, c10::optional<torch::Tensor> saved, torch::Tensor save_seq, torch::Tensor save_at,
+                 torch::Tensor save_row, int64_t heads, int64_t head_dim, int64_t groups, int64_t d_state);

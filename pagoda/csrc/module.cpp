@@ -52,5 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mixed"), py::arg("conv_weight"), py::arg("a"), py::arg("b"), py::arg("z"), py::arg("A"),
         py::arg("dt_bias"), py::arg("norm_weight"), py::arg("eps"), py::arg("out"), py::arg("saved"), py::arg("save_seq"), py::arg("save_at"), py::arg("save_row"), py::arg("k_heads"),
         py::arg("k_dim"), py::arg("v_dim"), py::arg("tiled"));
+  m.def("mamba2_scan", &mamba2_scan, "a Mamba-2 mixer's convolution and scan over a step's sequences, in place in "
+        "their state slots", py::arg("states"), py::arg("slots"), py::arg("starts"), py::arg("xbc"), py::arg("dt"),
+        py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_bias"), py::arg("A"), py::arg("D"),
+        py::arg("dt_min"), py::arg("dt_max"), py::arg("y"), py::arg("saved"), py::arg("save_seq"),
+        py::arg("save_at"), py::arg("save_row"), py::arg("heads"), py::arg("head_dim"), py::arg("groups"),
+        py::arg("d_state"));
   bind_decode_stack(m);
 }

@@ -166,3 +166,97 @@ void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor s
     }
   });
 }
+
+// ---- Mamba-2 ------------------------------------------------------------------------
+// mamba2_scan: a Mamba-2 mixer's convolution (SiLU, optional bias) over [x; B; C] and its
+// scan over a step's sequences, in place in their slots (a slot's row: the convolution's
+// last K - 1 inputs [conv_dim, K - 1], then every head's S [head_dim, d_state]). Per head
+// h (its group's B and C), per token: dt = clamp(softplus(dt + dt_bias), dt_min, dt_max),
+//     S <- exp(dt A) S + dt x B^T,   y = S C + D x   (y before the gate).
+
+void mamba2_scan(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor xbc,
+                 torch::Tensor dt, torch::Tensor conv_weight, c10::optional<torch::Tensor> conv_bias,
+                 torch::Tensor dt_bias, torch::Tensor A, torch::Tensor D, double dt_min, double dt_max,
+                 torch::Tensor y, c10::optional<torch::Tensor> saved, torch::Tensor save_seq, torch::Tensor save_at,
+                 torch::Tensor save_row, int64_t heads, int64_t head_dim, int64_t groups, int64_t d_state) {
+  TORCH_CHECK(states.scalar_type() == torch::kFloat32 && states.is_contiguous() && states.dim() == 2,
+              "states: contiguous float32 [slots, state]");
+  TORCH_CHECK(y.is_contiguous() && conv_weight.is_contiguous() && A.is_contiguous() && D.is_contiguous() &&
+              dt_bias.is_contiguous(), "y, conv_weight, A, D, dt_bias: contiguous");
+  const Rows xr(xbc), dtr(dt);
+  const int64_t B = slots.numel(), T = xbc.size(0), C = xbc.size(1), K = conv_weight.size(1), keep = K - 1;
+  const int64_t inner = heads * head_dim, gs = groups * d_state, head = head_dim * d_state;
+  const int64_t conv_size = C * keep, width = states.size(1), rep = heads / groups;
+  TORCH_CHECK(C == inner + 2 * gs && conv_weight.size(0) == C && width == conv_size + heads * head,
+              "mamba2_scan: shapes disagree");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  TORCH_CHECK(starts.numel() == B + 1 && start[B] <= T, "starts: B + 1 token offsets");
+  float* st = states.data_ptr<float>();
+  const float* w = conv_weight.data_ptr<float>();
+  const float* cb = conv_bias.has_value() ? conv_bias->data_ptr<float>() : nullptr;
+  const float *dtb = dt_bias.data_ptr<float>(), *Ah = A.data_ptr<float>(), *Dh = D.data_ptr<float>();
+  float* yo = y.data_ptr<float>();
+  const int64_t M = save_seq.numel();
+  const int64_t* sseq = save_seq.data_ptr<int64_t>();
+  const int64_t* sat = save_at.data_ptr<int64_t>();
+  const int64_t* srow = save_row.data_ptr<int64_t>();
+  float* sv = nullptr;
+  if (M) {
+    TORCH_CHECK(saved.has_value() && saved->is_contiguous() && saved->size(1) == width, "saved: [entries, state]");
+    sv = saved->data_ptr<float>();
+  }
+  std::vector<float> conv(T * C);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> win;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t0 = start[b], n = start[b + 1] - t0;
+      float* cs = st + slot[b] * width;
+      win.resize(keep + n);
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t j = 0; j < keep; ++j) win[j] = cs[c * keep + j];
+        for (int64_t t = 0; t < n; ++t) win[keep + t] = xr[t0 + t][c];
+        const float* wc = w + c * K;
+        for (int64_t t = 0; t < n; ++t) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < K; ++j) acc += wc[j] * win[t + j];
+          if (cb) acc += cb[c];
+          conv[(t0 + t) * C + c] = silu(acc);
+        }
+        for (int64_t m = 0; m < M; ++m)
+          if (sseq[m] == b)
+            for (int64_t j = 0; j < keep; ++j) sv[srow[m] * width + c * keep + j] = win[sat[m] + j];
+        for (int64_t j = 0; j < keep; ++j) cs[c * keep + j] = win[n + j];
+      }
+    }
+  });
+  const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
+  at::parallel_for(0, B * heads, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / heads, h = p % heads, g = h / rep;
+      float* S = st + slot[b] * width + conv_size + h * head;   // [head_dim, d_state]
+      for (int64_t t = start[b]; t < start[b + 1]; ++t) {
+        const float* x = &conv[t * C + h * head_dim];
+        const float* Bt = &conv[t * C + inner + g * d_state];
+        const float* Ct = &conv[t * C + inner + gs + g * d_state];
+        const float step = std::min(std::max(softplus(dtr[t][h] + dtb[h]), lo), hi);
+        const float dA = std::exp(step * Ah[h]);
+        float* yt = yo + t * inner + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float sx = step * x[i];
+          float* Si = S + i * d_state;
+          float acc = 0.f;
+          for (int64_t j = 0; j < d_state; ++j) {
+            const float s = Si[j] * dA + sx * Bt[j];
+            Si[j] = s;
+            acc += s * Ct[j];
+          }
+          yt[i] = acc + Dh[h] * x[i];
+        }
+        for (int64_t m = 0; m < M; ++m)
+          if (sseq[m] == b && start[b] + sat[m] == t + 1)
+            std::memcpy(sv + srow[m] * width + conv_size + h * head, S, head * sizeof(float));
+      }
+    }
+  });
+}

@@ -29,8 +29,6 @@ its order, so a file is served in its own order and no weight is permuted.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +36,7 @@ from torch import nn
 from pagoda.attention import AttentionMetadata
 from pagoda.attention.state import StateCache, StepStates
 from pagoda.model.arch import ModelArchConfig
-from pagoda.model.layers.hybrid import processing_order, sequence_spans
+from pagoda.model.layers.hybrid import kernel_calls, processing_order, sequence_spans, state_kernels
 
 
 class GatedDeltaNet(nn.Module):
@@ -107,7 +105,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: StateCache, meta: AttentionMetadata) -> torch.Tensor:
         mixed, z, b, a = self._parts(self.in_proj(x))
         plan: StepStates = meta.states
-        ops = _kernels(cache.slots)
+        ops = state_kernels(cache.slots)
         if ops is not None:
             out = torch.empty(x.shape[0], self.v_heads, self.v_dim)
             self._kernel(ops, mixed, z, b, a, out, cache, plan, meta)
@@ -125,11 +123,8 @@ class GatedDeltaNet(nn.Module):
         """pagoda's C++ kernel (pagoda/csrc/recurrent.cpp; the gated norm too) over every
         sequence in place in its slot: first those not restoring a prefix hit's saved
         state, then those (the state they restore may be one the first call saves). The
-        index tensors are made once a step (the plan's memo), for every layer."""
-        groups = plan.memo.get("gated_delta")
-        if groups is None:
-            groups = plan.memo["gated_delta"] = _kernel_groups(plan, sequence_spans(meta))
-        for restores, take, args in groups:
+        index tensors are made once a step, for every layer."""
+        for restores, take, args in kernel_calls(meta):
             for slot, entry in restores:
                 cache.slots[slot] = cache.blocks[entry]
             part = out[take] if isinstance(take, slice) else torch.empty(len(take), self.v_heads, self.v_dim)
@@ -220,41 +215,6 @@ class GatedDeltaNet(nn.Module):
             if block is not None:
                 self._store(cache.blocks[block], window[:, t + 1:t + 1 + keep], memory)
         self._store(cache.slots[slot], window[:, -keep:], memory)
-
-
-def _longs(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64)
-
-
-def _kernel_groups(plan: StepStates, spans: list[tuple[int, int, int]]) -> list:
-    """The kernel's calls of a step: sequences not restoring a saved state, then those that
-    do; per call, (the (slot, saved entry) restores before it, its token rows (a slice, or
-    an index tensor), its index tensors: slots, token offsets, saves' sequence, offset and
-    entry)."""
-    calls = []
-    first = [i for i in range(len(spans)) if plan.restore[i] < 0]
-    later = [i for i in range(len(spans)) if plan.restore[i] >= 0]
-    for group in (first, later):
-        if not group:
-            continue
-        rows = [r for i in group for r in range(spans[i][0], spans[i][0] + spans[i][1])]
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))   # (decodes first: usually so)
-        take = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows)
-        saves = [(j, at, row) for j, i in enumerate(group) for at, row in plan.checkpoints[i]]
-        args = (_longs(plan.slots[i] for i in group), _longs(itertools.accumulate((spans[i][1] for i in group),
-                                                                                  initial=0)),
-                _longs(s[0] for s in saves), _longs(s[1] for s in saves), _longs(s[2] for s in saves))
-        calls.append(([(plan.slots[i], plan.restore[i]) for i in group if plan.restore[i] >= 0], take, args))
-    return calls
-
-
-def _kernels(states: torch.Tensor):
-    """pagoda's C++ kernels for float32 states on the CPU (None: the torch path)."""
-    if states.dtype != torch.float32 or states.device.type != "cpu" or not states.is_contiguous():
-        return None
-    from pagoda.ops import cpu_kernels
-
-    return cpu_kernels.kernels()
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

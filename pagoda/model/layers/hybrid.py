@@ -4,6 +4,7 @@ the step's sequences in, and their checkpoint names."""
 
 from __future__ import annotations
 
+import itertools
 from typing import ClassVar
 
 import torch
@@ -35,6 +36,47 @@ def processing_order(plan: StepStates) -> list[int]:
     hit) last: the block may be one another sequence of this step computes."""
     n = len(plan.slots)
     return [i for i in range(n) if plan.restore[i] < 0] + [i for i in range(n) if plan.restore[i] >= 0]
+
+
+def state_kernels(states: torch.Tensor):
+    """pagoda's C++ kernels for float32 states on the CPU (None: the state layers' torch path)."""
+    if states.dtype != torch.float32 or states.device.type != "cpu" or not states.is_contiguous():
+        return None
+    from pagoda.ops import cpu_kernels
+
+    return cpu_kernels.kernels()
+
+
+def _longs(values) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+def kernel_calls(meta: AttentionMetadata) -> list:
+    """The state kernels' calls of a step (pagoda/csrc/recurrent.cpp), made once a step for
+    every state layer: sequences not restoring a prefix hit's saved state, then those that
+    do (the state they restore may be one the first call saves); per call, the (slot, saved
+    entry) restores before it, its token rows (a slice, or an index tensor), and its index
+    tensors: slots, token offsets, and the saves' sequence, offset and entry."""
+    plan: StepStates = meta.states
+    calls = plan.memo.get("kernel_calls")
+    if calls is not None:
+        return calls
+    spans = sequence_spans(meta)
+    calls = plan.memo["kernel_calls"] = []
+    first = [i for i in range(len(spans)) if plan.restore[i] < 0]
+    later = [i for i in range(len(spans)) if plan.restore[i] >= 0]
+    for group in (first, later):
+        if not group:
+            continue
+        rows = [r for i in group for r in range(spans[i][0], spans[i][0] + spans[i][1])]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))   # (decodes first: usually so)
+        take = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows)
+        saves = [(j, at, row) for j, i in enumerate(group) for at, row in plan.checkpoints[i]]
+        args = (_longs(plan.slots[i] for i in group),
+                _longs(itertools.accumulate((spans[i][1] for i in group), initial=0)),
+                _longs(s[0] for s in saves), _longs(s[1] for s in saves), _longs(s[2] for s in saves))
+        calls.append(([(plan.slots[i], plan.restore[i]) for i in group if plan.restore[i] >= 0], take, args))
+    return calls
 
 
 class HybridDecoderLayer(nn.Module):

@@ -10,10 +10,11 @@ the state S [head_dim, d_state] runs
 and the output is out_proj(RMSNorm_groups(y * silu(z))). What a request carries from one
 step to the next, in its slot of the state pool (pagoda/core/state_pool.py), is the
 convolution's last d_conv - 1 inputs and every head's S, one flat vector per layer; with
-prefix caching, both at checkpointed block ends too (pagoda/attention/state.py). The scan
-(``scan``: shared by the families whose gate differs, Falcon-H1's) runs a step's decodes
-in one batch and prompt chunks token by token, in torch (exact; a chunked C++ scan is the
-next step).
+prefix caching, both at saved block ends too (pagoda/attention/state.py). The scan
+(``scan``: shared by the families whose gate differs, Falcon-H1's) runs token by token
+(exact): in pagoda's C++ kernel on the CPU (pagoda/csrc/recurrent.cpp: every sequence of
+the step in place in its slot, (sequence, head) pairs in parallel), else in torch (a step's
+decodes in one batch).
 
 The geometry comes from ``ModelArchConfig.mamba``: heads, head_dim, groups, d_state,
 d_conv, intermediate, conv_bias, proj_bias, dt_min, dt_max.
@@ -28,7 +29,7 @@ from torch import nn
 from pagoda.attention import AttentionMetadata
 from pagoda.attention.state import StateCache, StepStates
 from pagoda.model.arch import ModelArchConfig
-from pagoda.model.layers.hybrid import processing_order, renamed, sequence_spans
+from pagoda.model.layers.hybrid import kernel_calls, processing_order, renamed, sequence_spans, state_kernels
 
 # The mixer's tensor names -> those llama.cpp's table knows them by (HF's, dt_bias as the
 # dt projection's bias as its converter renames it).
@@ -110,6 +111,20 @@ class Mamba2Mixer(nn.Module):
         a prefix hit's block end; then the rest token by token, those restoring last."""
         plan: StepStates = meta.states
         y = torch.empty(xbc.shape[0], self.inner, dtype=torch.float32, device=xbc.device)
+        ops = state_kernels(cache.slots)
+        if ops is not None and xbc.dtype == torch.float32:
+            # pagoda's C++ kernel (pagoda/csrc/recurrent.cpp), every sequence in place in its slot.
+            bias = None if self.conv_bias is None else self.conv_bias.float()
+            for restores, take, args in kernel_calls(meta):
+                for slot, entry in restores:
+                    cache.slots[slot] = cache.blocks[entry]
+                part = y[take] if isinstance(take, slice) else torch.empty(len(take), self.inner)
+                ops.mamba2_scan(cache.slots, args[0], args[1], xbc[take], dt[take], self.conv_weight.float(), bias,
+                                self.dt_bias.float(), self.A.float(), self.D.float(), self.dt_min, self.dt_max, part,
+                                cache.blocks, *args[2:], self.heads, self.head_dim, self.groups, self.d_state)
+                if not isinstance(take, slice):
+                    y[take] = part
+            return y
         batch = [i for i in range(meta.num_decodes) if plan.restore[i] < 0]
         if batch:
             self._decode(xbc, dt, y, cache, plan, batch)
