@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pagoda.core.block_hash import BlockHash, hash_request_blocks, request_extra_keys
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
