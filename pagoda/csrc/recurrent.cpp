@@ -50,6 +50,56 @@ struct Rows {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
+// The states to save for the prefix cache: after token at[m] of sequence seq[m], into row[m].
+struct Saves {
+  int64_t M;
+  const int64_t *seq, *at, *row;
+  float* rows = nullptr;
+  Saves(const c10::optional<torch::Tensor>& saved, const torch::Tensor& save_seq, const torch::Tensor& save_at,
+        const torch::Tensor& save_row, int64_t width)
+      : M(save_seq.numel()), seq(save_seq.data_ptr<int64_t>()), at(save_at.data_ptr<int64_t>()),
+        row(save_row.data_ptr<int64_t>()) {
+    if (M) {
+      TORCH_CHECK(saved.has_value() && saved->is_contiguous() && saved->size(1) == width, "saved: [entries, state]");
+      rows = saved->data_ptr<float>();
+    }
+  }
+};
+
+// The depthwise causal convolution (SiLU, optional bias) of every sequence's tokens, from the
+// last K - 1 inputs its slot holds (the first C * (K - 1) floats of its row), which it then
+// keeps (as do the saved states, at theirs): [T, C].
+std::vector<float> causal_conv(float* st, int64_t width, const int64_t* slot, const int64_t* start, int64_t B,
+                               int64_t T, const Rows& x, int64_t C, const float* w, int64_t K, const float* bias,
+                               const Saves& saves) {
+  const int64_t keep = K - 1;
+  std::vector<float> conv(T * C);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> win;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t0 = start[b], n = start[b + 1] - t0;
+      float* cs = st + slot[b] * width;   // [C, keep]
+      win.resize(keep + n);
+      for (int64_t c = 0; c < C; ++c) {
+        for (int64_t j = 0; j < keep; ++j) win[j] = cs[c * keep + j];
+        for (int64_t t = 0; t < n; ++t) win[keep + t] = x[t0 + t][c];
+        const float* wc = w + c * K;
+        for (int64_t t = 0; t < n; ++t) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < K; ++j) acc += wc[j] * win[t + j];
+          if (bias) acc += bias[c];
+          conv[(t0 + t) * C + c] = silu(acc);
+        }
+        for (int64_t m = 0; m < saves.M; ++m)
+          if (saves.seq[m] == b)
+            for (int64_t j = 0; j < keep; ++j) saves.rows[saves.row[m] * width + c * keep + j] = win[saves.at[m] + j];
+        for (int64_t j = 0; j < keep; ++j) cs[c * keep + j] = win[n + j];
+      }
+    }
+  });
+  return conv;
+}
+
 }  // namespace
 
 void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor mixed,
@@ -74,54 +124,23 @@ void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor s
   const int64_t* start = starts.data_ptr<int64_t>();
   TORCH_CHECK(starts.numel() == B + 1 && start[B] <= T, "starts: B + 1 token offsets");
   float* st = states.data_ptr<float>();
-  const float* x = mixed.data_ptr<float>();
-  const int64_t ldx = mixed.stride(0);
-  const float* w = conv_weight.data_ptr<float>();
   const Rows ar(a), br(b), zr(z);
   const float* Ah = A.data_ptr<float>();
   const float* dtb = dt_bias.data_ptr<float>();
   const float* nw = norm_weight.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   float* o = out.data_ptr<float>();
-  const int64_t M = save_seq.numel();
-  const int64_t* sseq = save_seq.data_ptr<int64_t>();
-  const int64_t* sat = save_at.data_ptr<int64_t>();
-  const int64_t* srow = save_row.data_ptr<int64_t>();
-  float* sv = nullptr;
-  if (M) {
-    TORCH_CHECK(saved.has_value() && saved->is_contiguous() && saved->size(1) == width, "saved: [entries, state]");
-    sv = saved->data_ptr<float>();
-  }
-  // 1. Per sequence: the convolution over its tokens (from the slot's last inputs), q and k
-  // normalised; the slot (and the saved states) keep the last K - 1 inputs.
-  std::vector<float> conv(T * C);
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> win;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t t0 = start[b], n = start[b + 1] - t0;
-      float* cs = st + slot[b] * width;   // [C, keep]
-      win.resize((keep + n));
-      for (int64_t c = 0; c < C; ++c) {
-        for (int64_t j = 0; j < keep; ++j) win[j] = cs[c * keep + j];
-        for (int64_t t = 0; t < n; ++t) win[keep + t] = x[(t0 + t) * ldx + c];
-        const float* wc = w + c * K;
-        for (int64_t t = 0; t < n; ++t) {
-          float acc = 0.f;
-          for (int64_t j = 0; j < K; ++j) acc += wc[j] * win[t + j];
-          conv[(t0 + t) * C + c] = silu(acc);
-        }
-        for (int64_t m = 0; m < M; ++m)
-          if (sseq[m] == b)
-            for (int64_t j = 0; j < keep; ++j) sv[srow[m] * width + c * keep + j] = win[sat[m] + j];
-        for (int64_t j = 0; j < keep; ++j) cs[c * keep + j] = win[n + j];
+  const Saves saves(saved, save_seq, save_at, save_row, width);
+  // 1. The convolution of every sequence's tokens; q and k normalised.
+  std::vector<float> conv = causal_conv(st, width, slot, start, B, T, Rows(mixed), C, conv_weight.data_ptr<float>(),
+                                        K, nullptr, saves);
+  const float qscale = 1.f / std::sqrt(static_cast<float>(k_dim));
+  at::parallel_for(0, start[B], 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < k_heads; ++h) {
+        l2norm(&conv[t * C + h * k_dim], k_dim, qscale);
+        l2norm(&conv[t * C + key + h * k_dim], k_dim, 1.f);
       }
-      const float qscale = 1.f / std::sqrt(static_cast<float>(k_dim));
-      for (int64_t t = t0; t < t0 + n; ++t)
-        for (int64_t h = 0; h < k_heads; ++h) {
-          l2norm(&conv[t * C + h * k_dim], k_dim, qscale);
-          l2norm(&conv[t * C + key + h * k_dim], k_dim, 1.f);
-        }
-    }
   });
   // 2. Per (sequence, value head): the delta rule token by token on S in the slot.
   at::parallel_for(0, B * nv, 1, [&](int64_t p0, int64_t p1) {
@@ -159,9 +178,9 @@ void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor s
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(v_dim) + feps);
         const float* zt = zr[t] + h * v_dim;
         for (int64_t j = 0; j < v_dim; ++j) ot[j] = ot[j] * inv * nw[j] * silu(zt[j]);
-        for (int64_t m = 0; m < M; ++m)
-          if (sseq[m] == b && start[b] + sat[m] == t + 1)
-            std::memcpy(sv + srow[m] * width + conv_size + h * head, S, head * sizeof(float));
+        for (int64_t m = 0; m < saves.M; ++m)
+          if (saves.seq[m] == b && start[b] + saves.at[m] == t + 1)
+            std::memcpy(saves.rows + saves.row[m] * width + conv_size + h * head, S, head * sizeof(float));
       }
     }
   });
@@ -193,43 +212,11 @@ void mamba2_scan(torch::Tensor states, torch::Tensor slots, torch::Tensor starts
   const int64_t* start = starts.data_ptr<int64_t>();
   TORCH_CHECK(starts.numel() == B + 1 && start[B] <= T, "starts: B + 1 token offsets");
   float* st = states.data_ptr<float>();
-  const float* w = conv_weight.data_ptr<float>();
-  const float* cb = conv_bias.has_value() ? conv_bias->data_ptr<float>() : nullptr;
   const float *dtb = dt_bias.data_ptr<float>(), *Ah = A.data_ptr<float>(), *Dh = D.data_ptr<float>();
   float* yo = y.data_ptr<float>();
-  const int64_t M = save_seq.numel();
-  const int64_t* sseq = save_seq.data_ptr<int64_t>();
-  const int64_t* sat = save_at.data_ptr<int64_t>();
-  const int64_t* srow = save_row.data_ptr<int64_t>();
-  float* sv = nullptr;
-  if (M) {
-    TORCH_CHECK(saved.has_value() && saved->is_contiguous() && saved->size(1) == width, "saved: [entries, state]");
-    sv = saved->data_ptr<float>();
-  }
-  std::vector<float> conv(T * C);
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> win;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t t0 = start[b], n = start[b + 1] - t0;
-      float* cs = st + slot[b] * width;
-      win.resize(keep + n);
-      for (int64_t c = 0; c < C; ++c) {
-        for (int64_t j = 0; j < keep; ++j) win[j] = cs[c * keep + j];
-        for (int64_t t = 0; t < n; ++t) win[keep + t] = xr[t0 + t][c];
-        const float* wc = w + c * K;
-        for (int64_t t = 0; t < n; ++t) {
-          float acc = 0.f;
-          for (int64_t j = 0; j < K; ++j) acc += wc[j] * win[t + j];
-          if (cb) acc += cb[c];
-          conv[(t0 + t) * C + c] = silu(acc);
-        }
-        for (int64_t m = 0; m < M; ++m)
-          if (sseq[m] == b)
-            for (int64_t j = 0; j < keep; ++j) sv[srow[m] * width + c * keep + j] = win[sat[m] + j];
-        for (int64_t j = 0; j < keep; ++j) cs[c * keep + j] = win[n + j];
-      }
-    }
-  });
+  const Saves saves(saved, save_seq, save_at, save_row, width);
+  std::vector<float> conv = causal_conv(st, width, slot, start, B, T, xr, C, conv_weight.data_ptr<float>(), K,
+                                        conv_bias.has_value() ? conv_bias->data_ptr<float>() : nullptr, saves);
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
   at::parallel_for(0, B * heads, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -253,9 +240,9 @@ void mamba2_scan(torch::Tensor states, torch::Tensor slots, torch::Tensor starts
           }
           yt[i] = acc + Dh[h] * x[i];
         }
-        for (int64_t m = 0; m < M; ++m)
-          if (sseq[m] == b && start[b] + sat[m] == t + 1)
-            std::memcpy(sv + srow[m] * width + conv_size + h * head, S, head * sizeof(float));
+        for (int64_t m = 0; m < saves.M; ++m)
+          if (saves.seq[m] == b && start[b] + saves.at[m] == t + 1)
+            std::memcpy(saves.rows + saves.row[m] * width + conv_size + h * head, S, head * sizeof(float));
       }
     }
   });

@@ -43,6 +43,15 @@ def gguf_layer_types(md: dict[str, Any], n: int, default_pattern: int) -> tuple[
     return periodic_layer_types(n, int(pattern))
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a multimodal checkpoint (``text_config``), with the
+    outer config's tie_word_embeddings where the text config leaves it out."""
+    text = dict(config.get("text_config") or {})
+    if "tie_word_embeddings" in config:
+        text.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
+    return text
+
+
 def moe_fields(experts: int, per_token: int, intermediate: int, norm_topk_prob: bool) -> dict[str, Any]:
     """The mixture-of-experts fields of a ModelArchConfig."""
     return dict(num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=intermediate,

@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_layer_types, periodic_layer_types
+from pagoda.model.arch import (
+    ModelArchConfig,
+    UnsupportedModelError,
+    gguf_layer_types,
+    periodic_layer_types,
+    text_config,
+)
 from pagoda.model.layers.decoder import CausalLM
 
 # transformers' Gemma3TextConfig defaults: a checkpoint's config.json leaves out the fields
@@ -87,10 +93,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        text = dict(config.get("text_config") or {})
-        if "tie_word_embeddings" in config:
-            text.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
-        return super().arch_from_hf(text, architecture)
+        return super().arch_from_hf(text_config(config), architecture)
 
 
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagoda.model.arch import ModelArchConfig, moe_fields
+from pagoda.model.arch import ModelArchConfig, moe_fields, text_config
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.gated_deltanet import GatedDeltaNet
 from pagoda.model.layers.hybrid import HybridDecoderLayer, renamed
@@ -173,10 +173,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        text = dict(config.get("text_config") or {})
-        if "tie_word_embeddings" in config:
-            text.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
-        return super().arch_from_hf(text, architecture)
+        return super().arch_from_hf(text_config(config), architecture)
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
