@@ -52,6 +52,7 @@ MODELS = {
     "qwen3": "Qwen3-1.7B shape, Q4_K_M (930 MB)",
     "qwen3moe": "Qwen3-MoE 1.6B-A0.3B shape, Q4_K_M (1.07 GB)",
     "gptoss": "GPT-OSS-20B shape, MXFP4 experts (12.0 GB)",
+    "qwen35": "Qwen3.5-2B layers (hybrid: 18 Gated DeltaNet, 6 attention), Q4_K_M (898 MB)",
     "1b-gptq": "Llama-3.2-1B shape, GPTQ 4-bit HF folder (708 MB)",
     "1b-awq": "Llama-3.2-1B shape, AWQ 4-bit HF folder (707 MB)",
     "1b-fp8": "Llama-3.2-1B shape, FP8 128x128-block HF folder (1175 MB)",
@@ -69,6 +70,7 @@ SERVED = [
     ("zen4", "qwen3", "qwen3-1.7b", "main"),
     ("zen4", "qwen3moe", "qwen3-moe", "main"),
     ("zen4", "gptoss", "gpt-oss-20b", "main"),
+    ("zen4", "qwen35", "hybrid-qwen35-2b", "main"),
     ("zen3", "smollm2", "bundled-seventh", "main"),
     ("zen3", "llama1b", "real-1b-ninth", "main"),
     ("zen3", "llama1b", "real-1b-ninth-int8", "main"),
@@ -90,7 +92,7 @@ OFFLINE = [
 # Runs made since `--quantization auto` became the default: their "pagoda" row is the default
 # (the gguf mode for a GGUF file of 256 MiB or more on the CPU, else exact), "pagoda-exact"
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
-AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled"}
+AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b"}
 MODE_NAMES = {
     "pagoda": "exact",
     "pagoda-exact": "exact",
