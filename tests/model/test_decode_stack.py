@@ -123,3 +123,50 @@ def test_stack_checks_its_arguments():
     with pytest.raises(RuntimeError, match="not held here"):
         stack.run(x, None, [], [], [x, x], [None, None], torch.zeros(1, dtype=torch.long),
                   torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1)
+
+
+def _qwen35_file(tmp_path) -> str:
+    """A scaled-down Qwen3.5-shaped file: Gated DeltaNet layers (2 key heads, 4 value heads:
+    tiled) and gated attention on a quarter of each head's dimensions."""
+    import dataclasses
+
+    from pagoda.bench.gguf_files import SHAPES
+
+    shape = dataclasses.replace(SHAPES["qwen3.5-2b"], hidden=256, layers=4, ffn=512, heads=4, head_dim=64,
+                                linear=(2, 4, 32, 32, 4))
+    return str(write_model(str(tmp_path / "qwen35.gguf"), shape, "Q4_K_M", show_progress=False))
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_hybrid_stack_equals_python_layers(monkeypatch, tmp_path, quantization):
+    """Qwen3.5's layers in the stack: the Gated DeltaNet kernel on the step's state slots,
+    attention with its output gate and partial rotary; bit for bit the Python layers."""
+    _assert_same(monkeypatch, _qwen35_file(tmp_path), quantization=quantization)
+
+
+def test_hybrid_stack_saves_states_for_the_prefix_cache(monkeypatch, tmp_path):
+    """With prefix caching, decode steps save states at block ends from the stack too: a
+    second pass restores them (through the Python layers, for a restoring step) and every
+    token and logprob equals an engine that runs no stack."""
+    path = _qwen35_file(tmp_path)
+    monkeypatch.setenv("PAGODA_DECODE_STACK", "1")
+    results = []
+    for use_stack in (True, False):
+        llm = LLM(path, show_progress=False, skip_tokenizer_init=True, block_size=4, num_threads=1)
+        engine = llm.engine
+        if not use_stack:
+            engine.runner.model.decode_stack = None
+        else:
+            assert engine.runner.model.decode_stack is not None
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+        outs = []
+        for _ in range(2):
+            outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                        use_tqdm=False)]
+        assert engine.kv_manager.prefix_hits > 0 and engine.scheduler.checkpoints.num_restores > 0
+        engine.check_integrity()
+        results.append(outs)
+    for g, w in zip(*results, strict=True):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}

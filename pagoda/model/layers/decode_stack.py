@@ -9,7 +9,9 @@ stack, which calls the kernels DecoderLayer.forward would call, in its order, wi
 arguments: the same bits (tested against the Python path).
 
 The layers it takes: pre-norm ``DecoderLayer`` with ``Attention`` (no q/k norm, per-head or
-whole-projection q/k norms; full rotary) and a SiLU ``GatedMLP``, every projection one of
+whole-projection q/k norms; full rotary) and a SiLU ``GatedMLP``, and a hybrid model's
+``HybridDecoderLayer`` (Qwen3.5's: a Gated DeltaNet, or attention with an output gate and
+partial rotary, then a SiLU ``GatedMLP``; the state layers' slots updated in place), every projection one of
 ``BlocksLinear`` (the exact and gguf modes), ``Int8Linear`` or ``Q4Linear`` on pagoda's
 kernels or a float32 ``nn.Linear`` (an HF checkpoint's exact mode); float32 activations on
 the CPU, no LoRA, no tensor-parallel collectives, no hooks. Anything else (MoE, Gemma's
@@ -26,8 +28,11 @@ import torch
 from torch import nn
 
 from pagoda.attention import AttentionMetadata, kernel_cache
+from pagoda.attention.state import StateCache
 from pagoda.model.layers.blocks import BlocksLinear
 from pagoda.model.layers.decoder import Attention, DecoderLayer, GatedMLP
+from pagoda.model.layers.gated_deltanet import GatedDeltaNet
+from pagoda.model.layers.hybrid import HybridDecoderLayer, kernel_calls
 from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.layers.quantization import Int8Linear, Q4Linear
@@ -42,6 +47,8 @@ class DecodeStack:
         self._caches_of: list | None = None   # the kv_caches list the arguments below were read from
         self._caches: list[torch.Tensor] = []
         self._scales: list[torch.Tensor | None] = []
+        self._states: list[torch.Tensor] = []            # a state layer's slots (empty: attention)
+        self._saved: list[torch.Tensor | None] = []      # and its saved states
         self._usable = False
 
     def _cache_args(self, kv_caches: list) -> bool:
@@ -50,13 +57,17 @@ class DecodeStack:
         kind the kernels do not read (fp8, bfloat16)."""
         if kv_caches is not self._caches_of:
             empty = torch.empty(0)
-            caches, scales, usable = [], [], True
+            caches, scales, states, saved, usable = [], [], [], [], True
             for kv in kv_caches:
-                found = None if kv is None else kernel_cache(kv)
-                usable &= kv is None or found is not None
+                state = kv if isinstance(kv, StateCache) else None
+                found = None if kv is None or state is not None else kernel_cache(kv)
+                usable &= kv is None or found is not None or (state is not None and state.slots.dtype == torch.float32)
                 caches.append(empty if found is None else found[0])
                 scales.append(None if found is None else found[1])
+                states.append(empty if state is None else state.slots)
+                saved.append(None if state is None else state.blocks)
             self._caches_of, self._caches, self._scales, self._usable = kv_caches, caches, scales, usable
+            self._states, self._saved = states, saved
         return self._usable
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -67,10 +78,17 @@ class DecodeStack:
         if (meta.decode_block_tables is None or meta.num_decodes != x.shape[0] or x.dtype != torch.float32
                 or x.dim() != 2 or not self._cache_args(kv_caches)):
             return None
+        state_args: list[torch.Tensor] = []
+        if getattr(meta, "states", None) is not None:
+            calls = kernel_calls(meta)
+            if len(calls) != 1 or calls[0][0] or calls[0][1] != slice(0, x.shape[0]):
+                return None   # a decode restoring a prefix hit's state: the Python path
+            state_args = list(calls[0][2])
         cos = [tables[name][0] for name in self.tables]
         sin = [tables[name][1] for name in self.tables]
         out, residual = self.stack.run(x, residual, cos, sin, self._caches, self._scales, meta.slot_mapping,
-                                       meta.decode_block_tables, meta.decode_seq_lens, start, end)
+                                       meta.decode_block_tables, meta.decode_seq_lens, start, end,
+                                       states=self._states, saved=self._saved, state_args=state_args)
         return out, residual
 
 
@@ -86,8 +104,6 @@ def build(model: nn.Module) -> tuple[DecodeStack | None, str]:
     if ops is None or not hasattr(ops, "DecodeStack"):
         return None, "pagoda's CPU kernels are not built"
     c = model.config
-    if c.is_hybrid:
-        return None, "a hybrid model's state layers run from Python"
     tables = ["global"] + (["local"] if c.local_rope_theta is not None else []) + (
         ["none"] if c.rope_layers is not None else [])
     layers = []
@@ -107,12 +123,15 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
-    if type(layer) is not DecoderLayer:
+    hybrid = isinstance(layer, HybridDecoderLayer)
+    if type(layer) is not DecoderLayer and not hybrid:
         return None, f"{type(layer).__name__} is not a plain DecoderLayer"
+    if hybrid and layer.is_state:
+        return _delta_layer(ops, layer)
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not Attention or type(mlp) is not GatedMLP:
         return None, f"{type(attn).__name__} / {type(mlp).__name__}"
-    if layer.post_norm or layer.sandwich or layer.residual_multiplier != 1.0:
+    if (not hybrid and (layer.post_norm or layer.sandwich)) or layer.residual_multiplier != 1.0:
         return None, "not a pre-norm layer"
     if _hooked(layer):
         return None, "a module has forward hooks"
@@ -122,7 +141,8 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
     if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
            for n in norms):  # fmt: skip
         return None, "norms are not float32 RMSNorms on the CPU"
-    if attn.rotary_dim != attn.head_dim or attn.rope_table not in tables or attn.qk_comm is not None:
+    if attn.rope_table not in tables or attn.qk_comm is not None or (
+            attn.rotary_dim != attn.head_dim and not hybrid):
         return None, "partial rotary, or sharded q/k norms"
     if mlp.act != "silu" or (2 * mlp.intermediate_size) % 64:
         return None, f"MLP activation {mlp.act} / width {mlp.intermediate_size}"
@@ -138,7 +158,34 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
         layer.input_layernorm.eps, *projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, qk,
         attn.q_norm.weight.detach() if qk else None, attn.k_norm.weight.detach() if qk else None,
         attn.q_norm.eps if qk else 0.0, attn.scale, attn.window or 0, attn.softcap or 0.0,
-        None if attn.sinks is None else attn.sinks.detach().float(), tables.index(attn.rope_table))
+        None if attn.sinks is None else attn.sinks.detach().float(), tables.index(attn.rope_table),
+        output_gate=attn.output_gate, rotary_dim=0 if attn.rotary_dim == attn.head_dim else attn.rotary_dim)
+    return entry, ""
+
+
+def _delta_layer(ops: Any, layer: HybridDecoderLayer) -> tuple[Any, str]:
+    """A hybrid layer whose mixer is a Gated DeltaNet (Qwen3.5), then a SiLU GatedMLP."""
+    mixer, mlp = getattr(layer, layer.mixer_name), layer.mlp
+    if type(mixer) is not GatedDeltaNet or mixer.stacked or type(mlp) is not GatedMLP:
+        return None, f"{type(mixer).__name__} / {type(mlp).__name__} (a stack layer is Qwen3.5's Gated DeltaNet)"
+    if layer.residual_multiplier != 1.0 or _hooked(layer) or mlp.act != "silu" or (2 * mlp.intermediate_size) % 64:
+        return None, "a multiplier, hooks or the MLP"
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
+        return None, "norms are not float32 RMSNorms on the CPU"
+    params = [mixer.conv_weight, mixer.A, mixer.dt_bias, mixer.norm_weight]
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
+        return None, "the Gated DeltaNet's parameters are not float32 on the CPU"
+    projections = []
+    for m in (mixer.in_proj, mixer.out_proj, mlp.gate_up_proj, mlp.down_proj):
+        p = _linear(ops, m)
+        if p is None:
+            return None, f"projection {type(m).__name__} is not one the stack calls"
+        projections.append(p)
+    entry = ops.decode_delta_layer(
+        layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+        layer.input_layernorm.eps, *projections, *(p.detach() for p in params), mixer.eps, mixer.k_heads,
+        mixer.k_dim, mixer.v_heads, mixer.v_dim, mixer.tiled)
     return entry, ""
 
 
