@@ -46,12 +46,17 @@ def _lfm2moe():   # the first layer dense, then 8 experts of 32, 2 per token
                                       num_dense_layers=1)
 
 
-def _granite4h():   # Mamba-2 layers (4 heads of 32 in 2 groups, d_state 8) and attention
-    return transformers.GraniteMoeHybridConfig(
-        **TINY, shared_intermediate_size=96, num_local_experts=0,
-        layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4, mamba_n_groups=2,
-        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, embedding_multiplier=2.0,
-        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0, position_embedding_type="rope")
+def _granite4h(**overrides):   # Mamba-2 layers (4 heads of 32 in 2 groups, d_state 8) and attention
+    return transformers.GraniteMoeHybridConfig(**{
+        **TINY, "shared_intermediate_size": 96, "num_local_experts": 0,
+        "layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_n_heads": 4, "mamba_n_groups": 2,
+        "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 16, "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 3.0,
+        "position_embedding_type": "rope", **overrides})
+
+
+def _granite4hmoe():   # Granite 4.0-H Tiny's structure: 4 experts of 32, 2 per token, beside the shared MLP
+    return _granite4h(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
 
 
 FAMILIES: dict[str, HybridFamily] = {
@@ -60,6 +65,7 @@ FAMILIES: dict[str, HybridFamily] = {
     # Blocks whose KV outweighs a request's state (this Granite 4.0-H's Mamba states are
     # 12 KiB, a 16-token block's KV 8 KiB).
     "granite4h": HybridFamily(_granite4h, block=64, gguf_writer=write_granite_hybrid_gguf),
+    "granite4hmoe": HybridFamily(_granite4hmoe, block=64),
 }
 
 

@@ -1,6 +1,8 @@
 """Granite 4.0-H (``GraniteMoeHybridForCausalLM``): a hybrid of Mamba-2 layers
 (pagoda/model/layers/mamba2.py) and GQA attention, Granite's multipliers, a gated MLP after
-each. Dense checkpoints (``num_local_experts`` 0) so far; the MoE ones are refused by name.
+each, or (``num_local_experts`` > 0) experts chosen by a softmax router beside that MLP as a
+shared expert (Granite 4.0-H Tiny / Small; from HF checkpoints: their GGUF files are refused
+by name yet).
 GGUF files under llama.cpp's ``granitehybrid`` (Mamba tensors as its converter stores them:
 ``pagoda.model.layers.mamba2.gguf_mixer_tensor``; Q/K rows permuted, put back at load).
 """
@@ -11,14 +13,15 @@ from typing import Any
 
 import torch
 
-from pagoda.model.arch import ModelArchConfig
+from pagoda.hub.paths import ModelLoadError
+from pagoda.model.arch import ModelArchConfig, moe_fields
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.hybrid import HybridDecoderLayer, renamed
 from pagoda.model.layers.mamba2 import Mamba2Mixer, gguf_mixer_lookup_name, gguf_mixer_tensor, hf_mixer_tensor
 from pagoda.model.models import UnsupportedModelError
 
 _RENAMES = (
-    (".shared_mlp.output_linear.", ".mlp.down_proj."),
+    (".block_sparse_moe.router.layer.weight", ".mlp.gate.weight"),
     (".mamba.conv1d.weight", ".mamba.conv_weight"), (".mamba.conv1d.bias", ".mamba.conv_bias"),
     (".mamba.norm.weight", ".mamba.norm_weight"), (".mamba.A_log", ".mamba.A"),
 )  # fmt: skip
@@ -31,8 +34,20 @@ class GraniteHybridLayer(HybridDecoderLayer):
         super().__init__(config, layer_idx, Mamba2Mixer(config) if config.is_mamba_layer(layer_idx) else None)
 
 
+def _has_experts(checkpoint, layer: str) -> bool:
+    """Whether the checkpoint's layer ``layer`` (its name prefix) has a router."""
+    if checkpoint is None:
+        return False
+    try:
+        checkpoint(layer + ".block_sparse_moe.router.layer.weight")
+    except ModelLoadError:
+        return False
+    return True
+
+
 class GraniteMoeHybridForCausalLM(CausalLM):
     layer_cls = GraniteHybridLayer
+    unquantized_modules = (".mlp.gate",)
     gguf_qk_permuted = True   # llama.cpp's converter permutes the attention layers' (its LlamaModel)
     # Not yet: the Mamba heads split over ranks, adapters on the mixers' projections.
     tensor_parallel = False
@@ -40,10 +55,12 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        if config.get("num_local_experts"):
-            raise UnsupportedModelError("Granite 4.0-H with experts (num_local_experts > 0) is not supported yet; "
-                                        "its dense checkpoints are")
         n = config["num_hidden_layers"]
+        experts = config.get("num_local_experts") or 0
+        moe = {}
+        if experts:   # the experts' width is intermediate_size, the shared MLP's shared_intermediate_size
+            moe = dict(**moe_fields(experts, config["num_experts_per_tok"], config["intermediate_size"], True),
+                       num_shared_experts=1, shared_expert_intermediate_size=config["shared_intermediate_size"])
         types = config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * n
         mamba = tuple(t in ("mamba", "linear_attention") for t in types)
         unknown = set(types) - {"mamba", "linear_attention", "attention", "full_attention"}
@@ -72,7 +89,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
                        d_conv=config.get("mamba_d_conv", 4), intermediate=inner,
                        conv_bias=bool(config.get("mamba_conv_bias", True)),
                        proj_bias=bool(config.get("mamba_proj_bias", False)),
-                       dt_min=float(limit[0]), dt_max=float(dt_max)))
+                       dt_min=float(limit[0]), dt_max=float(dt_max)),
+            **moe)
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
@@ -117,11 +135,28 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     @classmethod
     def hf_tensors(cls, name: str, tensor: torch.Tensor, checkpoint=None):
-        if name.endswith(".shared_mlp.input_linear.weight"):   # [gate; up] stacked in the checkpoint
-            base = name[: -len("shared_mlp.input_linear.weight")]
-            gate, up = tensor.chunk(2, dim=0)
-            yield base + "mlp.gate_proj.weight", gate
-            yield base + "mlp.up_proj.weight", up
+        """The MLP's gate and up stacked in one tensor (shared_mlp.input_linear); the experts'
+        stacked [experts, 2 x width, hidden] and [experts, hidden, width]; a layer with experts
+        holds its shared MLP as the MoE block's shared expert."""
+        base = name.rpartition(".shared_mlp.")[0] or name.rpartition(".block_sparse_moe.")[0]
+        if ".shared_mlp." in name:
+            mlp = base + (".mlp.shared_experts." if _has_experts(checkpoint, base) else ".mlp.")
+            if name.endswith(".input_linear.weight"):   # [gate; up]
+                gate, up = tensor.chunk(2, dim=0)
+                yield mlp + "gate_proj.weight", gate
+                yield mlp + "up_proj.weight", up
+            else:
+                yield mlp + "down_proj.weight", tensor
+            return
+        if name.endswith(".block_sparse_moe.input_linear.weight"):
+            for e, part in enumerate(tensor):
+                gate, up = part.chunk(2, dim=0)
+                yield f"{base}.mlp.experts.{e}.gate_proj.weight", gate
+                yield f"{base}.mlp.experts.{e}.up_proj.weight", up
+            return
+        if name.endswith(".block_sparse_moe.output_linear.weight"):
+            for e, part in enumerate(tensor):
+                yield f"{base}.mlp.experts.{e}.down_proj.weight", part
             return
         yield from super().hf_tensors(name, tensor, checkpoint)
 
