@@ -146,12 +146,9 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
         return None, "partial rotary, or sharded q/k norms"
     if mlp.act != "silu" or (2 * mlp.intermediate_size) % 64:
         return None, f"MLP activation {mlp.act} / width {mlp.intermediate_size}"
-    projections = []
-    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        p = _linear(ops, m)
-        if p is None:
-            return None, f"projection {type(m).__name__} is not one the stack calls"
-        projections.append(p)
+    projections = _projections(ops, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    if isinstance(projections, str):
+        return None, projections
     qk = {None: 0, "head": 1, "full": 2}[attn.qk_norm]
     entry = ops.DecodeLayer(
         layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
@@ -176,17 +173,25 @@ def _delta_layer(ops: Any, layer: HybridDecoderLayer) -> tuple[Any, str]:
     params = [mixer.conv_weight, mixer.A, mixer.dt_bias, mixer.norm_weight]
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
         return None, "the Gated DeltaNet's parameters are not float32 on the CPU"
-    projections = []
-    for m in (mixer.in_proj, mixer.out_proj, mlp.gate_up_proj, mlp.down_proj):
-        p = _linear(ops, m)
-        if p is None:
-            return None, f"projection {type(m).__name__} is not one the stack calls"
-        projections.append(p)
+    projections = _projections(ops, (mixer.in_proj, mixer.out_proj, mlp.gate_up_proj, mlp.down_proj))
+    if isinstance(projections, str):
+        return None, projections
     entry = ops.decode_delta_layer(
         layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
         layer.input_layernorm.eps, *projections, *(p.detach() for p in params), mixer.eps, mixer.k_heads,
         mixer.k_dim, mixer.v_heads, mixer.v_dim, mixer.tiled)
     return entry, ""
+
+
+def _projections(ops: Any, modules: tuple[nn.Module, ...]) -> list | str:
+    """The stack's projections of ``modules``, or why one is not a projection it calls."""
+    out = []
+    for m in modules:
+        p = _linear(ops, m)
+        if p is None:
+            return f"projection {type(m).__name__} is not one the stack calls"
+        out.append(p)
+    return out
 
 
 def _linear(ops: Any, m: nn.Module) -> Any:
