@@ -273,34 +273,12 @@ class EngineCore:
             # The draft model's own cache has as many blocks, over the same block ids.
             per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
         self.num_state_slots, self.num_state_checkpoints, self.state_checkpoint_interval = 0, 0, 1
+        beside_blocks = 0
         if loaded.arch.is_hybrid:
-            per_block = self._plan_states(config, loaded, per_block)
-        num_blocks = kv_blocks_for(config, loaded.model, device, dtype, per_block)
-        if self.num_state_slots:
-            # The state slots come out of the same budget: as many as half of it holds, at
-            # most one per seat.
-            budget = num_blocks * per_block
-            slot = state_bytes(loaded.model)
-            self.num_state_slots = max(1, min(config.max_num_seqs, budget // 2 // slot))
-            if self.state_checkpoint_interval > 1:
-                # Saved states for prefix hits, apart from the blocks: a quarter of the budget
-                # (at least two), one every interval blocks of a long prompt.
-                self.num_state_checkpoints = max(2, budget // 4 // slot)
-            spent = self.num_state_slots * slot + (self.num_state_checkpoints * slot
-                                                   if self.state_checkpoint_interval > 1 else 0)
-            if config.num_kv_blocks is None:
-                num_blocks = (budget - spent) // per_block
-            logger.info("state slots: %d of %.1f MiB (%s)", self.num_state_slots, slot / 2**20,
-                        "one per seat" if self.num_state_slots == config.max_num_seqs else
-                        f"half the cache budget: at most {self.num_state_slots} requests run at once")
-            if self.state_checkpoint_interval == 1 and self.num_state_checkpoints:
-                self.num_state_checkpoints = num_blocks   # one beside each block
-            if self.num_state_checkpoints:
-                logger.info("prefix caching: %d saved states (%.1f MiB), %s", self.num_state_checkpoints,
-                            self.num_state_checkpoints * slot / 2**20,
-                            "one at each block's end" if self.state_checkpoint_interval == 1 else
-                            f"at every {self.state_checkpoint_interval}th block end of a long prompt and each "
-                            f"chunk's last (a state costs {slot / per_block:.1f} blocks' KV)")
+            beside_blocks = self._plan_checkpoints(config, loaded, per_block)
+        num_blocks = kv_blocks_for(config, loaded.model, device, dtype, per_block + beside_blocks)
+        if loaded.arch.is_hybrid:
+            num_blocks = self._size_states(config, loaded, num_blocks, per_block, beside_blocks)
         if self.tp_driver is not None:
             # Every rank sizes its own pool (its own heads, its own memory); the smallest wins.
             num_blocks = self.tp_driver.group.all_reduce_min(num_blocks)
@@ -331,23 +309,49 @@ class EngineCore:
         self.num_host_blocks = num_host_blocks
         return _KVPlan(num_blocks, num_host_blocks, max_model_len, kv_dtype, kv_quant, layout)
 
-    def _plan_states(self, config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:
-        """A hybrid model's state slots and its prefix cache's saved states: one beside
-        every block where a state costs at most the block's own KV (LFM2's convolutions;
-        counted in the block's bytes, returned), else (a Gated DeltaNet's or Mamba layer's
-        state is megabytes) a pool of their own, one saved every ``ceil(state / block KV)``
-        blocks of a long prompt and at each chunk's last block end (so that a conversation's
-        next turn starts from its last one), least recently used reused first."""
+    def _plan_checkpoints(self, config: EngineConfig, loaded: LoadedModel, per_block: int) -> int:
+        """How a hybrid model's prefix cache saves states: one beside every block where a
+        state costs at most the block's own KV (LFM2's convolutions: returns its bytes, added
+        to a block's), else (a Gated DeltaNet's or Mamba layer's state is megabytes) in a pool
+        of their own, one every ``ceil(state / block KV)`` blocks of a long prompt and at each
+        chunk's last block end (``state_checkpoint_interval``; returns 0). No saved states
+        without prefix caching."""
+        if not config.enable_prefix_caching or (self.pooler_config and self.pooler_config.needs_every_position):
+            self.state_checkpoint_interval = 0
+            return 0
         slot = state_bytes(loaded.model)
-        self.num_state_slots = config.max_num_seqs
-        caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
-        if not caching:
-            return per_block
-        self.num_state_checkpoints = 1   # sized once the blocks are
         if slot <= per_block:
-            return per_block + slot
+            return slot
         self.state_checkpoint_interval = -(-slot // per_block)
-        return per_block
+        return 0
+
+    def _size_states(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int, per_block: int,
+                     beside_blocks: int) -> int:
+        """A hybrid model's state slots (at most one per seat, at most half the cache budget)
+        and saved states (one per block, or a quarter of the budget in a pool of their own:
+        at least two), out of the budget the blocks were sized for; returns the blocks left."""
+        slot = state_bytes(loaded.model)
+        budget = num_blocks * (per_block + beside_blocks)
+        self.num_state_slots = max(1, min(config.max_num_seqs, budget // 2 // slot))
+        pooled = self.state_checkpoint_interval > 1
+        if pooled:
+            self.num_state_checkpoints = max(2, budget // 4 // slot)
+        if config.num_kv_blocks is None:
+            spent = (self.num_state_slots + (self.num_state_checkpoints if pooled else 0)) * slot
+            num_blocks = (budget - spent) // (per_block + beside_blocks)
+        if self.state_checkpoint_interval == 1:
+            self.num_state_checkpoints = num_blocks   # one beside each block
+        self.state_checkpoint_interval = max(1, self.state_checkpoint_interval)
+        logger.info("state slots: %d of %.1f MiB (%s)", self.num_state_slots, slot / 2**20,
+                    "one per seat" if self.num_state_slots == config.max_num_seqs else
+                    f"half the cache budget: at most {self.num_state_slots} requests run at once")
+        if self.num_state_checkpoints:
+            logger.info("prefix caching: %d saved states (%.1f MiB), %s", self.num_state_checkpoints,
+                        self.num_state_checkpoints * slot / 2**20,
+                        "one at each block's end" if not pooled else
+                        f"at every {self.state_checkpoint_interval}th block end of a long prompt and each "
+                        f"chunk's last (a state costs {slot / per_block:.1f} blocks' KV)")
+        return num_blocks
 
     def _build_scheduler(self, config: EngineConfig, plan: _KVPlan) -> None:
         spec = config.speculative_config

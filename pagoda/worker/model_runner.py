@@ -288,13 +288,6 @@ class ModelRunner:
                         if num_state_checkpoints else None,
                         self.kv_caches[i])   # a layer with a KV cache too keeps it (Falcon-H1)
         self._state_caches: list[StateCache] = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
-        if self._state_caches:
-            size = sum(t.numel() * t.element_size() for c in self._state_caches for t in (c.slots, c.blocks)
-                       if t is not None)
-            logger.info("state slots: %d, of %d layers' states%s (%.1f MiB)", num_state_slots,
-                        len(self._state_caches), f", and {num_state_checkpoints} saved for prefix hits"
-                        if num_state_checkpoints else "",
-                        size / 2**20)
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
         self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda")
                                 for _ in range(self.layout.num_buffers)] if num_host_blocks else []  # fmt: skip
