@@ -193,17 +193,21 @@ def test_state_pool_under_a_random_workload(hybrid):
     assert _free(llm) == free
 
 
-@pytest.mark.parametrize("mode", ["q4", "bf16", "gguf"])
-def test_hybrid_in_the_quantized_modes(hybrid, mode):
-    """The quantized linear layers replace LFM2's projections too (the convolutions' in/out
-    projections included); bf16 and the gguf mode (a GGUF file's blocks, int8 activations)
-    stay near transformers' greedy choices, q4 runs. (int8 calibrates on text: these tiny
-    checkpoints have no tokenizer, as in test_families.)"""
+@pytest.mark.parametrize("mode", ["q4", "bf16", "gguf", "int8"])
+def test_hybrid_in_the_quantized_modes(hybrid, mode, monkeypatch):
+    """The quantized linear layers replace a hybrid family's projections too (its state
+    layers' in/out projections included); bf16, int8 and the gguf mode (a GGUF file's
+    blocks, int8 activations) stay near transformers' greedy choices, q4 runs. (int8
+    calibrates on the model's tokens of a text: these tiny checkpoints have no tokenizer, so
+    the calibration prompt here is one of the test prompts; the state layers run in it.)"""
+    from pagoda.model.layers import quantization
     from pagoda.ops import cpu_kernels
 
     hf, path, gguf, block, family = hybrid
     if cpu_kernels.kernels() is None:
         pytest.skip("the quantized modes need pagoda's CPU kernels")
+    if mode == "int8":
+        monkeypatch.setattr(quantization, "calibration_token_ids", lambda path, metadata: _prompts()[4])
     if mode == "gguf":
         if gguf is None:
             pytest.skip("no GGUF file of this family yet")
@@ -221,8 +225,12 @@ def test_hybrid_in_the_quantized_modes(hybrid, mode):
     top = [max(entry.items(), key=lambda kv: kv[1].logprob)[0] for entry in out.prompt_logprobs[1:]]
     agree = sum(int(t == w) for t, w in zip(top, want.argmax(-1)[:-1].tolist())) / len(top)
     assert all(e[t].logprob > -1e9 for e, t in zip(out.prompt_logprobs[1:], ids[1:]))
+    # int8 rounds each token's activations to 8 bits over the whole row (the gguf mode per
+    # 32 values): ~4x bf16's rounding, and these tiny random hybrids amplify rounding (bf16's
+    # largest prompt-logprob error on Qwen3.5 here: ~0.7; a dense Llama's in int8: 0.003).
+    floor = family.quantized_agree - (0.1 if mode == "int8" else 0.0)
     if mode != "q4":
-        assert agree >= family.quantized_agree, agree
+        assert agree >= floor, agree
     assert _free(llm) == (16, llm.engine.scheduler.states.num_slots)
 
 
@@ -271,7 +279,7 @@ def test_a_random_qwen35_shaped_file_serves_in_every_gguf_mode(tmp_path):
     shape = dataclasses.replace(SHAPES["qwen3.5-2b"], hidden=256, layers=8, ffn=512, heads=4, head_dim=64,
                                 linear=(2, 4, 32, 32, 4))
     path = write_model(str(tmp_path / "q35.gguf"), shape, "Q4_K_M", show_progress=False)
-    for mode in ("gguf", "none"):
+    for mode in ("gguf", "int8", "none"):   # int8: calibrated on the file's tokens of a text
         llm = LLM(path, show_progress=False, num_kv_blocks=32, quantization=mode)
         assert llm.engine.loaded.arch.linear_attn["v_order"] == "tiled"
         assert sum(llm.engine.loaded.arch.linear_attn_layers) == 6

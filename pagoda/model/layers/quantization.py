@@ -431,6 +431,7 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
     """Largest |activation| seen by each input channel of every linear layer while the
     (unquantized) model computes ``token_ids`` as one prompt: name -> [in_features]."""
     from pagoda.attention import AttentionMetadata
+    from pagoda.attention.state import StateCache, StepStates
 
     ranges: dict[str, torch.Tensor] = {}
 
@@ -452,9 +453,16 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
         num_blocks = -(-len(token_ids) // block)
         dtype = model.model.norm.weight.dtype
         # (The KV heads this process holds: a tensor-parallel rank's share.)
-        caches = [torch.zeros(2, num_blocks, block, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+        caches = [None if spec is None else
+                  torch.zeros(2, num_blocks, block, spec.num_kv_heads, spec.head_dim, dtype=dtype)
                   for spec in model.kv_specs()]
         meta = AttentionMetadata.build([len(token_ids)], [0], [list(range(num_blocks))], block, torch.device("cpu"))
+        # A hybrid model's state layers: one zeroed slot, the prompt's (nothing saved).
+        shapes = model.state_shapes()
+        if any(shape is not None for shape in shapes):
+            caches = [cache if shape is None else StateCache(torch.zeros(1, *shape, dtype=dtype), None, cache)
+                      for cache, shape in zip(caches, shapes, strict=True)]
+            meta.states = StepStates([0], [-1], [[]])
         with torch.inference_mode():
             hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), caches, meta)
             model.compute_logits(hidden[-1:])
