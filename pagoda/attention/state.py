@@ -23,6 +23,7 @@ class StateCache:
     blocks: torch.Tensor | None = None  # [saved states, *state shape]: states at block ends (prefix caching)
     # A layer that is both (Falcon-H1: attention and Mamba-2 side by side): its KV cache.
     kv: torch.Tensor | None = None
+    host: torch.Tensor | None = None   # [host slots, *state shape]: swapped-out requests' states
 
 
 @dataclass

@@ -84,6 +84,7 @@ class Request:
         # where each came from: (KV group, table index).
         self.host_block_ids: list[int] = []
         self.state_slot = -1   # a hybrid model's state slot while running (pagoda/core/state_pool.py)
+        self.host_state = -1   # swapped out: the host slot holding its state
         self.state_tail = None  # the block hash of its last saved state past the checkpoint grid
         self.host_block_places: list[tuple[int, int]] = []
         self.lora_request = lora_request

@@ -26,6 +26,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None   # an embedding request: pool, never sample
     state_slot: int = -1            # a hybrid model's state slot (pagoda/core/state_pool.py); -1: none
     state_restore: int = -1         # a prefix hit's saved state to start from (StateCheckpoints entry); -1: none
+    state_swap_in: int = -1         # swapped in: the host state slot its state comes back from; -1: none
 
 
 @dataclass
@@ -53,6 +54,8 @@ class SchedulerOutput:
     # Swap preemption: copy these KV blocks before the forward, out first, then in.
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    # A hybrid model's swapped-out states, copied before the slots are reused this step.
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (state slot, host state slot)
     # Prefill-decode disaggregation: requests admitted with KV received from a prefill instance,
     # each with the (KV group, table index, block id) its received rows go to before the forward.
     kv_in: list[tuple[str, list[tuple[int, int, int]]]] = field(default_factory=list)

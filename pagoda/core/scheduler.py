@@ -77,6 +77,9 @@ class SchedulerConfig:
     vocab_size: int | None = None
     # A hybrid model's state slots (pagoda/core/state_pool.py): one per running request; 0: none.
     num_state_slots: int = 0
+    # Swap preemption on a hybrid model: host slots for swapped-out requests' states (a
+    # victim without one is recomputed, as when the host KV pool is full).
+    num_host_state_slots: int = 0
     # Its prefix cache's saved states (StateCheckpoints; 0: none, prefix hits off for it), and
     # how often a long prompt chunk saves one (every interval-th block end, and its last).
     num_state_checkpoints: int = 0
@@ -135,14 +138,17 @@ class Scheduler:
         self.limits = RequestLimits(config.max_model_len, config.vocab_size, config.policy, config.max_loras > 0)
         self.fair = FairShare(config.tenants)
         self.states = StatePool(config.num_state_slots) if config.num_state_slots else None
+        self.host_states = StatePool(config.num_host_state_slots) if config.num_host_state_slots else None
         self.checkpoints = None
         if config.num_state_checkpoints:
             self.checkpoints = StateCheckpoints(config.num_state_checkpoints, config.state_checkpoint_interval)
             kv_manager.hit_filter = self.checkpoints.has   # a hit ends where a state is saved
         self.host = HostBlockPool(config.num_host_blocks)
         self.num_swap_preemptions = 0
-        # Host blocks of requests swapped in by the last step, released at the next one.
+        # Host blocks (and host state slots) of requests swapped in by the last step,
+        # released at the next one.
         self._host_release: list[int] = []
+        self._host_state_release: list[int] = []
         # Prefill-decode disaggregation: finished requests whose blocks are kept for a decode
         # instance (Request.kv_park) until release_parked (pagoda/kv_transfer/engine.py).
         self.parked: dict[str, Request] = {}
@@ -210,6 +216,9 @@ class Scheduler:
             self.host.free(request.host_block_ids)
             request.host_block_ids = []
             request.host_block_places = []
+        if request.host_state >= 0:
+            self.host_states.free(request.host_state)
+            request.host_state = -1
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.fair.on_finish(tenant_of(request))
@@ -234,6 +243,14 @@ class Scheduler:
         # its tokens, and the pending token is dropped when it arrives.
         host = self._swap_space_for(request, len(live)) if not request.num_pending else None
         request.num_pending = 0
+        if host is not None and self.states is not None:
+            # A hybrid model's request takes its state along (or, with no host slot, is recomputed).
+            request.host_state = self.host_states.allocate() if self.host_states is not None else -1
+            if request.host_state < 0:
+                self.host.free(host)
+                host = None
+            else:
+                step.state_swap_out.append((request.state_slot, request.host_state))
         if host is not None:
             step.swap_out.extend(zip([b for _, _, b in live], host))
             request.host_block_ids = host
@@ -317,6 +334,9 @@ class Scheduler:
             # Swapped in by the last step, whose copies are done.
             self.host.free(self._host_release)
             self._host_release = []
+        for slot in self._host_state_release:
+            self.host_states.free(slot)
+        self._host_state_release = []
         if self.policy.shares_budget:
             # What each tenant could use this step: its running requests' remaining tokens
             # and its waiting requests' prompts (an upper bound; the top-up evens it out).
@@ -420,6 +440,7 @@ class Scheduler:
             num_spec_tokens=step.num_spec,
             swap_out=step.swap_out,
             swap_in=step.swap_in,
+            state_swap_out=step.state_swap_out,
             kv_in=step.kv_in,
             state_writes=state_writes,
         )
@@ -514,7 +535,7 @@ class Scheduler:
         while len(self.running) >= self.config.max_num_seqs:
             if not (priority and self._preempt_lower(request, step)):
                 return False
-        swapped = bool(request.host_block_ids)
+        swapped = bool(request.host_block_ids) or request.host_state >= 0
         received = request.kv_received is not None
         while True:
             if swapped:
@@ -575,7 +596,7 @@ class Scheduler:
         else:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
         restore = -1
-        if num_hit_tokens and self.checkpoints is not None:
+        if num_hit_tokens and self.checkpoints is not None and not swapped:
             # The hit ends at a saved state (the KV manager's filter): the request starts from it.
             restore = self.checkpoints.restore(self.kv.block_hashes(request)[num_hit_tokens // self.kv.block_size - 1])
         if self.states is not None:
@@ -584,6 +605,10 @@ class Scheduler:
             if slot is None:
                 raise AssertionError("no free state slot for a free seat")
             request.state_slot = slot
+        state_swap_in = request.host_state
+        if state_swap_in >= 0:   # back from the host (its host slot released at the next step)
+            self._host_state_release.append(state_swap_in)
+            request.host_state = -1
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -607,6 +632,7 @@ class Scheduler:
             pooling_params=request.pooling_params,
             state_slot=request.state_slot,
             state_restore=restore,
+            state_swap_in=state_swap_in,
         )
         step.charge(request, num_new, capped=num_new < want)
         return True
@@ -859,6 +885,11 @@ class Scheduler:
             if any(r.state_slot >= 0 for r in self.waiting):
                 raise AssertionError("a waiting request holds a state slot")
             self.states.check_integrity([r.state_slot for r in self.running])
+        if self.host_states is not None:
+            if any(r.host_state >= 0 for r in self.running):
+                raise AssertionError("a running request holds a host state slot")
+            self.host_states.check_integrity([r.host_state for r in self.waiting if r.host_state >= 0]
+                                             + self._host_state_release)
         if self.checkpoints is not None:
             self.checkpoints.check_integrity()
 
@@ -879,6 +910,7 @@ class _Step:
         self.num_long = 0   # long prefills in progress (admission phase)
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.state_swap_out: list[tuple[int, int]] = []   # (state slot, host state slot)
         self.kv_in: list[tuple[str, list[tuple[int, int, int]]]] = []
         self.num_spec: dict[str, int] = {}  # rid -> draft slots (in num_scheduled)
         self.served: dict[str, int] = {}   # tenant -> tokens scheduled so far in this step

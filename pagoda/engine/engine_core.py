@@ -65,9 +65,8 @@ class _KVPlan:
 def _check_hybrid(config: EngineConfig) -> None:
     """What a hybrid model (state layers beside attention: pagoda/model/models/lfm2.py) does
     not combine with yet, each named: the runner's state slots hold one state per running
-    request, which drafts, swapped or transferred KV blocks and parallel ranks would not."""
+    request, which drafts, transferred KV blocks and parallel ranks would not."""
     refused = [(config.speculative_config is not None, "--speculative-config"),
-               (config.preemption_mode != "recompute", f"--preemption-mode {config.preemption_mode}"),
                (config.kv_role is not None, "--kv-role"),
                (config.world_size > 1, "--tensor-parallel-size / --pipeline-parallel-size > 1"),
                (config.dp_expert_parallel, "--enable-expert-parallel"),
@@ -301,7 +300,21 @@ class EngineCore:
                     "of %d layers: %d block-tokens, %d per request)", parameter_bytes(loaded.model) / 2**30,
                     num_blocks * per_block / 2**30, num_blocks, config.block_size, layout.num_groups,
                     layout.num_buffers, capacity, max_model_len)
-        num_host_blocks = config.swap_space // per_block if config.preemption_mode != "recompute" else 0
+        swap_space = config.swap_space if config.preemption_mode != "recompute" else 0
+        self.num_host_state_slots = 0
+        if swap_space and self.num_state_slots:
+            # A hybrid model's swapped-out requests take their states along: up to half the
+            # swap space holds states (at most one per state slot), the rest KV blocks.
+            slot = state_bytes(loaded.model)
+            self.num_host_state_slots = min(self.num_state_slots, swap_space // 2 // slot)
+            if self.num_host_state_slots < 1:
+                raise ValueError(f"--swap-space {config.swap_space} bytes holds no request's state: a hybrid model "
+                                 f"swaps {slot} bytes of state per request beside its KV; give it at least "
+                                 f"{2 * slot} bytes")
+            swap_space -= self.num_host_state_slots * slot
+            logger.info("swap space: %d host state slots (%.1f MiB), %.1f MiB for KV blocks", self.num_host_state_slots,
+                        self.num_host_state_slots * slot / 2**20, swap_space / 2**20)
+        num_host_blocks = swap_space // per_block
         if config.preemption_mode != "recompute" and num_host_blocks < 1:
             raise ValueError(f"--swap-space {config.swap_space} bytes holds no KV block ({per_block} bytes each)")
         self.max_model_len = max_model_len
@@ -379,6 +392,7 @@ class EngineCore:
                 max_loras=config.max_loras if config.enable_lora else 0,
                 vocab_size=self.vocab_size,
                 num_state_slots=self.num_state_slots,
+                num_host_state_slots=self.num_host_state_slots,
                 num_state_checkpoints=self.num_state_checkpoints,
                 state_checkpoint_interval=self.state_checkpoint_interval,
             ),
@@ -397,7 +411,8 @@ class EngineCore:
                                   num_host_blocks=plan.num_host_blocks, kv_cache_dtype=plan.kv_quant,
                                   lora=self.lora, pooler_config=self.pooler_config,
                                   attention_backend=config.attention_backend, num_state_slots=self.num_state_slots,
-                                  num_state_checkpoints=self.num_state_checkpoints)
+                                  num_state_checkpoints=self.num_state_checkpoints,
+                                  num_host_state_slots=self.num_host_state_slots)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")

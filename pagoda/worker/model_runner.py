@@ -243,6 +243,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
+        num_host_state_slots: int = 0,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
@@ -286,11 +287,15 @@ class ModelRunner:
                         torch.empty(num_state_slots, *shape, dtype=dtype, device=device),
                         torch.empty(num_state_checkpoints, *shape, dtype=dtype, device=device)
                         if num_state_checkpoints else None,
-                        self.kv_caches[i])   # a layer with a KV cache too keeps it (Falcon-H1)
+                        self.kv_caches[i],   # a layer with a KV cache too keeps it (Falcon-H1)
+                        # Swap preemption: swapped-out requests' states, in (pinned) host memory.
+                        torch.empty(num_host_state_slots, *shape, dtype=dtype, pin_memory=device.type == "cuda")
+                        if num_host_state_slots else None)
         self._state_caches: list[StateCache] = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
-        self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda")
-                                for _ in range(self.layout.num_buffers)] if num_host_blocks else []  # fmt: skip
+        # (None for a buffer this process does not hold: a hybrid model's state layers.)
+        self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda") if kv is not None else None
+                                for kv in self.kv_buffers] if num_host_blocks else []  # fmt: skip
         # The attention backend (pagoda/attention): on the CPU its C++ kernels, decode attention
         # in place through the block tables (float32 queries, float32/float16/int8 KV).
         self.attn_backend, why = select_backend(attention_backend, device,
@@ -365,6 +370,10 @@ class ModelRunner:
                 state.all_token_ids.extend(tokens)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        # Swapped-out requests' states first: their slots may be new requests' this step.
+        for slot, host in so.state_swap_out:
+            for cache in self._state_caches:
+                cache.host[host].copy_(cache.slots[slot])
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
@@ -378,10 +387,14 @@ class ModelRunner:
             if self._state_caches:
                 if new.state_slot < 0:
                     raise RuntimeError(f"{new.req_id} was scheduled without a state slot on a hybrid model")
-                for cache in self._state_caches:
-                    cache.slots[new.state_slot].zero_()   # its first token meets zeros (the causal padding)
                 self.state_slots[new.req_id] = new.state_slot
-                if new.num_computed_tokens:   # a prefix hit, whole blocks: from the state saved at its end
+                for cache in self._state_caches:
+                    if new.state_swap_in >= 0:   # swapped in: its state as it left
+                        cache.slots[new.state_slot].copy_(cache.host[new.state_swap_in], non_blocking=True)
+                    else:
+                        cache.slots[new.state_slot].zero_()   # its first token meets zeros (the causal padding)
+                if new.num_computed_tokens and new.state_swap_in < 0:
+                    # A prefix hit, whole blocks: from the state saved at its end.
                     if self._state_caches[0].blocks is None or new.state_restore < 0:
                         raise RuntimeError(f"{new.req_id}: a prefix hit on a hybrid model without a saved state")
                     self._restore[new.req_id] = new.state_restore
@@ -421,12 +434,14 @@ class ModelRunner:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])
             for kv, host_kv in zip(self.kv_buffers, self.host_kv_buffers):
-                _copy_blocks(kv, host_kv, dev, host)
+                if kv is not None:
+                    _copy_blocks(kv, host_kv, dev, host)
         if swap_in:
             host = torch.tensor([h for h, _ in swap_in])
             dev = torch.tensor([d for _, d in swap_in], device=self.device)
             for kv, host_kv in zip(self.kv_buffers, self.host_kv_buffers):
-                _copy_blocks(host_kv, kv, host, dev)
+                if kv is not None:
+                    _copy_blocks(host_kv, kv, host, dev)
 
     def execute_model(
         self, so: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None

@@ -2,8 +2,8 @@
 convolutions, Mamba-2, Gated DeltaNet) in a slot of the runner's state pool beside the
 attention layers' paged KV cache. Every family of tests/model/hybrid_families.py against
 transformers on a tiny random checkpoint: prompt logprobs within 1e-3 and greedy tokens equal
-through chunked prefill, a second pass, preemption by recompute and aborts; every state slot
-and KV block back; what a hybrid model cannot combine with yet is refused."""
+through chunked prefill, a second pass, preemption by recompute and by swap, and aborts; every
+state slot and KV block back; what a hybrid model cannot combine with yet is refused."""
 
 from __future__ import annotations
 
@@ -117,17 +117,25 @@ def _five_turns(hf, path: str, block: int) -> LLM:
     return llm
 
 
-def test_hybrid_under_preemption_and_aborts(hybrid):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_hybrid_under_preemption_and_aborts(hybrid, mode):
+    """Room for about one request at a time: the others are preempted, recomputed from their
+    first token or swapped out (KV blocks and state to host memory, back into a slot that
+    may be another one) and resumed where they were."""
     hf, path, _, block, _ = hybrid
     prompts = _prompts()[1:]
-    # Room for about one request at a time: the others are preempted and recomputed.
     blocks, max_tokens = (8, 24) if block == 16 else (3, 40)   # requests cross a block's end, the pool runs out
+    swap = {"preemption_mode": "swap", "swap_space": 64 << 20} if mode == "swap" else {}
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, block_size=block, num_kv_blocks=blocks,
-              max_num_seqs=4)
+              max_num_seqs=4, **swap)
     free = _free(llm)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert scheduler.num_swap_preemptions > 0 and scheduler.host.num_swapped_in > 0
+        assert scheduler.host_states.num_free == scheduler.host_states.num_slots
     for ids, out in zip(prompts, outputs):
         want, want_logits = hf_greedy(hf, ids, max_tokens)
         result = compare_greedy(out.outputs[0].token_ids, want, lambda pos: top2_gap(want_logits[pos]), "hybrid")
@@ -149,7 +157,6 @@ def test_hybrid_under_preemption_and_aborts(hybrid):
 
 @pytest.mark.parametrize(("kwargs", "words"), [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
-    ({"preemption_mode": "swap", "swap_space": 1 << 20}, "--preemption-mode swap"),
 ])
 def test_hybrid_refuses_what_it_cannot_combine_with_yet(hybrid, kwargs, words):
     _, path, _, block, _ = hybrid
@@ -157,17 +164,31 @@ def test_hybrid_refuses_what_it_cannot_combine_with_yet(hybrid, kwargs, words):
         LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, **kwargs)
 
 
-def test_state_pool_under_a_random_workload(hybrid):
-    """Admissions, aborts, preemptions (a small KV pool), prefix hits and finishes in random
-    order, with check_integrity() after every step: every slot is held by one running
+def test_swap_space_too_small_for_a_state_is_refused(hybrid):
+    from pagoda.worker.model_runner import state_bytes
+
+    _, path, _, block, _ = hybrid
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16)
+    state = state_bytes(llm.engine.runner.model)
+    with pytest.raises(ValueError, match="holds no request's state"):
+        LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, preemption_mode="swap",
+            swap_space=state)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_state_pool_under_a_random_workload(hybrid, mode):
+    """Admissions, aborts, preemptions (a small KV pool; recomputed, or swapped out while
+    the host pool has room), prefix hits and finishes in random order, with check_integrity() after every
+    step: every slot is held by one running request or free, every host slot by one waiting
     request or free."""
     import random
 
     from pagoda.engine.messages import EngineCoreRequest
 
     _, path, _, block, _ = hybrid
+    swap = {"preemption_mode": "swap", "swap_space": 64 << 20} if mode == "swap" else {}
     llm = LLM(path, skip_tokenizer_init=True, show_progress=False, block_size=block,
-              num_kv_blocks=max(3, 160 // block), max_num_seqs=3, max_num_batched_tokens=32)
+              num_kv_blocks=max(3, 160 // block), max_num_seqs=3, max_num_batched_tokens=32, **swap)
     engine, rng = llm.engine, random.Random(0)
     free = _free(llm)
     base = [rng.randrange(3, 512) for _ in range(60)]
@@ -189,7 +210,13 @@ def test_state_pool_under_a_random_workload(hybrid):
     while engine.scheduler.has_unfinished_requests():
         engine.step()
         engine.check_integrity()
-    assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hits > 0
+    assert engine.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert engine.scheduler.num_swap_preemptions == engine.scheduler.num_preemptions
+    else:
+        # (With a state larger than a block's KV, this workload's hits are recomputed requests
+        # finding their own saved states; swapped ones come back without a lookup.)
+        assert engine.kv_manager.prefix_hits > 0
     assert _free(llm) == free
 
 
