@@ -14,6 +14,8 @@ names it):
   decode with split-KV, one variable-length launch for every prompt chunk), with device
   inputs filled from persistent pinned buffers. The GPU's default; on the CPU only under
   ``TRITON_INTERPRET=1`` (tests).
+
+A hybrid model's state layers ask the step's backend for their kernels (``state_kernels``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ class AttentionBackend(ABC):
         [T, KVH, D] (stored into their slots first unless ``kv_written``). ``window``: a
         sliding-window layer's; ``softcap``: scores -> softcap * tanh(scores / softcap);
         ``sinks`` [H]: a logit per head in every softmax, with no value (GPT-OSS)."""
+
+    def state_kernels(self, states: torch.Tensor):
+        """The kernels a hybrid model's state layers run in this backend's steps over
+        ``states`` (one layer's state slots): an object with ``gated_delta_rule`` and
+        ``mamba2_scan`` (pagoda/csrc/recurrent.cpp's signatures), or None for the layers'
+        own torch path. The CPU backend returns its C++ kernels; a GPU backend with kernels
+        of its own (Triton) would return them here."""
+        return None
 
     def describe(self) -> str:
         """The start-up log's words for this backend."""

@@ -24,8 +24,18 @@ def kernel_cache(kv_cache: torch.Tensor | QuantizedKVCache) -> tuple[torch.Tenso
     return (kv_cache, None) if kv_cache.dtype in (torch.float32, torch.float16) else None
 
 
+def cpu_state_kernels(states: torch.Tensor):
+    """pagoda's C++ state kernels where they apply: float32, contiguous states on the CPU."""
+    if states.dtype != torch.float32 or states.device.type != "cpu" or not states.is_contiguous():
+        return None
+    return cpu_kernels.kernels()
+
+
 class CpuBackend(TorchBackend):
     name = "cpu"
+
+    def state_kernels(self, states: torch.Tensor):
+        return cpu_state_kernels(states)
 
     def build(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device, group: int = 0) -> AttentionMetadata:  # fmt: skip

@@ -2,7 +2,7 @@
 (pagoda/model/layers/gated_deltanet.py, mamba2.py) on one step of decodes and prompt
 chunks: the outputs, every slot's state and every saved state agree (Gated DeltaNet with
 grouped and tiled value heads; Mamba-2 with and without a convolution bias), a prefix hit
-restoring a state another sequence of the step saves."""
+restoring a state another sequence of the step saves; the step's attention backend choosing them."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_the_kernel_agrees_with_the_torch_path(order):
         cache = StateCache(start.clone(), torch.zeros(3, size))
         if path == "torch":
             with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-                mp.setattr("pagoda.model.layers.gated_deltanet.state_kernels", lambda states: None)
+                mp.setattr("pagoda.model.layers.gated_deltanet.state_kernels", lambda states, meta=None: None)
                 y = layer(x, cache, meta)
         else:
             with torch.no_grad():
@@ -97,7 +97,7 @@ def test_the_mamba2_kernel_agrees_with_the_torch_path(conv_bias):
         cache = StateCache(start.clone(), torch.zeros(3, size))
         with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
             if path == "torch":
-                mp.setattr("pagoda.model.layers.mamba2.state_kernels", lambda states: None)
+                mp.setattr("pagoda.model.layers.mamba2.state_kernels", lambda states, meta=None: None)
             y = layer(x, cache, _step())
         results.append((y, cache.slots, cache.blocks))
     (y, slots, saved), (y_ref, slots_ref, saved_ref) = results
@@ -105,3 +105,43 @@ def test_the_mamba2_kernel_agrees_with_the_torch_path(conv_bias):
     torch.testing.assert_close(slots, slots_ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(saved, saved_ref, rtol=1e-4, atol=1e-5)
     assert saved.abs().sum(-1).min() > 0
+
+
+def test_the_step_backend_chooses_the_state_kernels(tmp_path, monkeypatch):
+    """The state layers take their kernels from the step's attention backend: the CPU
+    backend's C++ kernels for float32 states, the torch reference backend none (the layers'
+    torch path). A Qwen3.5 checkpoint served with either gives the same greedy tokens."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.attention.cpu import CpuBackend
+    from pagoda.attention.torch_ref import TorchBackend
+    from pagoda.model.layers import gated_deltanet, hybrid
+
+    transformers = pytest.importorskip("transformers")
+    from tests.model.hybrid_qwen3_5 import FAMILIES
+
+    states = torch.zeros(2, 8)
+    assert TorchBackend().state_kernels(states) is None
+    assert CpuBackend().state_kernels(states.double()) is None
+    assert CpuBackend().state_kernels(states) is cpu_kernels.kernels()
+    if cpu_kernels.kernels() is None:
+        pytest.skip("pagoda's CPU kernels are not built here")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen35"].config()).save_pretrained(tmp_path)
+    calls = {"torch": 0, "cpu": 0}
+
+    def counting(states, meta=None):
+        ops = hybrid.state_kernels(states, meta)
+        calls["torch" if ops is None else "cpu"] += 1
+        return ops
+
+    monkeypatch.setattr(gated_deltanet, "state_kernels", counting)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend, other in (("cpu", "torch"), ("torch", "cpu")):
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16,
+                  attention_backend=backend, max_num_batched_tokens=16)
+        before = dict(calls)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert calls[backend] > before[backend] and calls[other] == before[other]
+    assert tokens["cpu"] == tokens["torch"]

@@ -105,7 +105,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: StateCache, meta: AttentionMetadata) -> torch.Tensor:
         mixed, z, b, a = self._parts(self.in_proj(x))
         plan: StepStates = meta.states
-        ops = state_kernels(cache.slots)
+        ops = state_kernels(cache.slots, meta)
         if ops is not None:
             out = torch.empty(x.shape[0], self.v_heads, self.v_dim)
             self._kernel(ops, mixed, z, b, a, out, cache, plan, meta)

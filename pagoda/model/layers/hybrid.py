@@ -38,13 +38,18 @@ def processing_order(plan: StepStates) -> list[int]:
     return [i for i in range(n) if plan.restore[i] < 0] + [i for i in range(n) if plan.restore[i] >= 0]
 
 
-def state_kernels(states: torch.Tensor):
-    """pagoda's C++ kernels for float32 states on the CPU (None: the state layers' torch path)."""
-    if states.dtype != torch.float32 or states.device.type != "cpu" or not states.is_contiguous():
-        return None
-    from pagoda.ops import cpu_kernels
+def state_kernels(states: torch.Tensor, meta: AttentionMetadata | None = None):
+    """The kernels a state layer runs this step over ``states``: those of the step's
+    attention backend (``AttentionBackend.state_kernels``: the CPU backend's C++ kernels for
+    float32 states; None, the layer's torch path, for the torch reference and Triton
+    backends); where no backend built the metadata (calibration, kernel tests), the CPU
+    backend's choice."""
+    backend = getattr(meta, "backend", None)
+    if backend is not None:
+        return backend.state_kernels(states)
+    from pagoda.attention.cpu import cpu_state_kernels
 
-    return cpu_kernels.kernels()
+    return cpu_state_kernels(states)
 
 
 def _longs(values) -> torch.Tensor:

@@ -111,7 +111,7 @@ class Mamba2Mixer(nn.Module):
         a prefix hit's block end; then the rest token by token, those restoring last."""
         plan: StepStates = meta.states
         y = torch.empty(xbc.shape[0], self.inner, dtype=torch.float32, device=xbc.device)
-        ops = state_kernels(cache.slots)
+        ops = state_kernels(cache.slots, meta)
         if ops is not None and xbc.dtype == torch.float32:
             # pagoda's C++ kernel (pagoda/csrc/recurrent.cpp), every sequence in place in its slot.
             bias = None if self.conv_bias is None else self.conv_bias.float()
