@@ -65,8 +65,10 @@ class _KVPlan:
 def _check_hybrid(config: EngineConfig) -> None:
     """What a hybrid model (state layers beside attention: pagoda/model/models/lfm2.py) does
     not combine with yet, each named: the runner's state slots hold one state per running
-    request, which drafts, transferred KV blocks and parallel ranks would not."""
-    refused = [(config.speculative_config is not None, "--speculative-config"),
+    request, which a draft running the target's own first layers, transferred KV blocks and
+    parallel ranks would not."""
+    spec = config.speculative_config
+    refused = [(spec is not None and spec.method == "layer_skip", "--speculative-config method layer_skip"),
                (config.kv_role is not None, "--kv-role"),
                (config.world_size > 1, "--tensor-parallel-size / --pipeline-parallel-size > 1"),
                (config.dp_expert_parallel, "--enable-expert-parallel"),
@@ -272,6 +274,7 @@ class EngineCore:
             # The draft model's own cache has as many blocks, over the same block ids.
             per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
         self.num_state_slots, self.num_state_checkpoints, self.state_checkpoint_interval = 0, 0, 1
+        self.num_spec_state_rows = 0
         beside_blocks = 0
         if loaded.arch.is_hybrid:
             beside_blocks = self._plan_checkpoints(config, loaded, per_block)
@@ -345,19 +348,26 @@ class EngineCore:
         at least two), out of the budget the blocks were sized for; returns the blocks left."""
         slot = state_bytes(loaded.model)
         budget = num_blocks * (per_block + beside_blocks)
-        self.num_state_slots = max(1, min(config.max_num_seqs, budget // 2 // slot))
+        # Speculative decoding: each slot's request saves its state after each of its k
+        # tokens but the last in a verifying step (the state of its accepted tokens is one).
+        spec = config.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.num_state_slots = max(1, min(config.max_num_seqs, budget // 2 // (slot * (1 + k))))
+        self.num_spec_state_rows = self.num_state_slots * k
         pooled = self.state_checkpoint_interval > 1
         if pooled:
             self.num_state_checkpoints = max(2, budget // 4 // slot)
         if config.num_kv_blocks is None:
-            spent = (self.num_state_slots + (self.num_state_checkpoints if pooled else 0)) * slot
+            spent = (self.num_state_slots + self.num_spec_state_rows +
+                     (self.num_state_checkpoints if pooled else 0)) * slot
             num_blocks = (budget - spent) // (per_block + beside_blocks)
         if self.state_checkpoint_interval == 1:
             self.num_state_checkpoints = num_blocks   # one beside each block
         self.state_checkpoint_interval = max(1, self.state_checkpoint_interval)
-        logger.info("state slots: %d of %.1f MiB (%s)", self.num_state_slots, slot / 2**20,
+        logger.info("state slots: %d of %.1f MiB (%s)%s", self.num_state_slots, slot / 2**20,
                     "one per seat" if self.num_state_slots == config.max_num_seqs else
-                    f"half the cache budget: at most {self.num_state_slots} requests run at once")
+                    f"half the cache budget: at most {self.num_state_slots} requests run at once",
+                    f", and {k} states a slot for speculative decoding's verifying steps" if k else "")
         if self.num_state_checkpoints:
             logger.info("prefix caching: %d saved states (%.1f MiB), %s", self.num_state_checkpoints,
                         self.num_state_checkpoints * slot / 2**20,
@@ -412,7 +422,8 @@ class EngineCore:
                                   lora=self.lora, pooler_config=self.pooler_config,
                                   attention_backend=config.attention_backend, num_state_slots=self.num_state_slots,
                                   num_state_checkpoints=self.num_state_checkpoints,
-                                  num_host_state_slots=self.num_host_state_slots)
+                                  num_host_state_slots=self.num_host_state_slots,
+                                  num_spec_state_rows=self.num_spec_state_rows)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")

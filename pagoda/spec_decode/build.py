@@ -26,6 +26,9 @@ def check_draft_model(spec: SpeculativeConfig, target: LoadedModel, draft: Loade
             )
     if spec.method == "draft_model":
         assert draft is not None
+        if draft.arch.is_hybrid:
+            raise ValueError("speculative_config: a hybrid draft model (recurrent state layers) is not supported; "
+                             "use a draft model of attention layers only, or method ngram")
         if draft.arch.vocab_size != arch.vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model's vocabulary ({draft.arch.vocab_size}) differs from "

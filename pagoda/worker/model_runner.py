@@ -244,6 +244,7 @@ class ModelRunner:
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
         num_host_state_slots: int = 0,
+        num_spec_state_rows: int = 0,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
@@ -275,6 +276,11 @@ class ModelRunner:
         self.state_slots: dict[str, int] = {}   # the slots of the requests this runner knows
         self._restore: dict[str, int] = {}      # new requests' prefix hits: the saved state to start from
         shapes = model.state_shapes()
+        # Speculative decoding: after the saved states, k rows per slot where a verifying
+        # step saves its request's state after each token but the last (``_keep_accepted``).
+        self._spec_base = num_state_checkpoints
+        self._spec_k = num_spec_state_rows // num_state_slots if num_state_slots else 0
+        saved_rows = num_state_checkpoints + num_spec_state_rows
         if any(shape is not None for shape in shapes):
             if num_state_slots < 1:
                 raise ValueError("a hybrid model needs state slots (num_state_slots)")
@@ -285,8 +291,7 @@ class ModelRunner:
                     # is zeroed when a request takes it, a saved state written before it is read.
                     self.kv_caches[i] = StateCache(
                         torch.empty(num_state_slots, *shape, dtype=dtype, device=device),
-                        torch.empty(num_state_checkpoints, *shape, dtype=dtype, device=device)
-                        if num_state_checkpoints else None,
+                        torch.empty(saved_rows, *shape, dtype=dtype, device=device) if saved_rows else None,
                         self.kv_caches[i],   # a layer with a KV cache too keeps it (Falcon-H1)
                         # Swap preemption: swapped-out requests' states, in (pinned) host memory.
                         torch.empty(num_host_state_slots, *shape, dtype=dtype, pin_memory=device.type == "cuda")
@@ -412,20 +417,46 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _step_states(self, order: list[str], query_lens: list[int], writes: dict[str, list[tuple[int, int]]],
-                     meta: AttentionMetadata) -> StepStates:
+                     meta: AttentionMetadata, drafts: dict[str, list[int]]) -> StepStates:
         """The step's plan for the state layers, in the metadata's order (decodes, one token
         each and first, then the prompt chunks by their first token): each sequence's slot,
         the saved state a prefix hit starts from, and the states its tokens save (the
-        scheduler's ``state_writes``)."""
+        scheduler's ``state_writes``; a request verifying drafts also after each of its
+        tokens but the last, in its slot's speculative rows)."""
         by_offset = {offset: i for i, offset in enumerate(itertools.accumulate([0, *query_lens[:-1]]))}
         rows = [by_offset[t] for t in range(meta.num_decodes)] + [by_offset[c.token_start] for c in meta.prefills]
         plan = StepStates([], [], [])
         for i in rows:
             rid = order[i]
-            plan.slots.append(self.state_slots[rid])
+            slot = self.state_slots[rid]
+            plan.slots.append(slot)
             plan.restore.append(self._restore.pop(rid, -1))
-            plan.checkpoints.append(list(writes.get(rid, ())))
+            saves = list(writes.get(rid, ()))
+            draft = drafts.get(rid)
+            if draft:
+                saves.extend((j, self._spec_row(slot, j)) for j in range(1, len(draft) + 1))
+                saves.sort()
+            plan.checkpoints.append(saves)
         return plan
+
+    def _spec_row(self, slot: int, tokens: int) -> int:
+        """The saved-state row holding a verifying request's state after its first ``tokens``
+        tokens of the step (1 <= tokens <= k)."""
+        if not 1 <= tokens <= self._spec_k:
+            raise RuntimeError(f"a verifying step of {tokens} tokens past the {self._spec_k} speculative rows")
+        return self._spec_base + slot * self._spec_k + tokens - 1
+
+    def _keep_accepted(self, rid: str, num_drafts: int, num_emitted: int) -> None:
+        """A hybrid model's request after verifying ``num_drafts`` drafts, ``num_emitted``
+        tokens emitted (the accepted drafts and one more): its slot holds the state after
+        every draft; where some were rejected, the state after the last token it keeps
+        computed (its last known token and the accepted drafts) replaces it."""
+        if not self._state_caches or num_emitted > num_drafts:
+            return
+        slot = self.state_slots[rid]
+        row = self._spec_row(slot, num_emitted)
+        for cache in self._state_caches:
+            cache.slots[slot].copy_(cache.blocks[row])
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy preempted requests' blocks to the host pool, then resumed ones' back (out
@@ -530,7 +561,7 @@ class ModelRunner:
                                          self.device, group=g)
                  for g in range(self.layout.num_groups)]  # fmt: skip
         if self._state_caches:
-            states = self._step_states(order, b.query_lens, so.state_writes, metas[0])
+            states = self._step_states(order, b.query_lens, so.state_writes, metas[0], drafts)
             for m in metas:
                 m.states = states
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
@@ -594,6 +625,8 @@ class ModelRunner:
         if b.spec_rows:
             spec_logits = self.model.compute_logits(hidden[torch.tensor(b.spec_indices, device=self.device)])
             self._verify([order[i] for i in b.spec_rows], b.drafts, spec_logits, sampled, b.spec_rows)
+            for i in b.spec_rows:
+                self._keep_accepted(order[i], len(b.drafts[order[i]]), len(sampled[i]))
         prompt_logprobs = self._prompt_logprobs(hidden, b.prompt_spans, dict(zip(order, b.states)))
         if b.sample_rows and b.sampler_out is None:
             logits = self.model.compute_logits(self._rows(hidden, b.logits_indices))

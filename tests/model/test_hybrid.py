@@ -155,8 +155,71 @@ def test_hybrid_under_preemption_and_aborts(hybrid, mode):
     assert _free(llm) == free
 
 
+class _OracleProposer:
+    """Drafts from transformers' greedy continuation of each prompt, every other proposal
+    with one token wrong (at a place that cycles), so that steps accept all, some and none
+    of their drafts."""
+
+    needs_sync = False
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+        self.calls = 0
+
+    def propose(self, requests):
+        drafts = []
+        for r in requests:
+            prompt = next(p for p in self.continuations if tuple(r.token_ids[:len(p)]) == p)
+            done = len(r.token_ids) - len(prompt)
+            draft = list(self.continuations[prompt][done:done + r.num_drafts])
+            self.calls += 1
+            if self.calls % 2 and draft:
+                draft[(self.calls // 2) % len(draft)] ^= 1   # a wrong token
+            drafts.append(draft)
+        return drafts
+
+    def sync(self, input_ids, positions, metas) -> None:
+        pass
+
+
+def test_hybrid_speculative_decoding_keeps_the_states_of_accepted_tokens(hybrid):
+    """Drafts verified in one step of k + 1 tokens: the state layers save each sequence's
+    state after every token but the last, and where drafts are rejected the state after the
+    accepted ones replaces the slot's. With drafts from transformers' own continuation,
+    every other proposal wrong in one place (so steps accept all, some and none), greedy
+    tokens equal transformers' (chunked prompts; every slot and block back). The n-gram
+    proposer's engine, its proposer replaced."""
+    hf, path, _, block, _ = hybrid
+    prompts = _prompts()[2:]
+    max_tokens = 20
+    want = {tuple(p): hf_greedy(hf, p, max_tokens) for p in prompts}
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, block_size=block, num_kv_blocks=32,
+              max_num_batched_tokens=32, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.runner.proposer = _OracleProposer({p: w[0] for p, w in want.items()})
+    free = _free(llm)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    drafted, accepted = scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens
+    assert 0 < accepted < drafted, (accepted, drafted)
+    for ids, out in zip(prompts, outputs):
+        tokens, logits = want[tuple(ids)]
+        result = compare_greedy(out.outputs[0].token_ids, tokens, lambda pos: top2_gap(logits[pos]), "hybrid spec")
+        assert result.equal, result.excused
+    llm.engine.check_integrity()
+    assert _free(llm) == free
+
+
+def test_a_hybrid_draft_model_is_refused(hybrid):
+    _, path, _, _, _ = hybrid
+    with pytest.raises(ValueError, match="a hybrid draft model"):
+        LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": path})
+
+
 @pytest.mark.parametrize(("kwargs", "words"), [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
+    ({"speculative_config": {"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 1}},
+     "--speculative-config method layer_skip"),
 ])
 def test_hybrid_refuses_what_it_cannot_combine_with_yet(hybrid, kwargs, words):
     _, path, _, block, _ = hybrid
