@@ -72,10 +72,22 @@ def finish(w, path: str) -> str:
     return path
 
 
+def add_named(w, tensor, bid: int, t: torch.Tensor) -> None:
+    """``t`` under llama.cpp's name for ``tensor`` (a ``gguf.MODEL_TENSOR``) of layer ``bid``,
+    as the converter names what it splits itself (``format_tensor_name``)."""
+    from gguf.constants import TENSOR_NAMES
+
+    w.add_tensor(TENSOR_NAMES[tensor].format(bid=bid) + ".weight", np.ascontiguousarray(t.detach().float().numpy()))
+
+
 def write_granite_hybrid_gguf(model, path: str, hf_dir: str) -> str:
-    """A tiny dense Granite 4.0-H checkpoint as llama.cpp's GraniteHybridModel writes it: the
+    """A tiny Granite 4.0-H checkpoint as llama.cpp's GraniteHybridModel writes it: the
     shared MLP's input_linear split into gate and up, Q/K rows permuted, the Mamba tensors as
-    ``mamba_tensor``, head_count_kv 0 for the Mamba layers, Granite's scales. One departure:
+    ``mamba_tensor``, head_count_kv 0 for the Mamba layers, Granite's scales. With experts
+    (its GraniteMoeModel's part): expert_count and expert_used_count, feed_forward_length
+    the experts' width; each layer's block_sparse_moe.input_linear [experts, 2 x width,
+    hidden] split into ffn_gate_exps and ffn_up_exps, output_linear as ffn_down_exps, the
+    router as ffn_gate_inp, the shared MLP as ffn_{gate,up,down}_shexp. One departure:
     ``rope.scaling.finetuned`` (llama.cpp's RoPE switch) is the checkpoint's
     position_embedding_type, where the converter writes False for every Granite 4.0-H (all
     published ones are "nope"; this tiny one uses RoPE)."""
@@ -106,14 +118,28 @@ def write_granite_hybrid_gguf(model, path: str, hf_dir: str) -> str:
     w.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
     w.add_ssm_time_step_rank(c.mamba_n_heads)
     w.add_rope_scaling_finetuned(rope)
+    experts = getattr(c, "num_local_experts", None)
+    if experts is not None:   # the converter writes the count even where it is 0 (Micro)
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    from gguf.constants import MODEL_TENSOR as T
+
     for name, t in read_state(hf_dir).items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if name.endswith(".block_sparse_moe.input_linear.weight"):   # [experts, 2 x width, hidden]
+            gate, up = t.split(c.intermediate_size, dim=-2)
+            add_named(w, T.FFN_GATE_EXP, bid, gate)
+            add_named(w, T.FFN_UP_EXP, bid, up)
+            continue
         if name.endswith(".shared_mlp.input_linear.weight"):
-            base = name[: -len("shared_mlp.input_linear.weight")]
-            gate, up = t.chunk(2, dim=0)
-            add_tensor(w, table, base + "mlp.gate_proj.weight", gate)
-            add_tensor(w, table, base + "mlp.up_proj.weight", up)
+            gate, up = t.split(c.shared_intermediate_size, dim=-2)
+            add_named(w, T.FFN_GATE_SHEXP if experts else T.FFN_GATE, bid, gate)
+            add_named(w, T.FFN_UP_SHEXP if experts else T.FFN_UP, bid, up)
+            continue
+        if experts and name.endswith(".shared_mlp.output_linear.weight"):
+            add_tensor(w, table, name, t)   # the table's ffn_down_shexp
             continue
         name = name.replace(".shared_mlp.output_linear.", ".mlp.down_proj.")
         if name.endswith(".self_attn.q_proj.weight"):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import transformers
 
 from tests.model.granite_gguf_writer import write_granite_hybrid_gguf
+from tests.model.lfm2_gguf_writer import write_lfm2moe_gguf
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,11 @@ def _granite4hmoe():   # Granite 4.0-H Tiny's structure: 4 experts of 32, 2 per 
 
 FAMILIES: dict[str, HybridFamily] = {
     "lfm2": HybridFamily(_lfm2, "lfm2"),
-    "lfm2moe": HybridFamily(_lfm2moe),
+    "lfm2moe": HybridFamily(_lfm2moe, "lfm2moe", gguf_writer=write_lfm2moe_gguf),
     # Blocks whose KV outweighs a request's state (this Granite 4.0-H's Mamba states are
     # 12 KiB, a 16-token block's KV 8 KiB).
     "granite4h": HybridFamily(_granite4h, block=64, gguf_writer=write_granite_hybrid_gguf),
-    "granite4hmoe": HybridFamily(_granite4hmoe, block=64),
+    "granite4hmoe": HybridFamily(_granite4hmoe, "granitehybrid", block=64, gguf_writer=write_granite_hybrid_gguf),
 }
 
 

@@ -1,10 +1,11 @@
 """Granite 4.0-H (``GraniteMoeHybridForCausalLM``): a hybrid of Mamba-2 layers
 (pagoda/model/layers/mamba2.py) and GQA attention, Granite's multipliers, a gated MLP after
 each, or (``num_local_experts`` > 0) experts chosen by a softmax router beside that MLP as a
-shared expert (Granite 4.0-H Tiny / Small; from HF checkpoints: their GGUF files are refused
-by name yet).
-GGUF files under llama.cpp's ``granitehybrid`` (Mamba tensors as its converter stores them:
-``pagoda.model.layers.mamba2.gguf_mixer_tensor``; Q/K rows permuted, put back at load).
+shared expert (Granite 4.0-H Tiny / Small).
+GGUF files under llama.cpp's ``granitehybrid``, with or without experts (Mamba tensors as its
+converter stores them: ``pagoda.model.layers.mamba2.gguf_mixer_tensor``; Q/K rows permuted,
+put back at load; the experts stacked, ``ffn_{gate,up,down}_exps``, the shared MLP as
+``ffn_{gate,up,down}_shexp``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from pagoda.hub.paths import ModelLoadError
-from pagoda.model.arch import ModelArchConfig, moe_fields
+from pagoda.model.arch import ModelArchConfig, gguf_moe_layers, moe_fields
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.hybrid import HybridDecoderLayer, renamed
 from pagoda.model.layers.mamba2 import Mamba2Mixer, gguf_mixer_lookup_name, gguf_mixer_tensor, hf_mixer_tensor
@@ -97,11 +98,20 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         """llama.cpp's ``granitehybrid`` files: ``attention.head_count_kv`` per layer, 0 for
         the Mamba layers; the MLP's width as the shared expert's; RoPE on where
         ``rope.scaling.finetuned`` (llama.cpp's switch for it) is; Granite's scales; the
-        time step unclamped (llama.cpp does not clamp it)."""
+        time step unclamped (llama.cpp does not clamp it). With ``expert_count`` > 0 (Tiny,
+        Small): every layer's experts of ``feed_forward_length`` beside the shared expert of
+        ``expert_shared_feed_forward_length`` (none where that is 0), chosen by softmax
+        top-k and renormalised, unscaled, as llama.cpp runs them."""
         p = f"{md['general.architecture']}."
-        if md.get(p + "expert_count"):
-            raise UnsupportedModelError("Granite 4.0-H GGUF files with experts are not supported yet; dense ones are")
         n = int(md[p + "block_count"])
+        experts = int(md.get(p + "expert_count") or 0)
+        moe = {}
+        if experts:
+            shared = int(md.get(p + "expert_shared_feed_forward_length") or 0)
+            moe = dict(moe_layers=gguf_moe_layers(tensor_names, n), num_shared_experts=1 if shared else 0,
+                       shared_expert_intermediate_size=shared,
+                       **moe_fields(experts, int(md[p + "expert_used_count"]), int(md[p + "feed_forward_length"]),
+                                    True))
         kv = md[p + "attention.head_count_kv"]
         per_layer = [int(k) for k in kv] if isinstance(kv, (list, tuple)) else [int(kv)] * n
         attention = {k for k in per_layer if k}
@@ -124,7 +134,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             mamba=dict(heads=heads, head_dim=inner // heads, groups=groups, d_state=int(md[p + "ssm.state_size"]),
                        d_conv=int(md[p + "ssm.conv_kernel"]), intermediate=inner,
                        conv_bias=f"blk.{first}.ssm_conv1d.bias" in tensor_names,
-                       proj_bias=f"blk.{first}.ssm_in.bias" in tensor_names, dt_min=0.0, dt_max=float("inf")))
+                       proj_bias=f"blk.{first}.ssm_in.bias" in tensor_names, dt_min=0.0, dt_max=float("inf")),
+            **moe)
 
     gguf_lookup_name = staticmethod(gguf_mixer_lookup_name)
     gguf_tensor = staticmethod(gguf_mixer_tensor)

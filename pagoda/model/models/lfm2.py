@@ -172,7 +172,34 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        raise UnsupportedModelError("LFM2-MoE GGUF files are not supported yet (its HF checkpoints are)")
+        """llama.cpp's ``lfm2moe`` files: LFM2's keys, ``leading_dense_block_count`` dense
+        layers first, then experts of ``expert_feed_forward_length`` (a key or one per layer)
+        scored by ``expert_gating_func``, chosen with the bias ``blk.N.exp_probs_b.bias``, their
+        weights renormalised and not scaled (llama.cpp reads neither ``expert_weights_norm``
+        nor ``expert_weights_scale`` for this architecture: its converter writes neither)."""
+        import dataclasses
+
+        p = f"{md['general.architecture']}."
+        arch = super().arch_from_gguf(md, tensor_names, architecture)
+        n, dense = arch.num_hidden_layers, int(md.get(p + "leading_dense_block_count") or 0)
+        moe = tuple(i >= dense for i in range(n))
+        width = md[p + "expert_feed_forward_length"]
+        widths = {int(w) for w, m in zip(width, moe) if m} if isinstance(width, (list, tuple)) else {int(width)}
+        if len(widths) != 1:
+            raise UnsupportedModelError(f"LFM2-MoE GGUF: expert_feed_forward_length {width} (one width only)")
+        gating = int(md.get(p + "expert_gating_func", 2))
+        scoring = {1: "softmax", 2: "sigmoid"}.get(gating)
+        if scoring is None:
+            raise UnsupportedModelError(f"LFM2-MoE GGUF: expert_gating_func {gating} is not supported")
+        return dataclasses.replace(
+            arch, moe_layers=moe, expert_scoring=scoring,
+            expert_score_bias=f"blk.{dense}.exp_probs_b.bias" in tensor_names, routed_scaling_factor=1.0,
+            **moe_fields(int(md[p + "expert_count"]), int(md[p + "expert_used_count"]), widths.pop(), True))
+
+    @classmethod
+    def gguf_lookup_name(cls, name: str) -> str:
+        # The bias llama.cpp's converter renames expert_bias.bias (its exp_probs_b.bias).
+        return super().gguf_lookup_name(name.replace(".mlp.score_bias", ".feed_forward.expert_bias.bias"))
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
