@@ -184,8 +184,10 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
     return model, plan, stage
 
 
-def packed_projections(cls: type[CausalLM]) -> dict[str, tuple[str, int]]:
-    """Checkpoint projection -> (the stacked module holding it, its shard index)."""
+def packed_projections(cls: type[CausalLM] | CausalLM) -> dict[str, tuple[str, int]]:
+    """Checkpoint projection -> (the stacked module holding it, its shard index). (The
+    loader asks the model: a family may stack other parts in some of its files, Qwen3-Next
+    in llama.cpp's.)"""
     return {proj: (stacked, i) for stacked, projs in cls.packed_modules_mapping.items() for i, proj in enumerate(projs)}
 
 
@@ -194,7 +196,7 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice | None]:
 
     E.g. model.layers.3.self_attn.k_proj.weight -> (model.layers.3.self_attn.qkv_proj.weight, rows of k).
     """
-    packed = packed_projections(type(model))
+    packed = packed_projections(model)
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -207,7 +209,7 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice | None]:
 def checkpoint_names(model: CausalLM) -> list[str]:
     """The tensor names of the family's HF checkpoints (stacked projections as their
     parts; the LM head even when tied), from the model's own parameters."""
-    mapping = type(model).packed_modules_mapping
+    mapping = model.packed_modules_mapping
     names = []
     for name, _ in model.named_parameters(remove_duplicate=False):
         module, _, leaf = name.rpartition(".")
@@ -233,7 +235,7 @@ def _fill(
     if tied:
         params.pop("lm_head.weight", None)
     # Every parameter (or row range of a stacked one) must be written exactly once.
-    mapping = type(model).packed_modules_mapping
+    mapping = model.packed_modules_mapping
     expected = set()
     for n in params:
         stacked = n.split(".")[-2]
@@ -480,6 +482,12 @@ def _read_gguf(path: str):
         if name in gf.tensors:
             md[name] = load_tensor(gf, name, dtype=torch.float32).flatten().tolist()
     arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
+    if md.get(f"{md['general.architecture']}.nextn_predict_layers"):
+        # The multi-token-prediction blocks past the last layer (Qwen3.5's, Nemotron 3's):
+        # not served (the family reads the layers before them), their tensors not read.
+        for name in [n for n in gf.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()
+                     and int(n.split(".")[1]) >= arch.num_hidden_layers]:  # fmt: skip
+            del gf.tensors[name]
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
     return gf, arch, gguf_names(gf.metadata["general.architecture"], model), model
@@ -528,7 +536,7 @@ def kept_weight_slots(model: CausalLM) -> dict[str, tuple[str, int]]:
     (module path, shard of a stacked projection), for every projection, the LM head and
     the embedding (a tensor-parallel layer's local layer under its layer's name). Other
     tensors (norms, biases) become float32 parameters."""
-    mapping = type(model).packed_modules_mapping
+    mapping = model.packed_modules_mapping
     slots = {}
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Embedding)):
@@ -726,7 +734,7 @@ def _assemble_blocks(model: CausalLM, blocks: dict, floats: dict[str, torch.Tens
     """Put the kept weights into ``model`` (built on the meta device): a ``linear_cls``
     per projection (stacked parts in shard order), an ``embedding_cls``, and the
     float tensors (norms, biases) into the parameters left; everything must fit."""
-    mapping = type(model).packed_modules_mapping
+    mapping = model.packed_modules_mapping
     problems: list[str] = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Embedding)):

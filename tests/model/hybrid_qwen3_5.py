@@ -27,8 +27,8 @@ def _qwen35moe():
     return transformers.Qwen3_5MoeTextConfig(**tiny, **_LINEAR, **_MOE, rope_parameters=_rope())
 
 
-def _qwen3next():   # every layer's MLP experts, but the first's (mlp_only_layers)
-    return transformers.Qwen3NextConfig(**TINY, **_LINEAR, **_MOE, mlp_only_layers=[0], rope_parameters=_rope(0.5))
+def _qwen3next():   # experts in every layer (llama.cpp's qwen3next files have no dense layer)
+    return transformers.Qwen3NextConfig(**TINY, **_LINEAR, **_MOE, rope_parameters=_rope(0.5))
 
 
 # Blocks whose KV outweighs a request's state (3 layers of 3.2 KiB; a 64-token block of
@@ -41,7 +41,15 @@ FAMILIES = {
     # outputs rounded, picks near a tie move.
     "qwen35moe": HybridFamily(_qwen35moe, block=64, gguf_writer=lambda *a: write_qwen35_gguf(*a), logprob_tol=2e-3,
                               quantized_agree=0.8),
-    "qwen3next": HybridFamily(_qwen3next, block=64, quantized_agree=0.8),
+    # Experts in every layer: in bf16 25 of 32 positions keep transformers' top token, in
+    # int8 22, from the GGUF file (float32, int8 activations) all 32 (measured).
+    "qwen3next": HybridFamily(_qwen3next, block=64, gguf_writer=lambda *a: write_qwen35_gguf(*a),
+                              quantized_agree=0.75),
+    # A dense first layer (mlp_only_layers): HF only, llama.cpp's files have no name for it.
+    "qwen3nextmixed": HybridFamily(lambda: transformers.Qwen3NextConfig(**TINY, **_LINEAR, **_MOE,
+                                                                        rope_parameters=_rope(0.5),
+                                                                        mlp_only_layers=[0]), block=64,
+                                   quantized_agree=0.8),
 }
 
 
@@ -53,10 +61,13 @@ def _tiled(t, dim: int, k_heads: int, per_k: int, size: int):
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def write_qwen35_gguf(model, path: str, hf_dir: str) -> str:
-    """A tiny Qwen3.5 checkpoint as llama.cpp's converter writes a ``qwen35`` / ``qwen35moe``
-    file (float32): A_log as -exp(A_log), dt_bias as the dt projection's bias, the
-    convolution squeezed, zero-centred norms as 1 + w, value heads tiled."""
+def write_qwen35_gguf(model, path: str, hf_dir: str, legacy_qkvz: bool = False) -> str:
+    """A tiny Qwen3.5 / Qwen3-Next checkpoint as llama.cpp's converter writes a ``qwen35`` /
+    ``qwen35moe`` / ``qwen3next`` file (float32): A_log as -exp(A_log), dt_bias as the dt
+    projection's bias, the convolution squeezed, zero-centred norms as 1 + w. Qwen3.5: value
+    heads tiled. Qwen3-Next: value heads as HF's (grouped), in_proj_qkvz split per key head
+    into [q; k; v] (attn_qkv) and z (attn_gate), in_proj_ba as it is (ssm_ba); with
+    ``legacy_qkvz``, in_proj_qkvz kept whole (ssm_in), as its first converter wrote it."""
     import pathlib
 
     import numpy as np
@@ -70,7 +81,8 @@ def write_qwen35_gguf(model, path: str, hf_dir: str) -> str:
 
     c = model.config
     moe = bool(getattr(c, "num_experts", 0))
-    name = "qwen35moe" if moe else "qwen35"
+    nxt = c.model_type == "qwen3_next"
+    name = "qwen3next" if nxt else "qwen35moe" if moe else "qwen35"
     arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == name)
     table = get_tensor_name_map(arch, c.num_hidden_layers)
     w = GGUFWriter(path, name)
@@ -90,24 +102,35 @@ def write_qwen35_gguf(model, path: str, hf_dir: str) -> str:
     w.add_ssm_group_count(c.linear_num_key_heads)
     w.add_ssm_time_step_rank(c.linear_num_value_heads)
     w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    if nxt:   # (its converter writes the layer types, when the config has them, and the interval)
+        w.add_array(f"{name}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
     w.add_full_attention_interval(4)
     if moe:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    else:
+    if not moe or nxt:
         w.add_feed_forward_length(c.intermediate_size)
     nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
     dk, dv, r = c.linear_key_head_dim, c.linear_value_head_dim, nv // nk
     state = {}
     for f in sorted(pathlib.Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(f)))
+
+    def add(hf_name: str, t) -> None:
+        module, _, leaf = hf_name.rpartition(".")
+        gguf_name = table.get_name(module)
+        if gguf_name is None and table.get_name(hf_name) is not None:   # a bare parameter (A_log)
+            gguf_name, leaf = table.get_name(hf_name), None
+        assert gguf_name is not None, f"no GGUF name for {hf_name}"
+        w.add_tensor(gguf_name if leaf is None else f"{gguf_name}.{leaf}", np.ascontiguousarray(t.numpy()))
+
     for hf_name, t in _stack_experts(state).items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         t = t.detach().float()
-        if ".linear_attn." in hf_name and r > 1:
+        if ".linear_attn." in hf_name and r > 1 and not nxt:
             if ".in_proj_qkv." in hf_name:
                 t = torch.cat([t[:2 * nk * dk], _tiled(t[2 * nk * dk:], 0, nk, r, dv)])
             elif ".in_proj_z." in hf_name:
@@ -126,12 +149,16 @@ def write_qwen35_gguf(model, path: str, hf_dir: str) -> str:
             t = t.squeeze(1)
         elif hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
             t = t + 1.0
-        module, _, leaf = hf_name.rpartition(".")
-        gguf_name = table.get_name(module)
-        if gguf_name is None and table.get_name(hf_name) is not None:   # a bare parameter (A_log)
-            gguf_name, leaf = table.get_name(hf_name), None
-        assert gguf_name is not None, f"no GGUF name for {hf_name}"
-        w.add_tensor(gguf_name if leaf is None else f"{gguf_name}.{leaf}", np.ascontiguousarray(t.numpy()))
+        if hf_name.endswith(".in_proj_qkvz.weight") and not legacy_qkvz:
+            # [q, k, v, z] per key head -> [q of every head; k; v] and z
+            q, k, v, z = t.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+            base = hf_name[: -len("in_proj_qkvz.weight")]
+            cols = t.shape[1]
+            add(base + "in_proj_qkv.weight", torch.cat([q.reshape(-1, cols), k.reshape(-1, cols),
+                                                        v.reshape(-1, cols)]))
+            add(base + "in_proj_z.weight", z.reshape(-1, cols))
+            continue
+        add(hf_name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,7 +1,8 @@
 """Nemotron-H beyond the shared hybrid family tests (tests/model/test_hybrid.py): a
 correction bias away from zero (the shared fixture leaves it at its initial zeros), the
-latent experts, transformers' stacked expert tensors, the MTP tensors skipped, and the
-refusals."""
+latent experts, transformers' stacked expert tensors, the MTP tensors skipped (llama.cpp's
+MTP block too), a checkpoint without experts (plain MLP layers; llama.cpp's nemotron_h
+file), and the refusals."""
 
 from __future__ import annotations
 
@@ -70,13 +71,29 @@ def _assert_matches_hf(llm, hf, label: str) -> None:
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-3
 
 
-@pytest.mark.parametrize("variant", ["latent_mtp", "stacked"])
-def test_nemotronh_routing_bias_latent_experts_and_checkpoint_forms(tmp_path, variant):
-    from pagoda import LLM
+def _skip_without_cpu_kernels() -> None:
+    from pagoda.ops import cpu_kernels
 
-    config = _nemotronh(moe_latent_size=48) if variant == "latent_mtp" else _nemotronh()
-    hf = _save(config, str(tmp_path), stacked=variant == "stacked", mtp=variant == "latent_mtp")
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=64,
+    if cpu_kernels.kernels() is None:
+        pytest.skip("GGUF files are served from their blocks by pagoda's CPU kernels")
+
+
+@pytest.mark.parametrize("variant", ["latent_mtp", "stacked", "latent_mtp_gguf"])
+def test_nemotronh_routing_bias_latent_experts_and_checkpoint_forms(tmp_path, variant):
+    """``latent_mtp_gguf``: llama.cpp's nemotron_h_moe file of the latent checkpoint, its
+    MTP layers folded into a block past the last layer (``nextn_predict_layers``)."""
+    from pagoda import LLM
+    from tests.model.hybrid_nemotron_h import write_nemotronh_gguf
+
+    if variant.endswith("gguf"):
+        _skip_without_cpu_kernels()
+    latent = variant.startswith("latent")
+    config = _nemotronh(moe_latent_size=48) if latent else _nemotronh()
+    hf = _save(config, str(tmp_path / "hf"), stacked=variant == "stacked", mtp=latent)
+    path = str(tmp_path / "hf")
+    if variant.endswith("gguf"):
+        path = write_nemotronh_gguf(hf, str(tmp_path / "model.gguf"), path)
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=64,
               max_num_batched_tokens=32)
     _assert_matches_hf(llm, hf, f"nemotronh {variant}")
 
@@ -95,29 +112,45 @@ def test_nemotronh_refuses_what_it_cannot_serve(change, words):
         ModelArchConfig.from_hf_config(config)
 
 
-def test_nemotronh_gguf_file_matches_transformers(tmp_path):
-    """llama.cpp's ``nemotron_h`` file of a checkpoint without experts (Q/K permuted, A as
-    -exp(A_log), D and the gated norm reshaped, ``backbone.*`` names), served from its blocks:
-    transformers' greedy tokens and prompt logprobs."""
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_nemotronh_without_experts_matches_transformers(tmp_path, source):
+    """A checkpoint without experts (plain relu² MLP layers): from safetensors, and as
+    llama.cpp's ``nemotron_h`` file (Q/K permuted, A as -exp(A_log), D and the gated norm
+    reshaped, ``backbone.*`` names) served from its blocks: transformers' greedy tokens and
+    prompt logprobs."""
     from pagoda import LLM
-    from pagoda.ops import cpu_kernels
     from tests.model.hybrid_nemotron_h import DENSE_LAYERS, write_nemotronh_gguf
 
-    if cpu_kernels.kernels() is None:
-        pytest.skip("GGUF files are served from their blocks by pagoda's CPU kernels")
+    if source == "gguf":
+        _skip_without_cpu_kernels()
     hf = _save(_nemotronh(layers_block_type=DENSE_LAYERS), str(tmp_path / "hf"))
-    gguf = write_nemotronh_gguf(hf, str(tmp_path / "model.gguf"), str(tmp_path / "hf"))
-    llm = LLM(gguf, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=64,
+    path = str(tmp_path / "hf")
+    if source == "gguf":
+        path = write_nemotronh_gguf(hf, str(tmp_path / "model.gguf"), path)
+    llm = LLM(path, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=64,
               max_num_batched_tokens=32)
-    _assert_matches_hf(llm, hf, "nemotronh gguf")
+    _assert_matches_hf(llm, hf, f"nemotronh dense {source}")
 
 
-def test_nemotronh_moe_gguf_files_are_refused():
+def test_nemotronh_moe_gguf_layers_that_differ_are_refused():
+    """NVIDIA's Puzzle files (``nemotron_h_moe``): experts of a different width or number per
+    token layer by layer, which pagoda's layers (one geometry for all) cannot hold."""
     from pagoda.model.arch import ModelArchConfig
     from pagoda.model.models import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'nemotron_h_moe' is not supported"):
-        ModelArchConfig.from_gguf_metadata({"general.architecture": "nemotron_h_moe"}, set())
+    p = "nemotron_h_moe."
+    md = {"general.architecture": "nemotron_h_moe", p + "block_count": 3, p + "embedding_length": 64,
+          p + "attention.head_count": 4, p + "attention.head_count_kv": [0, 2, 0], p + "vocab_size": 512,
+          p + "feed_forward_length": [0, 0, 32], p + "ssm.time_step_rank": 4, p + "ssm.inner_size": 128,
+          p + "ssm.group_count": 2, p + "ssm.state_size": 8, p + "ssm.conv_kernel": 4, p + "expert_count": 8,
+          p + "expert_used_count": 2, p + "expert_shared_feed_forward_length": 64,
+          p + "expert_feed_forward_length": [0, 0, 32]}
+    arch = ModelArchConfig.from_gguf_metadata(md, set())
+    assert arch.block_types == ("mamba", "attention", "moe") and arch.moe_intermediate_size == 32
+    md.update({p + "block_count": 4, p + "attention.head_count_kv": [0, 2, 0, 0],
+               p + "feed_forward_length": [0, 0, 32, 48], p + "expert_feed_forward_length": [0, 0, 32, 48]})
+    with pytest.raises(UnsupportedModelError, match=r"expert widths \[32, 48\] .* varying by layer"):
+        ModelArchConfig.from_gguf_metadata(md, set())
 
 
 def test_nemotronh_reads_the_older_config_keys():

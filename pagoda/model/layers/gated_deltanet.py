@@ -19,12 +19,15 @@ ends too (pagoda/attention/state.py). The recurrence runs token by token (exact)
 pagoda's C++ kernel on the CPU (pagoda/csrc/recurrent.cpp: every sequence of the step in
 place in its slot, (sequence, head) pairs in parallel), else in torch (decodes batched).
 
-The projection's rows come in one of two layouts: ``split`` (Qwen3.5: [q; k; v], z, b, a)
-or ``next`` (Qwen3-Next: q, k, v, z stacked per key head, then b, a per key head), which
-is unpacked after the product. Value heads come in one of two orders: ``grouped`` (transformers': the heads of one
-query/key head next to each other) or ``tiled`` (llama.cpp's GGUF files: value head j
-reads query/key head j mod k_heads). Every per-value-head tensor of a checkpoint is in
-its order, so a file is served in its own order and no weight is permuted.
+The projection's rows come in one of three layouts: ``split`` (Qwen3.5: [q; k; v], z, b, a),
+``next`` (Qwen3-Next's HF checkpoints, and llama.cpp's first qwen3next files: q, k, v, z
+stacked per key head, then b, a per key head) or ``split_ba`` (llama.cpp's qwen3next
+files: [q; k; v], z, then b, a per key head); what is stacked per key head is unpacked
+after the product. Value heads come in one of two orders: ``grouped`` (transformers': the heads of one
+query/key head next to each other; llama.cpp's qwen3next files too) or ``tiled`` (llama.cpp's
+qwen35 / qwen35moe files: value head j reads query/key head j mod k_heads). Every
+per-value-head tensor of a checkpoint is in its order, so a file is served in its own
+order and no weight is permuted.
 """
 
 from __future__ import annotations
@@ -46,7 +49,12 @@ class GatedDeltaNet(nn.Module):
         self.k_heads, self.v_heads, self.k_dim, self.v_dim = g["k_heads"], g["v_heads"], g["k_dim"], g["v_dim"]
         self.kernel = g["conv_kernel"]
         self.tiled = g.get("v_order", "grouped") == "tiled"
-        self.stacked = g.get("layout", "split") == "next"
+        self.layout = g.get("layout", "split")
+        if self.layout not in ("split", "next", "split_ba"):
+            raise ValueError(f"Gated DeltaNet projection layout {self.layout!r}")
+        # Parts stacked per key head (b, a; with ``next``, q, k, v, z too): unpacked after
+        # the product (the decode stack takes the ``split`` layout only).
+        self.stacked = self.layout != "split"
         if self.v_heads % self.k_heads:
             raise ValueError(f"{self.v_heads} value heads for {self.k_heads} key heads")
         self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
@@ -62,10 +70,12 @@ class GatedDeltaNet(nn.Module):
 
     @property
     def row_sizes(self) -> list[int]:
-        """The rows of the stacked projection's parts: [q; k; v], z, b, a (Qwen3-Next:
-        qkvz, ba)."""
-        if self.stacked:
+        """The rows of the stacked projection's parts: [q; k; v], z, b, a (``next``: qkvz,
+        ba; ``split_ba``: [q; k; v], z, ba)."""
+        if self.layout == "next":
             return [self.conv_dim + self.value_size, 2 * self.v_heads]
+        if self.layout == "split_ba":
+            return [self.conv_dim, self.value_size, 2 * self.v_heads]
         return [self.conv_dim, self.value_size, self.v_heads, self.v_heads]
 
     def _parts(self, projected: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -73,6 +83,10 @@ class GatedDeltaNet(nn.Module):
         if not self.stacked:
             return projected.split(self.row_sizes, dim=-1)
         t, nk, r = projected.shape[0], self.k_heads, self.v_heads // self.k_heads
+        if self.layout == "split_ba":
+            mixed, z, ba = projected.split(self.row_sizes, dim=-1)
+            b, a = ba.view(t, nk, 2 * r).split([r, r], dim=-1)
+            return mixed, z, b.reshape(t, -1), a.reshape(t, -1)
         qkvz, ba = projected.split(self.row_sizes, dim=-1)
         q, k, v, z = qkvz.view(t, nk, -1).split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
         b, a = ba.view(t, nk, 2 * r).split([r, r], dim=-1)

@@ -65,6 +65,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3next": "Qwen3NextForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "nemotron_h_moe": "NemotronHForCausalLM",
     "falcon-h1": "FalconH1ForCausalLM",
 }
 

@@ -14,10 +14,16 @@ hybrid whose every layer is one pre-norm block holding exactly one mixer, named 
 and a layer computes ``x + mixer(RMSNorm(x))``. The Mamba layers keep their state per
 request in the state pool as Granite 4.0-H's do; only the attention layers have KV caches.
 
+llama.cpp's GGUF files are read: ``nemotron_h`` (without experts) and ``nemotron_h_moe``
+(Nemotron 3: every feed-forward layer experts, ``ffn_up_exps`` / ``ffn_down_exps`` stacked,
+the router ``ffn_gate_inp`` with its correction bias ``exp_probs_b``, the shared expert
+``ffn_*_shexp``, the latent projections ``ffn_latent_down`` / ``ffn_latent_up``); the Mamba
+tensors as its converter stores them (``pagoda.model.layers.mamba2.gguf_mixer_tensor``).
+
 Not served: the multi-token-prediction layers (``num_nextn_predict_layers``; their ``mtp.*``
-tensors are skipped), tensor parallelism and LoRA (as for Granite 4.0-H), and llama.cpp's
-``nemotron_h_moe`` GGUF files (its ``nemotron_h`` ones, without experts, are read: the Mamba
-tensors as its converter stores them, ``pagoda.model.layers.mamba2.gguf_mixer_tensor``).
+tensors are skipped, as is a GGUF file's block past the last layer, ``nextn_predict_layers``),
+tensor parallelism and LoRA (as for Granite 4.0-H), and GGUF files whose MoE layers differ in
+expert width or experts per token (NVIDIA's Puzzle models).
 
 The time step is clamped to ``time_step_limit`` on every token, as transformers' prompt
 path does (its one-token decode path does not; the published configs' limit, (0, inf),
@@ -53,6 +59,8 @@ _MIXER_PARTS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                         "fc2_latent_proj")}  # fmt: skip
 _OWNER = {part: module for module, parts in _MIXER_PARTS.items() for part in parts}
 _MIXER = re.compile(r"^model\.layers\.(\d+)\.mixer\.([A-Za-z0-9_]+)")
+# The latent projections: llama.cpp's table knows them under the checkpoint's names only.
+_LATENT = re.compile(r"^model\.layers\.(\d+)\.mlp\.(fc[12]_latent_proj\..+)$")
 _LEAVES = {".mamba.conv1d.weight": ".mamba.conv_weight", ".mamba.conv1d.bias": ".mamba.conv_bias",
            ".mamba.norm.weight": ".mamba.norm_weight", ".mamba.A_log": ".mamba.A",
            ".mlp.gate.e_score_correction_bias": ".mlp.score_bias"}
@@ -222,37 +230,82 @@ class NemotronHForCausalLM(CausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        """llama.cpp's ``nemotron_h`` files: a layer's kind from its ``attention.head_count_kv``
-        and ``feed_forward_length`` (arrays): attention where it has KV heads, the MLP where it
-        has a width, else Mamba-2; no RoPE; the time step unclamped (llama.cpp does not clamp
-        it). (Its ``nemotron_h_moe`` files, with experts, are not read yet.)"""
-        p = f"{md['general.architecture']}."
-        n = int(md[p + "block_count"])
+        """llama.cpp's ``nemotron_h`` and ``nemotron_h_moe`` files: a layer's kind from its
+        ``attention.head_count_kv`` and ``feed_forward_length`` (arrays): attention where it
+        has KV heads, the feed-forward layer where it has a width (experts when the file has
+        ``expert_count``: llama.cpp then builds experts for every such layer), else Mamba-2;
+        no RoPE; the time step unclamped (llama.cpp does not clamp it). A block past the
+        last layer (``nextn_predict_layers``: the MTP head) is not served.
 
-        def per_layer(key: str) -> list[int]:
-            v = md[p + key]
-            return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)] * n
+        The experts (llama.cpp's router: sigmoid whatever ``expert_gating_func`` says):
+        ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``,
+        ``expert_shared_feed_forward_length``, ``expert_weights_norm`` (default false),
+        ``expert_weights_scale`` (0: none), ``expert_group_count`` / ``expert_group_used_count``
+        (groups ranked by their best two, as transformers'), ``moe_latent_size``."""
+        p = f"{md['general.architecture']}."
+        total = int(md[p + "block_count"])
+        n = total - int(md.get(p + "nextn_predict_layers", 0) or 0)
+
+        def per_layer(key: str, default: Any = None) -> list[int]:
+            v = md.get(p + key, default)
+            if not isinstance(v, (list, tuple)):
+                return [int(v)] * n
+            if len(v) != total:
+                raise UnsupportedModelError(f"Nemotron-H GGUF: {key} {list(v)} for {total} layers")
+            return [int(x) for x in v[:n]]
 
         kv, ff = per_layer("attention.head_count_kv"), per_layer("feed_forward_length")
-        if len(kv) != n or len(ff) != n or len({k for k in kv if k}) > 1 or len({f for f in ff if f}) > 1:
+        experts = int(md.get(p + "expert_count") or 0)
+        if len({k for k in kv if k}) > 1 or (not experts and len({f for f in ff if f}) > 1):
             raise UnsupportedModelError(f"Nemotron-H GGUF: head_count_kv {kv}, feed_forward_length {ff} for {n} layers")
-        types = tuple("attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ff))
+        types = tuple("attention" if k else ("moe" if experts else "mlp") if f else "mamba" for k, f in zip(kv, ff))
         eps = md.get(p + "attention.layer_norm_rms_epsilon", md.get(p + "attention.layer_norm_epsilon", 1e-5))
-        fields = ModelArchConfig.gguf_fields({**md, p + "attention.head_count_kv": max(kv) or 1,
+        fields = ModelArchConfig.gguf_fields({**md, p + "block_count": n, p + "attention.head_count_kv": max(kv) or 1,
                                               p + "feed_forward_length": max(ff)}, tensor_names, architecture)
         heads, inner = int(md[p + "ssm.time_step_rank"]), int(md[p + "ssm.inner_size"])
         mamba = types.index("mamba") if "mamba" in types else 0
-        mlp = types.index("mlp") if "mlp" in types else 0
+        ffn = next((i for i, t in enumerate(types) if t in ("mlp", "moe")), 0)
+        moe: dict[str, Any] = {}
+        if "moe" in types:
+            on = [i for i, t in enumerate(types) if t == "moe"]
+            width = {per_layer("expert_feed_forward_length", 0)[i] or ff[i] for i in on}
+            used = {per_layer("expert_used_count", 0)[i] for i in on}
+            if 0 in used or 0 in width:
+                raise UnsupportedModelError("Nemotron-H GGUF with experts but no expert_used_count or expert width")
+            if len(width) > 1 or len(used) > 1:
+                raise UnsupportedModelError(f"Nemotron-H GGUF with expert widths {sorted(width)} and experts per "
+                                            f"token {sorted(used)} varying by layer is not supported")
+            groups, kept = int(md.get(p + "expert_group_count") or 0), int(md.get(p + "expert_group_used_count") or 0)
+            scale = float(md.get(p + "expert_weights_scale") or 0.0)
+            latent = int(md.get(p + "moe_latent_size") or 0)
+            moe = dict(moe_layers=tuple(t == "moe" for t in types), expert_scoring="sigmoid", expert_score_bias=True,
+                       expert_groups=(groups, kept) if groups > 1 else None, expert_group_score="top2",
+                       routed_scaling_factor=scale or 1.0, num_shared_experts=1,
+                       shared_expert_intermediate_size=int(md[p + "expert_shared_feed_forward_length"]),
+                       moe_latent_size=latent or None,
+                       **moe_fields(experts, used.pop(), width.pop(), bool(md.get(p + "expert_weights_norm", False))))
         return NemotronHArch(
             **{**fields, "rms_norm_eps": eps, "attention_bias": False},
-            mlp_bias=f"blk.{mlp}.ffn_up.bias" in tensor_names,
+            mlp_bias=f"blk.{ffn}.ffn_up.bias" in tensor_names or f"blk.{ffn}.ffn_up_shexp.bias" in tensor_names,
             rope_layers=(False,) * n, block_types=types, mamba_layers=tuple(t == "mamba" for t in types),
             mamba=dict(heads=heads, head_dim=inner // heads, groups=int(md[p + "ssm.group_count"]),
                        d_state=int(md[p + "ssm.state_size"]), d_conv=int(md[p + "ssm.conv_kernel"]),
                        intermediate=inner, conv_bias=f"blk.{mamba}.ssm_conv1d.bias" in tensor_names,
-                       proj_bias=f"blk.{mamba}.ssm_in.bias" in tensor_names, dt_min=0.0, dt_max=float("inf")))
+                       proj_bias=f"blk.{mamba}.ssm_in.bias" in tensor_names, dt_min=0.0, dt_max=float("inf")),
+            **moe)
 
-    gguf_lookup_name = staticmethod(gguf_mixer_lookup_name)
+    @classmethod
+    def gguf_lookup_name(cls, name: str) -> str:
+        """The router's correction bias and the latent projections under the names llama.cpp's
+        table knows them by (``exp_probs_b``, ``ffn_latent_down`` / ``ffn_latent_up``); the
+        Mamba-2 tensors as ``gguf_mixer_lookup_name``."""
+        if name.endswith(".mlp.score_bias"):
+            return name[: -len("score_bias")] + "gate.e_score_correction.bias"
+        m = _LATENT.match(name)
+        if m is not None:
+            return f"backbone.layers.{m.group(1)}.mixer.{m.group(2)}"
+        return gguf_mixer_lookup_name(name)
+
     gguf_tensor = staticmethod(gguf_mixer_tensor)
 
     @classmethod

@@ -13,7 +13,11 @@ Checkpoints: ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (text), the
 ``...ForConditionalGeneration`` ones as published (the language model is served; the
 vision tower and the multi-token-prediction head, ``mtp.*``, are not loaded), and
 ``Qwen3NextForCausalLM`` (its q, k, v, z and b, a projections stacked per key head,
-split at load). GGUF files under llama.cpp's ``qwen35`` / ``qwen35moe`` / ``qwen3next``.
+unpacked after the product). GGUF files under llama.cpp's ``qwen35`` / ``qwen35moe``
+(value heads tiled) and ``qwen3next`` (q, k, v and z as two tensors, b, a still stacked
+per key head, value heads grouped; its first files' q, k, v, z stacked as in HF's); each
+served in its own layout and order (pagoda/model/layers/gated_deltanet.py), no weight
+permuted.
 """
 
 from __future__ import annotations
@@ -182,11 +186,20 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3-Next: Qwen3.5-MoE's layers, its Gated DeltaNet's q, k, v, z and b, a
-    projections stacked per key head (unpacked after the product: ``layout`` next)."""
+    projections stacked per key head (unpacked after the product: ``layout`` next).
+    llama.cpp's ``qwen3next`` files hold q, k, v (``attn_qkv``) and z (``attn_gate``)
+    unstacked and b, a as HF's (``ssm_ba``): ``layout`` split_ba, the model's in_proj
+    filled from those three."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
         **CausalLM.packed_modules_mapping, "in_proj": ("in_proj_qkvz", "in_proj_ba"),
     }
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        if (config.linear_attn or {}).get("layout") == "split_ba":   # the loader asks the model
+            self.packed_modules_mapping = {**CausalLM.packed_modules_mapping,
+                                           "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_ba")}
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
@@ -195,5 +208,11 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
-        raise UnsupportedModelError("Qwen3-Next GGUF files are not supported yet (its HF checkpoints are, and "
-                                    "Qwen3.5's GGUF files)")
+        """llama.cpp's ``qwen3next`` files: Qwen3.5's keys; value heads grouped (this
+        converter keeps HF's order); q, k, v and z split out of HF's in_proj_qkvz (b, a
+        kept stacked per key head), or, in files of its first converter, stacked as HF's
+        (``ssm_in``)."""
+        arch = super().arch_from_gguf(md, tensor_names, architecture)
+        legacy = any(n.endswith(".ssm_in.weight") for n in tensor_names)
+        return dataclasses.replace(arch, linear_attn={**arch.linear_attn, "v_order": "grouped",
+                                                      "layout": "next" if legacy else "split_ba"})
