@@ -66,11 +66,12 @@ def _check_hybrid(config: EngineConfig) -> None:
     """What a hybrid model (state layers beside attention: pagoda/model/models/lfm2.py) does
     not combine with yet, each named: the runner's state slots hold one state per running
     request, which a draft running the target's own first layers, transferred KV blocks and
-    parallel ranks would not."""
+    pipeline stages would not. (Tensor parallelism: the family says whether its state
+    layers split, ``CausalLM.tensor_parallel``.)"""
     spec = config.speculative_config
     refused = [(spec is not None and spec.method == "layer_skip", "--speculative-config method layer_skip"),
                (config.kv_role is not None, "--kv-role"),
-               (config.world_size > 1, "--tensor-parallel-size / --pipeline-parallel-size > 1"),
+               (config.pipeline_parallel_size > 1, "--pipeline-parallel-size > 1"),
                (config.dp_expert_parallel, "--enable-expert-parallel"),
                (config.enable_lora, "--enable-lora")]
     names = [name for bad, name in refused if bad]
@@ -284,6 +285,13 @@ class EngineCore:
         if self.tp_driver is not None:
             # Every rank sizes its own pool (its own heads, its own memory); the smallest wins.
             num_blocks = self.tp_driver.group.all_reduce_min(num_blocks)
+            if loaded.arch.is_hybrid:
+                # The workers hold as many state slots and saved states (their heads' states):
+                # rank 0's plan, passed as a minimum over the ranks (the workers give STATE_PLAN_ANY).
+                self.num_state_slots, self.num_state_checkpoints = (
+                    self.tp_driver.group.all_reduce_min(n) for n in (self.num_state_slots, self.num_state_checkpoints))
+                if self.state_checkpoint_interval == 1 and self.num_state_checkpoints:
+                    self.num_state_checkpoints = num_blocks   # one beside each block
         # Layers of different attention types (windows) keep separate block tables (KV
         # groups) over one pool: the longest request the pool holds counts each group's blocks.
         layout = kv_layout(loaded.model)

@@ -19,6 +19,9 @@ import time
 
 from pagoda.config import EngineConfig
 
+# What a worker gives to the minimum over the ranks through which rank 0 passes a number.
+STATE_PLAN_ANY = 1 << 62
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,8 +47,11 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, init_method: st
     kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)
     per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
     num_blocks = group.all_reduce_min(kv_blocks_for(config, loaded.model, device, dtype, per_block))
+    # A hybrid model's state slots and saved states: rank 0's plan (EngineCore._plan_kv).
+    slots, saved = (group.all_reduce_min(STATE_PLAN_ANY) for _ in range(2)) if loaded.arch.is_hybrid else (0, 0)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, kv_dtype, config.seed, samples=False,
-                         kv_cache_dtype=kv_quant, attention_backend=config.attention_backend)
+                         kv_cache_dtype=kv_quant, attention_backend=config.attention_backend,
+                         num_state_slots=slots, num_state_checkpoints=saved)
     logger.info("rank %d/%d ready: %d KV blocks", rank, world, num_blocks)
     try:
         while True:

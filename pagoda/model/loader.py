@@ -152,7 +152,7 @@ def _shard_model(model: CausalLM, arch: ModelArchConfig, tp: _TP,
     if not cls.tensor_parallel:
         raise UnsupportedModelError(f"{arch.architecture} cannot be served with tensor parallelism")
     mode = _MODE_INPUT_UNITS.get(tp.quantization, 1)
-    merged = {k: max((units or {}).get(k, 1), mode) for k in ("o_proj", "down_proj")}
+    merged = {k: max((units or {}).get(k, 1), mode) for k in ("o_proj", "down_proj", "out_proj")}
     plan = ShardPlan.build(arch, tp.rank, tp.group.world_size, tp.expert_parallel, merged)
     with torch.device("meta"):
         plan.apply(model, tp.group)
@@ -566,7 +566,7 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
         for gguf_name, info in gf.tensors.items():
             hf = names.get(gguf_name)
             kind = (hf[0] if isinstance(hf, list) else hf or "").rpartition(".")[0].rpartition(".")[2]
-            if kind in ("o_proj", "down_proj") and len(info.shape) >= 2 and info.ggml_type in BLOCK_TYPES:
+            if kind in ("o_proj", "down_proj", "out_proj") and len(info.shape) >= 2 and info.ggml_type in BLOCK_TYPES:
                 units[kind] = max(units.get(kind, 1), block_format(info.ggml_type)[0])
         plan = _shard_model(model, arch, tp, units)
     stage = _stage_of(model, arch, pipe)

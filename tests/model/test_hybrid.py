@@ -210,6 +210,51 @@ def test_hybrid_speculative_decoding_keeps_the_states_of_accepted_tokens(hybrid)
     assert _free(llm) == free
 
 
+# Families whose state layers split over tensor-parallel ranks (Gated DeltaNet: by key
+# head), and (source, words) of a refusal for others.
+_TP = {"qwen35": ("hf",), "qwen35moe": ("hf",), "qwen3next": ("hf", "gguf"), "qwen3nextmixed": ("hf",)}
+_TP_REFUSED = {"qwen35": ("gguf", "tiles its value heads"), "lfm2": ("hf", "cannot be served with tensor parallelism")}
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_hybrid_under_tensor_parallelism(hybrid, source):
+    """Two ranks (gloo): every Gated DeltaNet layer split by key head, each rank with its
+    key heads' value heads (its rows of the projections, its convolution channels, decays
+    and gates, its share of every state; out_proj row-parallel), attention, MLP and shared
+    experts as for any family, through chunked prompts: greedy tokens equal one process's.
+    A file whose value heads are tiled (llama.cpp's qwen35) and families whose state layers
+    do not split yet are refused by name."""
+    from pagoda.model.loader import parameter_bytes
+    from tests.model.test_tensor_parallel import _PROMPTS, _assert_same_greedy
+
+    hf, path, gguf, block, family = hybrid
+    name = next(n for n, f in FAMILIES.items() if f is family)
+    path = gguf if source == "gguf" else path
+    refused = _TP_REFUSED.get(name)
+    if refused is not None and refused[0] == source:
+        with pytest.raises(Exception, match=refused[1]):
+            LLM(path, tensor_parallel_size=2, num_kv_blocks=32, skip_tokenizer_init=True, show_progress=False)
+        return
+    if source not in _TP.get(name, ()):
+        pytest.skip(f"{name} from {source}: not one of the tensor-parallel cases")
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    outs, held = {}, {}
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, num_kv_blocks=32, block_size=block, max_num_batched_tokens=24,
+                  skip_tokenizer_init=True, show_progress=False)
+        try:
+            result = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], params, use_tqdm=False)
+            outs[tp] = [o.outputs[0] for o in result]
+            held[tp] = (parameter_bytes(llm.engine.loaded.model), llm.engine.runner._state_caches[0].slots.shape[1])
+            if tp == 2:
+                llm.engine.check_integrity()
+        finally:
+            llm.shutdown()
+    _assert_same_greedy(outs[1], outs[2], f"{name} tensor-parallel")
+    (full, state), (half, state2) = held[1], held[2]
+    assert half < 0.8 * full and state2 * 2 == state   # rank 0's share of the weights and of a state
+
+
 def test_a_hybrid_draft_model_is_refused(hybrid):
     _, path, _, _, _ = hybrid
     with pytest.raises(ValueError, match="a hybrid draft model"):

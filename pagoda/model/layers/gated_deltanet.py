@@ -93,6 +93,10 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         return mixed, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
 
+    def state_numel(self) -> int:
+        """This layer's state per request (its heads': a tensor-parallel rank's share)."""
+        return self.conv_dim * (self.kernel - 1) + self.v_heads * self.k_dim * self.v_dim
+
     @staticmethod
     def state_size(config: ModelArchConfig) -> int:
         g = config.linear_attn

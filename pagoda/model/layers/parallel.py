@@ -156,6 +156,17 @@ class ShardPlan:
     total_heads: int = 0
     total_kv_heads: int = 0
     total_intermediate: int = 0
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): [start, end) of the key heads this rank
+    # computes, each with its value heads (grouped order); the layers' geometry (linear_attn).
+    linear_k_heads: tuple[int, int] = (0, 0)
+    linear_attn: tuple[tuple[str, int], ...] = ()
+    # Shared experts (a GatedMLP of their own width beside the routed ones): [start, end)
+    # of their intermediate dimension, and the whole width.
+    shared: tuple[int, int] = (0, 0)
+    total_shared: int = 0
+    # q_proj's rows per head and head dimension: 2 with an output gate (Qwen3.5's: a query
+    # and a gate row block per head).
+    q_rows_per_head: int = 1
 
     @classmethod
     def build(cls, arch: ModelArchConfig, rank: int, world_size: int, expert_parallel: bool = False,
@@ -198,9 +209,17 @@ class ShardPlan:
             intermediate = split_range(arch.intermediate_size, world_size, rank)
         else:
             intermediate = split_units(arch.intermediate_size, down_unit, world_size, rank, "the intermediate size")
+        linear_k, linear = (0, 0), ()
+        if arch.linear_attn and any(arch.linear_attn_layers or ()):
+            linear_k, linear = _linear_heads_of(arch, world_size, rank, units.get("out_proj", 1))
+        shared, total_shared = (0, 0), 0
+        if arch.num_experts and arch.num_shared_experts:
+            total_shared = arch.shared_expert_intermediate_size or arch.moe_intermediate_size * arch.num_shared_experts
+            shared = split_units(total_shared, down_unit, world_size, rank, "the shared experts' intermediate size")
         return cls(rank, world_size, q_range, kv_range, intermediate,
                    vocab, per, arch.head_dim, arch.vocab_size, experts, expert_rows, heads, kv,
-                   arch.intermediate_size)
+                   arch.intermediate_size, linear_k, linear, shared, total_shared,
+                   2 if arch.attn_output_gate else 1)
 
     @property
     def num_heads(self) -> int:
@@ -218,20 +237,19 @@ class ShardPlan:
         i0, i1 = self.intermediate
         q_cols = (self.q_heads[0] * d, self.q_heads[1] * d, self.total_heads * d)
         for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.num_heads, attn.num_kv_heads = self.num_heads, self.num_kv_heads
-            attn.q_size, attn.kv_size = self.num_heads * d, self.num_kv_heads * d
-            attn.q_rows = attn.q_size * (2 if attn.output_gate else 1)
-            bias = attn.qkv_proj.bias is not None
-            attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_rows + 2 * attn.kv_size, bias=bias)
-            attn.o_proj = RowParallelLinear(nn.Linear(attn.q_size, attn.o_proj.out_features, bias=False), comm,
-                                            q_cols, bias=attn.o_proj.bias is not None)
-            if getattr(attn, "sinks", None) is not None:   # GPT-OSS: this rank's heads' sinks
-                attn.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-            if getattr(attn, "qk_norm", None) == "full":   # OLMo 2: each rank's rows of the norms
-                attn.q_norm = type(attn.q_norm)(attn.q_size, attn.q_norm.eps)
-                attn.k_norm = type(attn.k_norm)(attn.kv_size, attn.k_norm.eps)
-                attn.qk_comm = comm
+            mlp = layer.mlp
+            attn = getattr(layer, "self_attn", None)   # (a hybrid's state layer has none)
+            if attn is not None:
+                self._apply_attention(attn, comm, q_cols)
+            if getattr(layer, "linear_attn", None) is not None:
+                self._apply_linear_attn(layer.linear_attn, comm)
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None:   # split as a dense MLP is, its own sum all-reduced
+                s0, s1 = self.shared
+                shared.intermediate_size = s1 - s0
+                shared.gate_up_proj = nn.Linear(shared.gate_up_proj.in_features, 2 * (s1 - s0), bias=False)
+                shared.down_proj = RowParallelLinear(nn.Linear(s1 - s0, shared.down_proj.out_features, bias=False),
+                                                     comm, (s0, s1, self.total_shared))
             if hasattr(mlp, "experts") and self.expert_rows is None:   # whole experts, this rank's share
                 e0, e1 = self.experts
                 for e in range(len(mlp.experts)):
@@ -259,6 +277,67 @@ class ShardPlan:
         model.model.embed_tokens = VocabParallelEmbedding(self.vocab, nn.Embedding(self.vocab_per_rank, hidden), comm)
         model.lm_head = ParallelLMHead(nn.Linear(hidden, self.vocab_per_rank, bias=False), self.vocab_size, comm)
 
+    def _apply_attention(self, attn: nn.Module, comm: Collectives, q_cols: tuple[int, int, int]) -> None:
+        d = self.head_dim
+        attn.num_heads, attn.num_kv_heads = self.num_heads, self.num_kv_heads
+        attn.q_size, attn.kv_size = self.num_heads * d, self.num_kv_heads * d
+        attn.q_rows = attn.q_size * (2 if attn.output_gate else 1)
+        bias = attn.qkv_proj.bias is not None
+        attn.qkv_proj = nn.Linear(attn.qkv_proj.in_features, attn.q_rows + 2 * attn.kv_size, bias=bias)
+        attn.o_proj = RowParallelLinear(nn.Linear(attn.q_size, attn.o_proj.out_features, bias=False), comm,
+                                        q_cols, bias=attn.o_proj.bias is not None)
+        if getattr(attn, "sinks", None) is not None:   # GPT-OSS: this rank's heads' sinks
+            attn.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        if getattr(attn, "qk_norm", None) == "full":   # OLMo 2: each rank's rows of the norms
+            attn.q_norm = type(attn.q_norm)(attn.q_size, attn.q_norm.eps)
+            attn.k_norm = type(attn.k_norm)(attn.kv_size, attn.k_norm.eps)
+            attn.qk_comm = comm
+
+    def _apply_linear_attn(self, m: nn.Module, comm: Collectives) -> None:
+        """A Gated DeltaNet layer (pagoda/model/layers/gated_deltanet.py) of this rank's key
+        heads and their value heads: its projection's rows, convolution channels, decays and
+        state (``state_numel``) theirs; out_proj row-parallel. The gated norm is per value
+        head, so no rank needs another's."""
+        g = dict(self.linear_attn)
+        k0, k1 = self.linear_k_heads
+        per_key = g["v_heads"] // g["k_heads"]
+        m.k_heads, m.v_heads = k1 - k0, (k1 - k0) * per_key
+        m.key_size, m.value_size = m.k_heads * m.k_dim, m.v_heads * m.v_dim
+        m.conv_dim = 2 * m.key_size + m.value_size
+        m.in_proj = nn.Linear(m.in_proj.in_features, sum(m.row_sizes), bias=False)
+        m.conv_weight = nn.Parameter(torch.empty(m.conv_dim, m.kernel), requires_grad=False)
+        m.dt_bias = nn.Parameter(torch.empty(m.v_heads), requires_grad=False)
+        m.A = nn.Parameter(torch.empty(m.v_heads), requires_grad=False)
+        v = g["v_dim"]
+        m.out_proj = RowParallelLinear(nn.Linear(m.value_size, m.out_proj.out_features, bias=False), comm,
+                                       (k0 * per_key * v, k1 * per_key * v, g["v_heads"] * v))
+
+    def _linear_attn_shard(self, name: str) -> TensorShard | None:
+        """This rank's part of a Gated DeltaNet tensor (``...linear_attn.{part}...``)."""
+        g = dict(self.linear_attn)
+        nk, kd, vd, per_key = g["k_heads"], g["k_dim"], g["v_dim"], g["v_heads"] // g["k_heads"]
+        k0, k1 = self.linear_k_heads
+        v0, v1 = k0 * per_key, k1 * per_key
+        part = name.split(".linear_attn.")[1].split(".")[0]
+        qkv = ((k0 * kd, k1 * kd), (nk * kd + k0 * kd, nk * kd + k1 * kd),
+               (2 * nk * kd + v0 * vd, 2 * nk * kd + v1 * vd))
+        if part in ("in_proj_qkv", "conv_weight"):
+            return TensorShard(rows=qkv)
+        if part == "in_proj_z":
+            return TensorShard(rows=((v0 * vd, v1 * vd),))
+        if part in ("in_proj_b", "in_proj_a", "dt_bias", "A"):
+            return TensorShard(rows=((v0, v1),))
+        if part == "in_proj_qkvz":   # q, k, v, z stacked per key head
+            per = 2 * kd + 2 * per_key * vd
+            return TensorShard(rows=((k0 * per, k1 * per),))
+        if part == "in_proj_ba":     # b, a stacked per key head
+            return TensorShard(rows=((k0 * 2 * per_key, k1 * 2 * per_key),))
+        if part == "out_proj":
+            return TensorShard(cols=(v0 * vd, v1 * vd))
+        if part == "norm_weight":    # per value head, the same weights: every rank's
+            return None
+        raise ValueError(f"cannot split Gated DeltaNet tensor {name} over ranks")
+
     # ---- sharding the checkpoint's tensors as they are read ---------------------------
 
     def holds(self, name: str) -> bool:
@@ -272,9 +351,19 @@ class ShardPlan:
         None: the whole tensor."""
         if EXPERT_NAME.search(name):
             return None if self.expert_rows is None else self._expert_rows(name)
+        if ".linear_attn." in name:
+            return self._linear_attn_shard(name)
         d = self.head_dim
         kind = name.split(".")[-2] if "." in name else name
-        q = (self.q_heads[0] * d, self.q_heads[1] * d)
+        if ".shared_experts." in name:   # a dense MLP of its own width
+            if kind in ("gate_proj", "up_proj"):
+                return TensorShard(rows=(self.shared,))
+            if kind == "down_proj" and name.endswith("weight"):
+                return TensorShard(cols=self.shared)
+            if kind == "gate_up_proj":
+                s0, s1 = self.shared
+                return TensorShard(rows=((s0, s1), (self.total_shared + s0, self.total_shared + s1)))
+        q = (self.q_heads[0] * d * self.q_rows_per_head, self.q_heads[1] * d * self.q_rows_per_head)
         kv = (self.kv_heads[0] * d, self.kv_heads[1] * d)
         if kind == "qkv_proj":   # stacked in the checkpoint: each part's rows of this rank
             nq, nkv = self.total_heads * d, self.total_kv_heads * d
@@ -295,7 +384,7 @@ class ShardPlan:
         if kind in ("gate_proj", "up_proj"):
             return TensorShard(rows=(self.intermediate,))
         if kind == "o_proj" and name.endswith("weight"):
-            return TensorShard(cols=q)
+            return TensorShard(cols=(self.q_heads[0] * d, self.q_heads[1] * d))
         if kind == "down_proj" and name.endswith("weight"):
             return TensorShard(cols=self.intermediate)
         if kind in ("embed_tokens", "lm_head"):
@@ -322,6 +411,29 @@ class ShardPlan:
         if kind == "down_proj":   # a bias: added once, by rank 0
             return TensorShard() if self.rank == 0 else TensorShard(zero=True)
         raise ValueError(f"cannot split expert tensor {name} by rows")
+
+
+def _linear_heads_of(arch: ModelArchConfig, world_size: int, rank: int,
+                     out_unit: int) -> tuple[tuple[int, int], tuple[tuple[str, int], ...]]:
+    """[start, end) of the Gated DeltaNet key heads of ``rank`` (each with the value heads
+    that read it), and the layers' geometry; every rank's share of out_proj's input (its
+    value heads) whole blocks of ``out_unit`` weights."""
+    g = arch.linear_attn
+    k_heads, v_heads, v_dim = g["k_heads"], g["v_heads"], g["v_dim"]
+    if g.get("v_order", "grouped") != "grouped":
+        raise ValueError("tensor parallelism splits Gated DeltaNet layers by key head with their value heads "
+                         "next to each other (transformers' order); this file tiles its value heads (llama.cpp's "
+                         "qwen35 / qwen35moe files): serve its HF checkpoint, or one process")
+    if k_heads < world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's {k_heads} Gated DeltaNet key heads")
+    per_key = v_heads // k_heads
+    for r in range(world_size):
+        k0, k1 = split_range(k_heads, world_size, r)
+        if (k1 - k0) * per_key * v_dim % out_unit:
+            raise ValueError(f"tensor_parallel_size={world_size} gives rank {r} {k1 - k0} of the {k_heads} Gated "
+                             f"DeltaNet key heads: {(k1 - k0) * per_key * v_dim} of out_proj's input columns, not "
+                             f"whole blocks of {out_unit} weights, the blocks its weights are kept in")
+    return split_range(k_heads, world_size, rank), tuple(sorted(g.items()))
 
 
 def _heads_of(heads: int, kv: int, world_size: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:

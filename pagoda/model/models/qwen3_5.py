@@ -61,8 +61,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
     }
     unquantized_modules = (".mlp.gate", ".mlp.shared_expert_gate")
-    # Not yet: the heads split over ranks, adapters on the mixers' projections.
-    tensor_parallel = False
+    # Not yet: adapters on the mixers' projections. (Under tensor parallelism a rank holds
+    # whole key heads of every Gated DeltaNet layer: pagoda/model/layers/parallel.py.)
     lora = False
 
     @classmethod
@@ -162,9 +162,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         return sum(sizes[:shard]), sum(sizes[:shard + 1])
 
     def state_shapes(self) -> list[tuple[int, ...] | None]:
-        c = self.config
-        return [(GatedDeltaNet.state_size(c),) if c.is_linear_attn_layer(i) else None
-                for i in range(len(self.model.layers))]
+        return [(layer.linear_attn.state_numel(),) if getattr(layer, "linear_attn", None) is not None else None
+                for layer in self.model.layers]
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
