@@ -212,18 +212,20 @@ def test_hybrid_speculative_decoding_keeps_the_states_of_accepted_tokens(hybrid)
 
 # Families whose state layers split over tensor-parallel ranks (Gated DeltaNet: by key
 # head), and (source, words) of a refusal for others.
-_TP = {"qwen35": ("hf",), "qwen35moe": ("hf",), "qwen3next": ("hf", "gguf"), "qwen3nextmixed": ("hf",)}
-_TP_REFUSED = {"qwen35": ("gguf", "tiles its value heads"), "lfm2": ("hf", "cannot be served with tensor parallelism")}
+_TP = {"qwen35": ("hf",), "qwen35moe": ("hf",), "qwen3next": ("hf", "gguf"), "qwen3nextmixed": ("hf",),
+       "lfm2": ("hf", "gguf"), "lfm2moe": ("hf",)}
+_TP_REFUSED = {"qwen35": ("gguf", "tiles its value heads"),
+               "granite4h": ("hf", "cannot be served with tensor parallelism")}
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_hybrid_under_tensor_parallelism(hybrid, source):
     """Two ranks (gloo): every Gated DeltaNet layer split by key head, each rank with its
     key heads' value heads (its rows of the projections, its convolution channels, decays
-    and gates, its share of every state; out_proj row-parallel), attention, MLP and shared
-    experts as for any family, through chunked prompts: greedy tokens equal one process's.
-    A file whose value heads are tiled (llama.cpp's qwen35) and families whose state layers
-    do not split yet are refused by name."""
+    and gates, its share of every state; out_proj row-parallel), LFM2's convolutions by
+    channel, attention, MLP and shared experts as for any family, through chunked prompts:
+    greedy tokens equal one process's. A file whose value heads are tiled (llama.cpp's
+    qwen35) and families whose state layers do not split yet (Mamba-2) are refused by name."""
     from pagoda.model.loader import parameter_bytes
     from tests.model.test_tensor_parallel import _PROMPTS, _assert_same_greedy
 

@@ -164,6 +164,10 @@ class ShardPlan:
     # of their intermediate dimension, and the whole width.
     shared: tuple[int, int] = (0, 0)
     total_shared: int = 0
+    # LFM2's gated short convolutions: [start, end) of the channels this rank convolves,
+    # and the whole width.
+    conv_channels: tuple[int, int] = (0, 0)
+    total_conv: int = 0
     # q_proj's rows per head and head dimension: 2 with an output gate (Qwen3.5's: a query
     # and a gate row block per head).
     q_rows_per_head: int = 1
@@ -212,6 +216,9 @@ class ShardPlan:
         linear_k, linear = (0, 0), ()
         if arch.linear_attn and any(arch.linear_attn_layers or ()):
             linear_k, linear = _linear_heads_of(arch, world_size, rank, units.get("out_proj", 1))
+        conv = (0, 0)
+        if arch.conv_layers is not None and any(arch.conv_layers):
+            conv = split_units(arch.hidden_size, units.get("out_proj", 1), world_size, rank, "the convolutions' channels")
         shared, total_shared = (0, 0), 0
         if arch.num_experts and arch.num_shared_experts:
             total_shared = arch.shared_expert_intermediate_size or arch.moe_intermediate_size * arch.num_shared_experts
@@ -219,6 +226,7 @@ class ShardPlan:
         return cls(rank, world_size, q_range, kv_range, intermediate,
                    vocab, per, arch.head_dim, arch.vocab_size, experts, expert_rows, heads, kv,
                    arch.intermediate_size, linear_k, linear, shared, total_shared,
+                   conv, arch.hidden_size if arch.conv_layers is not None else 0,
                    2 if arch.attn_output_gate else 1)
 
     @property
@@ -243,6 +251,8 @@ class ShardPlan:
                 self._apply_attention(attn, comm, q_cols)
             if getattr(layer, "linear_attn", None) is not None:
                 self._apply_linear_attn(layer.linear_attn, comm)
+            if getattr(layer, "conv", None) is not None:
+                self._apply_short_conv(layer.conv, comm)
             shared = getattr(mlp, "shared_experts", None)
             if shared is not None:   # split as a dense MLP is, its own sum all-reduced
                 s0, s1 = self.shared
@@ -312,6 +322,31 @@ class ShardPlan:
         m.out_proj = RowParallelLinear(nn.Linear(m.value_size, m.out_proj.out_features, bias=False), comm,
                                        (k0 * per_key * v, k1 * per_key * v, g["v_heads"] * v))
 
+    def _apply_short_conv(self, m: nn.Module, comm: Collectives) -> None:
+        """An LFM2 gated short convolution (pagoda/model/models/lfm2.py) of this rank's
+        channels: their rows of B, C and x, their kernels and state; out_proj row-parallel."""
+        c0, c1 = self.conv_channels
+        bias = m.conv_bias is not None
+        m.hidden_size = c1 - c0
+        m.in_proj = nn.Linear(m.in_proj.in_features, 3 * (c1 - c0), bias=bias)
+        m.conv_weight = nn.Parameter(torch.empty(c1 - c0, m.kernel), requires_grad=False)
+        if bias:
+            m.conv_bias = nn.Parameter(torch.empty(c1 - c0), requires_grad=False)
+        m.out_proj = RowParallelLinear(nn.Linear(c1 - c0, m.out_proj.out_features, bias=False), comm,
+                                       (c0, c1, self.total_conv), bias=bias)
+
+    def _short_conv_shard(self, name: str) -> TensorShard | None:
+        c0, c1 = self.conv_channels
+        h = self.total_conv
+        part = name.split(".conv.")[1].split(".")[0]
+        if part == "in_proj":   # B, C, x: each part's channels of this rank (weight and bias)
+            return TensorShard(rows=((c0, c1), (h + c0, h + c1), (2 * h + c0, 2 * h + c1)))
+        if part in ("conv_weight", "conv_bias"):
+            return TensorShard(rows=((c0, c1),))
+        if part == "out_proj":
+            return TensorShard(cols=(c0, c1)) if name.endswith("weight") else None   # the bias: added once
+        raise ValueError(f"cannot split short-convolution tensor {name} over ranks")
+
     def _linear_attn_shard(self, name: str) -> TensorShard | None:
         """This rank's part of a Gated DeltaNet tensor (``...linear_attn.{part}...``)."""
         g = dict(self.linear_attn)
@@ -353,6 +388,8 @@ class ShardPlan:
             return None if self.expert_rows is None else self._expert_rows(name)
         if ".linear_attn." in name:
             return self._linear_attn_shard(name)
+        if self.total_conv and ".conv." in name:
+            return self._short_conv_shard(name)
         d = self.head_dim
         kind = name.split(".")[-2] if "." in name else name
         if ".shared_experts." in name:   # a dense MLP of its own width

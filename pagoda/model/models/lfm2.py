@@ -96,8 +96,8 @@ class Lfm2DecoderLayer(HybridDecoderLayer):
 
 class Lfm2ForCausalLM(CausalLM):
     layer_cls = Lfm2DecoderLayer
-    # Not yet: the convolutions' channels split over ranks, adapters on their projections.
-    tensor_parallel = False
+    # Not yet: adapters on the convolutions' projections. (Under tensor parallelism a rank
+    # convolves its share of the channels: pagoda/model/layers/parallel.py.)
     lora = False
 
     @classmethod
@@ -158,9 +158,9 @@ class Lfm2ForCausalLM(CausalLM):
         return tensor
 
     def state_shapes(self) -> list[tuple[int, ...] | None]:
-        c = self.config
-        return [(c.hidden_size, c.conv_kernel - 1) if c.is_conv_layer(i) else None
-                for i in range(len(self.model.layers))]
+        # (A layer's channels: a tensor-parallel rank's share.)
+        return [(layer.conv.hidden_size, layer.conv.kernel - 1) if getattr(layer, "conv", None) is not None else None
+                for layer in self.model.layers]
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
