@@ -152,7 +152,9 @@ def _default_requests(default_adapters) -> dict[str, LoRARequest]:
     return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(sorted(default_adapters.items()))}
 
 
-@pytest.mark.parametrize("name", ["all", "attn", "mlp"])
+# (attn and mlp: parts of "all", run under make test-all)
+@pytest.mark.parametrize("name", ["all", pytest.param("attn", marks=pytest.mark.slow),
+                                  pytest.param("mlp", marks=pytest.mark.slow)])
 def test_default_model_adapter_greedy_matches_peft(default_llm, hf_default_model, default_adapters,
                                                    chat_prompts, name):
     lora = _default_requests(default_adapters)[name]

@@ -217,6 +217,7 @@ def test_tp2_pp2_matches_one_process(tiny_llama3_dir):
             assert 0.4 * full < b < 0.7 * full, (stage, b, full)
 
 
+@pytest.mark.slow   # (TP x PP and expert parallelism each run in the default suite)
 def test_tp2_pp2_expert_parallel_matches_one_process(tiny_qwen3moe_dir):
     """Experts split by expert within every stage (TP=2 x PP=2 with --enable-expert-parallel):
     each rank holds half of its stage's layers' experts, and the tokens are one process's."""

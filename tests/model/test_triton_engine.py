@@ -58,7 +58,7 @@ def test_triton_backend_gives_the_cpu_backends_tokens(tiny_llama_dir):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", pytest.param("tiny_gemma3_dir", marks=pytest.mark.slow)])
 def test_decode_graphs_replay_the_eager_tokens(model, request):
     """Decode steps of 5, 4, 3, ... requests replay the graphs of 8 and 4 (padded rows write
     no cache slot), over buffers that are never reallocated: the eager run's tokens; Gemma 3
