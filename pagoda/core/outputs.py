@@ -75,6 +75,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_swapped_in_blocks: int = 0    # cumulative
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    # A hybrid model's state slots (one per running request), the states its prefix cache
+    # keeps, and prefix hits that started from one (cumulative).
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
+    num_saved_states: int = 0
+    num_state_restores: int = 0
     # LoRA: adapter name -> requests running / waiting with it.
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}

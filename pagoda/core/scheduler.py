@@ -857,6 +857,10 @@ class Scheduler:
             num_swapped_in_blocks=self.host.num_swapped_in,
             num_host_blocks=self.host.num_blocks,
             num_free_host_blocks=self.host.num_free_blocks,
+            num_state_slots=self.states.num_slots if self.states is not None else 0,
+            num_free_state_slots=self.states.num_free if self.states is not None else 0,
+            num_saved_states=len(self.checkpoints) if self.checkpoints is not None else 0,
+            num_state_restores=self.checkpoints.num_restores if self.checkpoints is not None else 0,
         )
 
     def check_integrity(self) -> None:

@@ -158,6 +158,14 @@ def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | No
                   lambda s: s.num_swap_preemptions)
     yield counter("swapped_out_blocks", "KV blocks copied to the host pool.", lambda s: s.num_swapped_out_blocks)
     yield counter("swapped_in_blocks", "KV blocks copied back from the host pool.", lambda s: s.num_swapped_in_blocks)
+    yield gauge("state_slots", "A hybrid model's state slots (one per running request; 0: not a hybrid).",
+                lambda s: s.num_state_slots)
+    yield gauge("state_slots_used", "State slots held by running requests.",
+                lambda s: s.num_state_slots - s.num_free_state_slots)
+    yield gauge("saved_states", "States the prefix cache keeps at block ends (hybrid models).",
+                lambda s: s.num_saved_states)
+    yield counter("state_restores", "Prefix-cache hits that started from a saved state (hybrid models).",
+                  lambda s: s.num_state_restores)
     yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                   lambda s: s.prefix_cache_queries)
     yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits)

@@ -92,9 +92,33 @@ def test_hybrid_matches_transformers_through_chunks_and_a_second_pass(hybrid, so
 def test_hybrid_five_turns_compute_only_their_new_tokens(hybrid):
     """A conversation of five turns: each later turn hits the prefix cache up to the last
     whole block of the turn before, restores the states saved there, and computes at most
-    its new tokens plus one block; its tokens are transformers' greedy ones."""
+    its new tokens plus one block; its tokens are transformers' greedy ones. The state
+    slots, saved states and restores are in the metrics (/metrics' gauges and counters)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagoda.config import EngineConfig
+    from pagoda.metrics.prometheus import make_registry, render
+
     hf, path, _, block, _ = hybrid
-    _five_turns(hf, path, block)
+    llm = _five_turns(hf, path, block)
+    stats = llm.engine.scheduler.make_stats()
+
+    class Source:
+        metrics = None
+        config = EngineConfig()
+        replicas = ()
+        lora_token_counts: dict[str, list[int]] = {}
+
+        def latest_stats(self):
+            return stats
+
+    families = {f.name: f.samples[0].value for f in text_string_to_metric_families(render(make_registry(Source(), "x"))
+                                                                                 .decode()) if f.samples}
+    slots = llm.engine.scheduler.states.num_slots
+    assert families["pagoda:state_slots"] == slots > 0 and families["pagoda:state_slots_used"] == 0
+    assert families["pagoda:saved_states"] == len(llm.engine.scheduler.checkpoints) > 0
+    # (each later turn whose history passed a saved state's block end restored one)
+    assert families["pagoda:state_restores"] == llm.engine.scheduler.checkpoints.num_restores >= 1
 
 
 def _five_turns(hf, path: str, block: int) -> LLM:
