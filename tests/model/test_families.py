@@ -41,6 +41,10 @@ def _configs():
                                     residual_multiplier=0.3, attention_multiplier=0.09, logits_scaling=4.0,
                                     tie_word_embeddings=False), "granite"),
         "olmo2": (t.Olmo2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "olmo2"),
+        # OLMo 3: three windowed layers (16) to one global, the prompts past the window;
+        # llama.cpp writes it as an olmo2 file with its windows.
+        "olmo3": (t.Olmo3Config(**_COMMON, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False),
+                  "olmo2"),
         # q/k/v and gate/up stacked in the checkpoint itself.
         "phi3": (t.Phi3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False), "phi3"),
         # Phi-4-mini's rotary: 12 of 16 dimensions, LongRoPE factors (the sequences here
@@ -122,7 +126,7 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
+@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
                                                  "deepseekv2-full", "deepseekv3",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
