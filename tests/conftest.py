@@ -135,6 +135,20 @@ def tiny_phi3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_seedoss_dir(tmp_path_factory) -> str:
+    """Seed-OSS: biases on q, k, v, o and the MLP."""
+    return _tiny_family(tmp_path_factory, "tiny-seedoss", "SeedOssConfig", num_hidden_layers=2, attention_bias=True,
+                        attention_out_bias=True, mlp_bias=True, architectures=["SeedOssForCausalLM"])
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo3_dir(tmp_path_factory) -> str:
+    """OLMo 3: OLMo 2's layers, three windowed (16) to one global."""
+    return _tiny_family(tmp_path_factory, "tiny-olmo3", "Olmo3Config", num_hidden_layers=4, sliding_window=16,
+                        architectures=["Olmo3ForCausalLM"])
+
+
+@pytest.fixture(scope="session")
 def tiny_olmo2_dir(tmp_path_factory) -> str:
     """OLMo 2: whole-width q/k norms, post-norms; one KV head (replicated under TP=2)."""
     from transformers import Olmo2Config

@@ -280,9 +280,10 @@ class ShardPlan:
                 mlp.comm = comm
                 continue
             mlp.intermediate_size = i1 - i0
-            mlp.gate_up_proj = nn.Linear(mlp.gate_up_proj.in_features, 2 * (i1 - i0), bias=False)
+            bias = mlp.gate_up_proj.bias is not None   # (Seed-OSS's mlp_bias: gate/up rows, down once)
+            mlp.gate_up_proj = nn.Linear(mlp.gate_up_proj.in_features, 2 * (i1 - i0), bias=bias)
             mlp.down_proj = RowParallelLinear(nn.Linear(i1 - i0, mlp.down_proj.out_features, bias=False), comm,
-                                              (i0, i1, self.total_intermediate))
+                                              (i0, i1, self.total_intermediate), bias=bias)
         hidden = model.model.embed_tokens.embedding_dim
         model.model.embed_tokens = VocabParallelEmbedding(self.vocab, nn.Embedding(self.vocab_per_rank, hidden), comm)
         model.lm_head = ParallelLMHead(nn.Linear(hidden, self.vocab_per_rank, bias=False), self.vocab_size, comm)
