@@ -149,6 +149,13 @@ def tiny_olmo3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_exaone4_dir(tmp_path_factory) -> str:
+    """EXAONE 4: post-norms, per-head q/k norms, windowed layers (16) and NoPE global ones."""
+    return _tiny_family(tmp_path_factory, "tiny-exaone4", "Exaone4Config", num_hidden_layers=4, sliding_window=16,
+                        architectures=["Exaone4ForCausalLM"])
+
+
+@pytest.fixture(scope="session")
 def tiny_olmo2_dir(tmp_path_factory) -> str:
     """OLMo 2: whole-width q/k norms, post-norms; one KV head (replicated under TP=2)."""
     from transformers import Olmo2Config

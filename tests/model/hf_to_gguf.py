@@ -54,7 +54,7 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
     w.add_vocab_size(c.vocab_size)
     if "sliding_attention" in (getattr(c, "layer_types", None) or ()):
         w.add_sliding_window(c.sliding_window)
-        if gguf_arch == "olmo2":   # llama.cpp's OLMo converter (OLMo 3): one flag per layer
+        if gguf_arch in ("olmo2", "exaone4"):   # llama.cpp's OLMo (OLMo 3), EXAONE 4 converters: a flag per layer
             w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     if experts:

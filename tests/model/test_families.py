@@ -45,6 +45,10 @@ def _configs():
         # llama.cpp writes it as an olmo2 file with its windows.
         "olmo3": (t.Olmo3Config(**_COMMON, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False),
                   "olmo2"),
+        # EXAONE 4: post-norms, per-head q/k norms, three windowed layers (16) to one global
+        # whose attention applies no RoPE.
+        "exaone4": (t.Exaone4Config(**_COMMON, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False),
+                    "exaone4"),
         # Seed-OSS: biases on q, k, v and o (attention_out_bias) and the MLP.
         "seedoss": (t.SeedOssConfig(**_COMMON, num_hidden_layers=2, attention_bias=True, attention_out_bias=True,
                                     mlp_bias=True, tie_word_embeddings=False), "seed_oss"),
@@ -129,7 +133,7 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "seedoss", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
+@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "seedoss", "exaone4", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
                                                  "deepseekv2-full", "deepseekv3",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):

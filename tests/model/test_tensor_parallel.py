@@ -116,14 +116,15 @@ def _assert_same_greedy(base, tp2, label: str) -> None:
 @pytest.mark.parametrize("model", [
     # The even split is also covered by the default model (slow) and by the uneven model's MLP.
     pytest.param("tiny_llama_dir", marks=pytest.mark.slow), "tiny_qwen2_dir", "tiny_uneven_dir", "tiny_qwen3_dir",
-    "tiny_gemma3_dir", "tiny_phi3_dir", "tiny_olmo2_dir", "tiny_olmo3_dir", "tiny_seedoss_dir"])
+    "tiny_gemma3_dir", "tiny_phi3_dir", "tiny_olmo2_dir", "tiny_olmo3_dir", "tiny_seedoss_dir", "tiny_exaone4_dir"])
 def test_tp2_matches_tp1_tiny(model, request):
     """Even heads (4 q / 2 kv, tied embeddings), a replicated KV head (4 / 1, qkv bias),
     uneven counts (6 / 3 heads, intermediate 99, vocabulary 509), Qwen3's q/k norms
     per head (replicated on every rank), Gemma 3's windowed layers, Phi-3's checkpoint
     tensors stacked already (split part by part), OLMo 2's whole-width q/k norms (their
-    mean square from every rank's sums; its one KV head replicated), OLMo 3's windows and
-    Seed-OSS's biases (q/k/v and gate/up by rows; o and down added once). A small token
+    mean square from every rank's sums; its one KV head replicated), OLMo 3's windows,
+    Seed-OSS's biases (q/k/v and gate/up by rows; o and down added once) and EXAONE 4's NoPE
+    global layers. A small token
     budget chunks the long prompts, so chunked prefill and mixed batches run under TP."""
     path = request.getfixturevalue(model)
     base, (full,) = _greedy(path, 1, max_num_batched_tokens=24)
