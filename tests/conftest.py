@@ -156,6 +156,30 @@ def tiny_exaone4_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4moe_dir(tmp_path_factory) -> str:
+    """GLM-4.5: a dense first layer, then 8 experts (2 a token, sigmoid router with a random
+    choice bias) plus a shared expert; q/k/v biases, per-head q/k norms, half-head RoPE."""
+    import torch
+    import transformers
+
+    config = transformers.Glm4MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=32, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=1024, initializer_range=0.3,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+        tie_word_embeddings=False, architectures=["Glm4MoeForCausalLM"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("tiny-glm4moe")
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_olmo2_dir(tmp_path_factory) -> str:
     """OLMo 2: whole-width q/k norms, post-norms; one KV head (replicated under TP=2)."""
     from transformers import Olmo2Config

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import torch
-from gguf import GGUFWriter, RopeScalingType, quants
+from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType, quants
 from gguf.constants import MODEL_ARCH_NAMES
 from gguf.tensor_mapping import get_tensor_name_map
 
@@ -64,6 +64,13 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
         if gguf_arch == "gpt-oss":
             w.add_expert_feed_forward_length(c.intermediate_size)
+        if gguf_arch == "glm4moe":   # llama.cpp's GLM-4.5 converter
+            w.add_expert_shared_count(c.n_shared_experts)
+            w.add_leading_dense_block_count(c.first_k_dense_replace)
+            w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+            w.add_expert_weights_scale(c.routed_scaling_factor)
+            w.add_expert_weights_norm(c.norm_topk_prob)
+            w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
     if getattr(c, "attn_logit_softcapping", None):
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     if getattr(c, "final_logit_softcapping", None):

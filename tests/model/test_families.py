@@ -45,6 +45,13 @@ def _configs():
         # llama.cpp writes it as an olmo2 file with its windows.
         "olmo3": (t.Olmo3Config(**_COMMON, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False),
                   "olmo2"),
+        # GLM-4.5: q/k/v biases and per-head norms, RoPE on half of each head, a dense first
+        # layer, then DeepSeek-V3's router (sigmoid, choice bias set random below; one group:
+        # llama.cpp's files carry none) over 8 experts x 2.5 plus a shared expert.
+        "glm4moe": (t.Glm4MoeConfig(**_COMMON, num_hidden_layers=3, head_dim=32, n_routed_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                    first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                                    use_qk_norm=True, attention_bias=True, tie_word_embeddings=False), "glm4moe"),
         # EXAONE 4: post-norms, per-head q/k norms, three windowed layers (16) to one global
         # whose attention applies no RoPE.
         "exaone4": (t.Exaone4Config(**_COMMON, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False),
@@ -133,7 +140,7 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "seedoss", "exaone4", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
+@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "seedoss", "exaone4", "glm4moe", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
                                                  "deepseekv2-full", "deepseekv3",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):

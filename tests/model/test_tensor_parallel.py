@@ -168,7 +168,7 @@ def test_tp_startup_error_stops_the_workers(tiny_llama_dir):
 
 @pytest.mark.parametrize("model,expert_parallel", [("tiny_mixtral_dir", True), ("tiny_qwen3moe_dir", True),
                                                    ("tiny_gptoss_dir", True), ("tiny_mixtral_dir", False),
-                                                   ("tiny_gptoss_dir", False)])
+                                                   ("tiny_gptoss_dir", False), ("tiny_glm4moe_dir", False)])
 def test_tp2_moe_matches_tp1(model, expert_parallel, request):
     """--enable-expert-parallel: each rank holds half of every layer's experts; without it
     every expert is split by rows (gate/up rows, down columns, a down bias added once). With
