@@ -240,10 +240,12 @@ _TP = {"qwen35": ("hf",), "qwen35moe": ("hf",), "qwen3next": ("hf", "gguf"), "qw
        "lfm2": ("hf", "gguf"), "lfm2moe": ("hf",)}
 _TP_REFUSED = {"qwen35": ("gguf", "tiles its value heads"),
                "granite4h": ("hf", "cannot be served with tensor parallelism")}
+# Cases that repeat another's split (run under make test-all: slow).
+_TP_SLOW = {("qwen3nextmixed", "hf"), ("lfm2moe", "hf"), ("lfm2", "gguf")}
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_hybrid_under_tensor_parallelism(hybrid, source):
+def test_hybrid_under_tensor_parallelism(hybrid, source, request):
     """Two ranks (gloo): every Gated DeltaNet layer split by key head, each rank with its
     key heads' value heads (its rows of the projections, its convolution channels, decays
     and gates, its share of every state; out_proj row-parallel), LFM2's convolutions by
@@ -263,6 +265,8 @@ def test_hybrid_under_tensor_parallelism(hybrid, source):
         return
     if source not in _TP.get(name, ()):
         pytest.skip(f"{name} from {source}: not one of the tensor-parallel cases")
+    if (name, source) in _TP_SLOW and "not slow" in (request.config.option.markexpr or ""):
+        pytest.skip(f"{name} from {source} under tensor parallelism runs under make test-all (slow)")
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
     outs, held = {}, {}
     for tp in (1, 2):
