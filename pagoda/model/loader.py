@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -340,14 +341,23 @@ def _quant_method(path: str) -> QuantMethod | None:
         return method_for(json.load(f))
 
 
+# A decoder layer's tensors in an HF checkpoint (a multimodal one's language model too).
+_HF_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
+
+
 def _checkpoint_tensors(model_cls: type[CausalLM], method: QuantMethod | None,
-                        checkpoint: Callable[[str], torch.Tensor]):
+                        checkpoint: Callable[[str], torch.Tensor], num_layers: int):
     """(name, tensor) -> the model tensors it holds: a pre-quantized checkpoint's
     method first (a quantized layer's weight as a ``BlockWeight``), then the family's
-    ``hf_tensors`` for everything else."""
+    ``hf_tensors`` for everything else. Layers from ``num_layers`` on hold none: the
+    multi-token-prediction layers some checkpoints keep after the last one (GLM-4.5's,
+    DeepSeek-V3's), not served (as ``_read_gguf`` drops a GGUF file's)."""
     from pagoda.model.layers.blocks import BlockWeight, release_checkpoint_pages
 
     def convert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, Any]]:
+        layer = _HF_LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= num_layers:
+            return
         out = method.tensors(name, tensor, checkpoint) if method is not None else None
         if out is None:
             yield from model_cls.hf_tensors(name, tensor, checkpoint)
@@ -393,7 +403,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     model_cls = type(model)
 
     total = sum(len(list(h.keys())) for h in handles)
-    convert = _checkpoint_tensors(model_cls, method, _checkpoint_reader(handles))
+    convert = _checkpoint_tensors(model_cls, method, _checkpoint_reader(handles), arch.num_hidden_layers)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
@@ -676,7 +686,7 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
         model = model_class(arch.architecture)(arch)
     slots = kept_weight_slots(model)   # (of the whole model: the checkpoint's dtypes)
     cls = type(model)
-    convert = _checkpoint_tensors(cls, method, _checkpoint_reader(handles))
+    convert = _checkpoint_tensors(cls, method, _checkpoint_reader(handles), arch.num_hidden_layers)
     dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
               if cls.hf_name(n) in slots and len(h.get_slice(n).get_shape()) == 2}
     if method is None and (not dtypes or not dtypes <= {"BF16", "F16"}):

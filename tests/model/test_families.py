@@ -600,3 +600,24 @@ def test_speculative_decoding_keeps_each_familys_tokens(family):
         assert result.equal, result.excused
     llm.engine.check_integrity()
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_mtp_layers_past_the_last_are_not_read(tiny_glm4moe_dir, tmp_path):
+    """GLM-4.5's (and DeepSeek-V3's) checkpoints keep their multi-token-prediction layer
+    after the last one (``model.layers.{num_hidden_layers}.*``): not served, not read, and
+    the model is the one without it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "with-mtp"
+    shutil.copytree(tiny_glm4moe_dir, path)
+    save_file({"model.layers.3.eh_proj.weight": torch.randn(64, 128),
+               "model.layers.3.self_attn.q_proj.weight": torch.randn(128, 64)}, str(path / "mtp.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for p in (tiny_glm4moe_dir, str(path)):
+        llm = LLM(p, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16)
+        tokens.append(llm.generate([{"prompt_token_ids": list(range(3, 20))}], params, use_tqdm=False)[0]
+                      .outputs[0].token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8

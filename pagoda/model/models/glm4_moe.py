@@ -9,26 +9,16 @@ checkpoint's (layers from ``num_hidden_layers`` on)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_moe_layers, moe_fields
 from pagoda.model.layers.decoder import CausalLM
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
 class Glm4MoeForCausalLM(CausalLM):
     unquantized_modules = (".mlp.gate",)
-    # The number of layers served, for hf_name to leave the MTP layers after them unread
-    # (set per checkpoint by arch_from_hf; the HF checkpoint's names carry their index).
-    _main_layers: int | None = None
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        m = _LAYER.match(name)
-        if m is not None and cls._main_layers is not None and int(m.group(1)) >= cls._main_layers:
-            return None   # a multi-token-prediction layer
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias")
 
     @classmethod
@@ -39,7 +29,6 @@ class Glm4MoeForCausalLM(CausalLM):
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
         fields = ModelArchConfig.hf_fields(config, architecture)
         n = fields["num_hidden_layers"]
-        cls._main_layers = n
         rope = config.get("rope_parameters") or {}
         partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
         groups = config.get("n_group") or 1
