@@ -156,6 +156,73 @@ def tiny_exaone4_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_cohere2_dir(tmp_path_factory) -> str:
+    """Command R7B: parallel blocks, LayerNorms, interleaved RoPE (Q/K rows and their biases
+    un-permuted at load, before the heads are split), windowed (16) and NoPE global layers."""
+    return _tiny_family(tmp_path_factory, "tiny-cohere2", "Cohere2Config", num_hidden_layers=4, sliding_window=16,
+                        attention_bias=True, logit_scale=0.25, architectures=["Cohere2ForCausalLM"])
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4_dir(tmp_path_factory) -> str:
+    """Llama 4: chunked attention (chunks of 16) with RoPE and weightless q/k norms on 3 of 4
+    layers, the fourth global without RoPE, queries scaled by position; dense and MoE layers
+    alternating (top-1 of 4 experts weighing their inputs, a shared expert)."""
+    return _tiny_family(tmp_path_factory, "tiny-llama4", "Llama4TextConfig", num_hidden_layers=4,
+                        intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
+                        architectures=["Llama4ForCausalLM"])
+
+
+def _tiny_biased_moe(tmp_path_factory, name: str, config, random_norms: tuple[str, ...] = ()) -> str:
+    """A tiny MoE checkpoint whose routers' choice bias (zeros at init) is random, and the
+    weights of the norms named ``random_norms`` (ones at init)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for module_name, m in model.named_modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.3)
+            if random_norms and module_name.endswith(random_norms):
+                m.weight.normal_(1.0, 0.3)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_ernie45moe_dir(tmp_path_factory) -> str:
+    """ERNIE 4.5 MoE: interleaved RoPE, a dense first layer, then 8 experts (3 a token, softmax
+    router with a random choice bias) plus a shared expert."""
+    import transformers
+
+    config = transformers.Ernie4_5_MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=3, max_position_embeddings=1024, initializer_range=0.3, moe_num_experts=8, moe_k=3,
+        moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1, tie_word_embeddings=True,
+        architectures=["Ernie4_5_MoeForCausalLM"])
+    return _tiny_biased_moe(tmp_path_factory, "tiny-ernie45moe", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_minimaxm2_dir(tmp_path_factory) -> str:
+    """MiniMax-M2: q/k RMSNorms over the whole projections (random weights: each rank holds its
+    heads' part), RoPE on half of each head, 8 experts in every layer (2 a token, sigmoid
+    router with a random choice bias)."""
+    import transformers
+
+    config = transformers.MiniMaxM2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=32, head_dim=32, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=1024, initializer_range=0.3,
+        num_local_experts=8, num_experts_per_tok=2, rotary_dim=16, tie_word_embeddings=False,
+        architectures=["MiniMaxM2ForCausalLM"])
+    return _tiny_biased_moe(tmp_path_factory, "tiny-minimaxm2", config, random_norms=("q_norm", "k_norm"))
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4moe_dir(tmp_path_factory) -> str:
     """GLM-4.5: a dense first layer, then 8 experts (2 a token, sigmoid router with a random
     choice bias) plus a shared expert; q/k/v biases, per-head q/k norms, half-head RoPE."""

@@ -17,7 +17,7 @@ block tables and lengths. Other backends subclass it with their own fields
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -160,3 +160,48 @@ class AttentionMetadata:
             decode_block_tables=decode_tables,
             decode_seq_lens=decode_lens,
         )
+
+
+def chunk_requests(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                   chunk: int, block_size: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """A chunked-attention group's step as causal attention over shorter sequences: each
+    request's queries split where a chunk of positions ends, each piece a sequence of its
+    own whose context starts at its chunk (its block table from the chunk's first block:
+    ``chunk`` is a multiple of ``block_size``). The pieces keep the requests' order, so
+    their tokens stay where they are in the batch; a decode stays one decode.
+
+    E.g. chunk 16, blocks of 8: a request with 12 cached tokens and 10 new ones, table
+    [a, b, c]: pieces (query 4, context 12, [a, b, c]) and (query 6, context 0, [c])."""
+    if chunk % block_size:
+        raise ValueError(f"attention chunk {chunk} is not a multiple of the block size {block_size}")
+    q_out: list[int] = []
+    c_out: list[int] = []
+    t_out: list[list[int]] = []
+    for q, c, table in zip(query_lens, context_lens, block_tables):
+        pos, end = c, c + q
+        while pos < end:
+            start = pos // chunk * chunk
+            stop = min(end, start + chunk)
+            q_out.append(stop - pos)
+            c_out.append(pos - start)
+            t_out.append(list(table[start // block_size:]) if start else list(table))
+            pos = stop
+    return q_out, c_out, t_out
+
+
+def layer_metadata(build: Callable[..., AttentionMetadata], query_lens: list[int], context_lens: list[int],
+                   block_tables: list[list[int]], block_size: int, device: torch.device,
+                   layer_chunks: Sequence[int | None]) -> AttentionMetadata | list[AttentionMetadata]:
+    """A step over one block table per request shared by every layer (a calibration pass,
+    a test's forward): one metadata, or where some layers attend in chunks, one per layer
+    (those layers' over the requests split at chunk boundaries). ``build``: a backend's,
+    or ``AttentionMetadata.build``."""
+    if all(c is None for c in layer_chunks):
+        return build(query_lens, context_lens, block_tables, block_size, device)
+    metas: dict[int | None, AttentionMetadata] = {}
+    for c in set(layer_chunks):
+        lens = (query_lens, context_lens, block_tables)
+        if c is not None:
+            lens = chunk_requests(query_lens, context_lens, block_tables, c, block_size)
+        metas[c] = build(*lens, block_size, device)
+    return [metas[c] for c in layer_chunks]

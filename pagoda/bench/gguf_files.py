@@ -121,9 +121,32 @@ class ModelShape:
     # each head's rotary dimensions.
     linear: tuple[int, int, int, int, int] | None = None
     full_attention_interval: int = 4
+    # Llama 4: experts on every moe_interval-th layer (dense MLPs between), a shared expert
+    # of the experts' width beside them.
+    moe_interval: int = 1
+    shared_expert: bool = False
+    # Gemma 4: every window_period-th layer (and the last) global, its heads global_head_dim
+    # wide, global_kv_heads of them, its values its keys (no attn_v); experts beside each
+    # dense MLP (ffn) with their own norms, a router scale and per-expert scales.
+    gemma4: bool = False
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    window_period: int = 6
+
+    def is_global(self, layer: int) -> bool:
+        return (layer + 1) % self.window_period == 0 or layer == self.layers - 1
 
     def is_linear(self, layer: int) -> bool:
         return self.linear is not None and (layer + 1) % self.full_attention_interval != 0
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and (layer + 1) % self.moe_interval == 0
+
+    def layer_heads(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of a layer."""
+        if self.gemma4 and self.is_global(layer):
+            return self.global_kv_heads, self.global_head_dim
+        return self.kv_heads, self.head_size
 
     @property
     def head_size(self) -> int:
@@ -153,6 +176,17 @@ SHAPES: dict[str, ModelShape] = {
     "gpt-oss-20b": ModelShape("gpt-oss", 2880, 24, 64, 8, 2880, False, 150000.0, qkv_bias=True, head_dim=64,
                               experts=32, experts_used=4, expert_ffn=2880, gpt_oss=True, sliding_window=128,
                               yarn=(32.0, 4096)),
+    # Llama 4 Scout's structure (a MoE layer everywhere: top-1 of 16 experts plus a shared
+    # expert; chunked attention with every fourth layer global) at a size this machine
+    # holds: 2.1B parameters, 0.4B active per token.
+    # Gemma 4 26B-A4B's structure (256-wide heads, 512 on the global layers with 2 KV heads
+    # and values from keys, top-8 of 64 small experts beside a dense MLP on every layer) at
+    # a size this machine holds: 3.8B parameters, 0.9B active per token.
+    "gemma4-moe-4b": ModelShape("gemma4", 2048, 16, 8, 4, 2048, True, 1000000.0, head_dim=256, qk_norm=True,
+                                experts=64, experts_used=8, expert_ffn=512, sliding_window=1024, gemma4=True,
+                                global_head_dim=512, global_kv_heads=2),
+    "llama4-scout-2b": ModelShape("llama4", 2048, 16, 32, 8, 4096, False, 500000.0, head_dim=64,
+                                  experts=16, experts_used=1, expert_ffn=1024, shared_expert=True),
 }
 # File types: F16, or llama.cpp's mixes written directly as random blocks.
 FILE_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0", "MXFP4")
@@ -181,7 +215,8 @@ def tensor_type(file_type: str, name: str, layer: int, layers: int, cols: int, t
     t = _Q.Q4_K
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         t = _Q.Q6_K
-    elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _use_more_bits(layer, layers):
+    elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")) and \
+            _use_more_bits(layer, layers):
         t = _Q.Q6_K
     if cols % 256:
         t = _FALLBACK.get(t, t)
@@ -192,8 +227,13 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
     """(name, numpy shape, layer) of every tensor, in llama.cpp's order."""
     h, hd = shape.hidden, shape.head_size
     out: list = [("token_embd.weight", (vocab, h), -1)]
+    if shape.gemma4:   # the global layers' proportional RoPE (rope_freqs_of)
+        out.append(("rope_freqs.weight", (shape.global_head_dim // 2,), -1))
     for i in range(shape.layers):
         b = f"blk.{i}."
+        if shape.gemma4:
+            out += _gemma4_layer(shape, b, i)
+            continue
         if shape.is_linear(i):   # Qwen3.5's Gated DeltaNet
             nk, nv, dk, dv, kernel = shape.linear
             conv = 2 * nk * dk + nv * dv
@@ -217,19 +257,44 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, int] |
         out += [(b + "attn_output.weight", (h, shape.heads * hd), i), (b + f"{norm}.weight", (h,), i)]
         if shape.gpt_oss:
             out += [(b + "attn_output.bias", (h,), i), (b + "attn_sinks.weight", (shape.heads,), i)]
-        if shape.experts:
+        if shape.is_moe(i):
             e, f = shape.experts, shape.expert_ffn
             out += [(b + "ffn_gate_inp.weight", (e, h), i), (b + "ffn_gate_exps.weight", (e, f, h), i),
                     (b + "ffn_up_exps.weight", (e, f, h), i), (b + "ffn_down_exps.weight", (e, h, f), i)]
             if shape.gpt_oss:
                 out += [(b + "ffn_gate_inp.bias", (e,), i), (b + "ffn_gate_exps.bias", (e, f), i),
                         (b + "ffn_up_exps.bias", (e, f), i), (b + "ffn_down_exps.bias", (e, h), i)]
+            if shape.shared_expert:
+                out += [(b + "ffn_gate_shexp.weight", (f, h), i), (b + "ffn_up_shexp.weight", (f, h), i),
+                        (b + "ffn_down_shexp.weight", (h, f), i)]
         else:
             out += [(b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
                     (b + "ffn_down.weight", (h, shape.ffn), i)]
     out.append(("output_norm.weight", (h,), -1))
     if not shape.tied:
         out.append(("output.weight", (vocab, h), -1))
+    return out
+
+
+def _gemma4_layer(shape: ModelShape, b: str, i: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """One Gemma 4 layer's tensors, as llama.cpp's converter names them."""
+    h = shape.hidden
+    kv, hd = shape.layer_heads(i)
+    out = [(b + "attn_norm.weight", (h,), i), (b + "attn_q.weight", (shape.heads * hd, h), i),
+           (b + "attn_k.weight", (kv * hd, h), i)]
+    if not shape.is_global(i):   # the global layers' values are their keys
+        out.append((b + "attn_v.weight", (kv * hd, h), i))
+    out += [(b + "attn_q_norm.weight", (hd,), i), (b + "attn_k_norm.weight", (hd,), i),
+            (b + "attn_output.weight", (h, shape.heads * hd), i), (b + "post_attention_norm.weight", (h,), i),
+            (b + "layer_output_scale.weight", (1,), i), (b + "ffn_norm.weight", (h,), i),
+            (b + "ffn_gate.weight", (shape.ffn, h), i), (b + "ffn_up.weight", (shape.ffn, h), i),
+            (b + "ffn_down.weight", (h, shape.ffn), i), (b + "post_ffw_norm.weight", (h,), i)]
+    if shape.experts:
+        e, f = shape.experts, shape.expert_ffn
+        out += [(b + "ffn_gate_inp.weight", (e, h), i), (b + "ffn_gate_inp.scale", (h,), i),
+                (b + "pre_ffw_norm_2.weight", (h,), i), (b + "post_ffw_norm_1.weight", (h,), i),
+                (b + "post_ffw_norm_2.weight", (h,), i), (b + "ffn_gate_up_exps.weight", (e, 2 * f, h), i),
+                (b + "ffn_down_exps.weight", (e, h, f), i), (b + "ffn_down_exps.scale", (e,), i)]
     return out
 
 
@@ -265,13 +330,25 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w.add_uint32(f"{a}.embedding_length", shape.hidden)
     w.add_uint32(f"{a}.feed_forward_length", shape.ffn)
     w.add_uint32(f"{a}.attention.head_count", shape.heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", shape.kv_heads)
+    if shape.gemma4:   # per layer (the global layers' fewer), the global layers' width as the head size
+        w.add_array(f"{a}.attention.head_count_kv", [shape.layer_heads(i)[0] for i in range(shape.layers)])
+    else:
+        w.add_uint32(f"{a}.attention.head_count_kv", shape.kv_heads)
     w.add_float32(f"{a}.rope.freq_base", shape.rope_theta)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_uint32(f"{a}.vocab_size", vocab)
-    w.add_uint32(f"{a}.rope.dimension_count", shape.head_size // 4 if shape.linear else shape.head_size)
-    w.add_uint32(f"{a}.attention.key_length", shape.head_size)
-    w.add_uint32(f"{a}.attention.value_length", shape.head_size)
+    wide = shape.global_head_dim if shape.gemma4 else shape.head_size
+    w.add_uint32(f"{a}.rope.dimension_count", shape.head_size // 4 if shape.linear else wide)
+    w.add_uint32(f"{a}.attention.key_length", wide)
+    w.add_uint32(f"{a}.attention.value_length", wide)
+    if shape.gemma4:
+        for key in ("attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa"):
+            w.add_uint32(f"{a}.{key}", shape.head_size)
+        w.add_float32(f"{a}.rope.freq_base_swa", 10000.0)
+        w.add_array(f"{a}.attention.sliding_window_pattern", [not shape.is_global(i) for i in range(shape.layers)])
+        w.add_uint32(f"{a}.attention.shared_kv_layers", 0)
+        w.add_uint32(f"{a}.embedding_length_per_layer_input", 0)
+        w.add_float32(f"{a}.final_logit_softcapping", 30.0)
     if shape.sliding_window:
         w.add_uint32(f"{a}.attention.sliding_window", shape.sliding_window)
     if shape.yarn is not None:
@@ -291,6 +368,8 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
         w.add_uint32(f"{a}.expert_count", shape.experts)
         w.add_uint32(f"{a}.expert_used_count", shape.experts_used)
         w.add_uint32(f"{a}.expert_feed_forward_length", shape.expert_ffn)
+        if a == "llama4":
+            w.add_uint32(f"{a}.interleave_moe_layer_step", shape.moe_interval)
     w.add_uint32("general.file_type", {"F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "MXFP4": 38}[file_type])
     w.add_uint32("general.quantization_version", 2)
     for k, v in tok.items():
@@ -321,6 +400,11 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     for name, np_shape, t in tqdm(plan, desc=f"writing {os.path.basename(path)}", disable=not show_progress):
         if t == _Q.F32 and name.endswith("ssm_a"):
             data = -np.ones(np_shape, np.float32)   # A = -exp(A_log) < 0: a decaying memory
+        elif name == "rope_freqs.weight":   # Gemma 4: a quarter of the frequencies turn, the rest 1/1e30
+            turning = np_shape[0] // 4
+            data = np.asarray([1.0] * turning + [1e30] * (np_shape[0] - turning), np.float32)
+        elif t == _Q.F32 and name.endswith((".scale", "layer_output_scale.weight")):
+            data = np.ones(np_shape, np.float32)
         elif t == _Q.F32 and name != "token_embd.weight":
             data = (np.ones(np_shape, np.float32) if name.endswith("norm.weight")
                     else rng.standard_normal(np_shape, dtype=np.float32) * np.float32(0.02))

@@ -126,8 +126,10 @@ class StepTimer:
         # The KV cache the engine would use (float16 in the quantized modes, 8 bits with
         # scales for --kv-cache-dtype int8|fp8), filled with zeros (unit scales).
         kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, self.dtype)
-        self.kv_caches = [allocate_kv_cache(self.model, num_blocks, self.block_size, kv_dtype, kv_quant, self.device)
-                          for _ in range(a.num_hidden_layers)]  # fmt: skip
+        layer_buffer = kv_layout(self.model).layer_buffer
+        self.kv_caches = [allocate_kv_cache(self.model, num_blocks, self.block_size, kv_dtype, kv_quant, self.device,
+                                            buffer=layer_buffer[i])
+                          for i in range(a.num_hidden_layers)]  # fmt: skip
         for c in self.kv_caches:
             if isinstance(c, QuantizedKVCache):
                 c.data.zero_()

@@ -18,12 +18,22 @@ one global group and six windowed ones (the last holds 2 layers; its blocks carr
 layer slots), 4 buffers. A 4096-token request with a 512-token window holds 256 blocks in
 the global group and about 33 in each windowed one: ~456 blocks of 4 layers, against 256
 blocks of 26 layers with one table for all (a quarter of the memory).
+
+Layers whose caches differ in shape (Gemma 4: global layers with fewer, wider KV heads than
+the windowed ones) never share a buffer: buffer j of each shape class is its own, still
+indexed by the one pool's block ids (a block a group of one shape holds leaves its page of
+the other shapes' buffers unused: the price of one pool without padded pages).
+
+Chunked local attention (Llama 4: a query sees only the keys of its own chunk of positions)
+is a group of its own, windowed by its chunk for the KV manager (no query reads further
+back); its attention metadata splits each request's queries at chunk boundaries
+(``pagoda.attention.metadata.chunk_requests``), so every backend runs it as causal attention over shorter sequences.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,6 +45,10 @@ class KVLayout:
     group_windows: tuple[int | None, ...]   # per group: its window (None = global), globals first
     layer_group: tuple[int, ...]            # per layer: its group
     layer_buffer: tuple[int, ...]           # per layer: its cache buffer
+    group_chunks: tuple[int | None, ...] = ()   # per group: its attention chunk (None: not chunked)
+
+    def chunk_of(self, group: int) -> int | None:
+        return self.group_chunks[group] if self.group_chunks else None
 
     @property
     def num_groups(self) -> int:
@@ -45,32 +59,48 @@ class KVLayout:
         return max(self.layer_buffer) + 1
 
     @classmethod
-    def plan(cls, layer_windows: Sequence[int | None]) -> KVLayout:
-        """The groups of layers with per-layer windows ``layer_windows`` (None = global).
+    def plan(cls, layer_windows: Sequence[int | None], layer_chunks: Sequence[int | None] | None = None,
+             layer_shapes: Sequence[Hashable] | None = None) -> KVLayout:
+        """The groups of layers with per-layer windows ``layer_windows`` (None = global),
+        attention chunks ``layer_chunks`` (None: no chunked layer) and cache shapes
+        ``layer_shapes`` (None: all alike; layers of different shapes share no buffer).
 
         E.g. [None, 8, 8, None, 8, 8] -> groups of 2: (None: layers 0, 3), (8: 1, 2),
         (8: 4, 5); layers 0, 1, 4 in buffer 0 and 3, 2, 5 in buffer 1.
         """
         if not layer_windows:
             raise ValueError("a model without layers has no KV cache")
-        types: dict[int | None, list[int]] = {}
-        for i, w in enumerate(layer_windows):
-            types.setdefault(w, []).append(i)
+        n = len(layer_windows)
+        chunks = list(layer_chunks) if layer_chunks is not None else [None] * n
+        shapes = list(layer_shapes) if layer_shapes is not None else [None] * n
+        if len(chunks) != n or len(shapes) != n:
+            raise ValueError(f"{len(chunks)} chunks and {len(shapes)} shapes for {n} layers")
+        # A chunked layer's group: windowed by its chunk (no key further back is read).
+        types: dict[tuple[int | None, int | None, Hashable], list[int]] = {}
+        for i, (w, c, shape) in enumerate(zip(layer_windows, chunks, shapes)):
+            if w is not None and c is not None:
+                raise ValueError(f"layer {i} has both a window and an attention chunk")
+            types.setdefault((w if c is None else c, c, shape), []).append(i)
         if len(types) == 1:
-            (window, layers), = types.items()
-            return cls((window,), (0,) * len(layers), tuple(range(len(layers))))
+            ((window, chunk, _), layers), = types.items()
+            return cls((window,), (0,) * len(layers), tuple(range(len(layers))),
+                       (chunk,) if chunk is not None else ())
         size = min(len(layers) for layers in types.values())
         windows: list[int | None] = []
-        layer_group = [0] * len(layer_windows)
-        layer_buffer = [0] * len(layer_windows)
-        for window in sorted(types, key=lambda w: (w is not None, w or 0)):
-            layers = types[window]
+        group_chunks: list[int | None] = []
+        layer_group = [0] * n
+        layer_buffer = [0] * n
+        buffers: dict[tuple[Hashable, int], int] = {}   # (shape, index in its group) -> buffer
+        for window, chunk, shape in sorted(types, key=lambda k: (k[0] is not None, k[0] or 0, k[1] or 0, str(k[2]))):
+            layers = types[window, chunk, shape]
             for start in range(0, len(layers), size):
                 for j, layer in enumerate(layers[start:start + size]):
                     layer_group[layer] = len(windows)
-                    layer_buffer[layer] = j
+                    layer_buffer[layer] = buffers.setdefault((shape, j), len(buffers))
                 windows.append(window)
-        return cls(tuple(windows), tuple(layer_group), tuple(layer_buffer))
+                group_chunks.append(chunk)
+        return cls(tuple(windows), tuple(layer_group), tuple(layer_buffer),
+                   tuple(group_chunks) if any(c is not None for c in group_chunks) else ())
 
     def blocks_for(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` tokens holds at once, when a step
@@ -98,3 +128,4 @@ class KVLayout:
             else:
                 hi = mid - 1
         return lo
+

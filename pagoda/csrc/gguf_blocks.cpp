@@ -2344,9 +2344,22 @@ struct MoeCall {
 
 }  // namespace
 
+// An expert's activation of [n, 2I] gate/up rows into [n, I]: act 0 SiLU(gate) x up (pagoda's
+// one-pass kernel), 1 tanh-GELU(gate) x up (Gemma's; torch's own gelu, as the per-expert path).
+static void gated_activation(float* gu, float* out, int64_t n, int64_t I, int64_t act) {
+  if (act == 0) {
+    pagoda_silu_mul_rows(gu, out, n, I);
+    return;
+  }
+  TORCH_CHECK(act == 1, "activation ", act, " is not 0 (SiLU) or 1 (tanh-GELU)");
+  auto g = torch::from_blob(gu, {n, 2 * I});
+  auto o = torch::from_blob(out, {n, I});
+  at::mul_out(o, at::gelu(g.narrow(1, 0, I), "tanh"), g.narrow(1, I, I));
+}
+
 torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
                             std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types) {
+                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation) {
   const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
   const int64_t H = c.H, I = c.I;
   struct Active {
@@ -2396,7 +2409,7 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
   project(true);
   for (Active& s : act) {
     s.he.resize(s.n * I);
-    pagoda_silu_mul_rows(s.ge.data(), s.he.data(), s.n, I);
+    gated_activation(s.ge.data(), s.he.data(), s.n, I, activation);
   }
   project(false);
   auto out = torch::zeros({c.T, H}, c.x.options());
@@ -2410,7 +2423,7 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
 // gguf_linear's BLAS panels on its own. Bit for bit the per-expert path.
 torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types) {
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation) {
   const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
   const int64_t H = c.H, I = c.I;
   struct Active {
@@ -2458,7 +2471,7 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
   project(true);
   for (Active& s : act) {
     s.he = torch::empty({s.n, I}, c.x.options());
-    pagoda_silu_mul_rows(s.ge.data_ptr<float>(), s.he.data_ptr<float>(), s.n, I);
+    gated_activation(s.ge.data_ptr<float>(), s.he.data_ptr<float>(), s.n, I, activation);
   }
   project(false);
   auto out = torch::zeros({c.T, H}, c.x.options());

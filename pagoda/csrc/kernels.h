@@ -88,10 +88,10 @@ torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weigh
                                c10::optional<torch::Tensor> bias);
 torch::Tensor gguf_moe_int8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                             std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types);
+                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation = 0);
 torch::Tensor gguf_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types);
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation = 0);
 
 // ---- recurrent.cpp ----
 void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor mixed,

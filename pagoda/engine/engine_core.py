@@ -452,7 +452,8 @@ class EngineCore:
 
             caches = None if draft is None else draft_kv_caches(draft, plan.num_blocks, config.block_size, dtype, device)
             self.runner.proposer = build_proposer(spec, loaded.model, self.runner.kv_caches, config.block_size,
-                                                  device, draft, caches, self.runner.layout.layer_group)
+                                                  device, draft, caches, self.runner.layout.layer_group,
+                                                  self.runner.layout.group_chunks)
 
     @staticmethod
     def _shared_prefixes(config: EngineConfig, loaded: LoadedModel):

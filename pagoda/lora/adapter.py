@@ -77,6 +77,15 @@ def projection_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def _permuted_qk_heads(arch: ModelArchConfig) -> dict[str, int]:
+    """q_proj / k_proj -> heads where the family's HF Q/K rows are un-permuted at load
+    (``hf_qk_permuted``: interleaved RoPE), so an adapter's B rows are too; else empty."""
+    from pagoda.model.loader import _qk_heads
+    from pagoda.model.models import model_class
+
+    return _qk_heads(arch, model_class(arch.architecture), hf=True)
+
+
 def _check_config(config: dict, path: str) -> None:
     def fail(what: str) -> LoRAAdapterError:
         return LoRAAdapterError(f"LoRA adapter {path}: {what} is not supported")
@@ -147,6 +156,7 @@ def load_adapter(
     alpha = float(config["lora_alpha"])
     rslora = bool(config.get("use_rslora", False))
     shapes = projection_shapes(arch)
+    qk_heads = _permuted_qk_heads(arch)
 
     raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
@@ -212,6 +222,10 @@ def load_adapter(
                 f"LoRA adapter {path}: module {label} has rank {rank}, above --max-lora-rank {max_rank}"
             )
         scaling = alpha / (math.sqrt(rank) if rslora else rank)
+        if module in qk_heads:   # the base model's Q/K rows were put in rotate-half order at load
+            from pagoda.model.loader import unpermute_rope
+
+            b = unpermute_rope(b, qk_heads[module])
         modules[(layer, module)] = LoRAModuleWeights(
             a.to(torch.float32).to(dtype), (b.to(torch.float32) * scaling).to(dtype), rank
         )

@@ -83,6 +83,20 @@ class ModelArchConfig:
     sliding_window: int | None = None
     # Family options (their defaults are Llama's).
     qk_norm: str | None = None               # "head" (per head) | "full" (whole projection) | None
+    qk_norm_layers: tuple[bool, ...] | None = None  # per layer whether it has them (None: all do)
+    qk_norm_weights: bool = True             # False: RMSNorms without a weight (Llama 4's L2 norm)
+    v_norm: bool = False                     # Gemma 4: values RMS-normed per head, without a weight
+    # Per layer, where layers differ (Gemma 4's global layers: wider heads, fewer KV heads): the
+    # head size and KV heads (None: head_dim and num_key_value_heads everywhere).
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    # Per layer whether its values are its keys' projection (Gemma 4's attention_k_eq_v: the
+    # checkpoint has no v_proj there; the loader fills the value rows with the key's).
+    value_from_key: tuple[bool, ...] | None = None
+    qk_norm_after_rope: bool = False         # HunYuan: the per-head q/k norms of the rotated heads
+    # Attention-temperature tuning (Llama 4) on the layers without RoPE: (floor_scale, scale),
+    # queries at position p x (log(floor((p + 1) / floor_scale) + 1) * scale + 1).
+    attn_temperature: tuple[float, float] | None = None
     rope_layers: tuple[bool, ...] | None = None  # per layer whether it applies RoPE (None: all do)
     # "pre" (before attention and MLP) | "post" (of their outputs: OLMo 2) | "sandwich" (both: Gemma)
     norm_placement: str = "pre"
@@ -91,9 +105,12 @@ class ModelArchConfig:
     hidden_act: str = "silu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
-    # Per layer "full_attention" | "sliding_attention" (None: every layer is windowed when
-    # sliding_window is set, else none is).
+    # Per layer "full_attention" | "sliding_attention" | "chunked_attention" (None: every
+    # layer is windowed when sliding_window is set, else none is).
     layer_types: tuple[str, ...] | None = None
+    # Chunked local attention (Llama 4): a "chunked_attention" layer's query at position i
+    # sees keys j with i // chunk == j // chunk and j <= i.
+    attention_chunk_size: int | None = None
     local_rope_theta: float | None = None    # RoPE base of the windowed layers (Gemma 3), unscaled
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None
@@ -104,6 +121,10 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True              # renormalise the chosen experts' weights to sum 1
+    norm_topk_min: float = 0.0               # ERNIE 4.5: ... divided by max(their sum, this)
+    # Llama 4: each chosen expert's weight scales its input (not its output); the choice is
+    # the top router logits, the weights their sigmoids.
+    expert_weights_on_input: bool = False
     moe_layers: tuple[bool, ...] | None = None
     routed_scaling_factor: float = 1.0       # DeepSeek: the routed experts' weights x this
     num_shared_experts: int = 0              # DeepSeek: an MLP of that many experts' width, every token
@@ -176,6 +197,8 @@ class ModelArchConfig:
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
         if self.qk_norm not in (None, "head", "full"):
             raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        if self.qk_norm_after_rope and self.qk_norm != "head":
+            raise ValueError(f"q/k norms after RoPE are per head, not {self.qk_norm!r}")
         if self.norm_placement not in ("pre", "post", "sandwich"):
             raise ValueError(f"norm_placement must be 'pre', 'post' or 'sandwich', got {self.norm_placement!r}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
@@ -184,21 +207,27 @@ class ModelArchConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-            unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            unknown = set(self.layer_types) - {"full_attention", "sliding_attention", "chunked_attention"}
             if unknown:
                 raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a sliding_window")
+            if "chunked_attention" in self.layer_types and not (self.attention_chunk_size or 0) > 0:
+                raise ValueError("chunked_attention layers need an attention_chunk_size")
+        for name in ("rope_layers", "qk_norm_layers", "layer_head_dims", "layer_kv_heads", "value_from_key"):
+            flags = getattr(self, name)
+            if flags is not None and len(flags) != self.num_hidden_layers:
+                raise ValueError(f"{name} has {len(flags)} entries for {self.num_hidden_layers} layers")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise UnsupportedModelError(f"rotary_dim {self.rotary_dim} for heads of {self.head_dim}")
-        if kind == "freq_factors" and len(self.rope_scaling["factors"]) != (self.rotary_dim or self.head_dim) // 2:
+        if kind == "freq_factors" and len(self.rope_scaling["factors"]) != self.global_rope_dim // 2:
             raise UnsupportedModelError(f"rope_freqs has {len(self.rope_scaling['factors'])} entries for "
-                                        f"{(self.rotary_dim or self.head_dim) // 2} frequencies")
+                                        f"{self.global_rope_dim // 2} frequencies")
         if kind == "yarn" and not (self.rope_scaling.get("factor") and
                                    self.rope_scaling.get("original_max_position_embeddings")):
             raise UnsupportedModelError("YaRN needs a factor and original_max_position_embeddings")
         if kind == "longrope":
-            half = (self.rotary_dim or self.head_dim) // 2
+            half = self.global_rope_dim // 2
             for key in ("short_factor", "long_factor"):
                 if len(self.rope_scaling.get(key) or ()) != half:
                     raise UnsupportedModelError(f"LongRoPE {key} must have {half} entries")
@@ -215,8 +244,6 @@ class ModelArchConfig:
         if self.conv_layers is not None and (len(self.conv_layers) != self.num_hidden_layers or self.conv_kernel < 2):
             raise ValueError(f"conv_layers has {len(self.conv_layers)} entries for {self.num_hidden_layers} layers "
                              f"(kernel {self.conv_kernel})")
-        if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
-            raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_hidden_layers} layers")
 
     def without_lm_head(self) -> ModelArchConfig:
         """This architecture as an embedding checkpoint of it holds it: no LM head."""
@@ -250,11 +277,42 @@ class ModelArchConfig:
             return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
         return self.sliding_window
 
+    @property
+    def global_rope_dim(self) -> int:
+        """The width the global rotary table turns (its scaling's factors are per half of it):
+        the rotary width, or the head size of the layers that read the table."""
+        if self.rotary_dim:
+            return self.rotary_dim
+        users = [i for i in range(self.num_hidden_layers) if self.rope_table_of(i) == "global"]
+        return self.head_dim_of(users[0]) if users else self.head_dim
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims is not None else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads is not None else self.num_key_value_heads
+
+    def chunk_of(self, layer: int) -> int | None:
+        """A chunked-attention layer's chunk (None: not chunked)."""
+        if self.layer_types is not None and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk_size
+        return None
+
+    def kv_window_of(self, layer: int) -> int | None:
+        """The keys a layer's queries may read lie within this many positions before them
+        (None: the whole context): its window, or its chunk. The KV manager gives back
+        the blocks behind it."""
+        return self.sliding_window_of(layer) or self.chunk_of(layer)
+
+    def has_qk_norm(self, layer: int) -> bool:
+        return self.qk_norm is not None and (self.qk_norm_layers is None or self.qk_norm_layers[layer])
+
     def rope_table_of(self, layer: int) -> str:
         """Which rotary table a layer uses: "none" (no RoPE: SmolLM3's every fourth layer),
-        "local" (windowed layers of a family with a base of their own) or "global"."""
+        "tuned" (no RoPE, queries scaled by attention-temperature tuning: Llama 4), "local"
+        (windowed layers of a family with a base of their own) or "global"."""
         if self.rope_layers is not None and not self.rope_layers[layer]:
-            return "none"
+            return "tuned" if self.attn_temperature is not None else "none"
         return "local" if self.local_rope_theta is not None and self.sliding_window_of(layer) else "global"
 
     @property

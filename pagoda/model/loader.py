@@ -219,6 +219,20 @@ def checkpoint_names(model: CausalLM) -> list[str]:
     return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
 
 
+_KEY_PROJ = re.compile(r"^model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)$")
+
+
+def _values_from_keys(arch: ModelArchConfig, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The tensors, with a layer's key projection also as its value projection where the
+    architecture says its values are its keys (``value_from_key``: Gemma 4's global layers,
+    whose checkpoints hold no v_proj)."""
+    for name, t in tensors:
+        yield name, t
+        m = _KEY_PROJ.match(name) if arch.value_from_key is not None else None
+        if m is not None and arch.value_from_key[int(m.group(1))]:
+            yield name.replace(".k_proj.", ".v_proj."), t
+
+
 def _fill(
     model: CausalLM,
     tensors: Iterator[tuple[str, torch.Tensor]],
@@ -230,6 +244,7 @@ def _fill(
 ) -> None:
     """``plan``: keep only this rank's part of each tensor (tensor parallelism); ``stage``:
     only this pipeline stage's tensors (the readers skip the others unread)."""
+    tensors = _values_from_keys(model.config, tensors)
     params = {checkpoint_name(n): p for n, p in model.named_parameters()}
     # A tied LM head is the embedding here, unless a pipeline stage holds only one of them.
     tied = model.config.tie_word_embeddings and "model.embed_tokens.weight" in params
@@ -346,13 +361,26 @@ _HF_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
 
 
 def _checkpoint_tensors(model_cls: type[CausalLM], method: QuantMethod | None,
-                        checkpoint: Callable[[str], torch.Tensor], num_layers: int):
+                        checkpoint: Callable[[str], torch.Tensor], arch: ModelArchConfig):
     """(name, tensor) -> the model tensors it holds: a pre-quantized checkpoint's
     method first (a quantized layer's weight as a ``BlockWeight``), then the family's
-    ``hf_tensors`` for everything else. Layers from ``num_layers`` on hold none: the
-    multi-token-prediction layers some checkpoints keep after the last one (GLM-4.5's,
-    DeepSeek-V3's), not served (as ``_read_gguf`` drops a GGUF file's)."""
+    ``hf_tensors`` for everything else. Layers from ``arch.num_hidden_layers`` on hold
+    none: the multi-token-prediction layers some checkpoints keep after the last one
+    (GLM-4.5's, DeepSeek-V3's), not served (as ``_read_gguf`` drops a GGUF file's). A
+    family whose checkpoints rotate interleaved pairs (``hf_qk_permuted``: Cohere, ERNIE
+    4.5) has its Q/K rows put in rotate-half order here, before any tensor-parallel split."""
     from pagoda.model.layers.blocks import BlockWeight, release_checkpoint_pages
+
+    num_layers = arch.num_hidden_layers
+    heads = _qk_heads(arch, model_cls, hf=True)
+
+    def rotate_half_order(ours: str, t: Any) -> Any:
+        proj = ours.split(".")[-2] if "." in ours else ""
+        if proj not in heads:
+            return t
+        if isinstance(t, BlockWeight):   # whole rows of blocks: the same permutation of rows
+            return BlockWeight(unpermute_rope(t.data, heads[proj]), t.ggml_type, t.in_features, False, t.input_order)
+        return unpermute_rope(t, heads[proj])
 
     def convert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, Any]]:
         layer = _HF_LAYER.match(name)
@@ -360,7 +388,8 @@ def _checkpoint_tensors(model_cls: type[CausalLM], method: QuantMethod | None,
             return
         out = method.tensors(name, tensor, checkpoint) if method is not None else None
         if out is None:
-            yield from model_cls.hf_tensors(name, tensor, checkpoint)
+            for ours, t in model_cls.hf_tensors(name, tensor, checkpoint):
+                yield ours, rotate_half_order(ours, t)
             return
         repacked = False
         for n, t in out:
@@ -368,9 +397,10 @@ def _checkpoint_tensors(model_cls: type[CausalLM], method: QuantMethod | None,
                 repacked = repacked or not _shares_memory(t.data, tensor)
                 ours = model_cls.hf_name(n)
                 if ours is not None:
-                    yield ours, t
+                    yield ours, rotate_half_order(ours, t)
             else:
-                yield from model_cls.hf_tensors(n, t, checkpoint)
+                for ours, u in model_cls.hf_tensors(n, t, checkpoint):
+                    yield ours, rotate_half_order(ours, u)
         if repacked:   # its bytes now live in the blocks: the checkpoint's pages can go
             release_checkpoint_pages(tensor)
 
@@ -403,7 +433,7 @@ def _load_hf_folder(path: str, dtype: torch.dtype, device: torch.device, show_pr
     model_cls = type(model)
 
     total = sum(len(list(h.keys())) for h in handles)
-    convert = _checkpoint_tensors(model_cls, method, _checkpoint_reader(handles), arch.num_hidden_layers)
+    convert = _checkpoint_tensors(model_cls, method, _checkpoint_reader(handles), arch)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
@@ -435,12 +465,20 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
     if arch is None or arch not in MODEL_ARCH:
         raise UnsupportedModelError(f"the gguf library does not know the architecture {gguf_arch!r}")
     table = get_tensor_name_map(arch, model.config.num_hidden_layers)
-    names: dict[str, str | list[str]] = {}
+    names: dict[str, str | list] = {}
+    merged: dict[str, dict[str, list[str]]] = {}   # merged gate/up experts: their two lists
     for hf_name in checkpoint_names(model):
         lookup = type(model).gguf_lookup_name(hf_name)
         module, _, leaf = lookup.rpartition(".")
         expert = EXPERT_NAME.search(module)
         gguf = table.get_name(EXPERT_NAME.sub(".experts.", module) if expert else module)
+        part = module.rpartition(".")[2]
+        if gguf is None and expert and part in ("gate_proj", "up_proj"):
+            # An architecture whose files hold only merged experts (Gemma 4: ffn_gate_up_exps).
+            merged_name = table.get_name(EXPERT_NAME.sub(".experts.", module)[: -len(part)] + "gate_up_proj")
+            if merged_name is not None:
+                merged.setdefault(f"{merged_name}.{leaf}", {}).setdefault(part, []).append(hf_name)
+                continue
         if gguf is None and module == "lm_head" and model.config.tie_word_embeddings:
             continue   # an architecture whose files always tie it (Gemma 2)
         if gguf is None and table.get_name(lookup) is not None:
@@ -454,6 +492,8 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
             names.setdefault(f"{gguf}.{leaf}", []).append(hf_name)   # experts come in order
         else:
             names[f"{gguf}.{leaf}"] = hf_name
+    for name, parts in merged.items():   # each expert's (gate, up) pair, in expert order
+        names[name] = list(zip(parts["gate_proj"], parts["up_proj"]))
     return names
 
 
@@ -500,12 +540,23 @@ def _read_gguf(path: str):
             del gf.tensors[name]
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
-    return gf, arch, gguf_names(gf.metadata["general.architecture"], model), model
+    names = gguf_names(gf.metadata["general.architecture"], model)
+    for merged in [n for n in gf.tensors if n.endswith(".ffn_gate_up_exps.weight") and n not in names]:
+        # llama.cpp's merged experts ([experts, gate rows then up rows, columns]): each entry
+        # a pair of the expert's gate and up names.
+        gate, up = (names.pop(merged.replace("gate_up", part), None) for part in ("gate", "up"))
+        if not isinstance(gate, list) or not isinstance(up, list) or len(gate) != len(up):
+            raise ModelLoadError(f"{path}: {merged}: the model has no experts' gate and up projections there")
+        names[merged] = list(zip(gate, up))
+    return gf, arch, names, model
 
 
-def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM]) -> dict[str, int]:
-    """Projection -> heads, for the rows to un-permute (none unless llama.cpp permuted them)."""
-    return {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads} if cls.gguf_qk_permuted else {}
+def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM], hf: bool = False) -> dict[str, int]:
+    """Projection -> heads, for the rows to un-permute: a GGUF file's where llama.cpp holds
+    them interleaved (``gguf_qk_permuted``), an HF checkpoint's where the family's own RoPE
+    rotates interleaved pairs (``hf_qk_permuted``); none otherwise."""
+    permuted = cls.hf_qk_permuted if hf else cls.gguf_qk_permuted
+    return {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads} if permuted else {}
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
@@ -522,12 +573,16 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
             if hf_name is None:
                 yield gguf_name, torch.empty(0)
                 continue
-            if stage is not None and not stage.holds(hf_name[0] if isinstance(hf_name, list) else hf_name):
+            if stage is not None and not stage.holds(_first_name(hf_name)):
                 continue   # another pipeline stage's: not read
             t = load_tensor(gf, gguf_name, dtype=torch.float32)
             if isinstance(hf_name, list):   # a layer's experts, stacked
                 _check_experts(path, gguf_name, tuple(t.shape), len(hf_name))
-                yield from ((n, type(model).gguf_tensor(n, t[e]).to(dtype)) for e, n in enumerate(hf_name))
+                for e, n in enumerate(hf_name):
+                    if isinstance(n, tuple):   # merged: gate rows, then up rows
+                        yield from zip(n, (u.to(dtype) for u in t[e].chunk(2, dim=0)))
+                    else:
+                        yield n, type(model).gguf_tensor(n, t[e]).to(dtype)
                 continue
             proj = hf_name.split(".")[-2]
             if proj in heads:
@@ -575,7 +630,7 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
         units: dict[str, int] = {}
         for gguf_name, info in gf.tensors.items():
             hf = names.get(gguf_name)
-            kind = (hf[0] if isinstance(hf, list) else hf or "").rpartition(".")[0].rpartition(".")[2]
+            kind = (_first_name(hf) if hf else "").rpartition(".")[0].rpartition(".")[2]
             if kind in ("o_proj", "down_proj", "out_proj") and len(info.shape) >= 2 and info.ggml_type in BLOCK_TYPES:
                 units[kind] = max(units.get(kind, 1), block_format(info.ggml_type)[0])
         plan = _shard_model(model, arch, tp, units)
@@ -600,9 +655,21 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
             unexpected.append(gguf_name)
             continue
         if stage is not None:
-            if not stage.holds(hf_name[0] if isinstance(hf_name, list) else hf_name):
+            if not stage.holds(_first_name(hf_name)):
                 continue   # another pipeline stage's: not read
             hf_name = hf_name if isinstance(hf_name, list) else stage.rename(hf_name)
+        if isinstance(hf_name, list) and isinstance(hf_name[0], tuple):   # merged gate and up experts
+            _check_experts(path, gguf_name, info.shape, len(hf_name))
+            _check_block_type(path, gguf_name, info.ggml_type, BLOCK_TYPES)
+            rows, data = info.shape[1], tensor_rows(gf, gguf_name)
+            for e, pair in enumerate(hf_name):
+                for half, n in enumerate(pair):
+                    if plan is None or plan.holds(n):
+                        start = e * rows + half * rows // 2
+                        module, shard = slots[n]
+                        blocks.setdefault(module, {})[shard] = narrow(n, BlockWeight(
+                            data[start:start + rows // 2], info.ggml_type, info.shape[2], True))
+            continue
         if isinstance(hf_name, list):   # a layer's experts, stacked: one view of rows each
             _check_experts(path, gguf_name, info.shape, len(hf_name))
             held = [(e, n) for e, n in enumerate(hf_name) if plan is None or plan.holds(n)]
@@ -648,6 +715,14 @@ def _stage_of(model: CausalLM, arch: ModelArchConfig, pipe: StageLink | None) ->
     return stage
 
 
+def _first_name(hf_name: str | list) -> str:
+    """The (first) checkpoint name a GGUF tensor holds: itself, its first expert's, or the
+    first of a merged pair's."""
+    if isinstance(hf_name, str):
+        return hf_name
+    return hf_name[0][0] if isinstance(hf_name[0], tuple) else hf_name[0]
+
+
 def _check_experts(path: str, name: str, shape: tuple[int, ...], experts: int) -> None:
     """A layer's experts' tensors stacked: [experts, rows, columns] (weights) or
     [experts, rows] (biases)."""
@@ -686,7 +761,7 @@ def _load_hf_kept(path: str, device: torch.device, show_progress: bool,
         model = model_class(arch.architecture)(arch)
     slots = kept_weight_slots(model)   # (of the whole model: the checkpoint's dtypes)
     cls = type(model)
-    convert = _checkpoint_tensors(cls, method, _checkpoint_reader(handles), arch.num_hidden_layers)
+    convert = _checkpoint_tensors(cls, method, _checkpoint_reader(handles), arch)
     dtypes = {h.get_slice(n).get_dtype() for h in handles for n in h.keys()
               if cls.hf_name(n) in slots and len(h.get_slice(n).get_shape()) == 2}
     if method is None and (not dtypes or not dtypes <= {"BF16", "F16"}):
@@ -746,6 +821,14 @@ def _assemble_blocks(model: CausalLM, blocks: dict, floats: dict[str, torch.Tens
     float tensors (norms, biases) into the parameters left; everything must fit."""
     mapping = model.packed_modules_mapping
     problems: list[str] = []
+    if model.config.value_from_key is not None:
+        # Layers whose values are their keys: the value rows are the key's blocks (shared).
+        for i, same in enumerate(model.config.value_from_key):
+            attn = f"model.layers.{i}.self_attn"
+            if same and 1 in blocks.get(f"{attn}.qkv_proj", {}):
+                blocks[f"{attn}.qkv_proj"].setdefault(2, blocks[f"{attn}.qkv_proj"][1])
+                if f"{attn}.k_proj.bias" in floats:
+                    floats.setdefault(f"{attn}.v_proj.bias", floats[f"{attn}.k_proj.bias"])
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             continue

@@ -54,8 +54,10 @@ def build_proposer(
     draft: LoadedModel | None = None,
     draft_caches: list[torch.Tensor] | None = None,
     target_layer_group: Sequence[int] | None = None,
+    target_group_chunks: Sequence[int | None] = (),
 ) -> Proposer:
-    """``target_layer_group``: the KV group of each target layer (one group if None)."""
+    """``target_layer_group``: the KV group of each target layer (one group if None);
+    ``target_group_chunks``: each group's attention chunk (pagoda/core/kv_layout.py)."""
     if spec.method == "ngram":
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -63,6 +65,11 @@ def build_proposer(
         # Shares the target's weights and the K/V of its first num_layers layers.
         groups = tuple(target_layer_group or (0,) * len(target_kv_caches))
         return ModelDraftProposer(target_model, target_kv_caches[: spec.num_layers], block_size, device,
-                                  num_layers=spec.num_layers, layer_group=groups[: spec.num_layers])
+                                  num_layers=spec.num_layers, layer_group=groups[: spec.num_layers],
+                                  group_chunks=target_group_chunks)
     assert draft is not None and draft_caches is not None
+    if target_group_chunks and target_group_chunks[0] is not None:
+        # The draft model reads the target's first group's tables: they must be whole.
+        raise ValueError("speculative_config: a draft model for a target whose first KV group attends in chunks "
+                         "is not supported; use method layer_skip or ngram")
     return ModelDraftProposer(draft.model, draft_caches, block_size, device, needs_sync=True)

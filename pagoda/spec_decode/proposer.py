@@ -18,6 +18,7 @@ from typing import Protocol, Sequence
 import torch
 
 from pagoda.attention import AttentionMetadata
+from pagoda.attention.metadata import chunk_requests
 
 
 @dataclass
@@ -51,7 +52,8 @@ class ModelDraftProposer:
     of them (all layers write a step's new K/V before attention reads), and slots of
     rejected drafts are rewritten when real tokens reach those positions.
 
-    ``layer_group``: the KV group of each of those layers (their block tables).
+    ``layer_group``: the KV group of each of those layers (their block tables);
+    ``group_chunks``: per group its attention chunk (None: not chunked; none if empty).
 
     draft_model: a separate model with caches of its own over the same block ids;
     ``sync`` runs it on every step's batch so its cache holds every computed position,
@@ -68,6 +70,7 @@ class ModelDraftProposer:
         num_layers: int | None = None,
         needs_sync: bool = False,
         layer_group: Sequence[int] | None = None,
+        group_chunks: Sequence[int | None] = (),
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -76,6 +79,7 @@ class ModelDraftProposer:
         self.num_layers = num_layers
         self.needs_sync = needs_sync
         self.layer_group = tuple(layer_group) if layer_group is not None else None
+        self.group_chunks = tuple(group_chunks)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metas: Sequence[AttentionMetadata]) -> torch.Tensor:  # fmt: skip
@@ -91,8 +95,12 @@ class ModelDraftProposer:
             # Request i's input at step j sits at position len(tokens) - 1 + j.
             ctx = [len(requests[i].token_ids) - 1 + j for i in active]
             groups = range(max(self.layer_group or (0,)) + 1)
-            metas = [AttentionMetadata.build([1] * len(active), ctx, [requests[i].block_ids[g] for i in active],
-                                             self.block_size, self.device) for g in groups]  # fmt: skip
+            metas = []
+            for g in groups:
+                lens = ([1] * len(active), ctx, [requests[i].block_ids[g] for i in active])
+                if self.group_chunks and self.group_chunks[g] is not None:
+                    lens = chunk_requests(*lens, self.group_chunks[g], self.block_size)
+                metas.append(AttentionMetadata.build(*lens, self.block_size, self.device))
             hidden = self._forward(
                 torch.tensor([last[i] for i in active], dtype=torch.long, device=self.device),
                 torch.tensor(ctx, dtype=torch.long, device=self.device),

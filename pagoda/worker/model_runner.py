@@ -20,6 +20,7 @@ import torch
 from pagoda.attention import AttentionMetadata, select_backend
 from pagoda.attention.cpu import CpuBackend
 from pagoda.attention.kv_quant import QuantizedKVCache, storage_dtype
+from pagoda.attention.metadata import chunk_requests
 from pagoda.attention.state import StateCache, StepStates
 from pagoda.core.kv_layout import KVLayout
 from pagoda.core.outputs import TokenLogprobs
@@ -90,7 +91,9 @@ class _Batch:
 def kv_layout(model: CausalLM) -> KVLayout:
     """How the model's layers share block tables and cache buffers (by their windows); the
     same for every pipeline stage (each allocates only its layers' buffers, ``held_buffers``)."""
-    return KVLayout.plan([model.config.sliding_window_of(i) for i in range(len(model.model.layers))])
+    c, n = model.config, len(model.model.layers)
+    return KVLayout.plan([c.sliding_window_of(i) for i in range(n)], [c.chunk_of(i) for i in range(n)],
+                         [(c.kv_heads_of(i), c.head_dim_of(i)) for i in range(n)])
 
 
 def held_buffers(model: CausalLM) -> list[int]:
@@ -100,13 +103,17 @@ def held_buffers(model: CausalLM) -> list[int]:
     return sorted({layer_buffer[i] for i, spec in enumerate(model.kv_specs()) if spec is not None})
 
 
-def local_kv_heads(model: CausalLM) -> int:
-    """KV heads this process holds per layer (a tensor-parallel rank holds only its share).
-    Every layer's cache has the same shape (layers of different KV groups share buffers)."""
-    specs = {(s.num_kv_heads, s.head_dim) for s in model.kv_specs() if s is not None}
-    if len(specs) != 1:
-        raise NotImplementedError(f"layers with different KV caches {sorted(specs, key=str)} are not supported")
-    return next(iter(specs))[0]
+def buffer_shapes(model: CausalLM) -> dict[int, tuple[int, int]]:
+    """Per cache buffer this process holds: (KV heads, head size) of its layers (a
+    tensor-parallel rank's share of the heads; the layers of one buffer cache alike)."""
+    layer_buffer = kv_layout(model).layer_buffer
+    shapes: dict[int, tuple[int, int]] = {}
+    for i, spec in enumerate(model.kv_specs()):
+        if spec is not None:
+            shape = shapes.setdefault(layer_buffer[i], (spec.num_kv_heads, spec.head_dim))
+            if shape != (spec.num_kv_heads, spec.head_dim):
+                raise ValueError(f"layer {i} caches {spec.num_kv_heads} x {spec.head_dim} in a buffer of {shape}")
+    return shapes
 
 
 def state_bytes(model: CausalLM) -> int:
@@ -120,13 +127,12 @@ def kv_cache_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtyp
     """A block is a page of every cache buffer (one per layer, unless layers of different
     KV groups share buffers); with ``state_checkpoints``, also a hybrid model's state at the
     block's end (prefix caching)."""
-    c = model.config
-    num_buffers = len(held_buffers(model))
+    shapes = buffer_shapes(model).values()
     states = state_bytes(model) if state_checkpoints else 0
     if storage_dtype(kv_cache_dtype) is not None:
-        return num_buffers * QuantizedKVCache.bytes_per_block(block_size, c.num_key_value_heads, c.head_dim) + states
+        return sum(QuantizedKVCache.bytes_per_block(block_size, kvh, hd) for kvh, hd in shapes) + states
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * num_buffers * block_size * local_kv_heads(model) * c.head_dim * elem + states
+    return sum(2 * block_size * kvh * hd * elem for kvh, hd in shapes) + states
 
 
 def kv_cache_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, str]:
@@ -137,17 +143,18 @@ def kv_cache_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[tor
 
 
 def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      kv_cache_dtype: str, device: torch.device | str,
-                      pin: bool = False) -> torch.Tensor | QuantizedKVCache:  # fmt: skip
-    """One layer's cache: [2, blocks, block_size, kv_heads, head_dim] of kv_dtype, or an 8-bit
-    QuantizedKVCache with its scales. Uninitialised: a fresh large allocation is zero pages
-    from the OS already, and untouched pages cost no RSS until blocks are used."""
-    c = model.config
+                      kv_cache_dtype: str, device: torch.device | str, pin: bool = False,
+                      buffer: int | None = None) -> torch.Tensor | QuantizedKVCache:  # fmt: skip
+    """One cache buffer (``buffer``; None: the first held), shared by its layers: [2, blocks,
+    block_size, kv_heads, head_dim] of kv_dtype, or an 8-bit QuantizedKVCache with its
+    scales. Uninitialised: a fresh large allocation is zero pages from the OS already, and
+    untouched pages cost no RSS until blocks are used."""
+    shapes = buffer_shapes(model)
+    kvh, hd = shapes[min(shapes) if buffer is None else buffer]
     quantized = storage_dtype(kv_cache_dtype)
     if quantized is not None:
-        return QuantizedKVCache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, quantized, device, pin)
-    return torch.empty(2, num_blocks, block_size, local_kv_heads(model), c.head_dim, dtype=kv_dtype, device=device,
-                       pin_memory=pin)  # fmt: skip
+        return QuantizedKVCache(num_blocks, block_size, kvh, hd, quantized, device, pin)
+    return torch.empty(2, num_blocks, block_size, kvh, hd, dtype=kv_dtype, device=device, pin_memory=pin)
 
 
 def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
@@ -261,12 +268,17 @@ class ModelRunner:
         self.device = device
         quantized = storage_dtype(kv_cache_dtype)
 
-        def cache(n: int, on: torch.device | str, pin: bool = False) -> torch.Tensor | QuantizedKVCache:
-            return allocate_kv_cache(model, n, block_size, kv_dtype, kv_cache_dtype, on, pin)
+        def cache(n: int, on: torch.device | str, pin: bool = False, buffer: int | None = None):
+            return allocate_kv_cache(model, n, block_size, kv_dtype, kv_cache_dtype, on, pin, buffer)
 
         self.layout = kv_layout(model)
+        for chunk in self.layout.group_chunks:
+            if chunk is not None and chunk % block_size:
+                raise ValueError(f"the model's attention chunk ({chunk}) must be a multiple of the KV block size "
+                                 f"({block_size}): pass a block_size (--block-size) that divides it")
         held = set(held_buffers(model))
-        self.kv_buffers = [cache(num_blocks, device) if b in held else None for b in range(self.layout.num_buffers)]
+        self.kv_buffers = [cache(num_blocks, device, buffer=b) if b in held else None
+                           for b in range(self.layout.num_buffers)]
         # Per layer, its buffer (layers of different KV groups share one).
         self.kv_caches = [self.kv_buffers[b] for b in self.layout.layer_buffer]
         # A hybrid model's state layers: one state per slot of the scheduler's state pool
@@ -299,8 +311,8 @@ class ModelRunner:
         self._state_caches: list[StateCache] = [c for c, sh in zip(self.kv_caches, shapes) if sh is not None]
         # Swap preemption's host pool: the same layout, in (pinned, on CUDA) host memory.
         # (None for a buffer this process does not hold: a hybrid model's state layers.)
-        self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda") if kv is not None else None
-                                for kv in self.kv_buffers] if num_host_blocks else []  # fmt: skip
+        self.host_kv_buffers = [cache(num_host_blocks, "cpu", device.type == "cuda", b) if kv is not None else None
+                                for b, kv in enumerate(self.kv_buffers)] if num_host_blocks else []  # fmt: skip
         # The attention backend (pagoda/attention): on the CPU its C++ kernels, decode attention
         # in place through the block tables (float32 queries, float32/float16/int8 KV).
         self.attn_backend, why = select_backend(attention_backend, device,
@@ -350,6 +362,8 @@ class ModelRunner:
             return "LoRA, pipeline stages and speculative decoding run eagerly"
         if self.model.config.num_experts > 0:
             return "MoE layers route tokens to experts on the host (a sync a graph cannot hold)"
+        if self.layout.group_chunks:
+            return "chunked attention splits requests per step (metadata a graph cannot hold)"
         attn = self.model.model.layers[0].self_attn
         if not hasattr(attn, "num_heads") or not hasattr(attn, "head_dim"):
             return f"{type(attn).__name__} layers are not captured"
@@ -556,10 +570,15 @@ class ModelRunner:
                 for state in (b.states[i] for i in b.sample_rows)
             ]
 
-        # One metadata per KV group; each layer reads its group's.
-        metas = [self.attn_backend.build(b.query_lens, context_lens, [t[g] for t in tables], self.block_size,
-                                         self.device, group=g)
-                 for g in range(self.layout.num_groups)]  # fmt: skip
+        # One metadata per KV group; each layer reads its group's (a chunked-attention group's
+        # over its requests split at chunk boundaries: pagoda/core/kv_layout.py).
+        metas = []
+        for g in range(self.layout.num_groups):
+            lens, group_tables = (b.query_lens, context_lens), [t[g] for t in tables]
+            chunk = self.layout.chunk_of(g)
+            if chunk is not None:
+                *lens, group_tables = chunk_requests(*lens, group_tables, chunk, self.block_size)
+            metas.append(self.attn_backend.build(*lens, group_tables, self.block_size, self.device, group=g))
         if self._state_caches:
             states = self._step_states(order, b.query_lens, so.state_writes, metas[0], drafts)
             for m in metas:

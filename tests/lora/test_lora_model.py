@@ -231,3 +231,26 @@ def test_adapter_on_experts_is_refused(tiny_mixtral_dir, tmp_path):
         llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False,
                      lora_request=LoRARequest("experts", 1, str(adapter)))
     assert llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_adapter_on_interleaved_rope_qk_matches_peft(tiny_cohere2_dir, tmp_path):
+    """Command R7B rotates interleaved pairs: its Q/K rows are put in rotate-half order at
+    load, and so are an adapter's q/k B rows (an adapter left in the checkpoint's order
+    would rotate the wrong pairs)."""
+    import torch
+    import transformers
+
+    from pagoda import LLM
+    from tests.lora.helpers import make_adapter
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_cohere2_dir, dtype=torch.float32).eval()
+    path = make_adapter(hf, str(tmp_path / "qk"), seed=5, rank=4, alpha=8, b_std=0.3, targets=("q_proj", "k_proj"))
+    llm = LLM(tiny_cohere2_dir, enable_lora=True, max_loras=1, max_lora_rank=8, skip_tokenizer_init=True,
+              show_progress=False, num_kv_blocks=64, max_model_len=256)
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    got = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=LoRARequest("qk", 1, path))
+    with with_adapter(hf, path) as reference:
+        want = [hf_greedy(reference, p, 32) for p in TINY_PROMPTS]
+    _assert_matches(got, want, "cohere2 q/k adapter")
+    base = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in base] != [o.outputs[0].token_ids for o in got], "adapter changed nothing"

@@ -30,6 +30,8 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
     llama.cpp's GPT-OSS files hold them). Returns ``path``."""
     from safetensors.torch import load_file
     c = model.config
+    if hasattr(c, "allow_global_per_layer_attribute_access"):   # Gemma 4: the windowed layers' values
+        c.allow_global_per_layer_attribute_access = True
     arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == gguf_arch)
     table = get_tensor_name_map(arch, c.num_hidden_layers)
     w = GGUFWriter(path, gguf_arch)
@@ -37,20 +39,46 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    # (Llama 4: the dense layers' width; its intermediate_size is the experts')
+    w.add_feed_forward_length(getattr(c, "intermediate_size_mlp", None) or c.intermediate_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_head_count(heads)
     if gguf_arch == "lfm2":   # llama.cpp's LFM2 converter: KV heads per layer, 0 for the convolutions
         w.add_head_count_kv([0 if t == "conv" else kv for t in c.layer_types])
         w.add_shortconv_l_cache(c.conv_L_cache)
+    elif gguf_arch == "gemma4":   # llama.cpp's Gemma 4 converter: per-layer KV heads, the global layers' width
+        geometry = [c.per_layer_config[i] for i in range(c.num_hidden_layers)]
+        w.add_head_count_kv([g.num_key_value_heads for g in geometry])
+        head_dim = max(g.head_dim for g in geometry)
+        w.add_key_length_swa(c.head_dim)
+        w.add_value_length_swa(c.head_dim)
+        w.add_rope_dimension_count_swa(c.head_dim)
+        w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        w.add_shared_kv_layers(0)
+        w.add_embedding_length_per_layer_input(0)
+        full = c.rope_parameters["full_attention"]
+        turning = int(head_dim * full["partial_rotary_factor"] / 2)   # the rest: frequency 1/1e30
+        w.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (head_dim // 2 - turning),
+                                                     dtype=np.float32))
     else:
         w.add_head_count_kv(kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(getattr(c, "rms_norm_eps", None) or c.norm_eps)
+    if gguf_arch == "cohere2":   # llama.cpp's Cohere2 converter: LayerNorm, the logits' scale
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        w.add_logit_scale(c.logit_scale)
+        w.add_rope_dimension_count(head_dim)
+    else:
+        w.add_layer_norm_rms_eps(getattr(c, "rms_norm_eps", None) or c.norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)   # per layer type (Gemma 3): the global layers'
-    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
+    theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    if gguf_arch == "hunyuan-dense" and rope.get("rope_type") == "dynamic":
+        # llama.cpp's HunYuan converter: NTK-alpha's stretched base, no scaling type.
+        theta *= rope["alpha"] ** (head_dim / (head_dim - 2))
+        w.add_rope_scaling_type(RopeScalingType.NONE)
+    w.add_rope_freq_base(theta)
     w.add_vocab_size(c.vocab_size)
     if "sliding_attention" in (getattr(c, "layer_types", None) or ()):
         w.add_sliding_window(c.sliding_window)
@@ -59,11 +87,23 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     if experts:
         w.add_expert_count(experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_used_count(getattr(c, "num_experts_per_tok", None) or c.top_k_experts)
         if getattr(c, "moe_intermediate_size", None) and gguf_arch != "llama":
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        if gguf_arch == "gpt-oss":
+        if gguf_arch in ("gpt-oss", "llama4"):
             w.add_expert_feed_forward_length(c.intermediate_size)
+        if gguf_arch == "llama4":
+            w.add_interleave_moe_layer_step(c.interleave_moe_layer_step)
+        if gguf_arch == "minimax-m2":   # llama.cpp's MiniMax-M2 converter (its config's scoring_func: sigmoid)
+            w.add_expert_feed_forward_length(c.intermediate_size)
+            w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+            w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        if gguf_arch == "ernie4_5-moe":   # llama.cpp's ERNIE 4.5 converter
+            w.add_interleave_moe_layer_step(c.moe_layer_interval)
+            w.add_leading_dense_block_count(c.moe_layer_start_index)
+            w.add_expert_shared_count(c.moe_num_shared_experts)
+            # (it writes intermediate_size // num_key_value_heads: the real models' shared width)
+            w.add_expert_shared_feed_forward_length(c.moe_intermediate_size * c.moe_num_shared_experts)
         if gguf_arch == "glm4moe":   # llama.cpp's GLM-4.5 converter
             w.add_expert_shared_count(c.n_shared_experts)
             w.add_leading_dense_block_count(c.first_k_dense_replace)
@@ -100,15 +140,23 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
     state = {}
     for f in sorted(__import__("pathlib").Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    state = _split_gpt_oss(state) if gguf_arch == "gpt-oss" else _stack_experts(state)
+    state = (_split_gpt_oss(state) if gguf_arch == "gpt-oss" else _split_llama4(state) if gguf_arch == "llama4"
+             else _stack_experts(state))
     tied = bool(getattr(c, "tie_word_embeddings", False))
     for name, t in state.items():
         if name == "lm_head.weight" and tied:
             continue
-        module, _, leaf = name.rpartition(".")
+        # llama.cpp's converter names a router's choice bias "e_score_correction.bias" (exp_probs_b).
+        module, _, leaf = (name[: -len("_bias")] + ".bias" if name.endswith("e_score_correction_bias")
+                           else name).rpartition(".")
         t = t.detach().float()
         if gguf_arch == "lfm2" and name.endswith("conv.conv.weight"):
             t = t.squeeze(1)   # [hidden, 1, L] -> [hidden, L], as llama.cpp's converter writes it
+        m = re.match(r"model\.layers\.(\d+)\.router\.(scale|per_expert_scale)$", name)
+        if gguf_arch == "gemma4" and m:   # llama.cpp's Gemma 4 converter: beside the router and the down experts
+            kind = "ffn_gate_inp" if m[2] == "scale" else "ffn_down_exps"
+            w.add_tensor(f"blk.{m[1]}.{kind}.scale", np.ascontiguousarray(t.numpy()))
+            continue
         if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1.0   # llama.cpp's Gemma converters store Gemma's 1 + w
         if gguf_arch in PERMUTED and module.endswith("q_proj"):
@@ -151,6 +199,23 @@ def _split_gpt_oss(state: dict) -> dict:
             out[name + ".weight"] = t.transpose(1, 2).contiguous()
         elif name.endswith("mlp.experts.down_proj_bias"):
             out[name[: -len("_bias")] + ".bias"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def _split_llama4(state: dict) -> dict:
+    """Llama 4's stacked experts as llama.cpp's converter writes them: gate and up split
+    out of [experts, in, 2 x out] into [experts, out, in] tensors, down transposed."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("feed_forward.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            gate, up = t.chunk(2, dim=-1)
+            out[base + "gate_proj.weight"] = gate.transpose(1, 2).contiguous()
+            out[base + "up_proj.weight"] = up.transpose(1, 2).contiguous()
+        elif name.endswith("feed_forward.experts.down_proj"):
+            out[name + ".weight"] = t.transpose(1, 2).contiguous()
         else:
             out[name] = t
     return out

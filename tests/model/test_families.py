@@ -56,7 +56,62 @@ def _configs():
         # whose attention applies no RoPE.
         "exaone4": (t.Exaone4Config(**_COMMON, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False),
                     "exaone4"),
+        # Command R7B: parallel blocks, Cohere's LayerNorm, RoPE on interleaved pairs (Q/K rows
+        # un-permuted at load), three windowed layers (16) to one global without RoPE, the
+        # logits x 0.25 (a tied head: llama.cpp's cohere2 files hold no other).
+        "cohere2": (t.Cohere2Config(**_COMMON, num_hidden_layers=4, sliding_window=16, logit_scale=0.25,
+                                    tie_word_embeddings=True), "cohere2"),
+        # Hunyuan dense: per-head q/k norms after RoPE, q/k/v/o biases, "dynamic" RoPE with a
+        # fixed alpha (NTK-alpha: a stretched base; llama.cpp's files hold it stretched).
+        "hunyuan": (t.HunYuanDenseV1Config(**_COMMON, num_hidden_layers=2, head_dim=32, attention_bias=True,
+                                           tie_word_embeddings=False,
+                                           rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                            "rope_theta": 10000.0}), "hunyuan-dense"),
+        # ERNIE 4.5 MoE: interleaved RoPE (Q/K rows un-permuted at load), a dense first layer,
+        # then a softmax router whose choice bias (set random below) does not weigh, top-3 of
+        # 8 experts renormalised, plus a shared expert; a tied head.
+        "ernie45moe": (t.Ernie4_5_MoeConfig(**_COMMON, num_hidden_layers=3, moe_num_experts=8, moe_k=3,
+                                            moe_intermediate_size=32, moe_num_shared_experts=1,
+                                            moe_layer_start_index=1, tie_word_embeddings=True), "ernie4_5-moe"),
+        # MiniMax-M2: q/k RMSNorms over the whole projections, RoPE on 16 of 32 dimensions,
+        # experts in every layer: a sigmoid router whose choice bias (set random below) does
+        # not weigh, top-2 of 8, renormalised.
+        "minimaxm2": (t.MiniMaxM2Config(**{**_COMMON, "intermediate_size": 32}, num_hidden_layers=2, head_dim=32,
+                                        num_local_experts=8, num_experts_per_tok=2, rotary_dim=16,
+                                        tie_word_embeddings=False), "minimax-m2"),
         # Seed-OSS: biases on q, k, v and o (attention_out_bias) and the MLP.
+        # Chunked attention (chunks of 16: the prompts cross several, as do the step's chunks)
+        # with RoPE on 3 of 4 layers; the fourth global, no RoPE, queries scaled by position
+        # (floor 8); dense and MoE layers alternating, top-1 of 4 experts weighing their
+        # inputs, a shared expert (HF only: llama.cpp's files fix chunks and floors at 8192).
+        "llama4": (t.Llama4TextConfig(**{**_COMMON, "intermediate_size": 64}, intermediate_size_mlp=128, head_dim=16,
+                                      num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=1,
+                                      interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=8,
+                                      attn_scale=0.5, tie_word_embeddings=False,
+                                      architectures=["Llama4ForCausalLM"]), None),
+        # llama.cpp's llama4 files: their fixed chunks and temperature floor (8192), top-2
+        # experts (transformers' sum of the experts' weighted inputs' outputs).
+        "llama4-gguf": (t.Llama4TextConfig(**{**_COMMON, "intermediate_size": 64}, intermediate_size_mlp=128,
+                                           head_dim=16, num_hidden_layers=4, num_local_experts=4,
+                                           num_experts_per_tok=2, interleave_moe_layer_step=2,
+                                           attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1,
+                                           tie_word_embeddings=False, architectures=["Llama4ForCausalLM"]),
+                        "llama4"),
+        # Five windowed layers (16) to one global with wider, fewer heads (64 wide, one KV head)
+        # whose values are its keys (attention_k_eq_v), values normed, proportional RoPE on
+        # the global layer, logits capped at 30.
+        "gemma4": (t.Gemma4TextConfig(**_COMMON, num_hidden_layers=6, head_dim=32, global_head_dim=64,
+                                      num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=16,
+                                      hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+                                      architectures=["Gemma4ForCausalLM"]), "gemma4"),
+        # Gemma 4's MoE layers: top-2 of 4 experts beside each dense MLP. Larger weights: with
+        # 0.3 its near-flat logits flip under bfloat16 weights in transformers too (unit-RMS
+        # queries and keys at attention scale 1 amplify rounding).
+        "gemma4moe": (t.Gemma4TextConfig(**{**_COMMON, "initializer_range": 1.0}, num_hidden_layers=6, head_dim=32, global_head_dim=64,
+                                         num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=16,
+                                         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                                         top_k_experts=2, moe_intermediate_size=32,
+                                         architectures=["Gemma4ForCausalLM"]), "gemma4"),
         "seedoss": (t.SeedOssConfig(**_COMMON, num_hidden_layers=2, attention_bias=True, attention_out_bias=True,
                                     mlp_bias=True, tie_word_embeddings=False), "seed_oss"),
         # q/k/v and gate/up stacked in the checkpoint itself.
@@ -140,7 +195,7 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "seedoss", "exaone4", "glm4moe", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
+@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "llama4", "llama4-gguf", "gemma4", "gemma4moe", "seedoss", "exaone4", "glm4moe", "cohere2", "hunyuan", "ernie45moe", "minimaxm2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
                                                  "deepseekv2-full", "deepseekv3",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
@@ -151,6 +206,13 @@ def family(request, tmp_path_factory):
         for m in hf.modules():
             if hasattr(m, "e_score_correction_bias"):   # DeepSeek-V3's choice bias: zeros at init
                 m.e_score_correction_bias.normal_(0, 0.3)
+        for n, p in [*hf.named_parameters(), *hf.named_buffers()]:   # Gemma 4's scalars and scales: ones at init
+            if n.endswith(("layer_scalar", "per_expert_scale", "router.scale")):
+                p.uniform_(0.5, 1.5)
+        for name, m in hf.named_modules():
+            if name.endswith(("query_layernorm", "key_layernorm")):
+                # HunYuan's q/k norms after RoPE: unit weights would commute with the rotation.
+                m.weight.normal_(1.0, 0.5)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path / "hf", safe_serialization=True)
     gguf_path = write_gguf(hf, str(path / "model.gguf"), gguf_arch, str(path / "hf")) if gguf_arch else None
@@ -162,7 +224,9 @@ def _kv_layout(config) -> KVLayout:
     config = getattr(config, "text_config", config)
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
-    return KVLayout.plan([window if t == "sliding_attention" else None for t in types])
+    chunk = getattr(config, "attention_chunk_size", None)
+    return KVLayout.plan([window if t == "sliding_attention" else None for t in types],
+                         [chunk if t == "chunked_attention" else None for t in types])
 
 
 def _prompts() -> list[list[int]]:
@@ -258,14 +322,18 @@ def test_registry_covers_gguf_names_and_refuses_unknown():
 
 def _bf16_weights_error(hf, ids: list[int], want: torch.Tensor) -> float:
     """transformers' relative logit error with its projections rounded to bfloat16 (the
-    routers and DeepSeek's kv_b_proj, which pagoda keeps in float, left alone)."""
+    routers and DeepSeek's kv_b_proj, which pagoda keeps in float, left alone; experts held
+    as stacked parameters rounded too)."""
     import copy
 
     rounded = copy.deepcopy(hf)
     with torch.inference_mode():
         for name, m in rounded.named_modules():
-            if isinstance(m, torch.nn.Linear) and not name.endswith(("mlp.gate", "router", "kv_b_proj")):
+            if isinstance(m, torch.nn.Linear) and not name.endswith(("mlp.gate", "router", "router.proj", "kv_b_proj")):
                 m.weight.copy_(m.weight.bfloat16().float())
+        for name, p in rounded.named_parameters():
+            if p.dim() == 3 and ".experts." in name:
+                p.copy_(p.bfloat16().float())
         got = rounded(torch.tensor([ids])).logits[0].float()
     return ((got - want).abs().max() / want.abs().max()).item()
 
@@ -280,7 +348,8 @@ def test_quantized_modes_apply_to_every_family(family, mode):
     name, hf, hf_dir, _ = family
     if cpu_kernels.kernels() is None:
         pytest.skip("the quantized modes need pagoda's CPU kernels")
-    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, quantization=mode)
+    llm = LLM(hf_dir, skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, block_size=16,
+              quantization=mode)
     model = llm.engine.runner.model
     kind = Bf16Linear if mode == "bf16" else Q4Linear
     layers = model.config.num_hidden_layers

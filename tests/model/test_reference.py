@@ -9,6 +9,7 @@ import torch
 
 from pagoda import SamplingParams
 from pagoda.attention import AttentionMetadata
+from pagoda.attention.metadata import layer_metadata
 from pagoda.ops import cpu_kernels
 from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, logprob_gap, top2_gap
 
@@ -29,13 +30,13 @@ def pagoda_prompt_logits(model, ids: list[int], chunks: list[int], block_size: i
     chunk-with-context and the decode attention paths."""
     c = model.config
     num_blocks = math.ceil(len(ids) / block_size)
-    caches = [torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-              for _ in range(c.num_hidden_layers)]
+    caches = [torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim) for spec in model.kv_specs()]
     table = list(range(num_blocks))
     out, done = [], 0
     with torch.inference_mode():
         for n in chunks:
-            meta = AttentionMetadata.build([n], [done], [table], block_size, torch.device("cpu"))
+            meta = layer_metadata(AttentionMetadata.build, [n], [done], [table], block_size, torch.device("cpu"),
+                                  [c.chunk_of(i) for i in range(c.num_hidden_layers)])
             hidden = model(torch.tensor(ids[done:done + n]), torch.arange(done, done + n), caches, meta)
             out.append(model.compute_logits(hidden))
             done += n

@@ -117,15 +117,16 @@ def _assert_same_greedy(base, tp2, label: str) -> None:
     # The even split is also covered by the default model (slow) and by the uneven model's MLP.
     pytest.param("tiny_llama_dir", marks=pytest.mark.slow), "tiny_qwen2_dir", "tiny_uneven_dir", "tiny_qwen3_dir",
     "tiny_gemma3_dir", "tiny_phi3_dir", "tiny_olmo2_dir", pytest.param("tiny_olmo3_dir", marks=pytest.mark.slow), "tiny_seedoss_dir",
-    pytest.param("tiny_exaone4_dir", marks=pytest.mark.slow)])
+    pytest.param("tiny_exaone4_dir", marks=pytest.mark.slow), pytest.param("tiny_cohere2_dir", marks=pytest.mark.slow)])
 def test_tp2_matches_tp1_tiny(model, request):
     """Even heads (4 q / 2 kv, tied embeddings), a replicated KV head (4 / 1, qkv bias),
     uneven counts (6 / 3 heads, intermediate 99, vocabulary 509), Qwen3's q/k norms
     per head (replicated on every rank), Gemma 3's windowed layers, Phi-3's checkpoint
     tensors stacked already (split part by part), OLMo 2's whole-width q/k norms (their
     mean square from every rank's sums; its one KV head replicated), OLMo 3's windows,
-    Seed-OSS's biases (q/k/v and gate/up by rows; o and down added once) and EXAONE 4's NoPE
-    global layers. A small token
+    Seed-OSS's biases (q/k/v and gate/up by rows; o and down added once), EXAONE 4's NoPE
+    global layers and Command R7B's parallel blocks (its interleaved Q/K rows and biases
+    put in rotate-half order before the split). A small token
     budget chunks the long prompts, so chunked prefill and mixed batches run under TP."""
     path = request.getfixturevalue(model)
     base, (full,) = _greedy(path, 1, max_num_batched_tokens=24)
@@ -169,15 +170,21 @@ def test_tp_startup_error_stops_the_workers(tiny_llama_dir):
 
 @pytest.mark.parametrize("model,expert_parallel", [("tiny_mixtral_dir", True), ("tiny_qwen3moe_dir", True),
                                                    ("tiny_gptoss_dir", True), ("tiny_mixtral_dir", False),
-                                                   ("tiny_gptoss_dir", False), ("tiny_glm4moe_dir", False)])
+                                                   ("tiny_gptoss_dir", False), ("tiny_glm4moe_dir", False),
+                                                   pytest.param("tiny_ernie45moe_dir", False, marks=pytest.mark.slow),
+                                                   pytest.param("tiny_minimaxm2_dir", False, marks=pytest.mark.slow),
+                                                   ("tiny_llama4_dir", True)])
 def test_tp2_moe_matches_tp1(model, expert_parallel, request):
     """--enable-expert-parallel: each rank holds half of every layer's experts; without it
     every expert is split by rows (gate/up rows, down columns, a down bias added once). With
     the ranks' shares of the attention heads, their partial sums give TP=1's tokens (a
-    near-tie excepted: they add in another order)."""
+    near-tie excepted: they add in another order). Llama 4: experts weighing their inputs,
+    chunked attention built by every worker."""
     path = request.getfixturevalue(model)
-    base, (full,) = _greedy(path, 1, max_num_batched_tokens=24)
-    tp2, per_rank = _greedy(path, 2, max_num_batched_tokens=24, enable_expert_parallel=expert_parallel)
+    # (Llama 4's chunks of 16 need blocks that divide them: its chunked metadata per worker.)
+    kw = {"block_size": 16} if "llama4" in model else {}
+    base, (full,) = _greedy(path, 1, max_num_batched_tokens=24, **kw)
+    tp2, per_rank = _greedy(path, 2, max_num_batched_tokens=24, enable_expert_parallel=expert_parallel, **kw)
     _assert_same_greedy(base, tp2, model)
     for b in per_rank:
         assert 0.4 * full < b < 0.7 * full, (b, full)

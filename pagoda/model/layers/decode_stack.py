@@ -141,6 +141,8 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
     if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
            for n in norms):  # fmt: skip
         return None, "norms are not float32 RMSNorms on the CPU"
+    if getattr(attn, "norm_after_rope", False):
+        return None, "q/k norms after RoPE"
     if attn.rope_table not in tables or attn.qk_comm is not None or (
             attn.rotary_dim != attn.head_dim and not hybrid):
         return None, "partial rotary, or sharded q/k norms"

@@ -24,7 +24,7 @@ from torch import nn
 from pagoda.attention import AttentionMetadata, kernel_cache, paged_attention, rope_writes_kv
 from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.expert_parallel import dispatch_combine
-from pagoda.model.layers.norm import RMSNorm, fused_ops
+from pagoda.model.layers.norm import RMSNorm, UnitRMSNorm, fused_ops
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.layers.rotary import (
     apply_rope,
@@ -50,8 +50,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.num_kv_heads = config.kv_heads_of(layer_idx)
+        self.head_dim = config.head_dim_of(layer_idx)
         h = config.hidden_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -69,16 +69,23 @@ class Attention(nn.Module):
         self.rope_table = config.rope_table_of(layer_idx)
         self.window = config.sliding_window_of(layer_idx)
         self.softcap = config.attn_logit_softcapping
-        # q/k RMSNorm before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
-        self.qk_norm = config.qk_norm
+        # q/k RMSNorm before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2);
+        # on some layers only, and without weights (Llama 4: a weightless per-head norm commutes
+        # with RoPE, a rotation of each pair, so before it is as after it).
+        self.qk_norm = config.qk_norm if config.has_qk_norm(layer_idx) else None
+        norm_cls = RMSNorm if config.qk_norm_weights else UnitRMSNorm
         if self.qk_norm == "head":
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         elif self.qk_norm == "full":
-            self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+            self.q_norm = norm_cls(self.q_size, config.rms_norm_eps)
+            self.k_norm = norm_cls(self.kv_size, config.rms_norm_eps)
+        # Gemma 4: values RMS-normed per head, no weight.
+        self.v_norm = UnitRMSNorm(self.head_dim, config.rms_norm_eps) if config.v_norm else None
         # Tensor parallelism with whole-width q/k norms: the ranks' sums of squares (ShardPlan.apply).
         self.qk_comm = None
+        # HunYuan: the per-head q/k norms apply to the rotated heads (after RoPE, not before).
+        self.norm_after_rope = config.qk_norm_after_rope and self.qk_norm is not None
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         t = qkv.shape[0]
@@ -116,24 +123,37 @@ class Attention(nn.Module):
             q_gate, kv = qkv.split([self.q_rows, 2 * self.kv_size], dim=-1)
             q, gate = q_gate.view(t, self.num_heads, 2, self.head_dim).unbind(2)
             qkv = torch.cat((q.reshape(t, -1), kv), dim=-1)
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and not self.norm_after_rope:
             qkv = self._norm_qk(qkv)
+        if self.v_norm is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            v = self.v_norm.rows(v.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, -1)
+            qkv = torch.cat((q, k, v), dim=-1)
         ops = fused_ops(qkv)
-        if ops is not None and self.rotary_dim == self.head_dim:   # (partial rotary: the torch path)
+        # (partial rotary, and queries scaled per position: the torch path)
+        if ops is not None and self.rotary_dim == self.head_dim and self.rope_table != "tuned":
             # One op: rotary q and k, and (a cache the kernels write, where the step's attention
             # backend lets them) k and v into their slots.
-            cache, scales = (kernel_cache(kv_cache) if rope_writes_kv(meta) else None) or (None, None)
+            # (Norms after RoPE: the rotated keys are normed before they are cached.)
+            writes = rope_writes_kv(meta) and not self.norm_after_rope
+            cache, scales = (kernel_cache(kv_cache) if writes else None) or (None, None)
             in_place = cache is not None
             q, k, v = ops.rope_qkv(qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                                    cache, meta.slot_mapping if in_place else None, scales)
+            if self.norm_after_rope:
+                q, k = self.q_norm.rows(q), self.k_norm.rows(k)
             o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place, window=self.window,
                                 softcap=self.softcap, sinks=self.sinks)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(t, self.num_heads, self.head_dim)
             k = k.reshape(t, self.num_kv_heads, self.head_dim)
-            if self.rope_table != "none":
+            if self.rope_table == "tuned":   # no RoPE; cos: each token's query scale [T, 1, 1]
+                q = (q.float() * cos).to(q.dtype)
+            elif self.rope_table != "none":
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.norm_after_rope:
+                q, k = self.q_norm.rows(q), self.k_norm.rows(k)
             o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale,
                                 window=self.window, softcap=self.softcap, sinks=self.sinks)
         o = o.reshape(t, -1)
@@ -179,6 +199,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.norm_topk_min = config.norm_topk_min   # ERNIE 4.5: the renormalising sum's floor
+        self.weights_on_input = config.expert_weights_on_input
         self.scaling = config.routed_scaling_factor
         self.groups, self.group_score = config.expert_groups, config.expert_group_score
         self.sigmoid = config.expert_scoring == "sigmoid"
@@ -203,7 +225,8 @@ class SparseMoeBlock(nn.Module):
         self.expert_tokens: torch.Tensor | None = None
 
     def _fused_args(self) -> tuple | bool:
-        """(kernel, gate/up parts, their types, down parts, their types) when every expert's
+        """(kernel, gate/up parts, their types, down parts, their types, activation: 0 SiLU,
+        1 tanh-GELU) when every expert's
         weights are kept as blocks (GGUF, or an HF checkpoint's bfloat16/float16): one kernel
         call then runs the layer, ``gguf_moe_int8`` in the gguf mode (int8 activations),
         ``gguf_moe`` in the exact mode, the same numbers as the per-expert path. False
@@ -214,7 +237,8 @@ class SparseMoeBlock(nn.Module):
             layers = [(e.gate_up_proj, e.down_proj) for e in self.experts]
             modules = [m for pair in layers for m in pair]
             ops = cpu_kernels.kernels()
-            ok = (ops is not None and self.experts[0].act == "silu"
+            activation = {"silu": 0, "gelu_pytorch_tanh": 1}.get(self.experts[0].act)
+            ok = (ops is not None and activation is not None
                   and all(isinstance(m, BlocksLinear) and m.bias is None for m in modules)
                   and all(len(g.parts) == 2 and len(d.parts) == 1 for g, d in layers)
                   and not any(m.permutes_inputs for m in modules)   # GPTQ act-order: per expert
@@ -222,7 +246,7 @@ class SparseMoeBlock(nn.Module):
             self._fused = (
                 ops.gguf_moe_int8 if modules[0].int8_activations else ops.gguf_moe,
                 [p.data for g, _ in layers for p in g.parts], [int(p.ggml_type) for g, _ in layers for p in g.parts],
-                [d.parts[0].data for _, d in layers], [int(d.parts[0].ggml_type) for _, d in layers],
+                [d.parts[0].data for _, d in layers], [int(d.parts[0].ggml_type) for _, d in layers], activation,
             ) if ok else False
         return self._fused
 
@@ -248,7 +272,8 @@ class SparseMoeBlock(nn.Module):
             ids = torch.topk(choice, self.top_k, dim=-1).indices
             weights = probs.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total.clamp(min=self.norm_topk_min) if self.norm_topk_min else total)
         if self.scaling != 1.0:
             weights = weights * self.scaling
         picks = torch.bincount(ids.flatten(), minlength=self.num_experts)
@@ -259,16 +284,32 @@ class SparseMoeBlock(nn.Module):
         return weights, ids, picks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids, picks = self.route(x)
+        return self.experts_forward(x, *self.route(x))
+
+    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        picks: torch.Tensor) -> torch.Tensor:
+        """The experts' (and shared experts') output for ``x``, routed as ``route`` chose
+        (on x itself, or where a family routes on another input: Gemma 4)."""
         weights = weights.to(x.dtype)
+        routed_in = x
+        if self.weights_on_input and self.top_k == 1:
+            # One expert per token: its input scaled by its weight, its output taken whole.
+            routed_in, weights = x * weights, torch.ones_like(weights)
+        elif self.weights_on_input:
+            if self.ep is not None:
+                raise NotImplementedError("expert weights on the inputs of several experts per token under "
+                                          "expert parallelism across replicas")
+            out = self._experts_sum(x, weights, ids, picks)
+            return self._add_shared(out if self.comm is None else self.comm.all_reduce(out), x)
         if self.ep is not None:
-            return self._add_shared(dispatch_combine(x, weights, ids, self.experts, self.num_experts, self.ep), x)
+            return self._add_shared(dispatch_combine(routed_in, weights, ids, self.experts, self.num_experts, self.ep),
+                                    x)
         if self.comm is None and x.dtype == torch.float32 and x.device.type == "cpu":
             fused = self._fused_args()
             if fused:
                 kernel, *args = fused
-                return self._add_shared(kernel(x, ids, weights, *args), x)
-        out = self._experts_sum(x, weights, ids, picks)
+                return self._add_shared(kernel(routed_in, ids, weights, *args), x)
+        out = self._experts_sum(routed_in, weights, ids, picks)
         # Expert parallelism: this rank's experts' share, summed over ranks.
         return self._add_shared(out if self.comm is None else self.comm.all_reduce(out), x)
 
@@ -291,7 +332,8 @@ class SparseMoeBlock(nn.Module):
             # One token (a single-stream decode): its experts in index order, no grouping.
             for e, slot in sorted(zip(ids[0].tolist(), range(self.top_k))):
                 if e in local:
-                    out += self.experts[e](x) * weights[:, slot:slot + 1]
+                    w = weights[:, slot:slot + 1]
+                    out += self.experts[e](x * w) if self.weights_on_input else self.experts[e](x) * w
             return out
         # The (token, slot) pairs grouped by expert once: a stable sort keeps each
         # expert's tokens in order.
@@ -302,7 +344,9 @@ class SparseMoeBlock(nn.Module):
             tokens, slot = tokens_all[start:start + n], slots_all[start:start + n]
             start += n
             if n and e in local:
-                out.index_add_(0, tokens, self.experts[e](x[tokens]) * weights[tokens, slot, None])
+                w = weights[tokens, slot, None]
+                y = self.experts[e](x[tokens] * w) if self.weights_on_input else self.experts[e](x[tokens]) * w
+                out.index_add_(0, tokens, y)
         return out
 
 
@@ -387,6 +431,9 @@ class CausalLM(nn.Module):
     # Whether llama.cpp's converter permuted the Q/K rows of this family's GGUF files
     # (its Llama converter does, for its interleaved rotary layout).
     gguf_qk_permuted: ClassVar[bool] = False
+    # Whether the family's own RoPE rotates interleaved pairs (Cohere, ERNIE 4.5): the HF
+    # checkpoint's Q/K rows (and LoRA B's) are then put in rotate-half order at load.
+    hf_qk_permuted: ClassVar[bool] = False
     # Whether tensor parallelism (pagoda.model.layers.parallel.ShardPlan) applies.
     tensor_parallel: ClassVar[bool] = True
     # Whether LoRA adapters (pagoda.lora: on qkv/o/gate_up/down) apply.
@@ -464,7 +511,10 @@ class CausalLM(nn.Module):
         ``inv_freq`` for every layer, ``inv_freq_local`` for windowed layers with a base
         of their own (Gemma 3), ``inv_freq_long`` past LongRoPE's original context."""
         c = self.config
-        dim = c.rotary_dim or c.head_dim
+        # Each table's width: its layers' heads (Gemma 4's global and windowed heads differ).
+        tables = [c.rope_table_of(i) for i in range(c.num_hidden_layers)]
+        dim_of = {t: c.rotary_dim or c.head_dim_of(tables.index(t)) for t in set(tables)}
+        dim = c.global_rope_dim
         self.register_buffer("inv_freq", rope_inv_freq(dim, c.rope_theta, c.rope_scaling).to(device),
                              persistent=False)
         self.longrope = None
@@ -474,7 +524,8 @@ class CausalLM(nn.Module):
             self.register_buffer("inv_freq_long", long.to(device), persistent=False)
             self.longrope = (original, attention)
         if c.local_rope_theta is not None:
-            self.register_buffer("inv_freq_local", rope_inv_freq(dim, c.local_rope_theta, None).to(device),
+            self.register_buffer("inv_freq_local",
+                                 rope_inv_freq(dim_of.get("local", dim), c.local_rope_theta, None).to(device),
                                  persistent=False)
 
     def expert_load(self) -> list[list[int]] | None:
@@ -493,8 +544,8 @@ class CausalLM(nn.Module):
         if not rows:
             return None
         counts = torch.zeros(len(rows), c.num_experts, dtype=torch.long)
-        held = [(row, self.model.layers[i].mlp) for row, i in enumerate(rows)
-                if not isinstance(self.model.layers[i], MissingLayer)]
+        held = [(row, next(m for m in self.model.layers[i].modules() if isinstance(m, SparseMoeBlock)))
+                for row, i in enumerate(rows) if not isinstance(self.model.layers[i], MissingLayer)]
         held = [(row, b.expert_tokens) for row, b in held if b.expert_tokens is not None]
         if held:
             counts[[row for row, _ in held]] = torch.stack([t for _, t in held]).cpu()
@@ -576,6 +627,12 @@ class CausalLM(nn.Module):
             # the fused rotary op serves them too.
             cos = tables["global"][0]
             tables["none"] = (torch.ones_like(cos), torch.zeros_like(cos))
+            if self.config.attn_temperature is not None:
+                # Attention-temperature tuning: each token's query scale, by its position.
+                floor_scale, scale = self.config.attn_temperature
+                p = positions.float()
+                tables["tuned"] = ((torch.log1p(torch.floor((p + 1.0) / floor_scale)) * scale + 1.0)[:, None, None],
+                                   None)
         if self.decode_stack is not None and isinstance(meta, AttentionMetadata):
             # A decode-only step in one C++ call (pagoda/model/layers/decode_stack.py).
             done = self.decode_stack.run(x, residual, tables, kv_caches, meta, start, end)

@@ -50,3 +50,32 @@ class RMSNorm(nn.Module):
         """norm over the last dimension of x of any shape (q/k norms per head)."""
         shape = x.shape
         return self(x.reshape(-1, shape[-1])).view(shape)
+
+
+class UnitRMSNorm(RMSNorm):
+    """An RMSNorm without a learned weight (Llama 4's q/k "L2" norm): x / rms(x). Its unit
+    weight is no parameter (checkpoints hold none); made once per device."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        nn.Module.__init__(self)
+        self.dim, self.eps = dim, eps
+        self._units: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._unit(torch.device("cpu"), torch.float32)
+
+    def _unit(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if (device, dtype) not in self._units:
+            self._units[device, dtype] = torch.ones(self.dim, device=device, dtype=dtype)
+        return self._units[device, dtype]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            raise ValueError("a unit RMSNorm takes no residual")
+        ops = fused_ops(x)
+        if ops is not None and x.dim() == 2:
+            return ops.rms_norm(x.contiguous(), self._unit(x.device, x.dtype), self.eps, None)
+        dtype = x.dtype
+        x = x.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)

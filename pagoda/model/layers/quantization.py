@@ -431,6 +431,7 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
     """Largest |activation| seen by each input channel of every linear layer while the
     (unquantized) model computes ``token_ids`` as one prompt: name -> [in_features]."""
     from pagoda.attention import AttentionMetadata
+    from pagoda.attention.metadata import layer_metadata
     from pagoda.attention.state import StateCache, StepStates
 
     ranges: dict[str, torch.Tensor] = {}
@@ -456,7 +457,8 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
         caches = [None if spec is None else
                   torch.zeros(2, num_blocks, block, spec.num_kv_heads, spec.head_dim, dtype=dtype)
                   for spec in model.kv_specs()]
-        meta = AttentionMetadata.build([len(token_ids)], [0], [list(range(num_blocks))], block, torch.device("cpu"))
+        meta = layer_metadata(AttentionMetadata.build, [len(token_ids)], [0], [list(range(num_blocks))], block,
+                              torch.device("cpu"), [model.config.chunk_of(i) for i in range(len(caches))])
         # A hybrid model's state layers: one zeroed slot, the prompt's (nothing saved).
         shapes = model.state_shapes()
         if any(shape is not None for shape in shapes):

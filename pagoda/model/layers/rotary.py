@@ -7,7 +7,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope", "freq_factors", "yarn")
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope", "freq_factors", "yarn", "proportional")
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -43,6 +43,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64, device="cpu")
     elif kind == "yarn":
         inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    elif kind == "proportional":
+        # Gemma 4's global layers: the first partial_rotary_factor of each half-head's
+        # frequencies (over the whole head's width) turn, the rest are still (frequency 0),
+        # so a rotate-half RoPE over the whole head rotates pairs (i, i + D/2) for the first few.
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq = torch.cat((inv_freq[:turning], torch.zeros_like(inv_freq[turning:]))) / scaling.get("factor", 1.0)
     elif kind != "default":
         raise ValueError(f"rope scaling {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
     return inv_freq.float()

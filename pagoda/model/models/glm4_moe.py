@@ -23,7 +23,8 @@ class Glm4MoeForCausalLM(CausalLM):
 
     @classmethod
     def gguf_lookup_name(cls, name: str) -> str:
-        return name.replace(".mlp.score_bias", ".mlp.gate.e_score_correction_bias")
+        # (llama.cpp's converter: "e_score_correction.bias", its exp_probs_b.bias)
+        return name.replace(".mlp.score_bias", ".mlp.gate.e_score_correction.bias")
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:

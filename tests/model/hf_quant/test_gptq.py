@@ -163,3 +163,10 @@ def test_moe_experts(desc_act, tiny_qwen3moe_dir, tmp_path):
     assert_serves_its_dequantized_model(qdir, ref, {"PAGODA_Q4Z", "F32"})   # the routers stay float
     moe = load_model(qdir, show_progress=False).model.model.layers[0].mlp
     assert bool(moe._fused_args()) != desc_act
+
+
+def test_interleaved_rope_family_rows_permuted_in_their_blocks(tiny_cohere2_dir, tmp_path):
+    """Command R7B's Q/K rows (interleaved RoPE) are put in rotate-half order at load: a
+    GPTQ checkpoint's kept blocks (act order) move row by row as its float tensors do."""
+    qdir, ref = _gptq_dir(tiny_cohere2_dir, tmp_path, desc_act=True)
+    assert_serves_its_dequantized_model(qdir, ref, {"PAGODA_Q4Z"})

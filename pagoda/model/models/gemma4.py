@@ -1,0 +1,239 @@
+"""Gemma 4 (text; the 31B dense and 26B-A4B MoE checkpoints, and the language model of
+``Gemma4ForConditionalGeneration``): Gemma 3's five windowed layers to one global, its
+sandwich norms (plain weights here, not 1 + w) and tanh-GELU MLP, with what is new:
+
+- the global layers' heads are wider and fewer (``global_head_dim``,
+  ``num_global_key_value_heads``, or ``per_layer_config``): per-layer cache shapes, which
+  the KV layout keeps in buffers of their own shape (``pagoda/core/kv_layout.py``);
+- ``attention_k_eq_v``: a global layer's values are its keys' projection (no v_proj in the
+  checkpoint; the loader fills the value rows with the key's), normed per head without a
+  weight (every layer's values are) while the keys get their weighted norm and RoPE;
+- the attention scale is 1 (the q/k norms set the scale);
+- RoPE: base 10^4 on the windowed layers; "proportional" on the global ones (base 10^6, the
+  first quarter of each half-head's frequencies turning, the rest still);
+- the MoE variant: beside each layer's dense MLP, experts routed on the stream (an unweighted
+  RMSNorm, a learned scale and 1 / sqrt(hidden) before the router; softmax, top-k renormalised,
+  times a per-expert scale), each path with norms of its own, their sum normed;
+- ``layer_scalar``: each layer's output stream times a learned scalar.
+
+Refused by name: per-layer embeddings and KV shared across layers (Gemma 4 E2B / E4B),
+bidirectional attention ("all")."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields, text_config
+from pagoda.model.layers.decoder import CausalLM, DecoderLayer, GatedMLP, SparseMoeBlock
+from pagoda.model.layers.norm import RMSNorm, UnitRMSNorm
+
+# transformers' Gemma4TextConfig defaults a checkpoint's config.json may leave out.
+TEXT_DEFAULTS: dict[str, Any] = {
+    "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "sliding_window": 512, "max_position_embeddings": 131072,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}},
+}
+WINDOW_PATTERN = 6   # transformers' default: five windowed layers to one global
+
+
+class Gemma4Moe(SparseMoeBlock):
+    """Gemma 4's experts: routed on the layer's stream through an unweighted RMSNorm, a
+    learned scale and 1 / sqrt(hidden); softmax, top-k renormalised, each chosen expert's
+    weight times its learned scale."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        self.router_norm = UnitRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.router_scale = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts), requires_grad=False)
+        self.root = config.hidden_size ** -0.5
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weights, ids, picks = super().route(self.router_norm(x) * self.router_scale * self.root)
+        return weights * self.per_expert_scale.float()[ids], ids, picks
+
+
+class Gemma4DecoderLayer(DecoderLayer):
+    def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.moe = None
+        if config.is_moe_layer(layer_idx):
+            # The dense MLP stays; the experts run beside it, each path normed on its own.
+            self.mlp = GatedMLP(config)
+            self.moe = Gemma4Moe(config)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        h = self.mlp(h)
+        if self.moe is not None:   # residual: the stream after attention, the experts' input
+            routed = self.moe.experts_forward(self.pre_feedforward_layernorm_2(residual), *self.moe.route(residual))
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+        h = self.post_feedforward_layernorm(h)
+        # The layer's output stream (residual + h) times its scalar.
+        return h * self.layer_scalar, residual.mul_(self.layer_scalar)
+
+
+def _layer_geometry(config: dict[str, Any], types: list[str]) -> tuple[list[int], list[int]]:
+    """(head size, KV heads) per layer: the global layers' own (``per_layer_config``, or
+    ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``)."""
+    head_dim, kv = config.get("head_dim", 256), config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_layer = config.get("per_layer_config")
+    if per_layer is None:
+        full: dict[str, Any] = {"head_dim": config.get("global_head_dim", 512)}
+        if config.get("attention_k_eq_v") and config.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = config["num_global_key_value_heads"]
+        per_layer = {str(i): full for i, t in enumerate(types) if t == "full_attention"}
+    dims, heads = [], []
+    for i in range(len(types)):
+        over = per_layer.get(str(i)) or per_layer.get(i) or {}   # type: ignore[call-overload]
+        unknown = set(over) - {"head_dim", "num_key_value_heads"}
+        if unknown:
+            raise UnsupportedModelError(f"Gemma 4 per_layer_config {sorted(unknown)} is not supported")
+        dims.append(int(over.get("head_dim", head_dim)))
+        heads.append(int(over.get("num_key_value_heads", kv)))
+    return dims, heads
+
+
+class Gemma4ForCausalLM(CausalLM):
+    layer_cls = Gemma4DecoderLayer
+    unquantized_modules = (".moe.gate",)
+    tensor_parallel = False   # (per-layer head shapes: not split yet)
+    lora = False              # (adapters over per-layer head shapes: not tested yet)
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        for old, new in ((".router.proj.", ".moe.gate."), (".router.scale", ".moe.router_scale"),
+                         (".router.per_expert_scale", ".moe.per_expert_scale")):
+            if old in name:
+                return name.replace(old, new)
+        return name
+
+    @classmethod
+    def hf_tensors(cls, name: str, tensor: torch.Tensor,
+                   checkpoint: Callable[[str], torch.Tensor] | None = None) -> Iterator[tuple[str, Any]]:  # fmt: skip
+        ours = cls.hf_name(name)
+        if ours is None or ".experts." not in ours or ours.endswith(".weight"):
+            yield from super().hf_tensors(name, tensor, checkpoint)
+            return
+        prefix = ours.replace(".experts.", ".moe.experts.")   # [..].moe.experts.gate_up_proj | down_proj
+        base, _, proj = prefix.rpartition(".")
+        for e in range(tensor.shape[0]):   # [experts, out, in]: a Linear's weight per expert
+            if proj == "down_proj":
+                yield f"{base}.{e}.down_proj.weight", tensor[e].contiguous()
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{base}.{e}.gate_proj.weight", gate.contiguous()
+                yield f"{base}.{e}.up_proj.weight", up.contiguous()
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        config = {**TEXT_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+        if config.get("hidden_size_per_layer_input"):
+            raise UnsupportedModelError("Gemma 4 per-layer embeddings (hidden_size_per_layer_input: E2B / E4B) "
+                                        "are not supported")
+        if config.get("num_kv_shared_layers"):
+            raise UnsupportedModelError("Gemma 4 KV shared across layers (num_kv_shared_layers) is not supported")
+        if config.get("use_bidirectional_attention") == "all":
+            raise UnsupportedModelError("bidirectional attention is not supported")
+        n = config["num_hidden_layers"]
+        types = config.get("layer_types") or ["sliding_attention" if (i + 1) % WINDOW_PATTERN else "full_attention"
+                                              for i in range(n)]
+        types = [*types[:-1], "full_attention"]   # transformers forces the last layer global
+        config = {**config, "layer_types": types}
+        fields = ModelArchConfig.hf_fields(config, architecture)
+        dims, heads = _layer_geometry(config, types)
+        moe = {}
+        if config.get("enable_moe_block"):
+            moe = moe_fields(config["num_experts"], config["top_k_experts"], config["moe_intermediate_size"], True)
+        return ModelArchConfig(
+            **fields, **moe,
+            qk_norm="head", v_norm=True, norm_placement="sandwich",
+            layer_head_dims=tuple(dims) if len(set(dims)) > 1 else None,
+            layer_kv_heads=tuple(heads) if len(set(heads)) > 1 else None,
+            value_from_key=tuple(bool(config.get("attention_k_eq_v")) and t == "full_attention" for t in types),
+            attention_multiplier=1.0, o_proj_bias=fields["attention_bias"],
+            embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
+            final_logit_softcapping=config.get("final_logit_softcapping") or None)
+
+
+    @classmethod
+    def gguf_lookup_name(cls, name: str) -> str:
+        for old, new in ((".moe.gate.", ".router.proj."), (".moe.router_scale", ".router.proj.scale"),
+                         (".moe.per_expert_scale", ".mlp.experts.down_proj.scale"), (".moe.experts.", ".mlp.experts.")):
+            if old in name:
+                return name.replace(old, new)
+        return name
+
+    @classmethod
+    def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
+        p = f"{md['general.architecture']}."
+        if md.get(p + "embedding_length_per_layer_input"):
+            raise UnsupportedModelError("Gemma 4 per-layer embeddings (E2B / E4B) are not supported")
+        if md.get(p + "attention.shared_kv_layers"):
+            raise UnsupportedModelError("Gemma 4 KV shared across layers (E2B / E4B) is not supported")
+        fields = ModelArchConfig.gguf_fields(md, tensor_names, architecture)
+        n = fields["num_hidden_layers"]
+        swa = md.get(p + "attention.sliding_window_pattern")
+        if not isinstance(swa, list) or len(swa) < n:
+            raise UnsupportedModelError("gemma4 GGUF: attention.sliding_window_pattern must flag every layer")
+        types = ["sliding_attention" if swa[i] else "full_attention" for i in range(n)]
+        kv = md.get(p + "attention.head_count_kv")
+        kv = list(kv) if isinstance(kv, list) else [kv or fields["num_attention_heads"]] * n
+        full_dim, swa_dim = int(md[p + "attention.key_length"]), int(md[p + "attention.key_length_swa"])
+        if isinstance(md.get(p + "feed_forward_length"), list):
+            raise UnsupportedModelError("gemma4 GGUF: per-layer MLP widths (double-wide MLPs) are not supported")
+        if int(md.get(p + "rope.dimension_count_swa") or swa_dim) != swa_dim:
+            raise UnsupportedModelError("gemma4 GGUF: partial rotary on the windowed layers is not supported")
+        dims = [swa_dim if t == "sliding_attention" else full_dim for t in types]
+        moe = {}
+        if md.get(p + "expert_count"):
+            moe = moe_fields(md[p + "expert_count"], md[p + "expert_used_count"],
+                             md[p + "expert_feed_forward_length"], True)
+        local_theta = float(md.get(p + "rope.freq_base_swa") or 10000.0)
+        return ModelArchConfig(
+            **{**fields, "head_dim": swa_dim, "num_key_value_heads": kv[types.index("sliding_attention")]
+               if "sliding_attention" in types else kv[0], "hidden_act": "gelu_pytorch_tanh",
+               "layer_types": tuple(types), "local_rope_theta": local_theta},
+            **moe,
+            qk_norm="head", v_norm=True, norm_placement="sandwich",
+            layer_head_dims=tuple(dims) if len(set(dims)) > 1 else None,
+            layer_kv_heads=tuple(kv[:n]) if len(set(kv[:n])) > 1 else None,
+            value_from_key=tuple(f"blk.{i}.attn_v.weight" not in tensor_names for i in range(n)),
+            attention_multiplier=1.0, o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+            embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
+            final_logit_softcapping=md.get(p + "final_logit_softcapping") or None)
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """Gemma 4 as published (vision and audio towers beside the language model): text in,
+    text out; the towers' and embedders' tensors are not read."""
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        for prefix, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(prefix):
+                return super().hf_name(new + name[len(prefix):])
+        if name.startswith("lm_head."):
+            return name
+        return None   # vision / audio towers, their embedders
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        return super().arch_from_hf(text_config(config), architecture)
