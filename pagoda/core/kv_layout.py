@@ -60,16 +60,30 @@ class KVLayout:
 
     @classmethod
     def plan(cls, layer_windows: Sequence[int | None], layer_chunks: Sequence[int | None] | None = None,
-             layer_shapes: Sequence[Hashable] | None = None) -> KVLayout:
+             layer_shapes: Sequence[Hashable] | None = None,
+             layer_sources: Sequence[int | None] | None = None) -> KVLayout:
         """The groups of layers with per-layer windows ``layer_windows`` (None = global),
         attention chunks ``layer_chunks`` (None: no chunked layer) and cache shapes
-        ``layer_shapes`` (None: all alike; layers of different shapes share no buffer).
+        ``layer_shapes`` (None: all alike; layers of different shapes share no buffer). A
+        layer with a source in ``layer_sources`` reads that earlier layer's cache (Gemma 4's
+        shared KV): it takes its group and buffer and adds none.
 
         E.g. [None, 8, 8, None, 8, 8] -> groups of 2: (None: layers 0, 3), (8: 1, 2),
         (8: 4, 5); layers 0, 1, 4 in buffer 0 and 3, 2, 5 in buffer 1.
         """
         if not layer_windows:
             raise ValueError("a model without layers has no KV cache")
+        if layer_sources is not None and any(src is not None for src in layer_sources):
+            own = [i for i, src in enumerate(layer_sources) if src is None]
+            pick = (lambda seq: None if seq is None else [seq[i] for i in own])
+            base = cls.plan(pick(layer_windows), pick(layer_chunks), pick(layer_shapes))
+            group, buffer = dict(zip(own, base.layer_group)), dict(zip(own, base.layer_buffer))
+            for i, src in enumerate(layer_sources):
+                if src is not None:
+                    group[i], buffer[i] = group[src], buffer[src]
+            n = len(layer_windows)
+            return cls(base.group_windows, tuple(group[i] for i in range(n)), tuple(buffer[i] for i in range(n)),
+                       base.group_chunks)
         n = len(layer_windows)
         chunks = list(layer_chunks) if layer_chunks is not None else [None] * n
         shapes = list(layer_shapes) if layer_shapes is not None else [None] * n

@@ -93,6 +93,15 @@ class ModelArchConfig:
     # Per layer whether its values are its keys' projection (Gemma 4's attention_k_eq_v: the
     # checkpoint has no v_proj there; the loader fills the value rows with the key's).
     value_from_key: tuple[bool, ...] | None = None
+    # Per layer, the earlier layer whose KV cache it reads (Gemma 4 E2B / E4B's shared KV: no
+    # keys or values of its own), or None for its own (None: every layer its own).
+    kv_source: tuple[int | None, ...] | None = None
+    # Per layer the dense MLP's width where layers differ (Gemma 4's double-wide MLPs).
+    layer_intermediate_sizes: tuple[int, ...] | None = None
+    # Per-layer inputs (Gemma 4 E2B / E4B's per-layer embeddings): their width per layer (0:
+    # none) and the vocabulary of their embedding table.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     qk_norm_after_rope: bool = False         # HunYuan: the per-head q/k norms of the rotated heads
     # Attention-temperature tuning (Llama 4) on the layers without RoPE: (floor_scale, scale),
     # queries at position p x (log(floor((p + 1) / floor_scale) + 1) * scale + 1).
@@ -214,7 +223,10 @@ class ModelArchConfig:
                 raise ValueError("sliding_attention layers need a sliding_window")
             if "chunked_attention" in self.layer_types and not (self.attention_chunk_size or 0) > 0:
                 raise ValueError("chunked_attention layers need an attention_chunk_size")
-        for name in ("rope_layers", "qk_norm_layers", "layer_head_dims", "layer_kv_heads", "value_from_key"):
+        if self.kv_source is not None and any(src is not None and not 0 <= src < i for i, src in enumerate(self.kv_source)):
+            raise ValueError(f"kv_source {self.kv_source}: a layer reads an earlier layer's cache")
+        for name in ("rope_layers", "qk_norm_layers", "layer_head_dims", "layer_kv_heads", "value_from_key",
+                     "kv_source", "layer_intermediate_sizes"):
             flags = getattr(self, name)
             if flags is not None and len(flags) != self.num_hidden_layers:
                 raise ValueError(f"{name} has {len(flags)} entries for {self.num_hidden_layers} layers")
@@ -285,6 +297,11 @@ class ModelArchConfig:
             return self.rotary_dim
         users = [i for i in range(self.num_hidden_layers) if self.rope_table_of(i) == "global"]
         return self.head_dim_of(users[0]) if users else self.head_dim
+
+    def kv_source_of(self, layer: int) -> int:
+        """The layer whose KV cache ``layer`` reads: itself, or the one it shares."""
+        src = self.kv_source[layer] if self.kv_source is not None else None
+        return layer if src is None else src
 
     def head_dim_of(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims is not None else self.head_dim

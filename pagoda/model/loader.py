@@ -202,6 +202,13 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice | None]:
     for i, part in enumerate(parts):
         if part in packed:
             stacked, shard = packed[part]
+            parent = ".".join(parts[:i])
+            try:
+                alone = not hasattr(model.get_submodule(parent) if parent else model, stacked)
+            except AttributeError:
+                alone = False
+            if alone:   # a layer holding the projection alone (Gemma 4's KV-sharing q_proj)
+                return name, None
             start, end = model.shard_rows(".".join(parts[:i] + [stacked]), shard)
             return ".".join(parts[:i] + [stacked] + parts[i + 1:]), slice(start, end)
     return name, None

@@ -93,7 +93,8 @@ def kv_layout(model: CausalLM) -> KVLayout:
     same for every pipeline stage (each allocates only its layers' buffers, ``held_buffers``)."""
     c, n = model.config, len(model.model.layers)
     return KVLayout.plan([c.sliding_window_of(i) for i in range(n)], [c.chunk_of(i) for i in range(n)],
-                         [(c.kv_heads_of(i), c.head_dim_of(i)) for i in range(n)])
+                         [(c.kv_heads_of(i), c.head_dim_of(i)) for i in range(n)],
+                         c.kv_source if c.kv_source is not None else None)
 
 
 def held_buffers(model: CausalLM) -> list[int]:

@@ -39,8 +39,11 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    # (Llama 4: the dense layers' width; its intermediate_size is the experts')
-    w.add_feed_forward_length(getattr(c, "intermediate_size_mlp", None) or c.intermediate_size)
+    if gguf_arch == "gemma4" and c.use_double_wide_mlp and c.num_kv_shared_layers:   # per layer, as llama.cpp's
+        first = c.num_hidden_layers - c.num_kv_shared_layers
+        w.add_feed_forward_length([c.intermediate_size * (1 if i < first else 2) for i in range(c.num_hidden_layers)])
+    else:   # (Llama 4: the dense layers' width; its intermediate_size is the experts')
+        w.add_feed_forward_length(getattr(c, "intermediate_size_mlp", None) or c.intermediate_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_head_count(heads)
     if gguf_arch == "lfm2":   # llama.cpp's LFM2 converter: KV heads per layer, 0 for the convolutions
@@ -55,8 +58,8 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
         w.add_rope_dimension_count_swa(c.head_dim)
         w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
-        w.add_shared_kv_layers(0)
-        w.add_embedding_length_per_layer_input(0)
+        w.add_shared_kv_layers(c.num_kv_shared_layers)
+        w.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input or 0)
         full = c.rope_parameters["full_attention"]
         turning = int(head_dim * full["partial_rotary_factor"] / 2)   # the rest: frequency 1/1e30
         w.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (head_dim // 2 - turning),

@@ -107,6 +107,13 @@ def _configs():
         # Gemma 4's MoE layers: top-2 of 4 experts beside each dense MLP. Larger weights: with
         # 0.3 its near-flat logits flip under bfloat16 weights in transformers too (unit-RMS
         # queries and keys at attention scale 1 amplify rounding).
+        # Gemma 4 E2B / E4B: per-layer inputs (32 a layer), the last two layers reading the KV
+        # cache of the last earlier layer of their type, double-wide MLPs there.
+        "gemma4e": (t.Gemma4TextConfig(**_COMMON, num_hidden_layers=6, head_dim=32, global_head_dim=64,
+                                       layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=16,
+                                       hidden_size_per_layer_input=32, vocab_size_per_layer_input=512,
+                                       num_kv_shared_layers=2, use_double_wide_mlp=True,
+                                       final_logit_softcapping=30.0, architectures=["Gemma4ForCausalLM"]), "gemma4"),
         "gemma4moe": (t.Gemma4TextConfig(**{**_COMMON, "initializer_range": 1.0}, num_hidden_layers=6, head_dim=32, global_head_dim=64,
                                          num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=16,
                                          hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
@@ -195,7 +202,7 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "llama4", "llama4-gguf", "gemma4", "gemma4moe", "seedoss", "exaone4", "glm4moe", "cohere2", "hunyuan", "ernie45moe", "minimaxm2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
+@pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "llama4", "llama4-gguf", "gemma4", "gemma4e", "gemma4moe", "seedoss", "exaone4", "glm4moe", "cohere2", "hunyuan", "ernie45moe", "minimaxm2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
                                                  "deepseekv2-full", "deepseekv3",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):

@@ -31,6 +31,7 @@ def pagoda_prompt_logits(model, ids: list[int], chunks: list[int], block_size: i
     c = model.config
     num_blocks = math.ceil(len(ids) / block_size)
     caches = [torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim) for spec in model.kv_specs()]
+    caches = [caches[c.kv_source_of(i)] for i in range(len(caches))]   # (layers sharing another's KV)
     table = list(range(num_blocks))
     out, done = [], 0
     with torch.inference_mode():

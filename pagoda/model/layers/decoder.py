@@ -59,8 +59,18 @@ class Attention(nn.Module):
         # head's output (o * sigmoid(gate)).
         self.output_gate = config.attn_output_gate
         self.q_rows = self.q_size * (2 if self.output_gate else 1)
-        # q, k and v in one GEMM (the loader fills the three row ranges).
-        self.qkv_proj = nn.Linear(h, self.q_rows + 2 * self.kv_size, bias=config.attention_bias)
+        # KV shared across layers (Gemma 4 E2B / E4B): a layer that reads an earlier layer's cache
+        # (kv_source) computes only its queries; that layer hands it the step's keys and values
+        # (kv_share, a dict the model gives every layer; stores_kv on the layers read).
+        self.layer_idx = layer_idx
+        self.kv_source = config.kv_source[layer_idx] if config.kv_source is not None else None
+        self.stores_kv = config.kv_source is not None and layer_idx in config.kv_source
+        self.kv_share: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.kv_source is not None:
+            self.q_proj = nn.Linear(h, self.q_rows, bias=config.attention_bias)
+        else:
+            # q, k and v in one GEMM (the loader fills the three row ranges).
+            self.qkv_proj = nn.Linear(h, self.q_rows + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias)
         # GPT-OSS: per query head, a logit in every softmax's denominator (no value).
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
@@ -76,7 +86,8 @@ class Attention(nn.Module):
         norm_cls = RMSNorm if config.qk_norm_weights else UnitRMSNorm
         if self.qk_norm == "head":
             self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps)
-            self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
+            if self.kv_source is None:
+                self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         elif self.qk_norm == "full":
             self.q_norm = norm_cls(self.q_size, config.rms_norm_eps)
             self.k_norm = norm_cls(self.kv_size, config.rms_norm_eps)
@@ -117,6 +128,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
+        if self.kv_source is not None:
+            return self._forward_reading(x, cos, sin, kv_cache, meta)
         qkv = self.qkv_proj(x)
         gate = None
         if self.output_gate:
@@ -142,6 +155,8 @@ class Attention(nn.Module):
                                    cache, meta.slot_mapping if in_place else None, scales)
             if self.norm_after_rope:
                 q, k = self.q_norm.rows(q), self.k_norm.rows(k)
+            if self.stores_kv:
+                self.kv_share[self.layer_idx] = (k, v)
             o = paged_attention(q, k, v, kv_cache, meta, self.scale, kv_written=in_place, window=self.window,
                                 softcap=self.softcap, sinks=self.sinks)
         else:
@@ -154,12 +169,32 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if self.norm_after_rope:
                 q, k = self.q_norm.rows(q), self.k_norm.rows(k)
-            o = paged_attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale,
-                                window=self.window, softcap=self.softcap, sinks=self.sinks)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            if self.stores_kv:
+                self.kv_share[self.layer_idx] = (k, v)
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap,
+                                sinks=self.sinks)
         o = o.reshape(t, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)
+
+    def _forward_reading(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """A layer reading another's KV cache: its queries over that layer's keys and values
+        (written already this step, by that earlier layer)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        if self.qk_norm is not None:
+            q = self.q_norm.rows(q)
+        if self.rope_table == "tuned":
+            q = (q.float() * cos).to(q.dtype)
+        elif self.rope_table != "none":
+            q = apply_rope(q, cos, sin)
+        k, v = self.kv_share[self.kv_source]
+        o = paged_attention(q.contiguous(), k, v, kv_cache, meta, self.scale, kv_written=True, window=self.window,
+                            softcap=self.softcap, sinks=self.sinks)
+        return self.o_proj(o.reshape(t, -1))
 
 
 class GatedMLP(nn.Module):
@@ -447,6 +482,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, self.layer_cls)
+        if config.kv_source is not None:   # the step's keys and values, from the layers others read
+            share: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for m in self.modules():
+                if isinstance(m, Attention):
+                    m.kv_share = share
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_rope(torch.device("cpu"))
         # Pipeline parallelism (pagoda/model/layers/pipeline.py, StagePlan.apply): this

@@ -457,6 +457,7 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
         caches = [None if spec is None else
                   torch.zeros(2, num_blocks, block, spec.num_kv_heads, spec.head_dim, dtype=dtype)
                   for spec in model.kv_specs()]
+        caches = [caches[model.config.kv_source_of(i)] for i in range(len(caches))]   # (shared KV)
         meta = layer_metadata(AttentionMetadata.build, [len(token_ids)], [0], [list(range(num_blocks))], block,
                               torch.device("cpu"), [model.config.chunk_of(i) for i in range(len(caches))])
         # A hybrid model's state layers: one zeroed slot, the prompt's (nothing saved).

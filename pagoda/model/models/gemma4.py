@@ -14,16 +14,21 @@ sandwich norms (plain weights here, not 1 + w) and tanh-GELU MLP, with what is n
 - the MoE variant: beside each layer's dense MLP, experts routed on the stream (an unweighted
   RMSNorm, a learned scale and 1 / sqrt(hidden) before the router; softmax, top-k renormalised,
   times a per-expert scale), each path with norms of its own, their sum normed;
-- ``layer_scalar``: each layer's output stream times a learned scalar.
+- ``layer_scalar``: each layer's output stream times a learned scalar;
+- E2B / E4B: per-layer inputs (a per-layer embedding of each token averaged with a normed
+  projection of its embedding; each layer adds a projection of its slice gated by the stream),
+  the last ``num_kv_shared_layers`` layers reading the KV cache of the last earlier layer of
+  their type (no keys or values of their own: a mechanism of the shared attention), and
+  double-wide MLPs there (``use_double_wide_mlp``).
 
-Refused by name: per-layer embeddings and KV shared across layers (Gemma 4 E2B / E4B),
-bidirectional attention ("all")."""
+Refused by name: bidirectional attention ("all")."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields, text_config
@@ -62,6 +67,16 @@ class Gemma4DecoderLayer(DecoderLayer):
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        if config.layer_intermediate_sizes is not None:   # double-wide MLPs on the KV-sharing layers
+            self.mlp = GatedMLP(config, config.layer_intermediate_sizes[layer_idx])
+        # Per-layer inputs (E2B / E4B): this layer's slice of the step's, from the model's embed.
+        self.per_layer: dict[str, torch.Tensor] | None = None
+        if config.per_layer_input_size:
+            p = config.per_layer_input_size
+            self.per_layer_input_gate = nn.Linear(h, p, bias=False)
+            self.per_layer_projection = nn.Linear(p, h, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(h, eps)
         self.moe = None
         if config.is_moe_layer(layer_idx):
             # The dense MLP stays; the experts run beside it, each path normed on its own.
@@ -85,8 +100,36 @@ class Gemma4DecoderLayer(DecoderLayer):
             routed = self.moe.experts_forward(self.pre_feedforward_layernorm_2(residual), *self.moe.route(residual))
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         h = self.post_feedforward_layernorm(h)
+        if self.per_layer is not None:
+            # The stream, then a residual of the layer's per-layer input gated by the stream.
+            inputs = self.per_layer.get("inputs")
+            if inputs is None:
+                raise RuntimeError("Gemma 4 per-layer inputs are computed by the model's embed (not on this "
+                                   "pipeline stage)")
+            stream = residual.add_(h)
+            g = F.gelu(self.per_layer_input_gate(stream), approximate="tanh") * inputs[:, self.layer_idx]
+            h, residual = self.post_per_layer_input_norm(self.per_layer_projection(g)), stream
         # The layer's output stream (residual + h) times its scalar.
         return h * self.layer_scalar, residual.mul_(self.layer_scalar)
+
+
+def _kv_sources(types: list[str], shared: int) -> tuple[int | None, ...]:
+    """Per layer the layer whose KV cache it reads: the last ``shared`` layers read the last
+    earlier layer of their own type (transformers' kv_sharing_modes); the others their own."""
+    n = len(types)
+    first = n - shared
+    if shared and not 0 < first:
+        raise UnsupportedModelError(f"Gemma 4: {shared} KV-sharing layers of {n}")
+    out: list[int | None] = []
+    for i, t in enumerate(types):
+        if i < first:
+            out.append(None)
+            continue
+        sources = [j for j in range(first) if types[j] == t]
+        if not sources:
+            raise UnsupportedModelError(f"Gemma 4: layer {i} ({t}) shares the KV of no earlier layer of its type")
+        out.append(sources[-1])
+    return tuple(out)
 
 
 def _layer_geometry(config: dict[str, Any], types: list[str]) -> tuple[list[int], list[int]]:
@@ -112,6 +155,33 @@ def _layer_geometry(config: dict[str, Any], types: list[str]) -> tuple[list[int]
 
 class Gemma4ForCausalLM(CausalLM):
     layer_cls = Gemma4DecoderLayer
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        p = config.per_layer_input_size
+        if p:
+            n = config.num_hidden_layers
+            weight = torch.empty(config.per_layer_vocab_size, n * p)
+            self.model.embed_tokens_per_layer = nn.Embedding(config.per_layer_vocab_size, n * p, _weight=weight)
+            self.model.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
+            self.model.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
+            self.per_layer: dict[str, torch.Tensor] = {}   # the step's per-layer inputs [T, layers, p]
+            for layer in self.model.layers:
+                if isinstance(layer, Gemma4DecoderLayer):
+                    layer.per_layer = self.per_layer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().embed(input_ids)
+        p = self.config.per_layer_input_size
+        if p:
+            # The token's own per-layer embedding (x sqrt(p)) and a projection of its embedding
+            # (x 1 / sqrt(hidden), RMS-normed per layer), averaged (x 1 / sqrt(2)).
+            t, n = x.shape[0], self.config.num_hidden_layers
+            own = self.model.embed_tokens_per_layer(input_ids).view(t, n, p) * float(p) ** 0.5
+            proj = self.model.per_layer_model_projection(x) * self.config.hidden_size ** -0.5
+            proj = self.model.per_layer_projection_norm.rows(proj.view(t, n, p))
+            self.per_layer["inputs"] = (proj + own) * 2.0 ** -0.5
+        return x
     unquantized_modules = (".moe.gate",)
     tensor_parallel = False   # (per-layer head shapes: not split yet)
     lora = False              # (adapters over per-layer head shapes: not tested yet)
@@ -144,11 +214,6 @@ class Gemma4ForCausalLM(CausalLM):
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
         config = {**TEXT_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-        if config.get("hidden_size_per_layer_input"):
-            raise UnsupportedModelError("Gemma 4 per-layer embeddings (hidden_size_per_layer_input: E2B / E4B) "
-                                        "are not supported")
-        if config.get("num_kv_shared_layers"):
-            raise UnsupportedModelError("Gemma 4 KV shared across layers (num_kv_shared_layers) is not supported")
         if config.get("use_bidirectional_attention") == "all":
             raise UnsupportedModelError("bidirectional attention is not supported")
         n = config["num_hidden_layers"]
@@ -161,8 +226,16 @@ class Gemma4ForCausalLM(CausalLM):
         moe = {}
         if config.get("enable_moe_block"):
             moe = moe_fields(config["num_experts"], config["top_k_experts"], config["moe_intermediate_size"], True)
+        sources = _kv_sources(types, int(config.get("num_kv_shared_layers") or 0))
+        widths = None
+        if config.get("use_double_wide_mlp") and any(src is not None for src in sources):
+            widths = tuple(fields["intermediate_size"] * (2 if src is not None else 1) for src in sources)
         return ModelArchConfig(
             **fields, **moe,
+            kv_source=sources if any(src is not None for src in sources) else None,
+            layer_intermediate_sizes=widths,
+            per_layer_input_size=int(config.get("hidden_size_per_layer_input") or 0),
+            per_layer_vocab_size=int(config.get("vocab_size_per_layer_input") or fields["vocab_size"]),
             qk_norm="head", v_norm=True, norm_placement="sandwich",
             layer_head_dims=tuple(dims) if len(set(dims)) > 1 else None,
             layer_kv_heads=tuple(heads) if len(set(heads)) > 1 else None,
@@ -183,10 +256,9 @@ class Gemma4ForCausalLM(CausalLM):
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:
         p = f"{md['general.architecture']}."
-        if md.get(p + "embedding_length_per_layer_input"):
-            raise UnsupportedModelError("Gemma 4 per-layer embeddings (E2B / E4B) are not supported")
-        if md.get(p + "attention.shared_kv_layers"):
-            raise UnsupportedModelError("Gemma 4 KV shared across layers (E2B / E4B) is not supported")
+        widths = md.get(p + "feed_forward_length")
+        if isinstance(widths, list):   # per layer: double-wide MLPs on the KV-sharing layers
+            md = {**md, p + "feed_forward_length": widths[0]}
         fields = ModelArchConfig.gguf_fields(md, tensor_names, architecture)
         n = fields["num_hidden_layers"]
         swa = md.get(p + "attention.sliding_window_pattern")
@@ -196,8 +268,6 @@ class Gemma4ForCausalLM(CausalLM):
         kv = md.get(p + "attention.head_count_kv")
         kv = list(kv) if isinstance(kv, list) else [kv or fields["num_attention_heads"]] * n
         full_dim, swa_dim = int(md[p + "attention.key_length"]), int(md[p + "attention.key_length_swa"])
-        if isinstance(md.get(p + "feed_forward_length"), list):
-            raise UnsupportedModelError("gemma4 GGUF: per-layer MLP widths (double-wide MLPs) are not supported")
         if int(md.get(p + "rope.dimension_count_swa") or swa_dim) != swa_dim:
             raise UnsupportedModelError("gemma4 GGUF: partial rotary on the windowed layers is not supported")
         dims = [swa_dim if t == "sliding_attention" else full_dim for t in types]
@@ -206,7 +276,13 @@ class Gemma4ForCausalLM(CausalLM):
             moe = moe_fields(md[p + "expert_count"], md[p + "expert_used_count"],
                              md[p + "expert_feed_forward_length"], True)
         local_theta = float(md.get(p + "rope.freq_base_swa") or 10000.0)
+        sources = _kv_sources(types, int(md.get(p + "attention.shared_kv_layers") or 0))
+        widths = tuple(widths[:n]) if isinstance(widths, list) and len(set(widths[:n])) > 1 else None
         return ModelArchConfig(
+            kv_source=sources if any(src is not None for src in sources) else None,
+            layer_intermediate_sizes=widths,
+            per_layer_input_size=int(md.get(p + "embedding_length_per_layer_input") or 0),
+            per_layer_vocab_size=fields["vocab_size"],
             **{**fields, "head_dim": swa_dim, "num_key_value_heads": kv[types.index("sliding_attention")]
                if "sliding_attention" in types else kv[0], "hidden_act": "gelu_pytorch_tanh",
                "layer_types": tuple(types), "local_rope_theta": local_theta},
