@@ -419,16 +419,19 @@ class DecoderLayer(nn.Module):
     def rope_table(self) -> str:
         return self.self_attn.rope_table
 
+    def input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input norm of the stream, the stream): x is the stream before the first
+        layer, else the previous layer's output added to ``residual`` in place."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
+
     def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         if self.post_norm:
             stream = x if residual is None else x + residual
             stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, meta))
             return self.post_feedforward_layernorm(self.mlp(stream)), stream
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_norm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         if self.sandwich:
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)

@@ -57,11 +57,7 @@ class Cohere2DecoderLayer(DecoderLayer):
         self.input_layernorm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_norm(x, residual)
         return self.self_attn(h, cos, sin, kv_cache, meta) + self.mlp(h), residual
 
 

@@ -88,11 +88,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_norm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
         h = self.mlp(h)

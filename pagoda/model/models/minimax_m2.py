@@ -18,9 +18,8 @@ from typing import Any
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_moe_layers, moe_fields
 from pagoda.model.layers.decoder import CausalLM
+from pagoda.model.models.mixtral import block_sparse_moe_name
 
-_RENAMES = ((".block_sparse_moe.e_score_correction_bias", ".mlp.score_bias"), ("block_sparse_moe.", "mlp."),
-            (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
 def _refuse(config: dict[str, Any]) -> None:
@@ -44,11 +43,8 @@ class MiniMaxM2ForCausalLM(CausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str:
-        if ".block_sparse_moe." not in name:
-            return name
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name
+        # Mixtral's expert names; the router's choice bias as the model's score_bias.
+        return block_sparse_moe_name(name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.score_bias"))
 
     @classmethod
     def gguf_lookup_name(cls, name: str) -> str:

@@ -14,16 +14,21 @@ from pagoda.model.models.llama import LlamaForCausalLM
 _RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
+def block_sparse_moe_name(name: str) -> str:
+    """Mixtral's expert names (block_sparse_moe.experts.N.w1) as the model's (mlp.experts.N.gate_proj)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in _RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
 class MixtralForCausalLM(LlamaForCausalLM):
     unquantized_modules = (".mlp.gate",)
 
     @classmethod
     def hf_name(cls, name: str) -> str:
-        if ".block_sparse_moe." not in name:
-            return name
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name
+        return block_sparse_moe_name(name)
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
