@@ -334,7 +334,7 @@ class SpeculativeOptions(OptionGroup):
     # A SpeculativeConfig, or a dict / JSON string of one (vLLM's shape).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = option(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-              "(methods: ngram [prompt_lookup_min/max], layer_skip [num_layers], draft_model [model])",
+              "(methods: ngram [prompt_lookup_min/max], layer_skip [num_layers], draft_model [model], mtp)",
         metavar="JSON")
 
     def check(self) -> None:

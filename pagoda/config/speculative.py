@@ -3,7 +3,8 @@
 The shape follows vLLM's JSON, e.g.
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``,
 ``{"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 8}`` or
-``{"method": "draft_model", "num_speculative_tokens": 3, "model": "path/to/small"}``.
+``{"method": "draft_model", "num_speculative_tokens": 3, "model": "path/to/small"}`` or
+``{"method": "mtp", "num_speculative_tokens": 2}`` (the checkpoint's own MTP head).
 Unknown keys are rejected, never ignored.
 """
 
@@ -14,12 +15,13 @@ from typing import Any
 
 from pagoda.json_options import json_object
 
-METHODS = ("ngram", "layer_skip", "draft_model")
+METHODS = ("ngram", "layer_skip", "draft_model", "mtp")
 # Keys each method accepts besides "method" and "num_speculative_tokens".
 _METHOD_KEYS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
     "layer_skip": {"num_layers"},
     "draft_model": {"model"},
+    "mtp": set(),   # the checkpoint's own multi-token-prediction head (pagoda/spec_decode/mtp.py)
 }
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -38,10 +38,10 @@ def check_draft_model(spec: SpeculativeConfig, target: LoadedModel, draft: Loade
 
 def draft_kv_caches(draft: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                     device: torch.device) -> list[torch.Tensor]:
-    c = draft.model.config
+    # (Each layer's own cache shape: DeepSeek's latent attention caches one latent per token.)
     return [
-        torch.empty(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-        for _ in range(c.num_hidden_layers)
+        torch.empty(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+        for spec in draft.model.kv_specs()
     ]
 
 
@@ -68,6 +68,10 @@ def build_proposer(
                                   num_layers=spec.num_layers, layer_group=groups[: spec.num_layers],
                                   group_chunks=target_group_chunks)
     assert draft is not None and draft_caches is not None
+    if spec.method == "mtp":
+        from pagoda.spec_decode.mtp import MTPProposer
+
+        return MTPProposer(draft.model, draft_caches, block_size, device)
     if target_group_chunks and target_group_chunks[0] is not None:
         # The draft model reads the target's first group's tables: they must be whole.
         raise ValueError("speculative_config: a draft model for a target whose first KV group attends in chunks "

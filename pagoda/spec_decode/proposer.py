@@ -26,6 +26,7 @@ class DraftRequest:
     token_ids: list[int]    # prompt + output; the last one is not computed yet
     num_drafts: int         # propose at most this many
     block_ids: list[list[int]]  # per KV group, the request's block table (slots for all 1 + num_drafts positions)
+    req_id: str | None = None   # (the MTP proposer keeps the target's hidden states per request)
 
 
 class Proposer(Protocol):

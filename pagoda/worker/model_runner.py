@@ -604,7 +604,10 @@ class ModelRunner:
         if b.hidden is None:
             b.hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if self.proposer is not None and self.proposer.needs_sync:
-            self.proposer.sync(ids_t, pos_t, metas)
+            if hasattr(self.proposer, "sync_step"):   # MTP: the target's hidden states too
+                self.proposer.sync_step(order, b.query_lens, ids_t, pos_t, metas, b.hidden)
+            else:
+                self.proposer.sync(ids_t, pos_t, metas)
         return b
 
     def _fill_from_previous(self, b: _Batch, rid: str, at: int, missing: int) -> None:
@@ -743,7 +746,7 @@ class ModelRunner:
             return {}
         rids = list(so.num_spec_tokens)
         asks = [
-            DraftRequest(self.requests[rid].all_token_ids, so.num_spec_tokens[rid], self.requests[rid].block_ids)
+            DraftRequest(self.requests[rid].all_token_ids, so.num_spec_tokens[rid], self.requests[rid].block_ids, rid)
             for rid in rids
         ]
         return {rid: d[: so.num_spec_tokens[rid]] for rid, d in zip(rids, self.proposer.propose(asks))}
