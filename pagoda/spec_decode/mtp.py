@@ -1,5 +1,9 @@
 """Multi-token prediction (``{"method": "mtp"}``): the draft head a checkpoint ships after its
-last layer (DeepSeek-V3's, GLM-4.5's: ``model.layers.{num_hidden_layers}.*``).
+last layer (DeepSeek-V3's, GLM-4.5's: ``model.layers.{num_hidden_layers}.*``; Qwen3.5's and
+Qwen3-Next's: ``mtp.*``, the same pieces under other names, as llama.cpp's converter maps
+them: fc -> eh_proj, pre_fc_norm_embedding -> enorm, pre_fc_norm_hidden -> hnorm, norm ->
+shared_head.norm, mtp.layers.0 -> the layer; its layer is full attention beside a hybrid
+target's state layers).
 
 The head predicts the token after next: at position i it takes the target's final hidden
 state h_i and the embedding of token i + 1, each RMS-normed (``hnorm``, ``enorm``), joins
@@ -37,9 +41,13 @@ from pagoda.model.loader import LoadedModel, _checkpoint_reader, _checkpoint_ten
 from pagoda.model.models import UnsupportedModelError, model_class
 from pagoda.spec_decode.proposer import DraftRequest
 
-# The head's own tensors beside its decoder layer, under model.layers.{N}.
+# The head's own tensors beside its decoder layer, under model.layers.{N} (DeepSeek) or mtp (Qwen).
 _OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-        "shared_head.norm.weight": "model.norm.weight"}
+        "shared_head.norm.weight": "model.norm.weight",
+        "pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
+        "fc.weight": "eh_proj.weight", "norm.weight": "model.norm.weight"}
+# Per layer whether it keeps a state instead of a KV cache: the head's layer is attention.
+_STATE_FLAGS = ("conv_layers", "mamba_layers", "linear_attn_layers")
 # The same as the target's (DeepSeek-V3 shares its embedding and output head with the head).
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 # Per-layer options: the head's layer takes the last layer's.
@@ -48,12 +56,35 @@ _PER_LAYER = ("layer_types", "rope_layers", "qk_norm_layers", "layer_head_dims",
 
 
 def _head_arch(arch: ModelArchConfig) -> ModelArchConfig:
-    """The target's architecture as a one-layer model of its last layer's kind."""
-    if arch.is_hybrid or arch.kv_source is not None or arch.per_layer_input_size:
-        raise UnsupportedModelError("speculative_config: mtp for hybrid models, shared KV or per-layer inputs is "
-                                    "not supported yet")
+    """The target's architecture as a one-layer model of its last layer's kind (an attention
+    layer: a hybrid's head is full attention)."""
+    if arch.kv_source is not None or arch.per_layer_input_size:
+        raise UnsupportedModelError("speculative_config: mtp for shared KV or per-layer inputs is not supported yet")
     one = {name: (getattr(arch, name)[-1],) for name in _PER_LAYER if getattr(arch, name) is not None}
+    one.update({name: (False,) for name in _STATE_FLAGS if getattr(arch, name) is not None})
     return dataclasses.replace(arch, num_hidden_layers=1, **one)
+
+
+def _head_names(names: list[str], n: int) -> dict[str, str]:
+    """Checkpoint name -> the head's name (own tensors as ``_OWN`` says, its layer's as layer 0)."""
+    out = {}
+    for name in names:
+        m = re.match(rf"^model\.layers\.{n}\.(.*)$", name) or re.match(r"^(?:model\.)?mtp\.(.*)$", name)
+        if m is None:
+            continue
+        rest = m.group(1)
+        layer = re.match(r"^layers\.(\d+)\.(.*)$", rest)
+        if layer is not None:   # Qwen's mtp.layers.i
+            if layer.group(1) != "0":
+                raise UnsupportedModelError("speculative_config: mtp with more than one MTP layer is not supported")
+            rest = layer.group(2)
+        elif rest in _SHARED:
+            continue   # the target's own
+        elif rest in _OWN:
+            out[name] = _OWN[rest]
+            continue
+        out[name] = "model.layers.0." + rest
+    return out
 
 
 def load_mtp(path: str, target: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -68,7 +99,11 @@ def load_mtp(path: str, target: LoadedModel, dtype: torch.dtype, device: torch.d
         config = json.load(f)
     config = config.get("text_config", config)
     n = target.arch.num_hidden_layers
-    if not (config.get("num_nextn_predict_layers") or config.get("mtp_num_hidden_layers")):
+    handles = [safe_open(os.path.join(path, f), framework="pt") for f in sorted(os.listdir(path))
+               if f.endswith(".safetensors")]
+    names = {name: handle for handle in handles for name in handle.keys()}
+    qwen = any(name.startswith(("mtp.", "model.mtp.")) for name in names)   # (Qwen3-Next's config says nothing)
+    if not (config.get("num_nextn_predict_layers") or config.get("mtp_num_hidden_layers") or qwen):
         raise UnsupportedModelError(f"speculative_config: {path} has no multi-token-prediction layers "
                                     "(num_nextn_predict_layers)")
     arch = _head_arch(target.arch)
@@ -80,32 +115,19 @@ def load_mtp(path: str, target: LoadedModel, dtype: torch.dtype, device: torch.d
         head.eh_proj = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=False)
     head = head.to_empty(device=device).to(dtype)
     head.init_rope(device)
-    handles = [safe_open(os.path.join(path, f), framework="pt") for f in sorted(os.listdir(path))
-               if f.endswith(".safetensors")]
+    # (Through the family's own conversions: Qwen's zero-centred norms, stacked experts.)
     convert = _checkpoint_tensors(cls, None, _checkpoint_reader(handles), arch)
-    prefix = re.compile(rf"^model\.layers\.{n}\.")
     params = dict(head.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
-        for handle in handles:
-            for name in handle.keys():
-                if not prefix.match(name):
-                    continue
-                rest = prefix.sub("", name)
-                if rest in _SHARED:
-                    continue   # the target's own
-                if rest in _OWN:
-                    pairs = [(_OWN[rest], handle.get_tensor(name))]
-                else:
-                    pairs = list(convert("model.layers.0." + rest, handle.get_tensor(name)))
-                for ours, t in pairs:
-                    target_name, rows = _target(head, ours)
-                    if target_name not in params:
-                        raise UnsupportedModelError(f"speculative_config: the MTP layer's {name} has no place in "
-                                                    f"{cls.__name__}'s layer")
-                    dest = params[target_name] if rows is None else params[target_name][rows]
-                    dest.copy_(t)
-                    loaded.add(target_name)
+        for name, ours_name in _head_names(list(names), n).items():
+            for ours, t in convert(ours_name, names[name].get_tensor(name)):
+                target_name, rows = _target(head, ours)
+                if target_name not in params:
+                    raise UnsupportedModelError(f"speculative_config: the MTP layer's {name} has no place in "
+                                                f"{cls.__name__}'s layer")
+                (params[target_name] if rows is None else params[target_name][rows]).copy_(t)
+                loaded.add(target_name)
     own = {n for n in params if not n.startswith(("model.embed_tokens.", "lm_head."))}
     if own - loaded:
         raise UnsupportedModelError(f"speculative_config: {path}'s MTP layer lacks {sorted(own - loaded)[:6]}")

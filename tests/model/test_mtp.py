@@ -138,6 +138,32 @@ def test_deepseek_v3_mtp_head_keeps_greedy_tokens(tmp_path):
     assert core.runner.proposer.kv_caches[0].shape[-1] == 32 + 8   # the latent and the rotary key
 
 
+def test_qwen35_mtp_head_beside_state_layers(tmp_path):
+    """Qwen3.5's head (``mtp.*``: fc, pre-fc norms, its zero-centred norms, one gated
+    attention layer) drafting for a hybrid target, whose verifying steps roll its state layers
+    back: the same greedy tokens."""
+    from tests.model.hybrid_qwen3_5 import FAMILIES as QWEN
+
+    config = QWEN["qwen35"].config()
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path, safe_serialization=True)
+    state = safetensors.load_file(f"{tmp_path}/model.safetensors")
+    full = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+    h = config.hidden_size
+    head = {k.replace(f"model.layers.{full}.", "mtp.layers.0."): v.clone() for k, v in state.items()
+            if k.startswith(f"model.layers.{full}.")}
+    head.update({"mtp.fc.weight": torch.randn(h, 2 * h) * 0.2, "mtp.pre_fc_norm_embedding.weight": torch.zeros(h),
+                 "mtp.pre_fc_norm_hidden.weight": torch.zeros(h), "mtp.norm.weight": torch.zeros(h)})
+    safetensors.save_file(head, f"{tmp_path}/mtp.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(PROMPTS)
+    want, _ = run(engine(loaded), PROMPTS, params)
+    core = engine(loaded, MTP)
+    got, _ = run(core, PROMPTS, params)
+    assert got == want and spec_stats(core)[1] > 0
+    assert torch.equal(core.runner.proposer.head.enorm.weight, torch.ones(h))   # (1 + w)
+
+
 def test_mtp_needs_a_head(tiny_glm4moe_dir, tmp_path):
     """A checkpoint whose config has no MTP layers, or whose tensors lack them, is refused by name."""
     path = tmp_path / "no-mtp"
