@@ -255,7 +255,7 @@ class EngineCore:
                 raise ValueError("an mtp speculative config is not supported with --tensor-parallel-size > 1")
             from pagoda.spec_decode.mtp import load_mtp
 
-            return load_mtp(loaded.path, loaded, dtype, device)
+            return load_mtp(loaded.path, loaded, dtype, device, config.quantization)
         if spec is not None and spec.method == "draft_model":
             if self.tp_driver is not None:
                 raise ValueError("a draft_model speculative config is not supported with --tensor-parallel-size > 1")

@@ -87,9 +87,11 @@ def _head_names(names: list[str], n: int) -> dict[str, str]:
     return out
 
 
-def load_mtp(path: str, target: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_mtp(path: str, target: LoadedModel, dtype: torch.dtype, device: torch.device,
+             quantization: str = "none") -> LoadedModel:
     """The MTP head of an HF checkpoint (safetensors folder) as a one-layer model of the
-    target's family, sharing the target's embedding and LM head."""
+    target's family, sharing the target's embedding and LM head, its projections in the
+    target's quantized mode."""
     from safetensors import safe_open
 
     if target.gguf_metadata is not None or not os.path.isdir(path):
@@ -135,6 +137,10 @@ def load_mtp(path: str, target: LoadedModel, dtype: torch.dtype, device: torch.d
     head.model.embed_tokens = target.model.model.embed_tokens
     head.lm_head = target.model.lm_head
     head.eval().requires_grad_(False)
+    if quantization not in ("none", "auto", "gguf"):   # (the gguf mode: no float projection changes)
+        from pagoda.model.layers.quantization import quantize_model
+
+        quantize_model(head, quantization, torch.device(device))
     return LoadedModel(head, arch, path)
 
 

@@ -30,8 +30,8 @@ PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 40)]
 def _glm(path, bigram: bool) -> str:
     """A tiny GLM-4.5 checkpoint (3 layers, experts from the second) with an MTP layer (3):
     random, or for ``bigram`` the pair the module docstring describes."""
-    config = transformers.Glm4MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=32, num_attention_heads=4,
+    config = transformers.Glm4MoeConfig(   # (the bundled tokenizer's vocabulary: the int8 mode calibrates on text)
+        vocab_size=49152, hidden_size=64, intermediate_size=128, head_dim=32, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=1024, initializer_range=0.3,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
@@ -55,6 +55,9 @@ def _glm(path, bigram: bool) -> str:
         head["model.layers.3.shared_head.norm.weight"] = state["model.norm.weight"].clone()
         safetensors.save_file(state, file, metadata={"format": "pt"})
     safetensors.save_file(head, f"{path}/mtp.safetensors", metadata={"format": "pt"})
+    from pagoda.bench.hf_quant_files import write_tokenizer
+
+    write_tokenizer(str(path))
     return str(path)
 
 
@@ -78,6 +81,22 @@ def test_mtp_head_keeps_greedy_tokens(glm_mtp):
     # The head: one layer of the family with its own cache over the target's block ids.
     assert len(core.runner.proposer.kv_caches) == 1
     assert core.runner.proposer.kv_caches[0].shape[1] == core.num_blocks
+
+
+def test_mtp_head_in_the_int8_mode(glm_bigram):
+    """The head's projections follow the target's quantized mode (int8 here): the same tokens
+    as the int8 target alone, and the head still knows it."""
+    from pagoda.model.layers.quantization import Int8Linear
+
+    loaded = load_model(glm_bigram.path, torch.float32, torch.device("cpu"), quantization="int8")
+    params = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)] * len(PROMPTS)
+    want, _ = run(engine(loaded, quantization="int8"), PROMPTS, params)
+    core = engine(loaded, {"method": "mtp", "num_speculative_tokens": 3}, quantization="int8")
+    got, _ = run(core, PROMPTS, params)
+    assert got == want
+    assert isinstance(core.runner.proposer.head.eh_proj, Int8Linear)
+    _, draft_tokens, accepted = spec_stats(core)
+    assert accepted / draft_tokens > 0.8
 
 
 def test_mtp_under_preemption_and_prefix_caching(glm_mtp):
