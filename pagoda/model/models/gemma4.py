@@ -33,6 +33,7 @@ from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields, text_config
 from pagoda.model.layers.decoder import CausalLM, DecoderLayer, GatedMLP, SparseMoeBlock
+from pagoda.model.layers.hybrid import renamed
 from pagoda.model.layers.norm import RMSNorm, UnitRMSNorm
 
 # transformers' Gemma4TextConfig defaults a checkpoint's config.json may leave out.
@@ -44,6 +45,12 @@ TEXT_DEFAULTS: dict[str, Any] = {
                                            "rope_theta": 1000000.0}},
 }
 WINDOW_PATTERN = 6   # transformers' default: five windowed layers to one global
+_RENAMES = ((".router.proj.", ".moe.gate."), (".router.scale", ".moe.router_scale"),
+            (".router.per_expert_scale", ".moe.per_expert_scale"))
+# The model's names as the gguf library's table knows llama.cpp's (router and expert scales
+# beside the router and the down experts).
+_GGUF_NAMES = ((".moe.gate.", ".router.proj."), (".moe.router_scale", ".router.proj.scale"),
+               (".moe.per_expert_scale", ".mlp.experts.down_proj.scale"), (".moe.experts.", ".mlp.experts."))
 
 
 class Gemma4Moe(SparseMoeBlock):
@@ -184,11 +191,7 @@ class Gemma4ForCausalLM(CausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        for old, new in ((".router.proj.", ".moe.gate."), (".router.scale", ".moe.router_scale"),
-                         (".router.per_expert_scale", ".moe.per_expert_scale")):
-            if old in name:
-                return name.replace(old, new)
-        return name
+        return renamed(name, _RENAMES)
 
     @classmethod
     def hf_tensors(cls, name: str, tensor: torch.Tensor,
@@ -243,11 +246,7 @@ class Gemma4ForCausalLM(CausalLM):
 
     @classmethod
     def gguf_lookup_name(cls, name: str) -> str:
-        for old, new in ((".moe.gate.", ".router.proj."), (".moe.router_scale", ".router.proj.scale"),
-                         (".moe.per_expert_scale", ".mlp.experts.down_proj.scale"), (".moe.experts.", ".mlp.experts.")):
-            if old in name:
-                return name.replace(old, new)
-        return name
+        return renamed(name, _GGUF_NAMES)
 
     @classmethod
     def arch_from_gguf(cls, md: dict[str, Any], tensor_names: set[str], architecture: str) -> ModelArchConfig:

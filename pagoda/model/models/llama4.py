@@ -22,6 +22,7 @@ import torch
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_layer_types, moe_fields, text_config
 from pagoda.model.layers.decoder import CausalLM
+from pagoda.model.layers.hybrid import renamed
 
 _EXPERTS = re.compile(r"(.*\.)feed_forward\.experts\.(gate_up_proj|down_proj)$")
 _RENAMES = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.shared_expert.", ".mlp.shared_experts."),
@@ -52,10 +53,7 @@ class Llama4ForCausalLM(CausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        for old, new in _RENAMES:
-            if old in name:
-                return name.replace(old, new)
-        return name
+        return renamed(name, _RENAMES)
 
     @classmethod
     def hf_tensors(cls, name: str, tensor: torch.Tensor,
