@@ -275,6 +275,12 @@ class EngineCore:
         default_len = model_defaults(config.model).max_model_len
         max_model_len = config.max_model_len or min(default_len or loaded.arch.max_position_embeddings,
                                                     loaded.arch.max_position_embeddings)
+        limit = loaded.arch.context_limit
+        if limit is not None and max_model_len > limit:
+            if config.max_model_len:
+                raise ValueError(f"max_model_len {max_model_len} is past {limit}, the longest context "
+                                 f"{loaded.arch.architecture} is served at (its attention is exact up to there)")
+            max_model_len = limit
         kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)  # kv_quant: 8-bit with scales
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
         if draft is not None:

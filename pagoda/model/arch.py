@@ -98,6 +98,9 @@ class ModelArchConfig:
     kv_source: tuple[int | None, ...] | None = None
     # Per layer the dense MLP's width where layers differ (Gemma 4's double-wide MLPs).
     layer_intermediate_sizes: tuple[int, ...] | None = None
+    # The longest context the model is served at, where its attention is exact only up to it
+    # (DeepSeek-V3.2: below its indexer's top-k every key is chosen); None: no such bound.
+    context_limit: int | None = None
     # Per-layer inputs (Gemma 4 E2B / E4B's per-layer embeddings): their width per layer (0:
     # none) and the vocabulary of their embedding table.
     per_layer_input_size: int = 0

@@ -196,6 +196,15 @@ def _configs():
                                           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                                           first_k_dense_replace=1, n_group=2, topk_group=1,
                                           routed_scaling_factor=2.5, norm_topk_prob=True), None),
+        # DeepSeek-V3.2: V3 with an indexer (top-128 keys here) that chooses every key of
+        # contexts up to its top-k: served up to there, the indexer not read (HF only).
+        "deepseekv32": (t.DeepseekV32Config(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2,
+                                            kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
+                                            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                                            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                            first_k_dense_replace=1, n_group=2, topk_group=1,
+                                            routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=128,
+                                            index_n_heads=4, index_head_dim=32), None),
         # Every layer windowed (llama.cpp's files carry no Mistral window: HF only).
         "mistral": (t.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=16,
                                     tie_word_embeddings=False), None),
@@ -203,7 +212,7 @@ def _configs():
 
 
 @pytest.fixture(scope="module", params=["llama31", "qwen3", "qwen3-yarn", "smollm3", "granite", "olmo2", "olmo3", "llama4", "llama4-gguf", "gemma4", "gemma4e", "gemma4moe", "seedoss", "exaone4", "glm4moe", "cohere2", "hunyuan", "ernie45moe", "minimaxm2", "phi3", "phi4mini", "gemma2", "gemma3", "mistral", "mixtral", "qwen3moe", "gptoss", "deepseekv2",
-                                                 "deepseekv2-full", "deepseekv3",
+                                                 "deepseekv2-full", "deepseekv3", "deepseekv32",
                                                  "qwen3moe-mixed"])
 def family(request, tmp_path_factory):
     config, gguf_arch = _configs()[request.param]
@@ -676,6 +685,18 @@ def test_speculative_decoding_keeps_each_familys_tokens(family):
         assert result.equal, result.excused
     llm.engine.check_integrity()
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_deepseek_v32_is_served_up_to_its_indexers_top_k(tmp_path):
+    """Past index_topk keys DeepSeek-V3.2's indexer would choose among them: a longer
+    max_model_len is refused by name, the default is capped there."""
+    config, _ = _configs()["deepseekv32"]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16)
+    assert llm.engine.max_model_len == 128
+    with pytest.raises(ValueError, match="longest context DeepseekV32ForCausalLM is served at"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=16, max_model_len=256)
 
 
 def test_mtp_layers_past_the_last_are_not_read(tiny_glm4moe_dir, tmp_path):

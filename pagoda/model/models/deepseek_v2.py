@@ -171,3 +171,20 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
                        expert_groups=(groups, config.get("topk_group") or groups),
                        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
                        mla_rope_interleaved=bool(config.get("rope_interleave", True)))
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with DeepSeek Sparse Attention, a lightning indexer choosing the
+    ``index_topk`` cached keys each query attends to. Up to that many keys it chooses every
+    one, so attention is V3's exactly: the model is served up to ``index_topk`` tokens of
+    context (2048 in the published checkpoints; a longer max_model_len is refused) and its
+    indexer's weights are not read. Longer contexts need the indexer itself: not yet."""
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        return None if ".self_attn.indexer." in name else super().hf_name(name)
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        arch = super().arch_from_hf(config, architecture)
+        return replace(arch, context_limit=int(config.get("index_topk", 2048)))
