@@ -152,8 +152,10 @@ def mtp_forward(head: nn.Module, next_ids: torch.Tensor, positions: torch.Tensor
     e = head.enorm(head.embed(next_ids))
     x = head.eh_proj(torch.cat((e, head.hnorm(hidden.to(e.dtype))), dim=-1))
     x, residual = head.run_layers(x, None, positions, list(kv_caches), meta, 0, 1)
+    if not logits:   # (the cache's sync: the stream alone, no final norm)
+        return residual.add_(x), None
     normed, stream = head.model.norm(x, residual)
-    return stream, head.compute_logits(normed) if logits else None
+    return stream, head.compute_logits(normed)
 
 
 class MTPProposer:

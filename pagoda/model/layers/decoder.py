@@ -385,6 +385,21 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def split_stacked_experts(base: str, proj: str, tensor: torch.Tensor,
+                          transposed: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's experts stacked in one checkpoint tensor (``gate_up_proj``: gate rows then
+    up rows; ``down_proj``) as one Linear weight per expert, ``{base}.{e}.gate_proj.weight``
+    etc. ``transposed``: stored [experts, in, out] (Llama 4), else [experts, out, in] (Gemma 4)."""
+    for e in range(tensor.shape[0]):
+        t = tensor[e].T if transposed else tensor[e]
+        if proj == "down_proj":
+            yield f"{base}.{e}.down_proj.weight", t.contiguous()
+        else:
+            gate, up = t.chunk(2, dim=0)
+            yield f"{base}.{e}.gate_proj.weight", gate.contiguous()
+            yield f"{base}.{e}.up_proj.weight", up.contiguous()
+
+
 class DecoderLayer(nn.Module):
     """A transformer block. ``config.norm_placement``: "pre" (Llama: norm before attention
     and before the MLP), "post" (OLMo 2: norm of each block's output, before the add) or

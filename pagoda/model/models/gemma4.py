@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields, text_config
-from pagoda.model.layers.decoder import CausalLM, DecoderLayer, GatedMLP, SparseMoeBlock
+from pagoda.model.layers.decoder import CausalLM, DecoderLayer, GatedMLP, SparseMoeBlock, split_stacked_experts
 from pagoda.model.layers.hybrid import renamed
 from pagoda.model.layers.norm import RMSNorm, UnitRMSNorm
 
@@ -200,15 +200,8 @@ class Gemma4ForCausalLM(CausalLM):
         if ours is None or ".experts." not in ours or ours.endswith(".weight"):
             yield from super().hf_tensors(name, tensor, checkpoint)
             return
-        prefix = ours.replace(".experts.", ".moe.experts.")   # [..].moe.experts.gate_up_proj | down_proj
-        base, _, proj = prefix.rpartition(".")
-        for e in range(tensor.shape[0]):   # [experts, out, in]: a Linear's weight per expert
-            if proj == "down_proj":
-                yield f"{base}.{e}.down_proj.weight", tensor[e].contiguous()
-            else:
-                gate, up = tensor[e].chunk(2, dim=0)
-                yield f"{base}.{e}.gate_proj.weight", gate.contiguous()
-                yield f"{base}.{e}.up_proj.weight", up.contiguous()
+        base, _, proj = ours.replace(".experts.", ".moe.experts.").rpartition(".")
+        yield from split_stacked_experts(base, proj, tensor, transposed=False)
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, gguf_layer_types, moe_fields, text_config
-from pagoda.model.layers.decoder import CausalLM
+from pagoda.model.layers.decoder import CausalLM, split_stacked_experts
 from pagoda.model.layers.hybrid import renamed
 
 _EXPERTS = re.compile(r"(.*\.)feed_forward\.experts\.(gate_up_proj|down_proj)$")
@@ -63,15 +63,8 @@ class Llama4ForCausalLM(CausalLM):
         if m is None:
             yield from super().hf_tensors(name, tensor, checkpoint)
             return
-        prefix = cls.hf_name(m.group(1) + "feed_forward.") + "experts"
-        for e in range(tensor.shape[0]):
-            t = tensor[e]   # [in, out]: transposed against a Linear's weight
-            if m.group(2) == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", t.T.contiguous()
-            else:
-                gate, up = t.chunk(2, dim=-1)
-                yield f"{prefix}.{e}.gate_proj.weight", gate.T.contiguous()
-                yield f"{prefix}.{e}.up_proj.weight", up.T.contiguous()
+        yield from split_stacked_experts(cls.hf_name(m.group(1) + "feed_forward.") + "experts", m.group(2), tensor,
+                                         transposed=True)
 
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
