@@ -11,7 +11,9 @@
 
 #include <torch/extension.h>
 
+#include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -64,6 +66,91 @@ DecodeLinear make_linear(int64_t kind, std::vector<torch::Tensor> parts, std::ve
   return l;
 }
 
+// A gated MLP as GatedMLP.forward computes it: gate_up, the activation (0 SiLU: the fused
+// silu_mul where the width allows, as the module; 1 tanh-GELU), down.
+torch::Tensor gated_mlp(const DecodeLinear& gate_up, const DecodeLinear& down, int64_t act, const torch::Tensor& x) {
+  const torch::Tensor gu = gate_up(x);
+  const int64_t I = gu.size(1) / 2;
+  if (act == 1) return down(at::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I));
+  if (gu.size(1) % 64 == 0) return down(silu_mul(gu.contiguous()));
+  return down(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I));
+}
+
+// A mixture-of-experts block as SparseMoeBlock.route and experts_forward compute it, the
+// experts in gguf_moe(_int8)'s one call (weights kept as GGUF blocks).
+struct DecodeMoe {
+  DecodeLinear router;
+  bool sigmoid = false;
+  int64_t top_k = 1;
+  bool norm_topk = false;
+  double norm_min = 0.0;   // the renormalising sum's floor (0: none)
+  bool weights_on_input = false;
+  double scaling = 1.0;
+  c10::optional<torch::Tensor> score_bias;
+  int64_t groups = 0, kept = 0;  // group-limited routing (0: none)
+  bool group_max = true;         // a group's rank: its best expert (else its best two)
+  // Gemma 4: routed on unit_norm(x) x router_scale x root; each weight times its expert's scale.
+  c10::optional<torch::Tensor> router_scale, router_unit, per_expert_scale;
+  double router_eps = 0.0, root = 1.0;
+  bool int8 = true;
+  std::vector<torch::Tensor> gate_up, down;
+  std::vector<int64_t> gate_up_types, down_types;
+  int64_t activation = 0;
+  c10::optional<DecodeLinear> shared_gate_up, shared_down, shared_gate;
+  int64_t shared_act = 0;
+  torch::Tensor expert_tokens;  // the block's counts (/metrics), added to in place
+
+  // (weights [T, k], ids [T, k]) for the stream x, as route() chooses them.
+  std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const {
+    torch::Tensor xr = x;
+    if (router_scale) xr = rms_norm(x.contiguous(), *router_unit, router_eps, c10::nullopt) * *router_scale * root;
+    const torch::Tensor logits = router(xr).to(torch::kFloat32);
+    const torch::Tensor probs = sigmoid ? torch::sigmoid(logits) : torch::softmax(logits, -1);
+    torch::Tensor choice = score_bias ? probs + score_bias->to(torch::kFloat32) : probs;
+    if (groups) {
+      const int64_t t = choice.size(0);
+      const torch::Tensor by_group = choice.view({t, groups, -1});
+      const torch::Tensor rank =
+          group_max ? std::get<0>(by_group.max(-1)) : std::get<0>(by_group.topk(2, -1)).sum(-1);
+      const torch::Tensor best = std::get<1>(torch::topk(rank, kept, -1));
+      torch::Tensor keep = torch::zeros({t, groups, 1}, choice.options().dtype(torch::kBool));
+      keep.scatter_(1, best.unsqueeze(-1), true);
+      choice = by_group.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity()).view({t, -1});
+    }
+    torch::Tensor weights, ids;
+    if (!score_bias && !groups) {
+      std::tie(weights, ids) = torch::topk(probs, top_k, -1);
+    } else {
+      ids = std::get<1>(torch::topk(choice, top_k, -1));
+      weights = probs.gather(1, ids);
+    }
+    if (norm_topk) {
+      const torch::Tensor total = weights.sum(-1, true);
+      weights = weights / (norm_min ? total.clamp_min(norm_min) : total);
+    }
+    if (scaling != 1.0) weights = weights * scaling;
+    expert_tokens.add_(torch::bincount(ids.flatten(), {}, expert_tokens.size(0)));
+    if (per_expert_scale) weights = weights * per_expert_scale->to(torch::kFloat32).index({ids});
+    return {weights, ids};
+  }
+
+  // The experts' (and shared experts') output for x, routed as chosen.
+  torch::Tensor experts(const torch::Tensor& x, torch::Tensor weights, const torch::Tensor& ids) const {
+    torch::Tensor routed_in = x;
+    if (weights_on_input) {  // top_k == 1 (the builder's condition)
+      routed_in = x * weights;
+      weights = torch::ones_like(weights);
+    }
+    torch::Tensor out = int8 ? gguf_moe_int8(routed_in, ids, weights, gate_up, gate_up_types, down, down_types,
+                                             activation)
+                             : gguf_moe(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation);
+    if (!shared_gate_up) return out;
+    torch::Tensor shared = gated_mlp(*shared_gate_up, *shared_down, shared_act, x);
+    if (shared_gate) shared = torch::sigmoid((*shared_gate)(x)) * shared;
+    return out + shared;
+  }
+};
+
 // One pre-norm decoder layer (Llama's block): settings as DecoderLayer / Attention /
 // GatedMLP hold them.
 struct DecodeLayer {
@@ -90,6 +177,20 @@ struct DecodeLayer {
   double gnorm_eps = 0.0;
   int64_t k_heads = 0, k_dim = 0, v_heads = 0, v_dim = 0;
   bool tiled = false;
+  // Set after construction (pagoda/model/layers/decode_stack.py):
+  // Gemma's sandwich norms: the attention output normed (post_attention_norm), then added to
+  // the stream and normed (pre_ff_norm); the MLP's output normed (post_ff_norm).
+  bool sandwich = false;
+  torch::Tensor pre_ff_norm, post_ff_norm;
+  int64_t act = 0;               // the MLP's activation: 0 SiLU, 1 tanh-GELU
+  bool tuned = false;            // no RoPE; the layer's table holds each token's query scale (Llama 4)
+  bool norm_after_rope = false;  // per-head q/k norms of the rotated heads (HunYuan)
+  torch::Tensor v_unit;          // defined: values RMS-normed per head without a weight (Gemma 4)
+  double v_eps = 0.0;
+  c10::optional<DecodeMoe> moe;  // the experts in place of the MLP, or (moe_beside) beside it
+  bool moe_beside = false;       // Gemma 4: dense MLP and experts, each normed, added
+  torch::Tensor pre_ff_norm2, post_ff_norm1, post_ff_norm2;
+  c10::optional<torch::Tensor> layer_scalar;  // Gemma 4: the layer's output stream scaled
 
   // q / k norms as Attention._norm_qk computes them (RMSNorm.rows per head: rows of
   // head_dim; or whole rows).
@@ -121,8 +222,9 @@ class DecodeStack {
                                  const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
                                  const std::vector<torch::Tensor>& caches,
                                  const std::vector<c10::optional<torch::Tensor>>& cache_scales,
-                                 const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                                 const torch::Tensor& seq_lens, int64_t start, int64_t end,
+                                 const std::vector<torch::Tensor>& slot_mapping,
+                                 const std::vector<torch::Tensor>& block_tables,
+                                 const std::vector<torch::Tensor>& seq_lens, int64_t start, int64_t end,
                                  const std::vector<torch::Tensor>& states,
                                  const std::vector<c10::optional<torch::Tensor>>& saved,
                                  const std::vector<torch::Tensor>& state_args) const {
@@ -130,10 +232,14 @@ class DecodeStack {
                 ", ", end, ") outside the stack's ", layers_.size(), " layers");
     TORCH_CHECK(caches.size() == layers_.size() && cache_scales.size() == layers_.size(),
                 "one cache (and scales) per layer");
+    const size_t n = layers_.size(), groups = slot_mapping.size();
+    TORCH_CHECK((groups == 1 || groups == n) && block_tables.size() == groups && seq_lens.size() == groups,
+                "one slot mapping, block table and length tensor for every layer, or one for all");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be 2-D float32");
     const int64_t t = x.size(0);
     std::vector<torch::Tensor> cos2(cos.size()), sin2(sin.size());
-    for (size_t i = 0; i < cos.size(); ++i) cos2[i] = cos[i].view({t, -1}), sin2[i] = sin[i].view({t, -1});
+    for (size_t i = 0; i < cos.size(); ++i)   // (a query-scale table has no sines: an empty tensor)
+      cos2[i] = cos[i].view({t, -1}), sin2[i] = sin[i].numel() ? sin[i].view({t, -1}) : sin[i];
     torch::Tensor residual = residual_in.has_value() ? *residual_in : torch::Tensor();
     for (int64_t i = start; i < end; ++i) {
       TORCH_CHECK(layers_[i].has_value(), "layer ", i, " is not held here");
@@ -148,11 +254,37 @@ class DecodeStack {
       if (L.kind == 1) {
         h = delta_layer(L, h, states[i], saved[i], state_args);
       } else {
-        h = attention(L, h, cos2[L.rope_table], sin2[L.rope_table], caches[i], cache_scales[i], slot_mapping,
-                      block_tables, seq_lens);
+        const size_t g = groups == 1 ? 0 : static_cast<size_t>(i);
+        h = attention(L, h, cos2[L.rope_table], sin2[L.rope_table], caches[i], cache_scales[i], slot_mapping[g],
+                      block_tables[g], seq_lens[g]);
       }
-      h = rms_norm(h.contiguous(), L.post_attention_norm, L.eps, residual);
-      x = L.down(silu_mul(L.gate_up(h).contiguous()));
+      if (L.sandwich) {
+        h = rms_norm(rms_norm(h.contiguous(), L.post_attention_norm, L.eps, c10::nullopt), L.pre_ff_norm, L.eps,
+                     residual);
+        h = gated_mlp(L.gate_up, L.down, L.act, h);
+        if (L.moe_beside) {  // routed on the stream after attention, the experts' input normed
+          auto [weights, ids] = L.moe->route(residual);
+          const torch::Tensor routed =
+              L.moe->experts(rms_norm(residual.contiguous(), L.pre_ff_norm2, L.eps, c10::nullopt), weights, ids);
+          h = rms_norm(h.contiguous(), L.post_ff_norm1, L.eps, c10::nullopt) +
+              rms_norm(routed.contiguous(), L.post_ff_norm2, L.eps, c10::nullopt);
+        }
+        h = rms_norm(h.contiguous(), L.post_ff_norm, L.eps, c10::nullopt);
+      } else {
+        h = rms_norm(h.contiguous(), L.post_attention_norm, L.eps, residual);
+        if (L.moe) {
+          auto [weights, ids] = L.moe->route(h);
+          h = L.moe->experts(h, weights, ids);
+        } else {
+          h = gated_mlp(L.gate_up, L.down, L.act, h);
+        }
+      }
+      if (L.layer_scalar) {
+        x = h * *L.layer_scalar;
+        residual.mul_(*L.layer_scalar);
+      } else {
+        x = h;
+      }
     }
     return {x, residual};
   }
@@ -171,9 +303,26 @@ class DecodeStack {
       gate = qg.select(2, 1).reshape({t, qs});
       qkv = torch::cat({qg.select(2, 0).reshape({t, qs}), qkv.narrow(1, 2 * qs, 2 * kvs)}, -1);
     }
-    if (L.qk_norm) qkv = L.norm_qk(qkv);
+    if (L.qk_norm && !L.norm_after_rope) qkv = L.norm_qk(qkv);
+    if (L.v_unit.defined()) {  // as Attention.forward: v's heads normed, then q, k, v again
+      const torch::Tensor v = rms_norm(qkv.narrow(1, qs + kvs, kvs).reshape({t * L.num_kv_heads, D}).contiguous(),
+                                       L.v_unit, L.v_eps, c10::nullopt);
+      qkv = torch::cat({qkv.narrow(1, 0, qs), qkv.narrow(1, qs, kvs), v.view({t, kvs})}, -1);
+    }
     std::vector<torch::Tensor> qkv_out;
-    if (L.rotary_dim) {
+    if (L.tuned) {  // no RoPE: the queries scaled per token; K and V stored as the backend stores them
+      const torch::Tensor k = qkv.narrow(1, qs, kvs).reshape({t, L.num_kv_heads, D});
+      const torch::Tensor v = qkv.narrow(1, qs + kvs, kvs).reshape({t, L.num_kv_heads, D});
+      qkv_out = {qkv.narrow(1, 0, qs).reshape({t, L.num_heads, D}) * cos.view({t, 1, 1})};
+      write_kv(cache, scales, slot_mapping, k, v);
+    } else if (L.norm_after_rope) {  // rotated, then normed per head, then stored
+      const auto r = rope_qkv(qkv, cos, sin, L.num_heads, L.num_kv_heads, c10::nullopt, c10::nullopt, c10::nullopt);
+      const auto rows = [&](const torch::Tensor& x, const torch::Tensor& w) {
+        return rms_norm(x.reshape({-1, D}).contiguous(), w, L.qk_eps, c10::nullopt).view(x.sizes());
+      };
+      qkv_out = {rows(r[0], L.q_norm)};
+      write_kv(cache, scales, slot_mapping, rows(r[1], L.k_norm), r[2]);
+    } else if (L.rotary_dim) {
       // Partial rotary as apply_rope computes it (torch ops, the same bits); then rope_qkv with
       // the identity rotation writes K and V into the cache.
       const int64_t r = L.rotary_dim, half = r / 2;
@@ -196,6 +345,25 @@ class DecodeStack {
                           .reshape({t, -1});
     if (L.output_gate) o = o * torch::sigmoid(gate);
     return L.o(o);
+  }
+
+  // New keys and values into their slots as the torch backend writes them (a float cache:
+  // converted; an int8 cache: QuantizedKVCache.write's rounding and scales).
+  static void write_kv(const torch::Tensor& cache, const c10::optional<torch::Tensor>& scales,
+                       const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v) {
+    const int64_t kvh = k.size(1), D = k.size(2);
+    for (int64_t i = 0; i < 2; ++i) {
+      const torch::Tensor& x = i ? v : k;
+      if (!scales) {
+        cache.select(0, i).view({-1, kvh, D}).index_copy_(0, slots, x.to(cache.scalar_type()));
+        continue;
+      }
+      const torch::Tensor xf = x.to(torch::kFloat32);
+      const torch::Tensor scale = xf.abs().amax(-1).clamp_min(1e-12) / 127.0;
+      const torch::Tensor q = (xf / scale.unsqueeze(-1)).round().clamp(-127.0, 127.0).to(torch::kInt8);
+      cache.select(0, i).view({-1, kvh, D}).index_copy_(0, slots, q);
+      scales->select(0, i).view({-1, kvh}).index_copy_(0, slots, scale);
+    }
   }
 
   static torch::Tensor delta_layer(const DecodeLayer& L, const torch::Tensor& h, const torch::Tensor& states,
@@ -225,6 +393,38 @@ void bind_decode_stack(pybind11::module& m) {
         "(qweight, scales, mins), 4 F.linear (weight)",
         py::arg("kind"), py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(),
         py::arg("vnni_weight") = py::none(), py::arg("vnni_comp") = py::none(), py::arg("small_rows") = 0);
+  py::class_<DecodeMoe>(m, "DecodeMoe", "a mixture-of-experts block of a DecodeStack layer")
+      .def(py::init([](DecodeLinear router, bool sigmoid, int64_t top_k, bool norm_topk, double norm_min,
+                       bool weights_on_input, double scaling, c10::optional<torch::Tensor> score_bias, int64_t groups,
+                       int64_t kept, bool group_max, bool int8, std::vector<torch::Tensor> gate_up,
+                       std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
+                       std::vector<int64_t> down_types, int64_t activation, torch::Tensor expert_tokens) {
+             TORCH_CHECK(!weights_on_input || top_k == 1, "weights on the inputs of one expert per token only");
+             TORCH_CHECK(expert_tokens.scalar_type() == torch::kInt64 &&
+                             expert_tokens.numel() == static_cast<int64_t>(down.size()),
+                         "expert_tokens: one int64 count per expert");
+             DecodeMoe moe{std::move(router), sigmoid, top_k, norm_topk, norm_min, weights_on_input, scaling,
+                           std::move(score_bias), groups, kept, group_max};
+             moe.int8 = int8;
+             moe.gate_up = std::move(gate_up), moe.gate_up_types = std::move(gate_up_types);
+             moe.down = std::move(down), moe.down_types = std::move(down_types);
+             moe.activation = activation;
+             moe.expert_tokens = expert_tokens;
+             return moe;
+           }),
+           py::arg("router"), py::arg("sigmoid"), py::arg("top_k"), py::arg("norm_topk"), py::arg("norm_min"),
+           py::arg("weights_on_input"), py::arg("scaling"), py::arg("score_bias"), py::arg("groups"),
+           py::arg("kept"), py::arg("group_max"), py::arg("int8"), py::arg("gate_up"), py::arg("gate_up_types"),
+           py::arg("down"), py::arg("down_types"), py::arg("activation"), py::arg("expert_tokens"))
+      .def_readwrite("shared_gate_up", &DecodeMoe::shared_gate_up)
+      .def_readwrite("shared_down", &DecodeMoe::shared_down)
+      .def_readwrite("shared_gate", &DecodeMoe::shared_gate)
+      .def_readwrite("shared_act", &DecodeMoe::shared_act)
+      .def_readwrite("router_scale", &DecodeMoe::router_scale)
+      .def_readwrite("router_unit", &DecodeMoe::router_unit)
+      .def_readwrite("router_eps", &DecodeMoe::router_eps)
+      .def_readwrite("root", &DecodeMoe::root)
+      .def_readwrite("per_expert_scale", &DecodeMoe::per_expert_scale);
   py::class_<DecodeLayer>(m, "DecodeLayer", "one pre-norm decoder layer of a DecodeStack")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps, DecodeLinear qkv,
                        DecodeLinear o, DecodeLinear gate_up, DecodeLinear down, int64_t num_heads,
@@ -248,7 +448,21 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("qk_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qk_eps"), py::arg("scale"),
            py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("rope_table"),
-           py::arg("output_gate") = false, py::arg("rotary_dim") = 0);
+           py::arg("output_gate") = false, py::arg("rotary_dim") = 0)
+      .def_readwrite("sandwich", &DecodeLayer::sandwich)
+      .def_readwrite("pre_ff_norm", &DecodeLayer::pre_ff_norm)
+      .def_readwrite("post_ff_norm", &DecodeLayer::post_ff_norm)
+      .def_readwrite("act", &DecodeLayer::act)
+      .def_readwrite("tuned", &DecodeLayer::tuned)
+      .def_readwrite("norm_after_rope", &DecodeLayer::norm_after_rope)
+      .def_readwrite("v_unit", &DecodeLayer::v_unit)
+      .def_readwrite("v_eps", &DecodeLayer::v_eps)
+      .def_readwrite("moe", &DecodeLayer::moe)
+      .def_readwrite("moe_beside", &DecodeLayer::moe_beside)
+      .def_readwrite("pre_ff_norm2", &DecodeLayer::pre_ff_norm2)
+      .def_readwrite("post_ff_norm1", &DecodeLayer::post_ff_norm1)
+      .def_readwrite("post_ff_norm2", &DecodeLayer::post_ff_norm2)
+      .def_readwrite("layer_scalar", &DecodeLayer::layer_scalar);
   m.def("decode_delta_layer",
         [](torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps, DecodeLinear in_proj,
            DecodeLinear out_proj, DecodeLinear gate_up, DecodeLinear down, torch::Tensor conv_weight, torch::Tensor A,

@@ -60,10 +60,17 @@ def _generate(llm: LLM, stack) -> tuple[list, int]:
     return [o.outputs[0] for o in outs], sum(ran)
 
 
-def _assert_same(monkeypatch, model: str, **kwargs) -> None:
+def _assert_same(monkeypatch, model: str, perturb: bool = False, **kwargs) -> None:
     llm = _llm(monkeypatch, model, **kwargs)
     stack = llm.engine.runner.model.decode_stack
     assert stack is not None
+    if perturb:
+        # The random files' norms and scales are ones: scaled in place (the stack holds the same
+        # tensors), so a stack that skipped one would differ.
+        gen = torch.Generator().manual_seed(0)
+        for name, p in llm.engine.runner.model.named_parameters():
+            if p.dim() <= 1 and p.dtype == torch.float32 and name.endswith(("weight", "scale", "scalar")):
+                p.data.mul_(torch.rand(p.shape, generator=gen) + 0.5)
     got, steps = _generate(llm, stack)
     want, _ = _generate(llm, None)
     assert steps >= 9   # every decode-only step
@@ -97,7 +104,8 @@ def test_per_head_qk_norms(monkeypatch, tiny_qwen3_dir):
 def test_layers_the_stack_does_not_take_run_from_python(monkeypatch, tiny_qwen3moe_dir, tiny_olmo2_dir):
     from pagoda.model.layers import decode_stack
 
-    for path, why in ((tiny_qwen3moe_dir, "SparseMoeBlock"), (tiny_olmo2_dir, "not a pre-norm layer")):
+    for path, why in ((tiny_qwen3moe_dir, "experts not kept as GGUF blocks"),
+                      (tiny_olmo2_dir, "not a pre-norm or sandwich layer")):
         llm = _llm(monkeypatch, path)
         model = llm.engine.runner.model
         assert model.decode_stack is None
@@ -117,12 +125,14 @@ def test_stack_checks_its_arguments():
         ops.decode_linear(2, [torch.zeros(1)], [])
     stack = ops.DecodeStack([None, None])
     x = torch.zeros(1, 8)
+    slots, tables, lens = [torch.zeros(1, dtype=torch.long)], [torch.zeros(1, 1, dtype=torch.int32)], [
+        torch.ones(1, dtype=torch.int32)]
     with pytest.raises(RuntimeError, match="outside the stack"):
-        stack.run(x, None, [], [], [x, x], [None, None], torch.zeros(1, dtype=torch.long),
-                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 3)
+        stack.run(x, None, [], [], [x, x], [None, None], slots, tables, lens, 0, 3)
     with pytest.raises(RuntimeError, match="not held here"):
-        stack.run(x, None, [], [], [x, x], [None, None], torch.zeros(1, dtype=torch.long),
-                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 1)
+        stack.run(x, None, [], [], [x, x], [None, None], slots, tables, lens, 0, 1)
+    with pytest.raises(RuntimeError, match="for every layer, or one for all"):
+        stack.run(x, None, [], [], [x, x], [None, None], slots * 3, tables * 3, lens * 3, 0, 1)
 
 
 def _qwen35_file(tmp_path) -> str:
@@ -170,3 +180,38 @@ def test_hybrid_stack_saves_states_for_the_prefix_cache(monkeypatch, tmp_path):
         assert g.token_ids == w.token_ids
         for a, b in zip(g.logprobs, w.logprobs, strict=True):
             assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+
+
+def _scaled_file(tmp_path, name: str, **changes) -> str:
+    import dataclasses
+
+    from pagoda.bench.gguf_files import SHAPES
+
+    shape = dataclasses.replace(SHAPES[name], **changes)
+    return str(write_model(str(tmp_path / f"{name}.gguf"), shape, "Q4_K_M", show_progress=False))
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_llama4_stack_equals_python_layers(monkeypatch, tmp_path, quantization):
+    """Llama 4's layers in the stack: experts (top-1, the weight on the expert's input) and a
+    shared expert, weightless q/k norms on the RoPE layers, the NoPE layer's per-token query
+    scale, chunked attention (a chunk of 8 positions and a temperature floor of 4 here: prompts
+    and decodes cross chunk boundaries, the chunked layers reading their own block tables)."""
+    from pagoda.model.models import llama4
+
+    monkeypatch.setattr(llama4, "GGUF_CHUNK", 8)
+    monkeypatch.setattr(llama4, "GGUF_TEMPERATURE", (4.0, 0.5))   # query scales past 1 from position 3
+    path = _scaled_file(tmp_path, "llama4-scout-2b", hidden=256, layers=4, heads=4, kv_heads=2, ffn=512,
+                        head_dim=64, experts=4, expert_ffn=256)
+    _assert_same(monkeypatch, path, perturb=True, quantization=quantization)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_gemma4_stack_equals_python_layers(monkeypatch, tmp_path, kv_cache_dtype):
+    """Gemma 4's 26B-A4B-shaped layers in the stack: sandwich norms, tanh-GELU MLPs, the
+    experts beside the dense MLP (routed on a normed, scaled stream, per-expert scales),
+    values from keys normed without a weight, global layers with wider heads, layer scalars."""
+    path = _scaled_file(tmp_path, "gemma4-moe-4b", hidden=256, layers=3, heads=4, kv_heads=2, ffn=512,
+                        head_dim=64, experts=8, experts_used=2, expert_ffn=256, sliding_window=8,
+                        global_head_dim=128, global_kv_heads=1, window_period=2)
+    _assert_same(monkeypatch, path, perturb=True, quantization="gguf", kv_cache_dtype=kv_cache_dtype)

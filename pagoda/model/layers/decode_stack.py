@@ -30,13 +30,17 @@ from torch import nn
 from pagoda.attention import AttentionMetadata, kernel_cache
 from pagoda.attention.state import StateCache
 from pagoda.model.layers.blocks import BlocksLinear
-from pagoda.model.layers.decoder import Attention, DecoderLayer, GatedMLP
+from pagoda.model.layers.decoder import Attention, DecoderLayer, GatedMLP, SparseMoeBlock
 from pagoda.model.layers.gated_deltanet import GatedDeltaNet
 from pagoda.model.layers.hybrid import HybridDecoderLayer, kernel_calls
-from pagoda.model.layers.norm import RMSNorm
+from pagoda.model.layers.norm import RMSNorm, UnitRMSNorm
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.layers.quantization import Int8Linear, Q4Linear
 from pagoda.ops import cpu_kernels
+
+# A query-scale table ("tuned") has no sines.
+_NO_SINES = torch.empty(0)
+
 
 class DecodeStack:
     """The C++ stack of a model's layers, and the step-time arguments it needs."""
@@ -75,9 +79,18 @@ class DecodeStack:
             end: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Layers [start, end) of the step, or None when the step is not one the stack runs
         (the caller runs the Python layers)."""
-        if (meta.decode_block_tables is None or meta.num_decodes != x.shape[0] or x.dtype != torch.float32
-                or x.dim() != 2 or not self._cache_args(kv_caches)):
+        if isinstance(meta, AttentionMetadata):
+            metas = [meta]
+        else:   # several KV groups (chunked attention): one metadata per layer
+            metas = list(meta)
+            if len(metas) != len(kv_caches):
+                return None
+        t = x.shape[0]
+        if (x.dtype != torch.float32 or x.dim() != 2 or not self._cache_args(kv_caches)
+                or any(m.decode_block_tables is None or m.num_decodes != t
+                       for m in {id(m): m for m in metas}.values())):
             return None
+        meta = metas[0]
         state_args: list[torch.Tensor] = []
         if getattr(meta, "states", None) is not None:
             calls = kernel_calls(meta)
@@ -85,9 +98,10 @@ class DecodeStack:
                 return None   # a decode restoring a prefix hit's state: the Python path
             state_args = list(calls[0][2])
         cos = [tables[name][0] for name in self.tables]
-        sin = [tables[name][1] for name in self.tables]
-        out, residual = self.stack.run(x, residual, cos, sin, self._caches, self._scales, meta.slot_mapping,
-                                       meta.decode_block_tables, meta.decode_seq_lens, start, end,
+        sin = [_NO_SINES if tables[name][1] is None else tables[name][1] for name in self.tables]
+        out, residual = self.stack.run(x, residual, cos, sin, self._caches, self._scales,
+                                       [m.slot_mapping for m in metas], [m.decode_block_tables for m in metas],
+                                       [m.decode_seq_lens for m in metas], start, end,
                                        states=self._states, saved=self._saved, state_args=state_args)
         return out, residual
 
@@ -105,7 +119,8 @@ def build(model: nn.Module) -> tuple[DecodeStack | None, str]:
         return None, "pagoda's CPU kernels are not built"
     c = model.config
     tables = ["global"] + (["local"] if c.local_rope_theta is not None else []) + (
-        ["none"] if c.rope_layers is not None else [])
+        ["none"] if c.rope_layers is not None else []) + (
+        ["tuned"] if c.rope_layers is not None and c.attn_temperature is not None else [])
     layers = []
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer, MissingLayer):
@@ -124,33 +139,60 @@ def _hooked(module: nn.Module) -> bool:
 
 def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
     hybrid = isinstance(layer, HybridDecoderLayer)
-    if type(layer) is not DecoderLayer and not hybrid:
+    # Gemma 4's layer (its forward is the sandwich below, with its experts and scalar): named by
+    # its class, not a subclass of it.
+    gemma4 = type(layer).__dict__.get("stack_layout") == "gemma4"
+    if type(layer) is not DecoderLayer and not hybrid and not gemma4:
         return None, f"{type(layer).__name__} is not a plain DecoderLayer"
     if hybrid and layer.is_state:
         return _delta_layer(ops, layer)
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not Attention or type(mlp) is not GatedMLP:
+    moe = mlp if type(mlp) is SparseMoeBlock else None
+    if type(attn) is not Attention or (type(mlp) is not GatedMLP and moe is None):
         return None, f"{type(attn).__name__} / {type(mlp).__name__}"
-    if (not hybrid and (layer.post_norm or layer.sandwich)) or layer.residual_multiplier != 1.0:
-        return None, "not a pre-norm layer"
+    sandwich = not hybrid and layer.sandwich
+    if (not hybrid and layer.post_norm) or layer.residual_multiplier != 1.0 or (gemma4 and not sandwich):
+        return None, "not a pre-norm or sandwich layer"
+    if attn.kv_source is not None or attn.stores_kv or (gemma4 and layer.per_layer is not None):
+        return None, "KV shared across layers, or per-layer inputs"
     if _hooked(layer):
         return None, "a module has forward hooks"
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if sandwich:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    beside = layer.moe if gemma4 else None
+    if beside is not None:
+        norms += [layer.pre_feedforward_layernorm_2, layer.post_feedforward_layernorm_1,
+                  layer.post_feedforward_layernorm_2]
     if attn.qk_norm is not None:
         norms += [attn.q_norm, attn.k_norm]
-    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
-           for n in norms):  # fmt: skip
+    if not all(_float_norm(n) for n in norms) or (attn.v_norm is not None and not _float_norm(attn.v_norm)):
         return None, "norms are not float32 RMSNorms on the CPU"
-    if getattr(attn, "norm_after_rope", False):
-        return None, "q/k norms after RoPE"
+    if attn.norm_after_rope and attn.qk_norm != "head":
+        return None, "whole-projection q/k norms after RoPE"
     if attn.rope_table not in tables or attn.qk_comm is not None or (
             attn.rotary_dim != attn.head_dim and not hybrid):
         return None, "partial rotary, or sharded q/k norms"
-    if mlp.act != "silu" or (2 * mlp.intermediate_size) % 64:
-        return None, f"MLP activation {mlp.act} / width {mlp.intermediate_size}"
-    projections = _projections(ops, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    if attn.rope_table == "tuned" and (attn.qk_norm is not None or attn.output_gate):
+        return None, "q/k norms or an output gate on a layer without RoPE"
+    act = _ACTIVATIONS.get(mlp.act) if moe is None else 0
+    if act is None:
+        return None, f"MLP activation {mlp.act}"
+    if moe is None:
+        projections = _projections(ops, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    else:
+        projections = _projections(ops, (attn.qkv_proj, attn.o_proj))
+        if not isinstance(projections, str):
+            unused = ops.decode_linear(4, [torch.empty(0)], [])
+            projections += [unused, unused]
     if isinstance(projections, str):
         return None, projections
+    experts = None
+    for block in (moe, beside):
+        if block is not None:
+            experts = _moe(ops, block)
+            if isinstance(experts, str):
+                return None, experts
     qk = {None: 0, "head": 1, "full": 2}[attn.qk_norm]
     entry = ops.DecodeLayer(
         layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
@@ -159,7 +201,78 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
         attn.q_norm.eps if qk else 0.0, attn.scale, attn.window or 0, attn.softcap or 0.0,
         None if attn.sinks is None else attn.sinks.detach().float(), tables.index(attn.rope_table),
         output_gate=attn.output_gate, rotary_dim=0 if attn.rotary_dim == attn.head_dim else attn.rotary_dim)
+    entry.act = act
+    entry.tuned = attn.rope_table == "tuned"
+    entry.norm_after_rope = bool(attn.norm_after_rope)
+    if attn.v_norm is not None:
+        entry.v_unit, entry.v_eps = attn.v_norm.weight.detach(), attn.v_norm.eps
+    if sandwich:
+        entry.sandwich = True
+        entry.pre_ff_norm = layer.pre_feedforward_layernorm.weight.detach()
+        entry.post_ff_norm = layer.post_feedforward_layernorm.weight.detach()
+    if experts is not None:
+        entry.moe = experts
+    if beside is not None:
+        entry.moe_beside = True
+        entry.pre_ff_norm2 = layer.pre_feedforward_layernorm_2.weight.detach()
+        entry.post_ff_norm1 = layer.post_feedforward_layernorm_1.weight.detach()
+        entry.post_ff_norm2 = layer.post_feedforward_layernorm_2.weight.detach()
+    if gemma4:
+        entry.layer_scalar = layer.layer_scalar.detach()
     return entry, ""
+
+
+# The MLP activations the stack computes (GatedMLP.forward's): 0 SiLU, 1 tanh-GELU.
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def _float_norm(n: nn.Module) -> bool:
+    """An RMSNorm (or a weightless one) of float32 weights on the CPU, all its eps in one field."""
+    return type(n) in (RMSNorm, UnitRMSNorm) and n.weight.dtype == torch.float32 and n.weight.device.type == "cpu"
+
+
+def _moe(ops: Any, block: nn.Module) -> Any:
+    """The stack's MoE block of ``block`` (a SparseMoeBlock, or Gemma 4's routed on a normed,
+    scaled stream), or why it is not one the stack runs."""
+    gemma4 = type(block).__dict__.get("stack_layout") == "gemma4"
+    if type(block) is not SparseMoeBlock and not gemma4:
+        return f"{type(block).__name__} is not a SparseMoeBlock"
+    if block.comm is not None or block.ep is not None or list(block.local_experts) != list(range(block.num_experts)):
+        return "experts split over processes"
+    if block.weights_on_input and block.top_k != 1:
+        return "expert weights on the inputs of several experts per token"
+    fused = block._fused_args()
+    if not fused:
+        return "experts not kept as GGUF blocks (the fused MoE kernel)"
+    kernel, gate_up, gate_up_types, down, down_types, activation = fused
+    router = _linear(ops, block.gate)
+    if router is None:
+        return f"router {type(block.gate).__name__} is not a projection the stack calls"
+    if block.expert_tokens is None:
+        block.expert_tokens = torch.zeros(block.num_experts, dtype=torch.long)
+    groups, kept = block.groups or (0, 0)
+    moe = ops.DecodeMoe(router, block.sigmoid, block.top_k, bool(block.norm_topk_prob), float(block.norm_topk_min or 0.0),
+                        bool(block.weights_on_input), float(block.scaling),
+                        None if block.score_bias is None else block.score_bias.detach(), groups, kept,
+                        block.group_score == "max", kernel is ops.gguf_moe_int8, gate_up, gate_up_types, down,
+                        down_types, activation, block.expert_tokens)
+    if block.shared_experts is not None:
+        shared = block.shared_experts
+        act = _ACTIVATIONS.get(shared.act)
+        parts = _projections(ops, (shared.gate_up_proj, shared.down_proj))
+        if act is None or isinstance(parts, str):
+            return f"shared expert: {parts if isinstance(parts, str) else shared.act}"
+        moe.shared_gate_up, moe.shared_down, moe.shared_act = parts[0], parts[1], act
+        if block.shared_expert_gate is not None:
+            gate = _linear(ops, block.shared_expert_gate)
+            if gate is None:
+                return "shared expert gate"
+            moe.shared_gate = gate
+    if gemma4:
+        moe.router_scale, moe.root = block.router_scale.detach(), float(block.root)
+        moe.router_unit, moe.router_eps = block.router_norm.weight, block.router_norm.eps
+        moe.per_expert_scale = block.per_expert_scale.detach()
+    return moe
 
 
 def _delta_layer(ops: Any, layer: HybridDecoderLayer) -> tuple[Any, str]:

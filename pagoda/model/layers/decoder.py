@@ -691,7 +691,7 @@ class CausalLM(nn.Module):
                 p = positions.float()
                 tables["tuned"] = ((torch.log1p(torch.floor((p + 1.0) / floor_scale)) * scale + 1.0)[:, None, None],
                                    None)
-        if self.decode_stack is not None and isinstance(meta, AttentionMetadata):
+        if self.decode_stack is not None:
             # A decode-only step in one C++ call (pagoda/model/layers/decode_stack.py).
             done = self.decode_stack.run(x, residual, tables, kv_caches, meta, start, end)
             if done is not None:

@@ -58,6 +58,8 @@ class Gemma4Moe(SparseMoeBlock):
     learned scale and 1 / sqrt(hidden); softmax, top-k renormalised, each chosen expert's
     weight times its learned scale."""
 
+    stack_layout = "gemma4"   # the C++ decode stack runs this routing (pagoda/model/layers/decode_stack.py)
+
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
         self.router_norm = UnitRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -71,6 +73,8 @@ class Gemma4Moe(SparseMoeBlock):
 
 
 class Gemma4DecoderLayer(DecoderLayer):
+    stack_layout = "gemma4"   # the C++ decode stack runs this forward (pagoda/model/layers/decode_stack.py)
+
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         h, eps = config.hidden_size, config.rms_norm_eps
