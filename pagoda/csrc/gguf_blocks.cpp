@@ -1341,11 +1341,22 @@ void q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row, c
 // GMAC/s, Q6_K 2048 x 8192 23 -> 50; from memory (its 64 layer products of a step) 3-5 %
 // faster; its one-stream decode step (in-process A/B) 48.5 -> 45.5 ms, median.
 constexpr int64_t kRow8Blocks = 32;
+// Steps of fewer rows than this take k_row8 (more take the panels or the VNNI kernels).
+constexpr int64_t kRow8MaxRows = 8;
 
+// MR rows (a decode step of a few sequences, an expert's few tokens) run the same way: each
+// block of each channel decoded once against the MR rows (q4k_block<MR>), every row's sums
+// kept, then reduced per row with the lanes' operations of one row: each row's bits are
+// those of one row alone. Measured (Zen 4, two threads, 200 expert-sized weights from
+// memory, against the per-channel q4k_rows<MR> / q6k_rows<MR>): Q4_K 1024 x 2048 2 rows 96 ->
+// 73 us a weight, 3 rows 140 -> 104 (4 rows slower: 102 -> 128, so not taken there); Q6_K
+// 2048 x 512 2 rows 60 -> 53, 3 rows 82 -> 58, 4 rows 79 -> 66; one row 55 / 45 us.
+template <int MR>
 struct Row8Sums {
-  alignas(32) int32_t is[kRow8Blocks][8][8];  // [block][channel][lane]
-  alignas(32) int32_t ms[kRow8Blocks][8][4];  // Q4_K: [block][channel] the minimums' pairs
-  alignas(32) uint32_t dd[kRow8Blocks][8];    // [block][channel]: d (and Q4_K's dmin) as stored
+  static constexpr int64_t kBlocks = kRow8Blocks / MR;
+  alignas(32) int32_t is[kBlocks][MR][8][8];  // [block][row][channel][lane]
+  alignas(32) int32_t ms[kBlocks][MR][8][4];  // Q4_K: [block][row][channel] the minimums' pairs
+  alignas(32) uint32_t dd[kBlocks][8];        // [block][channel]: d (and Q4_K's dmin) as stored
 };
 
 // Lane c: the sum of the 8 int32 lanes of v[c] (8 channels' partial sums -> one vector).
@@ -1365,34 +1376,35 @@ inline __m256i reduce8x4(const int32_t (*v)[4]) {
   return _mm256_set_m128i(m1, m0);
 }
 
-// y[r * N + col + c] for channels c < 8 (rows row0 + c * rb) of a Q4_K (Q4) or Q6_K part,
-// row r of x.
-template <bool Q4>
-void k_row8(const QuantizedX& xq, int64_t K, int64_t r, const uint8_t* row0, int64_t rb, const float* bias, float* y,
-            int64_t N, int64_t col) {
-  constexpr int64_t bytes = Q4 ? 144 : 210;
+// y[(r0 + r) * N + col + c] for channels c < 8 (rows row0 + c * rb) of a Q4_K (Q4) or Q6_K
+// part, rows r0 .. r0 + MR - 1 of x.
+template <bool Q4, int MR>
+void k_row8(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row0, int64_t rb, const float* bias,
+            float* y, int64_t N, int64_t col) {
+  constexpr int64_t bytes = Q4 ? 144 : 210, chunk = Row8Sums<MR>::kBlocks;
   const int64_t nb = K / 256;
-  Row8Sums s;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < nb; b0 += kRow8Blocks) {
-    const int64_t b1 = std::min(nb, b0 + kRow8Blocks);
+  Row8Sums<MR> s;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+    const int64_t b1 = std::min(nb, b0 + chunk);
     for (int ch = 0; ch < 8; ++ch) {
       const uint8_t* row = row0 + ch * rb;
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* p = row + b * bytes;
-        __m256i isum;
+        __m256i isum[MR];
         if constexpr (Q4) {
-          __m128i msum;
-          q4k_block<1>(xq, K, r, b, p, &isum, &msum);
-          _mm_store_si128(reinterpret_cast<__m128i*>(s.ms[b - b0][ch]), msum);
+          __m128i msum[MR];
+          q4k_block<MR>(xq, K, r0, b, p, isum, msum);
+          for (int r = 0; r < MR; ++r) _mm_store_si128(reinterpret_cast<__m128i*>(s.ms[b - b0][r][ch]), msum[r]);
           std::memcpy(&s.dd[b - b0][ch], p, 4);
         } else {
-          q6k_block<1>(xq, K, r, b, p, &isum);
+          q6k_block<MR>(xq, K, r0, b, p, isum);
           uint16_t d16;
           std::memcpy(&d16, p + 208, 2);
           s.dd[b - b0][ch] = d16;
         }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(s.is[b - b0][ch]), isum);
+        for (int r = 0; r < MR; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(s.is[b - b0][r][ch]), isum[r]);
       }
     }
     // The 8 channels' fp16 d (and dmin: the upper halves) as 8 lanes each.
@@ -1400,18 +1412,21 @@ void k_row8(const QuantizedX& xq, int64_t K, int64_t r, const uint8_t* row0, int
                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int64_t b = b0; b < b1; ++b) {
       const __m256i g = _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(s.dd[b - b0])), pick);
-      const __m256 dx = _mm256_set1_ps(xq.d[r * nb + b]);
       const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(g, 0x08)));
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(reduce8x8(s.is[b - b0])), acc);
-      if constexpr (Q4) {
-        const __m256 dmin = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(g, 0x0D)));
-        acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(reduce8x4(s.ms[b - b0])), acc);
+      const __m256 dmin = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(g, 0x0D)));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 dx = _mm256_set1_ps(xq.d[(r0 + r) * nb + b]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(reduce8x8(s.is[b - b0][r])), acc[r]);
+        if constexpr (Q4)
+          acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(reduce8x4(s.ms[b - b0][r])), acc[r]);
       }
     }
   }
-  alignas(32) float v[8];
-  _mm256_store_ps(v, acc);
-  for (int c = 0; c < 8; ++c) y[r * N + col + c] = bias ? v[c] + bias[col + c] : v[c];
+  for (int r = 0; r < MR; ++r) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, acc[r]);
+    for (int c = 0; c < 8; ++c) y[(r0 + r) * N + col + c] = bias ? v[c] + bias[col + c] : v[c];
+  }
 }
 
 bool has_k_kernel(int type) { return type == kQ4_K || type == kQ6_K; }
@@ -1432,12 +1447,24 @@ inline void prefetch_rows(const Part& w, int64_t n0, int64_t n1) {
 void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
             const float* bias, float* y, int64_t N) {
   int64_t n = n0;
-  if (m1 - m0 == 1)  // one row: 8 channels at a time (the same bits)
+  // A few rows: 8 channels at a time, up to 4 rows a pass (the same bits); Q4_K past 3 rows
+  // each channel against four rows (measured faster there: 102 against 128 us a weight at 4).
+  const int64_t M = m1 - m0;
+  if (M < kRow8MaxRows && (w.type == kQ6_K || M <= 3))
     for (; n + 8 <= n1; n += 8) {
-      if (w.type == kQ4_K)
-        k_row8<true>(xq, K, m0, w.data + n * w.row_bytes, w.row_bytes, bias, y, N, w.col + n);
-      else
-        k_row8<false>(xq, K, m0, w.data + n * w.row_bytes, w.row_bytes, bias, y, N, w.col + n);
+      const uint8_t* row0 = w.data + n * w.row_bytes;
+      auto run = [&](auto mr, int64_t r) {
+        constexpr int MR = decltype(mr)::value;
+        if (w.type == kQ4_K)
+          k_row8<true, MR>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
+        else
+          k_row8<false, MR>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
+      };
+      int64_t r = m0;
+      for (; r + 4 <= m1; r += 4) run(std::integral_constant<int, 4>{}, r);
+      if (m1 - r == 3) run(std::integral_constant<int, 3>{}, r);
+      if (m1 - r == 2) run(std::integral_constant<int, 2>{}, r);
+      if (m1 - r == 1) run(std::integral_constant<int, 1>{}, r);
     }
   for (; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes;
@@ -2175,9 +2202,9 @@ struct Int8Scratch {
 };
 
 // Channels per tile of a Q4_K / Q6_K part in a step of M rows: two panels for the VNNI
-// and the AVX2 panel kernels, 8 for one row (k_row8).
+// and the AVX2 panel kernels, 8 for a few rows (k_row8).
 int64_t k_channels_per_tile(int64_t M, bool vnni) {
-  return vnni ? 2 * kVnniChannels : M >= kPanelRows ? 2 * kPanel : M == 1 ? 8 : kChannels;
+  return vnni ? 2 * kVnniChannels : M >= kPanelRows ? 2 * kPanel : M < kRow8MaxRows ? 8 : kChannels;
 }
 
 // What the K-quant kernels of a step of M rows read besides xk.q: the VNNI kernels' packed

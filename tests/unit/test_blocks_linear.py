@@ -227,11 +227,12 @@ def test_k_quant_panel_kernels_give_the_one_channel_kernels_bits(ggml_type, monk
 
 @pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_k_quant_one_row_kernel_gives_the_per_channel_bits(ggml_type):
-    """One row (a single stream's decode step) multiplies 8 channels at a time, their
-    integer sums reduced together and the float32 operations in the lanes; 2-6 rows run
-    one channel at a time. A row's bits are the same either way: rows longer than the
-    one-row kernel's 32 blocks at a time, channel counts that leave single channels,
-    stacked parts of both types with a bias, one thread or two."""
+    """Up to 7 rows (decode steps of a few streams, an expert's few tokens) multiply 8
+    channels at a time, 1-4 rows a pass, their integer sums reduced together and the float32
+    operations in the lanes (Q4_K past 3 rows one channel at a time). A row's bits are the
+    same in every step: rows longer than the kernel's blocks at a time (32 / rows), channel
+    counts that leave single channels, stacked parts of both types with a bias, one thread
+    or two."""
     threads = torch.get_num_threads()
     try:
         for cols, rows_w in ((2048, (19, 8)), (33 * 256, (11, 3))):
@@ -240,15 +241,16 @@ def test_k_quant_one_row_kernel_gives_the_per_channel_bits(ggml_type):
             ws = [torch.from_numpy(random_blocks(t, n, cols, rng)) for t, n in zip((ggml_type, other), rows_w)]
             ts = [ggml_type.value, other.value]
             bias = torch.randn(sum(rows_w), generator=torch.Generator().manual_seed(cols))
-            x = torch.randn(6, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
+            x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
             x[1, 256:512] = 0.0  # a block of zeros: scale 0
             for n_threads in (1, 2):
                 torch.set_num_threads(n_threads)
                 for parts, types, b in ((ws, ts, bias), (ws[:1], ts[:1], None)):
                     together = ops.gguf_linear_int8(x, parts, types, b)
-                    for i in range(6):
-                        alone = ops.gguf_linear_int8(x[i : i + 1], parts, types, b)
-                        assert torch.equal(alone[0].view(torch.int32), together[i].view(torch.int32)), (cols, i)
+                    alone = torch.cat([ops.gguf_linear_int8(x[i : i + 1], parts, types, b) for i in range(7)])
+                    for rows in range(2, 8):
+                        got = ops.gguf_linear_int8(x[7 - rows:], parts, types, b)
+                        assert torch.equal(got.view(torch.int32), alone[7 - rows:].view(torch.int32)), (cols, rows)
                     ref = x @ torch.cat([ops.gguf_dequantize(p, t, cols, None) for p, t in zip(parts, types)]).T
                     ref = ref if b is None else ref + b
                     assert (together - ref).abs().max() <= 0.02 * ref.abs().max()
