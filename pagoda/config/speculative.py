@@ -3,7 +3,9 @@
 The shape follows vLLM's JSON, e.g.
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``,
 ``{"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 8}`` or
-``{"method": "draft_model", "num_speculative_tokens": 3, "model": "path/to/small"}`` or
+``{"method": "draft_model", "num_speculative_tokens": 3, "model": "path/to/small"}`` (the method
+implied where a model is given; a Gemma 4 assistant checkpoint drafts over the target's KV
+cache, pagoda/spec_decode/gemma4_assistant.py) or
 ``{"method": "mtp", "num_speculative_tokens": 2}`` (the checkpoint's own MTP head).
 Unknown keys are rejected, never ignored.
 """
@@ -73,6 +75,8 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         value = json_object("speculative_config", value, (f.name for f in fields(cls)))
+        if "method" not in value and "model" in value:
+            value = {**value, "method": "draft_model"}   # vLLM's default for a draft model
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise ValueError(f"speculative_config needs {required!r}")

@@ -259,6 +259,11 @@ class EngineCore:
         if spec is not None and spec.method == "draft_model":
             if self.tp_driver is not None:
                 raise ValueError("a draft_model speculative config is not supported with --tensor-parallel-size > 1")
+            from pagoda.spec_decode.gemma4_assistant import assistant_config, load_assistant
+
+            assistant = assistant_config(spec.model)
+            if assistant is not None:   # a Gemma 4 assistant: queries over the target's KV cache
+                return load_assistant(spec.model, assistant, loaded, dtype, device, config.quantization)
             draft = load_model(spec.model, dtype, device, show_progress=config.show_progress,
                                quantization=config.quantization)
         if spec is not None:
@@ -283,7 +288,7 @@ class EngineCore:
             max_model_len = limit
         kv_dtype, kv_quant = kv_cache_storage(config.resolved_kv_cache_dtype, dtype)  # kv_quant: 8-bit with scales
         per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, kv_dtype, kv_quant)
-        if draft is not None:
+        if draft is not None and not getattr(draft.model, "reads_target_kv", False):
             # The draft model's own cache has as many blocks, over the same block ids.
             per_block += kv_cache_bytes_per_block(draft.model, config.block_size, dtype)
         self.num_state_slots, self.num_state_checkpoints, self.state_checkpoint_interval = 0, 0, 1
@@ -462,7 +467,8 @@ class EngineCore:
         if spec is not None:
             from pagoda.spec_decode import build_proposer, draft_kv_caches
 
-            caches = None if draft is None else draft_kv_caches(draft, plan.num_blocks, config.block_size, dtype, device)
+            caches = None if draft is None or getattr(draft.model, "reads_target_kv", False) else draft_kv_caches(
+                draft, plan.num_blocks, config.block_size, dtype, device)
             self.runner.proposer = build_proposer(spec, loaded.model, self.runner.kv_caches, config.block_size,
                                                   device, draft, caches, self.runner.layout.layer_group,
                                                   self.runner.layout.group_chunks)

@@ -96,6 +96,8 @@ class ModelArchConfig:
     # Per layer, the earlier layer whose KV cache it reads (Gemma 4 E2B / E4B's shared KV: no
     # keys or values of its own), or None for its own (None: every layer its own).
     kv_source: tuple[int | None, ...] | None = None
+    # kv_source names layers of another model: a Gemma 4 assistant's over its target's caches.
+    kv_source_external: bool = False
     # Per layer the dense MLP's width where layers differ (Gemma 4's double-wide MLPs).
     layer_intermediate_sizes: tuple[int, ...] | None = None
     # The longest context the model is served at, where its attention is exact only up to it
@@ -226,7 +228,8 @@ class ModelArchConfig:
                 raise ValueError("sliding_attention layers need a sliding_window")
             if "chunked_attention" in self.layer_types and not (self.attention_chunk_size or 0) > 0:
                 raise ValueError("chunked_attention layers need an attention_chunk_size")
-        if self.kv_source is not None and any(src is not None and not 0 <= src < i for i, src in enumerate(self.kv_source)):
+        if self.kv_source is not None and not self.kv_source_external and any(
+                src is not None and not 0 <= src < i for i, src in enumerate(self.kv_source)):
             raise ValueError(f"kv_source {self.kv_source}: a layer reads an earlier layer's cache")
         for name in ("rope_layers", "qk_norm_layers", "layer_head_dims", "layer_kv_heads", "value_from_key",
                      "kv_source", "layer_intermediate_sizes"):

@@ -67,7 +67,14 @@ def build_proposer(
         return ModelDraftProposer(target_model, target_kv_caches[: spec.num_layers], block_size, device,
                                   num_layers=spec.num_layers, layer_group=groups[: spec.num_layers],
                                   group_chunks=target_group_chunks)
-    assert draft is not None and draft_caches is not None
+    assert draft is not None
+    if getattr(draft.model, "reads_target_kv", False):   # a Gemma 4 assistant
+        from pagoda.spec_decode.gemma4_assistant import Gemma4AssistantProposer
+
+        groups = tuple(target_layer_group or (0,) * len(target_kv_caches))
+        return Gemma4AssistantProposer(draft.model, target_model, target_kv_caches, groups,
+                                       tuple(target_group_chunks) or (None,) * (max(groups) + 1), block_size, device)
+    assert draft_caches is not None
     if spec.method == "mtp":
         from pagoda.spec_decode.mtp import MTPProposer
 

@@ -28,6 +28,9 @@ def test_config_from_dict_json_and_object():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (1, 4)
     ls = SpeculativeConfig.parse({"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 8})
     assert ls.num_layers == 8
+    # vLLM's form without a method where a model is given: a draft model.
+    dm = SpeculativeConfig.parse({"model": "path/to/assistant", "num_speculative_tokens": 4})
+    assert (dm.method, dm.model) == ("draft_model", "path/to/assistant")
 
 
 @pytest.mark.parametrize(
