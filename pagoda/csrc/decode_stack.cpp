@@ -129,7 +129,12 @@ struct DecodeMoe {
       weights = weights / (norm_min ? total.clamp_min(norm_min) : total);
     }
     if (scaling != 1.0) weights = weights * scaling;
-    expert_tokens.add_(torch::bincount(ids.flatten(), {}, expert_tokens.size(0)));
+    {  // the picks into the block's counts (torch.bincount's values; without its passes over ids)
+      const torch::Tensor flat = ids.contiguous();
+      const int64_t* ip = flat.data_ptr<int64_t>();
+      int64_t* counts = expert_tokens.data_ptr<int64_t>();
+      for (int64_t i = 0; i < flat.numel(); ++i) ++counts[ip[i]];
+    }
     if (per_expert_scale) weights = weights * per_expert_scale->to(torch::kFloat32).index({ids});
     return {weights, ids};
   }
@@ -400,7 +405,7 @@ void bind_decode_stack(pybind11::module& m) {
                        std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
                        std::vector<int64_t> down_types, int64_t activation, torch::Tensor expert_tokens) {
              TORCH_CHECK(!weights_on_input || top_k == 1, "weights on the inputs of one expert per token only");
-             TORCH_CHECK(expert_tokens.scalar_type() == torch::kInt64 &&
+             TORCH_CHECK(expert_tokens.scalar_type() == torch::kInt64 && expert_tokens.is_contiguous() &&
                              expert_tokens.numel() == static_cast<int64_t>(down.size()),
                          "expert_tokens: one int64 count per expert");
              DecodeMoe moe{std::move(router), sigmoid, top_k, norm_topk, norm_min, weights_on_input, scaling,

@@ -71,9 +71,15 @@ def _assert_same(monkeypatch, model: str, perturb: bool = False, **kwargs) -> No
         for name, p in llm.engine.runner.model.named_parameters():
             if p.dim() <= 1 and p.dtype == torch.float32 and name.endswith(("weight", "scale", "scalar")):
                 p.data.mul_(torch.rand(p.shape, generator=gen) + 0.5)
+    model = llm.engine.runner.model
+    counts = [model.expert_counts()]
     got, steps = _generate(llm, stack)
+    counts.append(model.expert_counts())
     want, _ = _generate(llm, None)
+    counts.append(model.expert_counts())
     assert steps >= 9   # every decode-only step
+    if counts[0] is not None:   # the experts' token counts (/metrics) add up the same either way
+        assert torch.equal(counts[1] - counts[0], counts[2] - counts[1]) and counts[1].sum() > counts[0].sum()
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
         for a, b in zip(g.logprobs, w.logprobs, strict=True):   # bit for bit: float equality
