@@ -11,6 +11,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -99,6 +100,10 @@ struct DecodeMoe {
   c10::optional<DecodeLinear> shared_gate_up, shared_down, shared_gate;
   int64_t shared_act = 0;
   torch::Tensor expert_tokens;  // the block's counts (/metrics), added to in place
+  // Experts not kept as GGUF blocks (the int8 mode's, an HF checkpoint's float32): one MLP
+  // each, run as SparseMoeBlock._experts_sum runs them (no gate_up / down parts above).
+  std::vector<DecodeLinear> expert_gate_up, expert_down;
+  int64_t expert_act = 0;
 
   // (weights [T, k], ids [T, k]) for the stream x, as route() chooses them.
   std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const {
@@ -139,6 +144,42 @@ struct DecodeMoe {
     return {weights, ids};
   }
 
+  // _experts_sum: each expert's weighted output added per token in expert order (one token:
+  // its experts by index, added in place; more: each expert's tokens in order, index_add_).
+  torch::Tensor experts_sum(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& ids) const {
+    torch::Tensor out = torch::zeros_like(x);
+    const int64_t T = ids.size(0), k = ids.size(1), E = static_cast<int64_t>(expert_down.size());
+    const torch::Tensor flat = ids.contiguous();
+    const int64_t* ip = flat.data_ptr<int64_t>();
+    auto run = [&](int64_t e, const torch::Tensor& xe, const torch::Tensor& w) {
+      return weights_on_input ? gated_mlp(expert_gate_up[e], expert_down[e], expert_act, xe * w)
+                              : gated_mlp(expert_gate_up[e], expert_down[e], expert_act, xe) * w;
+    };
+    if (T == 1) {
+      std::vector<std::pair<int64_t, int64_t>> order;
+      for (int64_t j = 0; j < k; ++j) order.push_back({ip[j], j});
+      std::sort(order.begin(), order.end());
+      for (const auto& [e, j] : order) out += run(e, x, weights.narrow(1, j, 1));
+      return out;
+    }
+    std::vector<std::vector<int64_t>> rows(E);  // per expert its (token, slot) pairs as t * k + j, in order
+    for (int64_t f = 0; f < T * k; ++f) {
+      TORCH_CHECK(ip[f] >= 0 && ip[f] < E, "expert id ", ip[f], " out of range for ", E, " experts");
+      rows[ip[f]].push_back(f);
+    }
+    const auto opts = torch::TensorOptions().dtype(torch::kInt64);
+    for (int64_t e = 0; e < E; ++e) {
+      if (rows[e].empty()) continue;
+      const int64_t n = static_cast<int64_t>(rows[e].size());
+      torch::Tensor tokens = torch::empty({n}, opts), slots = torch::empty({n}, opts);
+      for (int64_t i = 0; i < n; ++i)
+        tokens.data_ptr<int64_t>()[i] = rows[e][i] / k, slots.data_ptr<int64_t>()[i] = rows[e][i] % k;
+      const torch::Tensor w = weights.index({tokens, slots}).unsqueeze(1);
+      out.index_add_(0, tokens, run(e, x.index_select(0, tokens), w));
+    }
+    return out;
+  }
+
   // The experts' (and shared experts') output for x, routed as chosen.
   torch::Tensor experts(const torch::Tensor& x, torch::Tensor weights, const torch::Tensor& ids) const {
     torch::Tensor routed_in = x;
@@ -146,9 +187,12 @@ struct DecodeMoe {
       routed_in = x * weights;
       weights = torch::ones_like(weights);
     }
-    torch::Tensor out = int8 ? gguf_moe_int8(routed_in, ids, weights, gate_up, gate_up_types, down, down_types,
-                                             activation)
-                             : gguf_moe(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation);
+    torch::Tensor out;
+    if (!expert_down.empty())
+      out = experts_sum(routed_in, weights, ids);
+    else
+      out = int8 ? gguf_moe_int8(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation)
+                 : gguf_moe(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation);
     if (!shared_gate_up) return out;
     torch::Tensor shared = gated_mlp(*shared_gate_up, *shared_down, shared_act, x);
     if (shared_gate) shared = torch::sigmoid((*shared_gate)(x)) * shared;
@@ -328,8 +372,8 @@ class DecodeStack {
       qkv_out = {rows(r[0], L.q_norm)};
       write_kv(cache, scales, slot_mapping, rows(r[1], L.k_norm), r[2]);
     } else if (L.rotary_dim) {
-      // Partial rotary as apply_rope computes it (torch ops, the same bits); then rope_qkv with
-      // the identity rotation writes K and V into the cache.
+      // Partial rotary as apply_rope computes it (torch ops, the same bits); K and V stored as
+      // the backend stores them.
       const int64_t r = L.rotary_dim, half = r / 2;
       const torch::Tensor c = cos.view({t, 1, r}), s = sin.view({t, 1, r});
       auto rope = [&](const torch::Tensor& x) {
@@ -337,11 +381,9 @@ class DecodeStack {
         const torch::Tensor rotated = torch::cat({-xr.narrow(-1, half, half), xr.narrow(-1, 0, half)}, -1);
         return torch::cat({xr * c + rotated * s, x.narrow(-1, r, D - r)}, -1);
       };
-      const torch::Tensor q = rope(qkv.narrow(1, 0, qs).view({t, L.num_heads, D}));
-      const torch::Tensor k = rope(qkv.narrow(1, qs, kvs).view({t, L.num_kv_heads, D}));
-      qkv = torch::cat({q.reshape({t, qs}), k.reshape({t, kvs}), qkv.narrow(1, qs + kvs, kvs)}, -1);
-      qkv_out = rope_qkv(qkv, torch::ones({t, D}), torch::zeros({t, D}), L.num_heads, L.num_kv_heads, cache,
-                         slot_mapping, scales);
+      qkv_out = {rope(qkv.narrow(1, 0, qs).view({t, L.num_heads, D}))};
+      write_kv(cache, scales, slot_mapping, rope(qkv.narrow(1, qs, kvs).view({t, L.num_kv_heads, D})),
+               qkv.narrow(1, qs + kvs, kvs).view({t, L.num_kv_heads, D}));
     } else {
       qkv_out = rope_qkv(qkv, cos, sin, L.num_heads, L.num_kv_heads, cache, slot_mapping, scales);
     }
@@ -406,7 +448,7 @@ void bind_decode_stack(pybind11::module& m) {
                        std::vector<int64_t> down_types, int64_t activation, torch::Tensor expert_tokens) {
              TORCH_CHECK(!weights_on_input || top_k == 1, "weights on the inputs of one expert per token only");
              TORCH_CHECK(expert_tokens.scalar_type() == torch::kInt64 && expert_tokens.is_contiguous() &&
-                             expert_tokens.numel() == static_cast<int64_t>(down.size()),
+                             (down.empty() || expert_tokens.numel() == static_cast<int64_t>(down.size())),
                          "expert_tokens: one int64 count per expert");
              DecodeMoe moe{std::move(router), sigmoid, top_k, norm_topk, norm_min, weights_on_input, scaling,
                            std::move(score_bias), groups, kept, group_max};
@@ -421,6 +463,15 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("weights_on_input"), py::arg("scaling"), py::arg("score_bias"), py::arg("groups"),
            py::arg("kept"), py::arg("group_max"), py::arg("int8"), py::arg("gate_up"), py::arg("gate_up_types"),
            py::arg("down"), py::arg("down_types"), py::arg("activation"), py::arg("expert_tokens"))
+      .def("set_experts",
+           [](DecodeMoe& m, std::vector<DecodeLinear> gate_up, std::vector<DecodeLinear> down, int64_t act) {
+             TORCH_CHECK(gate_up.size() == down.size() &&
+                             static_cast<int64_t>(down.size()) == m.expert_tokens.numel(),
+                         "one gate/up and one down projection per expert");
+             m.expert_gate_up = std::move(gate_up), m.expert_down = std::move(down), m.expert_act = act;
+           },
+           "experts as one MLP each (run as SparseMoeBlock._experts_sum), in place of the GGUF parts",
+           py::arg("gate_up"), py::arg("down"), py::arg("act"))
       .def_readwrite("shared_gate_up", &DecodeMoe::shared_gate_up)
       .def_readwrite("shared_down", &DecodeMoe::shared_down)
       .def_readwrite("shared_gate", &DecodeMoe::shared_gate)

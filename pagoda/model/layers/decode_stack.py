@@ -8,14 +8,21 @@ a decode-only step (one token per sequence, attention through the block tables) 
 stack, which calls the kernels DecoderLayer.forward would call, in its order, with its
 arguments: the same bits (tested against the Python path).
 
-The layers it takes: pre-norm ``DecoderLayer`` with ``Attention`` (no q/k norm, per-head or
-whole-projection q/k norms; full rotary) and a SiLU ``GatedMLP``, and a hybrid model's
-``HybridDecoderLayer`` (Qwen3.5's: a Gated DeltaNet, or attention with an output gate and
-partial rotary, then a SiLU ``GatedMLP``; the state layers' slots updated in place), every projection one of
-``BlocksLinear`` (the exact and gguf modes), ``Int8Linear`` or ``Q4Linear`` on pagoda's
-kernels or a float32 ``nn.Linear`` (an HF checkpoint's exact mode); float32 activations on
-the CPU, no LoRA, no tensor-parallel collectives, no hooks. Anything else (MoE, Gemma's
-norms, LoRA, bf16 mode, a step with prompts) runs the Python path.
+The layers it takes: pre-norm and sandwich-norm (Gemma's) ``DecoderLayer`` with
+``Attention`` (per-head or whole-projection q/k norms, weightless ones, norms after RoPE
+(HunYuan), partial rotary, values normed (Gemma 4), no RoPE with per-token query scales
+(Llama 4), windows, caps, sinks) and a SiLU or tanh-GELU ``GatedMLP`` or a ``SparseMoeBlock``
+(every router the Python block has; experts in the fused GGUF kernel, or one projection pair
+each as ``_experts_sum`` runs them; shared experts, gated or not); Gemma 4's layer (experts
+beside the dense MLP, layer scalars); a hybrid model's ``HybridDecoderLayer`` (Qwen3.5's: a
+Gated DeltaNet, or attention with an output gate and partial rotary; the state layers' slots
+updated in place). Layers of several KV groups (chunked attention) read each their group's
+block tables. Every projection one of ``BlocksLinear`` (the exact and gguf modes),
+``Int8Linear`` or ``Q4Linear`` on pagoda's kernels or a float32 ``nn.Linear`` (an HF
+checkpoint's exact mode); float32 activations on the CPU, no LoRA, no tensor-parallel
+collectives or experts split over processes, no hooks. Anything else (latent attention, KV
+shared across layers, per-layer inputs, GPT-OSS's clamped SwiGLU, LoRA, bf16 mode, a step
+with prompts) runs the Python path.
 ``PAGODA_DECODE_STACK=0`` turns it off.
 """
 
@@ -171,8 +178,8 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
     if attn.norm_after_rope and attn.qk_norm != "head":
         return None, "whole-projection q/k norms after RoPE"
     if attn.rope_table not in tables or attn.qk_comm is not None or (
-            attn.rotary_dim != attn.head_dim and not hybrid):
-        return None, "partial rotary, or sharded q/k norms"
+            attn.rotary_dim != attn.head_dim and attn.norm_after_rope):
+        return None, "sharded q/k norms, or partial rotary with norms after RoPE"
     if attn.rope_table == "tuned" and (attn.qk_norm is not None or attn.output_gate):
         return None, "q/k norms or an output gate on a layer without RoPE"
     act = _ACTIVATIONS.get(mlp.act) if moe is None else 0
@@ -233,7 +240,8 @@ def _float_norm(n: nn.Module) -> bool:
 
 def _moe(ops: Any, block: nn.Module) -> Any:
     """The stack's MoE block of ``block`` (a SparseMoeBlock, or Gemma 4's routed on a normed,
-    scaled stream), or why it is not one the stack runs."""
+    scaled stream; its experts in the fused GGUF kernel, or one projection pair each), or why
+    it is not one the stack runs."""
     gemma4 = type(block).__dict__.get("stack_layout") == "gemma4"
     if type(block) is not SparseMoeBlock and not gemma4:
         return f"{type(block).__name__} is not a SparseMoeBlock"
@@ -242,9 +250,19 @@ def _moe(ops: Any, block: nn.Module) -> Any:
     if block.weights_on_input and block.top_k != 1:
         return "expert weights on the inputs of several experts per token"
     fused = block._fused_args()
-    if not fused:
-        return "experts not kept as GGUF blocks (the fused MoE kernel)"
-    kernel, gate_up, gate_up_types, down, down_types, activation = fused
+    mlps = None
+    if fused:
+        kernel, gate_up, gate_up_types, down, down_types, activation = fused
+    else:   # one MLP per expert (the int8 mode's, a float checkpoint's), as _experts_sum runs them
+        experts = list(block.experts)
+        if any(type(m) is not GatedMLP or m.act not in _ACTIVATIONS for m in experts) or len(
+                {m.act for m in experts}) != 1:
+            return "experts that are not gated MLPs of one activation the stack computes"
+        mlps = [_projections(ops, (m.gate_up_proj, m.down_proj)) for m in experts]
+        bad = next((m for m in mlps if isinstance(m, str)), None)
+        if bad is not None:
+            return f"an expert's {bad}"
+        kernel, gate_up, gate_up_types, down, down_types, activation = None, [], [], [], [], 0
     router = _linear(ops, block.gate)
     if router is None:
         return f"router {type(block.gate).__name__} is not a projection the stack calls"
@@ -256,6 +274,8 @@ def _moe(ops: Any, block: nn.Module) -> Any:
                         None if block.score_bias is None else block.score_bias.detach(), groups, kept,
                         block.group_score == "max", kernel is ops.gguf_moe_int8, gate_up, gate_up_types, down,
                         down_types, activation, block.expert_tokens)
+    if mlps is not None:
+        moe.set_experts([m[0] for m in mlps], [m[1] for m in mlps], _ACTIVATIONS[block.experts[0].act])
     if block.shared_experts is not None:
         shared = block.shared_experts
         act = _ACTIVATIONS.get(shared.act)
