@@ -24,6 +24,7 @@ the rules:
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,9 +116,11 @@ def _imports(module: str, path: Path, modules: dict[str, Path], root: Path = ROO
     return found
 
 
-def _all_imports() -> list[Import]:
+@functools.lru_cache(maxsize=1)
+def _all_imports() -> tuple[Import, ...]:
+    """Every pagoda import in the package, parsed once per test session (each test reads them)."""
     modules = _modules()
-    return [imp for name, path in modules.items() for imp in _imports(name, path, modules)]
+    return tuple(imp for name, path in modules.items() for imp in _imports(name, path, modules))
 
 
 def _within(name: str, package: str) -> bool:
