@@ -34,7 +34,7 @@ from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.loader import LoadedModel, _checkpoint_reader, _checkpoint_tensors, _target
 from pagoda.model.models import UnsupportedModelError
 from pagoda.model.models.gemma4 import Gemma4ForCausalLM
-from pagoda.spec_decode.proposer import DraftRequest
+from pagoda.spec_decode.proposer import DraftRequest, HiddenRows
 
 
 def assistant_config(path: str) -> dict[str, Any] | None:
@@ -190,8 +190,7 @@ class Gemma4AssistantProposer:
                  for s, (h, d) in zip(self.sources, shapes)}
         for layer in assistant.body.model.layers:
             layer.self_attn.kv_share = empty
-        # Per request: (first position, the target's hidden rows) of its last step.
-        self.rows: dict[str, tuple[int, torch.Tensor]] = {}
+        self.rows = HiddenRows()   # the target's hidden rows of each request's last step
 
     def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata]) -> None:
         raise RuntimeError("the assistant proposer keeps the step's hidden states (sync_step)")
@@ -199,12 +198,7 @@ class Gemma4AssistantProposer:
     def sync_step(self, order: list[str], query_lens: list[int], input_ids: torch.Tensor, positions: torch.Tensor,
                   metas: Sequence[AttentionMetadata], hidden: torch.Tensor) -> None:
         """Keep each request's hidden rows of the step (its last one feeds the next drafts)."""
-        start, first = 0, positions.tolist()
-        for rid, n in zip(order, query_lens):
-            self.rows[rid] = (first[start], hidden[start:start + n])
-            start += n
-        for rid in [r for r in self.rows if r not in set(order)]:
-            del self.rows[rid]   # not in this step: preempted, finished or waiting
+        self.rows.keep(order, query_lens, positions, hidden)
 
     @torch.inference_mode()
     def draft(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -242,10 +236,10 @@ class Gemma4AssistantProposer:
         active = []
         for i, r in enumerate(requests):
             last = len(r.token_ids) - 1          # its position: not computed yet
-            kept = self.rows.get(r.req_id)
-            if r.num_drafts < 1 or last < 1 or kept is None or not kept[0] <= last - 1 < kept[0] + kept[1].shape[0]:
+            row = self.rows.at(r.req_id, last - 1)
+            if r.num_drafts < 1 or last < 1 or row is None:
                 continue   # no hidden state of the position before: no drafts this step
-            active.append((i, last, kept[1][last - 1 - kept[0]]))
+            active.append((i, last, row))
         for k in sorted({requests[i].num_drafts for i, _, _ in active}):
             rows = [a for a in active if requests[a[0]].num_drafts == k]
             got, _ = self.draft(torch.tensor([requests[i].token_ids[-1] for i, _, _ in rows], device=self.device),

@@ -39,7 +39,7 @@ from pagoda.model.arch import ModelArchConfig
 from pagoda.model.layers.norm import RMSNorm
 from pagoda.model.loader import LoadedModel, _checkpoint_reader, _checkpoint_tensors, _target
 from pagoda.model.models import UnsupportedModelError, model_class
-from pagoda.spec_decode.proposer import DraftRequest
+from pagoda.spec_decode.proposer import DraftRequest, HiddenRows
 
 # The head's own tensors beside its decoder layer, under model.layers.{N} (DeepSeek) or mtp (Qwen).
 _OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
@@ -168,8 +168,7 @@ class MTPProposer:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        # Per request: (first position, the target's hidden rows) of its last step.
-        self.rows: dict[str, tuple[int, torch.Tensor]] = {}
+        self.rows = HiddenRows()   # the target's hidden rows of each request's last step
 
     def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata]) -> None:
         raise RuntimeError("the MTP proposer syncs with the step's hidden states (sync_step)")
@@ -183,12 +182,7 @@ class MTPProposer:
         nxt = torch.roll(input_ids, -1)
         nxt[ends] = input_ids[ends]   # a request's last position: no next token yet (placeholder)
         mtp_forward(self.head, nxt, positions, hidden, self.kv_caches, metas[0], logits=False)
-        start, first = 0, positions.tolist()
-        for rid, n in zip(order, query_lens):
-            self.rows[rid] = (first[start], hidden[start:start + n])
-            start += n
-        for rid in [r for r in self.rows if r not in set(order)]:
-            del self.rows[rid]   # not in this step: preempted, finished or waiting
+        self.rows.keep(order, query_lens, positions, hidden)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
@@ -196,13 +190,13 @@ class MTPProposer:
         active, ids, pos, hid = [], [], [], []
         for i, r in enumerate(requests):
             last = len(r.token_ids) - 1          # its position: not computed yet
-            kept = self.rows.get(r.req_id)
-            if r.num_drafts < 1 or kept is None or not kept[0] <= last - 1 < kept[0] + kept[1].shape[0]:
+            row = self.rows.at(r.req_id, last - 1)
+            if r.num_drafts < 1 or row is None:
                 continue   # no hidden state of the position before: no drafts this step
             active.append(i)
             ids.append(r.token_ids[-1])
             pos.append(last - 1)
-            hid.append(kept[1][last - 1 - kept[0]])
+            hid.append(row)
         if not active:
             return drafts
         hidden = torch.stack(hid)

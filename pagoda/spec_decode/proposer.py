@@ -29,6 +29,29 @@ class DraftRequest:
     req_id: str | None = None   # (the MTP proposer keeps the target's hidden states per request)
 
 
+class HiddenRows:
+    """The target's hidden rows of each request's last step (the MTP head's and the Gemma 4
+    assistant's input): kept at every step, read back at the next step's proposal."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[int, torch.Tensor]] = {}   # request -> (first position, rows)
+
+    def keep(self, order: list[str], query_lens: list[int], positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        start, first = 0, positions.tolist()
+        for rid, n in zip(order, query_lens):
+            self.rows[rid] = (first[start], hidden[start:start + n])
+            start += n
+        for rid in [r for r in self.rows if r not in set(order)]:
+            del self.rows[rid]   # not in this step: preempted, finished or waiting
+
+    def at(self, req_id: str | None, position: int) -> torch.Tensor | None:
+        """The request's hidden row at ``position``, or None where its last step had none."""
+        kept = self.rows.get(req_id) if req_id is not None else None
+        if kept is None or not kept[0] <= position < kept[0] + kept[1].shape[0]:
+            return None
+        return kept[1][position - kept[0]]
+
+
 class Proposer(Protocol):
     # True: the proposer keeps a KV cache of its own that must see every token the
     # target computes (``sync`` runs on each step's batch).
