@@ -1225,10 +1225,23 @@ inline __m256i q6k_values(__m256i l0, __m256i l1, __m256i h, int c) {
   return _mm256_or_si256(c < 2 ? nibbles_lo(l) : nibbles_hi(l), _mm256_slli_epi16(hb, 4));
 }
 
+// acc + madd(a, b) (int16 pairs summed into int32 lanes): with V one AVX-512 VNNI vpdpwssd
+// in place of vpmaddwd and vpaddd (the same integers). Written as assembly so the AVX2
+// kernels that inline it need no AVX-512 target; V is true only where use_avx512() holds.
+template <bool V>
+__attribute__((always_inline)) inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+  if constexpr (V) {
+    __asm__("vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+  }
+}
+
 // One Q4_K block p against rows r0 .. r0 + MR - 1 of x (block b): isum[r] (8 int32 lanes
 // summing to I_b) and msum[r] (4 lanes summing to M_b). Inlined into each kernel (a call
-// would keep the sums in memory).
-template <int MR>
+// would keep the sums in memory). V: the products summed by vpdpwssd (madd_add).
+template <int MR, bool V = false>
 __attribute__((always_inline)) inline void q4k_block(const QuantizedX& xq, int64_t K, int64_t r0, int64_t b,
                                                      const uint8_t* p, __m256i* isum, __m128i* msum) {
   const __m256i sm = _mm256_cvtepu8_epi16(k4_scales_mins(p + 4));  // scales: int16 lanes 0-7, minimums 8-15
@@ -1244,8 +1257,11 @@ __attribute__((always_inline)) inline void q4k_block(const QuantizedX& xq, int64
       const int8_t* xr = xq.q.data() + (r0 + r) * K + b * 256 + 64 * c;
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), slo),
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi)));
+      if constexpr (V)
+        isum[r] = madd_add<true>(madd_add<true>(isum[r], _mm256_maddubs_epi16(lo, x0), slo), _mm256_maddubs_epi16(hi, x1), shi);
+      else
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), slo),
+                                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi)));
     }
   }
   for (int r = 0; r < MR; ++r)  // sum_j mn_j * sum(xq over sub-block j), as four lanes of pairs
@@ -1254,7 +1270,7 @@ __attribute__((always_inline)) inline void q4k_block(const QuantizedX& xq, int64
 
 // One Q6_K block p against rows r0 .. r0 + MR - 1 of x: isum[r] sums to I_b (q + 32 in
 // maddubs, then - 32 sum_j scale_j sum(xq over sub-block j) in int32: exact, |sums| < 2^29).
-template <int MR>
+template <int MR, bool V = false>
 __attribute__((always_inline)) inline void q6k_block(const QuantizedX& xq, int64_t K, int64_t r0, int64_t b,
                                                      const uint8_t* p, __m256i* isum) {
   const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
@@ -1272,7 +1288,7 @@ __attribute__((always_inline)) inline void q6k_block(const QuantizedX& xq, int64
       for (int r = 0; r < MR; ++r) {
         const __m256i xv = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * K + b * 256 + 128 * half + 32 * c));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), s));
+        isum[r] = madd_add<V>(isum[r], _mm256_maddubs_epi16(q, xv), s);
       }
     }
   }
@@ -1351,6 +1367,9 @@ constexpr int64_t kRow8MaxRows = 8;
 // memory, against the per-channel q4k_rows<MR> / q6k_rows<MR>): Q4_K 1024 x 2048 2 rows 96 ->
 // 73 us a weight, 3 rows 140 -> 104 (4 rows slower: 102 -> 128, so not taken there); Q6_K
 // 2048 x 512 2 rows 60 -> 53, 3 rows 82 -> 58, 4 rows 79 -> 66; one row 55 / 45 us.
+// V (AVX-512 VNNI machines): vpdpwssd for each madd + add (A/B in one process, 100 MB of
+// weights: Q4_K 8192 x 2048 2 rows 728 -> 670 us, 3 rows 1042 -> 969; Q6_K 2048 x 512 3
+// rows 98 -> 85).
 template <int MR>
 struct Row8Sums {
   static constexpr int64_t kBlocks = kRow8Blocks / MR;
@@ -1378,7 +1397,7 @@ inline __m256i reduce8x4(const int32_t (*v)[4]) {
 
 // y[(r0 + r) * N + col + c] for channels c < 8 (rows row0 + c * rb) of a Q4_K (Q4) or Q6_K
 // part, rows r0 .. r0 + MR - 1 of x.
-template <bool Q4, int MR>
+template <bool Q4, int MR, bool V>
 void k_row8(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row0, int64_t rb, const float* bias,
             float* y, int64_t N, int64_t col) {
   constexpr int64_t bytes = Q4 ? 144 : 210, chunk = Row8Sums<MR>::kBlocks;
@@ -1392,14 +1411,25 @@ void k_row8(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row0, in
       const uint8_t* row = row0 + ch * rb;
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* p = row + b * bytes;
+        if constexpr (MR >= 2) {
+          // The block 4 channels on (past channel 3, the thread's next tile): with two or
+          // more rows the products take about as long as the block's bytes from memory,
+          // and the hardware prefetchers did not run far enough ahead to overlap the two.
+          // Measured (Zen 4, 100 MB of weights, A/B in one process): Q4_K 8192 x 2048 3 rows
+          // 898 -> 727 us, 2 rows 709 -> 627; one row slower with it (not taken there).
+          const char* ahead = reinterpret_cast<const char*>(p + 4 * rb);
+          _mm_prefetch(ahead, _MM_HINT_T0);
+          _mm_prefetch(ahead + 64, _MM_HINT_T0);
+          _mm_prefetch(ahead + bytes - 1, _MM_HINT_T0);
+        }
         __m256i isum[MR];
         if constexpr (Q4) {
           __m128i msum[MR];
-          q4k_block<MR>(xq, K, r0, b, p, isum, msum);
+          q4k_block<MR, V>(xq, K, r0, b, p, isum, msum);
           for (int r = 0; r < MR; ++r) _mm_store_si128(reinterpret_cast<__m128i*>(s.ms[b - b0][r][ch]), msum[r]);
           std::memcpy(&s.dd[b - b0][ch], p, 4);
         } else {
-          q6k_block<MR>(xq, K, r0, b, p, isum);
+          q6k_block<MR, V>(xq, K, r0, b, p, isum);
           uint16_t d16;
           std::memcpy(&d16, p + 208, 2);
           s.dd[b - b0][ch] = d16;
@@ -1450,15 +1480,18 @@ void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part&
   // A few rows: 8 channels at a time, up to 4 rows a pass (the same bits); Q4_K past 3 rows
   // each channel against four rows (measured faster there: 102 against 128 us a weight at 4).
   const int64_t M = m1 - m0;
+  const bool vnni = use_avx512();
   if (M < kRow8MaxRows && (w.type == kQ6_K || M <= 3))
     for (; n + 8 <= n1; n += 8) {
       const uint8_t* row0 = w.data + n * w.row_bytes;
       auto run = [&](auto mr, int64_t r) {
         constexpr int MR = decltype(mr)::value;
         if (w.type == kQ4_K)
-          k_row8<true, MR>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
+          vnni ? k_row8<true, MR, true>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n)
+               : k_row8<true, MR, false>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
         else
-          k_row8<false, MR>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
+          vnni ? k_row8<false, MR, true>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n)
+               : k_row8<false, MR, false>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
       };
       int64_t r = m0;
       for (; r + 4 <= m1; r += 4) run(std::integral_constant<int, 4>{}, r);
@@ -1907,11 +1940,24 @@ PAGODA_AVX512 void k_tile_vnni_t(const QuantizedX& xq, int64_t m0, int64_t m1, i
     for (int64_t g = m0 / 16; g * 16 < m1; ++g) {
       k_vnni<Dec, NC>(xq, K, g, panel.data(), out);
       const int64_t r1 = std::min(m1, (g + 1) * 16);
-      for (int c = 0; c < NC; ++c) {
-        const int64_t col = w.col + n + c;
+      if constexpr (NC == 8) {
+        // A row's 8 channels in one store: y's rows are far apart (often past L2), and
+        // 128 scalar stores to 16 missing lines held up the kernel (9 % of a prompt step).
+        const __m256i lanes = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+        const int64_t col = w.col + n;
+        const __m256 bv = bias ? _mm256_loadu_ps(bias + col) : _mm256_setzero_ps();
         for (int64_t r = g * 16; r < r1; ++r) {
-          const float v = out[16 * c + (r - g * 16)];
-          y[r * N + col] = bias ? v + bias[col] : v;
+          __m256 v = _mm256_i32gather_ps(out + (r - g * 16), lanes, 4);
+          if (bias) v = _mm256_add_ps(v, bv);
+          _mm256_storeu_ps(y + r * N + col, v);
+        }
+      } else {
+        for (int c = 0; c < NC; ++c) {
+          const int64_t col = w.col + n + c;
+          for (int64_t r = g * 16; r < r1; ++r) {
+            const float v = out[16 * c + (r - g * 16)];
+            y[r * N + col] = bias ? v + bias[col] : v;
+          }
         }
       }
     }

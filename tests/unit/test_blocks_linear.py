@@ -261,15 +261,16 @@ def test_k_quant_one_row_kernel_gives_the_per_channel_bits(ggml_type):
 @pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_k_quant_vnni_kernels_give_the_avx2_kernels_bits(ggml_type, monkeypatch):
-    """From 8 rows the K-quant products run 16 rows at a time on AVX-512 VNNI; the same
-    step through the AVX2 kernels (PAGODA_CPU_ISA=avx2, read at every call) gives the
-    same bits: the same integers per block, the same float32 operations."""
+    """From 8 rows the K-quant products run 16 rows at a time on AVX-512 VNNI, and 2-7 rows
+    sum their products with vpdpwssd; the same step through the AVX2 kernels
+    (PAGODA_CPU_ISA=avx2, read at every call) gives the same bits: the same integers per
+    block, the same float32 operations."""
     w, ref = _weight(ggml_type, 37, 768, seed=300 + ggml_type.value)  # 4 panels of 8, then single channels
     bias = torch.randn(37, generator=torch.Generator().manual_seed(1))
     layer = BlocksLinear([w], bias=bias)
     layer.int8_activations = True
     x = torch.randn(130, 768, generator=torch.Generator().manual_seed(2)) * 3
-    for rows in (8, 16, 23, 64, 130):
+    for rows in (1, 2, 3, 4, 7, 8, 16, 23, 64, 130):
         monkeypatch.delenv("PAGODA_CPU_ISA", raising=False)
         vnni = layer(x[:rows])
         monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
