@@ -229,7 +229,7 @@ def test_k_quant_panel_kernels_give_the_one_channel_kernels_bits(ggml_type, monk
 def test_k_quant_one_row_kernel_gives_the_per_channel_bits(ggml_type):
     """Up to 7 rows (decode steps of a few streams, an expert's few tokens) multiply 8
     channels at a time, 1-4 rows a pass, their integer sums reduced together and the float32
-    operations in the lanes (Q4_K past 3 rows one channel at a time). A row's bits are the
+    operations in the lanes (Q4_K at 4 and 5 rows one channel at a time). A row's bits are the
     same in every step: rows longer than the kernel's blocks at a time (32 / rows), channel
     counts that leave single channels, stacked parts of both types with a bias, one thread
     or two."""
