@@ -108,20 +108,24 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* src = xp + m * K;
-    if (rp) {
-      float* r = rp + m * K;
-      for (int64_t k = 0; k < K; ++k) r[k] += src[k];
-      src = r;
-    }
-    float ss = 0.f;
+  // Rows split between the threads from 8 K elements (a decode step of several streams:
+  // one thread's serial norms kept the other waiting); each row's arithmetic is the same.
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* src = xp + m * K;
+      if (rp) {
+        float* r = rp + m * K;
+        for (int64_t k = 0; k < K; ++k) r[k] += src[k];
+        src = r;
+      }
+      float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t k = 0; k < K; ++k) ss += src[k] * src[k];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
-    float* dst = op + m * K;
-    for (int64_t k = 0; k < K; ++k) dst[k] = wp[k] * (src[k] * inv);
-  }
+      for (int64_t k = 0; k < K; ++k) ss += src[k] * src[k];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
+      float* dst = op + m * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = wp[k] * (src[k] * inv);
+    }
+  });
   return out;
 }
 
