@@ -190,6 +190,21 @@ def bench_serve(base_url: str, label: str, args: argparse.Namespace, concurrency
         return json.load(f)
 
 
+def _throughput(rep: dict[str, Any]) -> float:
+    return rep["points"][0]["metrics"]["output_throughput"]
+
+
+def median_round(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output throughput among an engine's rounds at one point (the
+    lower middle one of an even count), with every round's throughput, in the order run,
+    kept as its point's ``rounds``."""
+    if not reps:
+        raise ValueError("no rounds to choose from")
+    chosen = sorted(reps, key=_throughput)[(len(reps) - 1) // 2]
+    chosen["points"][0]["rounds"] = [round(_throughput(r), 2) for r in reps]
+    return chosen
+
+
 def merge_points(reports: list[dict[str, Any]], label: str) -> dict[str, Any]:
     merged = dict(reports[0])
     merged["label"] = label
@@ -366,6 +381,11 @@ def make_table(reports: dict[str, dict[str, Any]]) -> str:
                         b = _tps(reports[name], c)
                     cells.append(f"{a / b:.2f}x" if a and b else "-")
                 rows.append(f"| {mine} / {name} | " + " | ".join(cells) + " |")
+    rounds = [f"{name} c={p['max_concurrency']}: " + ", ".join(f"{t:.1f}" for t in p["rounds"])
+              for name, r in reports.items() for p in r["points"] if len(p.get("rounds", [])) > 1]
+    if rounds:
+        rows += ["", "Each figure above is the median of its rounds (tok/s, in the order run): "
+                 + "; ".join(rounds) + "."]
     return "\n".join(rows)
 
 
@@ -459,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--output-len", type=int, default=128)
     run.add_argument("--num-warmups", type=int, default=1)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--rounds", type=int, default=1,
+                     help="measure each engine this many times per point, alternating, and keep the median")
     run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     run.add_argument("--pagoda-args", default="", help="extra `pagoda serve` options, quoted")
     run.add_argument("--pagoda-threads", type=int, default=None,
@@ -513,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prefix":
         run_prefix(args)
         return 0
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be 1 or more")
     conc = [int(x) for x in args.concurrency.split(",")]
     nums = [int(x) for x in args.num_prompts.split(",")]
     if len(nums) == 1:
@@ -540,20 +564,30 @@ def main(argv: list[str] | None = None) -> int:
             if kept:
                 parts[engine].append({**old, "points": kept})
     for i, (c, n) in enumerate(zip(conc, nums)):
+        # --rounds R: each engine measured R times at this point, the engines alternating
+        # (their order reversed every other round), and the run of median throughput kept,
+        # every round's figure beside it: a machine whose speed drifts over minutes favours
+        # neither engine then.
+        reps: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+        for r in range(args.rounds):
+            for engine in (engines if r % 2 == 0 else engines[::-1]):
+                wait_quiet(args.wait_quiet, args.wait_quiet_max_s)
+                t0, load_before = time.monotonic(), os.getloadavg()
+                rep = run_point(engine, args, c, n, args.seed + 1000 * i)
+                # Keep the load around each run next to its numbers.
+                rep["points"][0].update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                                        wall_s=time.monotonic() - t0)
+                reps[engine].append(rep)
+                print(f"{engine} c={c} (round {r + 1} of {args.rounds}): {time.monotonic() - t0:.0f} s, "
+                      f"{_throughput(rep):.1f} tok/s, load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}",
+                      flush=True)
         for engine in engines:
-            wait_quiet(args.wait_quiet, args.wait_quiet_max_s)
-            t0, load_before = time.monotonic(), os.getloadavg()
-            rep = run_point(engine, args, c, n, args.seed + 1000 * i)
-            # Keep the load around each run next to its numbers.
-            rep["points"][0].update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
-                                    wall_s=time.monotonic() - t0)
+            rep = median_round(reps[engine])
             parts[engine].append(rep)
             merged = merge_points(parts[engine], engine)
             merged["points"].sort(key=lambda p: p["max_concurrency"])
             with open(os.path.join(args.out_dir, f"{engine}.json"), "w") as f:
                 json.dump(merged, f, indent=1)
-            print(f"{engine} c={c}: {time.monotonic() - t0:.0f} s, load {load_before[0]:.1f} -> "
-                  f"{os.getloadavg()[0]:.1f}", flush=True)
     table(args.out_dir, args.plot_dir)
     return 0
 
