@@ -1283,11 +1283,7 @@ __attribute__((always_inline)) inline void q4k_block(const QuantizedX& xq, int64
       const int8_t* xr = xq.q.data() + (r0 + r) * K + b * 256 + 64 * c;
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-      if constexpr (V)
-        isum[r] = madd_add<true>(madd_add<true>(isum[r], _mm256_maddubs_epi16(lo, x0), slo), _mm256_maddubs_epi16(hi, x1), shi);
-      else
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), slo),
-                                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi)));
+      isum[r] = madd_add<V>(madd_add<V>(isum[r], _mm256_maddubs_epi16(lo, x0), slo), _mm256_maddubs_epi16(hi, x1), shi);
     }
   }
   for (int r = 0; r < MR; ++r)  // sum_j mn_j * sum(xq over sub-block j), as four lanes of pairs
@@ -1513,13 +1509,12 @@ void k_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part&
     for (; n + 8 <= n1; n += 8) {
       const uint8_t* row0 = w.data + n * w.row_bytes;
       auto run = [&](auto mr, int64_t r) {
-        constexpr int MR = decltype(mr)::value;
-        if (w.type == kQ4_K)
-          vnni ? k_row8<true, MR, true>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n)
-               : k_row8<true, MR, false>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
-        else
-          vnni ? k_row8<false, MR, true>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n)
-               : k_row8<false, MR, false>(xq, K, r, row0, w.row_bytes, bias, y, N, w.col + n);
+        auto call = [&](auto q4, auto v) {
+          k_row8<decltype(q4)::value, decltype(mr)::value, decltype(v)::value>(xq, K, r, row0, w.row_bytes, bias, y,
+                                                                                N, w.col + n);
+        };
+        auto with_v = [&](auto q4) { vnni ? call(q4, std::true_type{}) : call(q4, std::false_type{}); };
+        w.type == kQ4_K ? with_v(std::true_type{}) : with_v(std::false_type{});
       };
       int64_t r = m0;
       for (; r + 4 <= m1; r += 4) run(std::integral_constant<int, 4>{}, r);
