@@ -69,6 +69,9 @@ enum GgmlType : int {
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30,
   kMXFP4 = 39,
   kPQ4Z = 200, kPQ8Z = 201, kPQ4ZF = 202, kPQ8ZF = 203,  // pagoda's own (OWN_TYPES, blocks.py)
+  // Q4_K repacked at load, 16 channels in the lanes (the gguf mode on AVX-512 VNNI CPUs;
+  // Q4_K_X16 in blocks.py; its layout above x16_rows).
+  kQ4KX16 = 204,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -100,6 +103,7 @@ bool known_format(int type, BlockFormat* f) {
     case kPQ8Z: *f = {32, 36}; return true;
     case kPQ4ZF: *f = {32, 21}; return true;
     case kPQ8ZF: *f = {32, 38}; return true;
+    case kQ4KX16: *f = {256, 148}; return true;  // 16 channels' blocks in 2,368 bytes
     case kFP8_32: *f = {32, 36}; return true;
     case kFP8_128: *f = {128, 132}; return true;
     case kNVFP4_32: *f = {32, 22}; return true;
@@ -634,6 +638,7 @@ std::vector<Part> check_parts(const std::vector<torch::Tensor>& parts, const std
     TORCH_CHECK(K % f.block == 0, "in_features ", K, " is not a multiple of the block size ", f.block);
     TORCH_CHECK(t.size(1) == K / f.block * f.bytes, "weight part ", i, " has ", t.size(1),
                 " bytes per row; in_features ", K, " of type ", types[i], " needs ", K / f.block * f.bytes);
+    TORCH_CHECK(types[i] != kQ4KX16 || t.size(0) % 16 == 0, "a repacked Q4_K part holds channels in groups of 16");
     out.push_back({t.data_ptr<uint8_t>(), static_cast<int>(types[i]), t.size(0), t.size(1), col});
     col += t.size(0);
   }
@@ -679,7 +684,8 @@ std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile
   std::vector<Tile> tiles;
   for (size_t p = 0; p < parts.size(); ++p) {
     const bool k = k_rows_per_tile > 0 && (parts[p].type == kQ4_K || parts[p].type == kQ6_K);
-    const int64_t step = k ? k_rows_per_tile : rows_per_tile;
+    // A repacked Q4_K part: two groups of 16 channels a tile.
+    const int64_t step = parts[p].type == kQ4KX16 ? 32 : k ? k_rows_per_tile : rows_per_tile;
     for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
       tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
   }
@@ -1483,6 +1489,14 @@ void k_row8(const QuantizedX& xq, int64_t K, int64_t r0, const uint8_t* row0, in
 
 bool has_k_kernel(int type) { return type == kQ4_K || type == kQ6_K; }
 
+// Which kernels a call's parts need: K-quant ones (x quantized in groups of 256; `rows`:
+// some part in the file's layout, whose kernels may want x's rows laid out for them), the
+// others (x in groups of 32).
+struct PartKinds {
+  bool k = false, rows = false, other = false;
+};
+PartKinds part_kinds(const std::vector<Part>& parts);
+
 // Asks for rows [n0, n1) of w (clipped to its rows) to be on their way into the cache:
 // the next tile's weights arrive while this one computes.
 inline void prefetch_rows(const Part& w, int64_t n0, int64_t n1) {
@@ -2007,6 +2021,193 @@ void k_tile_vnni(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const 
 // Whether a step of M rows takes the VNNI kernels for its K-quant parts.
 bool vnni_k_rows(int64_t M) { return M >= kVnniRows && use_avx512(); }
 
+// ---- Q4_K repacked: 16 channels in the lanes (kQ4KX16) ------------------------------
+// A step of a few rows (an expert's 1-3 tokens, a few streams' decode) reads each weight
+// once per step: the kernels above then spend as long decoding each block (scales and
+// minimums unpacked, nibbles split, or a channel's sums reduced across lanes) as
+// multiplying it. The gguf mode on AVX-512 VNNI CPUs repacks each Q4_K part whose
+// channel count is a multiple of 16 once at load (gguf_repack_q4k_x16) so that 16
+// channels lie side by side in the vector lanes; a block of 256 inputs of 16 channels
+// (the 16 Q4_K blocks' bytes rearranged: 2,368 bytes against 2,304) holds
+//   [0, 32)      d of each channel (float16, as stored)
+//   [32, 64)     dmin of each channel
+//   [64, 192)    sub-block scales, [sub-block j][channel] (6 bits in a byte)
+//   [192, 320)   sub-block minimums in pairs, [pair i][channel][2] (mn_2i, mn_2i+1)
+//   [320, 2368)  the nibbles, [sub-block j][quad q][channel][4 bytes]: byte i of a
+//                channel's 4 holds weight 32j + 8q + i in its low nibble and weight
+//                32j + 8q + 4 + i in its high one.
+// Part.rows / row_bytes count channels as for any type (148 bytes a channel per block);
+// group g's blocks start at data + 16 g row_bytes. The kernel (x16_rows) takes one
+// vector of nibbles for 128 weights of 16 channels and, per row, two vpdpbusd against
+// broadcast int32 of x (4 inputs each): no decoding besides the nibble masks, nothing
+// reduced across lanes. The integers (I_b, M_b) and the float32 operations per channel
+// are those of q4k_rows: the same bits as the Q4_K kernels for every row.
+
+constexpr int64_t kX16Bytes = 2368;
+constexpr int kX16Scales = 64, kX16Mins = 192, kX16Nibbles = 320;
+
+// Channel c's scale and minimum of sub-block j of a Q4_K block's 12 packed bytes s
+// (ggml's get_scale_min_k4).
+inline void k4_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = static_cast<uint8_t>((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+    *mn = static_cast<uint8_t>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// Weight w (0-255) of a Q4_K block's nibbles qs: 64-weight chunks, low nibbles first.
+inline uint8_t k4_nibble(const uint8_t* qs, int w) {
+  const uint8_t byte = qs[32 * (w / 64) + w % 32];
+  return (w % 64) < 32 ? byte & 0x0F : byte >> 4;
+}
+
+// 16 channels' Q4_K blocks (src[c]: 144 bytes each) -> one repacked block.
+void x16_pack_block(const uint8_t* const* src, uint8_t* dst) {
+  for (int c = 0; c < 16; ++c) {
+    const uint8_t* p = src[c];
+    std::memcpy(dst + 2 * c, p, 2);
+    std::memcpy(dst + 32 + 2 * c, p + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, mn;
+      k4_scale_min(p + 4, j, &sc, &mn);
+      dst[kX16Scales + 16 * j + c] = sc;
+      dst[kX16Mins + 32 * (j / 2) + 2 * c + j % 2] = mn;
+      for (int q = 0; q < 4; ++q)
+        for (int i = 0; i < 4; ++i) {
+          const int w = 32 * j + 8 * q + i;
+          dst[kX16Nibbles + 256 * j + 64 * q + 4 * c + i] =
+              static_cast<uint8_t>(k4_nibble(p + 16, w) | (k4_nibble(p + 16, w + 4) << 4));
+        }
+    }
+  }
+}
+
+// Channel c of a repacked block -> its Q4_K block (144 bytes), byte for byte the original.
+void x16_unpack_block(const uint8_t* src, int c, uint8_t* p) {
+  std::memcpy(p, src + 2 * c, 2);
+  std::memcpy(p + 2, src + 32 + 2 * c, 2);
+  uint8_t sc[8], mn[8];
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = src[kX16Scales + 16 * j + c];
+    mn[j] = src[kX16Mins + 32 * (j / 2) + 2 * c + j % 2];
+  }
+  uint8_t* s = p + 4;
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>(mn[j] | ((mn[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4));
+  }
+  uint8_t* qs = p + 16;
+  std::memset(qs, 0, 128);
+  for (int j = 0; j < 8; ++j)
+    for (int q = 0; q < 4; ++q)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t b = src[kX16Nibbles + 256 * j + 64 * q + 4 * c + i];
+        for (int half = 0; half < 2; ++half) {
+          const int w = 32 * j + 8 * q + 4 * half + i;
+          const uint8_t v = half ? b >> 4 : b & 0x0F;
+          qs[32 * (w / 64) + w % 32] |= static_cast<uint8_t>((w % 64) < 32 ? v : v << 4);
+        }
+      }
+}
+
+// Row n of a repacked part as its Q4_K row (K / 256 blocks of 144 bytes) into out.
+void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
+  const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
+  for (int64_t b = 0; b < K / 256; ++b) x16_unpack_block(g + b * kX16Bytes, static_cast<int>(n % 16), out + b * 144);
+}
+
+// y[(r0 + r) * N + col + c] for rows r < R of x (quantized in groups of 256) and the 16
+// channels of the repacked group at grp. Per block and row: I_b per channel from
+// vpdpbusd (4 inputs a lane) summed per sub-block, times its scale (vpmulld); M_b from
+// the minimums' pairs against x's sums per 32 (vpdpwssd); then q4k_rows' float32
+// operations in the lanes.
+template <int R>
+PAGODA_AVX512 __attribute__((noinline)) void x16_rows(const QuantizedX& xq, int64_t K, int64_t r0,
+                                                        const uint8_t* grp, const float* bias, float* y, int64_t N,
+                                                        int64_t col) {
+  const int64_t nb = K / 256;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const int8_t* xr[R];
+  const int16_t* hr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q.data() + (r0 + r) * K;
+    hr[r] = xq.h32.data() + (r0 + r) * (K / 32);
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = grp + b * kX16Bytes;
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i s[R], t[R];
+      for (int r = 0; r < R; ++r) s[r] = t[r] = _mm512_setzero_si512();
+      const uint8_t* pj = p + kX16Nibbles + 256 * j;
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(pj + 64 * q);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xj = xr[r] + b * 256 + 32 * j + 8 * q;
+          s[r] = _mm512_dpbusd_epi32(s[r], lo, bcast32(xj));
+          t[r] = _mm512_dpbusd_epi32(t[r], hi, bcast32(xj + 4));
+        }
+      }
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kX16Scales + 16 * j)));
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s[r], t[r]), sc));
+    }
+    __m512i msum[R];
+    for (int r = 0; r < R; ++r) msum[r] = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Mins + 32 * i)));
+      for (int r = 0; r < R; ++r) msum[r] = _mm512_dpwssd_epi32(msum[r], mn, bcast32(hr[r] + b * 8 + 2 * i));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum[r]), acc[r]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + col, bias ? _mm512_add_ps(acc[r], bv) : acc[r]);
+}
+
+PartKinds part_kinds(const std::vector<Part>& parts) {
+  PartKinds out;
+  for (const Part& p : parts) {
+    if (p.type == kQ4KX16)
+      out.k = true;
+    else if (has_k_kernel(p.type))
+      out.k = out.rows = true;
+    else
+      out.other = true;
+  }
+  return out;
+}
+
+// Channels [n0, n1) (multiples of 16) of a repacked part for rows [m0, m1): each group of
+// 16 channels against four rows at a time, then the rest.
+PAGODA_AVX512 void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
+                            int64_t n1, const float* bias, float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; n += 16) {
+    const uint8_t* grp = w.data + n * w.row_bytes;
+    const int64_t col = w.col + n;
+    int64_t r = m0;
+    for (; r + 4 <= m1; r += 4) x16_rows<4>(xq, K, r, grp, bias, y, N, col);
+    switch (m1 - r) {
+      case 3: x16_rows<3>(xq, K, r, grp, bias, y, N, col); break;
+      case 2: x16_rows<2>(xq, K, r, grp, bias, y, N, col); break;
+      case 1: x16_rows<1>(xq, K, r, grp, bias, y, N, col); break;
+      default: break;
+    }
+  }
+}
+
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
 template <int T, int MR, int NC>
 void int8_dot(const QuantizedX& xq, int64_t K, int64_t r0, const DecodedRows& dr, int c0, const Part& w,
@@ -2122,12 +2323,36 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
   auto y = torch::empty({R, K}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    Buffer<uint8_t> row(w.type == kQ4KX16 ? K / 256 * 144 : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t src = idx ? idx[r] : r;
-      dequantize_row(w.type, w.data + src * w.row_bytes, K, yp + r * K);
+      if (w.type == kQ4KX16) {  // the channel's Q4_K row again, then as any Q4_K row
+        x16_unpack_row(w, src, K, row.data());
+        dequantize_row(kQ4_K, row.data(), K, yp + r * K);
+      } else {
+        dequantize_row(w.type, w.data + src * w.row_bytes, K, yp + r * K);
+      }
     }
   });
   return y;
+}
+
+torch::Tensor gguf_repack_q4k_x16(torch::Tensor data, int64_t K) {
+  const std::vector<Part> parts = check_parts({data}, {kQ4_K}, K);
+  const Part& w = parts[0];
+  TORCH_CHECK(w.rows % 16 == 0, "repacking Q4_K needs a multiple of 16 channels, not ", w.rows);
+  const int64_t nb = K / 256;
+  auto out = torch::empty({w.rows, nb * 148}, torch::kUInt8);
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, w.rows / 16, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* src[16];
+        for (int c = 0; c < 16; ++c) src[c] = w.data + (16 * g + c) * w.row_bytes + b * 144;
+        x16_pack_block(src, op + g * 16 * nb * 148 + b * kX16Bytes);
+      }
+  });
+  return out;
 }
 
 namespace {
@@ -2199,6 +2424,8 @@ void small_step_tile(const float* xp, int64_t M, int64_t K, const Part& w, const
 torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                           c10::optional<torch::Tensor> bias) {
   const LinearCall call = check_linear(x_in, weights, types, bias, 8);
+  for (const Part& p : call.parts)
+    TORCH_CHECK(p.type != kQ4KX16, "repacked Q4_K weights multiply in the gguf mode only (gguf_linear_int8)");
   const torch::Tensor& x = call.x;
   const int64_t M = call.M, K = call.K, N = call.N;
   const std::vector<Part>& parts = call.parts;
@@ -2294,6 +2521,11 @@ void k_rows_layout(QuantizedX& xk, int64_t M, int64_t K, bool vnni) {
 void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m1, int64_t K, const Part& w,
                const Tile& tile, const float* bp, float* yp, int64_t N, Int8Scratch& sc) {
   DecodedRows& dr = sc.dr;
+  if (w.type == kQ4KX16) {
+    TORCH_CHECK(cpu_has_avx512_vnni(), "repacked Q4_K weights need an AVX-512 VNNI CPU");
+    x16_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
+    return;
+  }
   if (has_k_kernel(w.type)) {
     if (!xk.p4.empty())  // packed for the VNNI kernels
       k_tile_vnni(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.vp);
@@ -2346,12 +2578,11 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   const int64_t M = call.M, K = call.K, N = call.N;
   const float* bp = call.bias;
   auto y = torch::empty({M, N}, x.options());
-  bool k_parts = false, other_parts = false;
-  for (const Part& p : parts) (has_k_kernel(p.type) ? k_parts : other_parts) = true;
-  const QuantizedX xq = other_parts ? quantize_x(x.data_ptr<float>(), M, K) : QuantizedX{};
-  QuantizedX xk = k_parts ? quantize_x(x.data_ptr<float>(), M, K, 256) : QuantizedX{};
-  const bool vnni = k_parts && vnni_k_rows(M);
-  if (k_parts) k_rows_layout(xk, M, K, vnni);
+  const PartKinds kinds = part_kinds(parts);
+  const QuantizedX xq = kinds.other ? quantize_x(x.data_ptr<float>(), M, K) : QuantizedX{};
+  QuantizedX xk = kinds.k ? quantize_x(x.data_ptr<float>(), M, K, 256) : QuantizedX{};
+  const bool vnni = kinds.rows && vnni_k_rows(M);
+  if (kinds.rows) k_rows_layout(xk, M, K, vnni);
   float* yp = y.data_ptr<float>();
   // Chunks of kRowChunk rows (their int8 x in L2 or L3); within a chunk, tiles of
   // kChannels output channels (the VNNI kernels' K-quant parts: 2 panels), decoded once,
@@ -2498,14 +2729,13 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
       const std::vector<Part>& parts = first ? s.gu : s.dn;
       const int64_t K = first ? H : I;
       const float* in = first ? s.xe.data_ptr<float>() : s.he.data();
-      bool kp = false, other = false;
-      for (const Part& p : parts) (has_k_kernel(p.type) ? kp : other) = true;
-      if (other) (first ? s.xq : s.hq) = quantize_x(in, s.n, K);
-      const bool vnni = kp && vnni_k_rows(s.n);
-      if (kp) {
+      const PartKinds kinds = part_kinds(parts);
+      if (kinds.other) (first ? s.xq : s.hq) = quantize_x(in, s.n, K);
+      const bool vnni = kinds.rows && vnni_k_rows(s.n);
+      if (kinds.k) {
         QuantizedX& xk = first ? s.xk : s.hk;
         xk = quantize_x(in, s.n, K, 256);
-        k_rows_layout(xk, s.n, K, vnni);
+        if (kinds.rows) k_rows_layout(xk, s.n, K, vnni);
       }
       (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
       for (const Tile& t : tiles_of(parts, kChannels, k_channels_per_tile(s.n, vnni))) units.push_back({a, t});
@@ -2538,6 +2768,8 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
                        std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation) {
   const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
+  for (int64_t t : gate_up_types) TORCH_CHECK(t != kQ4KX16, "repacked Q4_K weights multiply in the gguf mode only");
+  for (int64_t t : down_types) TORCH_CHECK(t != kQ4KX16, "repacked Q4_K weights multiply in the gguf mode only");
   const int64_t H = c.H, I = c.I;
   struct Active {
     int64_t e, n;

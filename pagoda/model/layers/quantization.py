@@ -46,6 +46,7 @@ dequantized one layer at a time.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -500,9 +501,15 @@ def _int8_activations(model: nn.Module) -> nn.Module:
                          "their blocks); for other checkpoints use int8 or q4")
     suffixes = tuple(getattr(model, "unquantized_modules", ()))   # MoE routers stay in float
     keep = {id(m) for n, m in model.named_modules() if n.endswith(suffixes)}
+    lanes = cpu_kernels.has_avx512_vnni() and os.environ.get("PAGODA_GGUF_REPACK", "1") != "0"
+    repacked = 0
     for layer in layers:
         if layer.quantized_parts and id(layer) not in keep:
             layer.int8_activations = True
+            if lanes:
+                repacked += layer.repack_for_lanes()
+    if repacked:
+        logger.info("gguf mode: %d Q4_K weights repacked with 16 channels in the AVX-512 VNNI lanes", repacked)
     return model
 
 
