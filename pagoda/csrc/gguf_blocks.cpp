@@ -71,7 +71,7 @@ enum GgmlType : int {
   kPQ4Z = 200, kPQ8Z = 201, kPQ4ZF = 202, kPQ8ZF = 203,  // pagoda's own (OWN_TYPES, blocks.py)
   // Q4_K repacked at load, 16 channels in the lanes (the gguf mode on AVX-512 VNNI CPUs;
   // Q4_K_X16 in blocks.py; its layout above x16_rows).
-  kQ4KX16 = 204,
+  kQ4KX16 = 204, kQ6KX16 = 205,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -104,6 +104,7 @@ bool known_format(int type, BlockFormat* f) {
     case kPQ4ZF: *f = {32, 21}; return true;
     case kPQ8ZF: *f = {32, 38}; return true;
     case kQ4KX16: *f = {256, 148}; return true;  // 16 channels' blocks in 2,368 bytes
+    case kQ6KX16: *f = {256, 210}; return true;  // 16 channels' blocks in 3,360 bytes
     case kFP8_32: *f = {32, 36}; return true;
     case kFP8_128: *f = {128, 132}; return true;
     case kNVFP4_32: *f = {32, 22}; return true;
@@ -638,7 +639,8 @@ std::vector<Part> check_parts(const std::vector<torch::Tensor>& parts, const std
     TORCH_CHECK(K % f.block == 0, "in_features ", K, " is not a multiple of the block size ", f.block);
     TORCH_CHECK(t.size(1) == K / f.block * f.bytes, "weight part ", i, " has ", t.size(1),
                 " bytes per row; in_features ", K, " of type ", types[i], " needs ", K / f.block * f.bytes);
-    TORCH_CHECK(types[i] != kQ4KX16 || t.size(0) % 16 == 0, "a repacked Q4_K part holds channels in groups of 16");
+    TORCH_CHECK((types[i] != kQ4KX16 && types[i] != kQ6KX16) || t.size(0) % 16 == 0,
+                "a repacked K-quant part holds channels in groups of 16");
     out.push_back({t.data_ptr<uint8_t>(), static_cast<int>(types[i]), t.size(0), t.size(1), col});
     col += t.size(0);
   }
@@ -685,7 +687,8 @@ std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile
   for (size_t p = 0; p < parts.size(); ++p) {
     const bool k = k_rows_per_tile > 0 && (parts[p].type == kQ4_K || parts[p].type == kQ6_K);
     // A repacked Q4_K part: two groups of 16 channels a tile.
-    const int64_t step = parts[p].type == kQ4KX16 ? 32 : k ? k_rows_per_tile : rows_per_tile;
+    const bool x16 = parts[p].type == kQ4KX16 || parts[p].type == kQ6KX16;
+    const int64_t step = x16 ? 32 : k ? k_rows_per_tile : rows_per_tile;
     for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
       tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
   }
@@ -2114,11 +2117,6 @@ void x16_unpack_block(const uint8_t* src, int c, uint8_t* p) {
       }
 }
 
-// Row n of a repacked part as its Q4_K row (K / 256 blocks of 144 bytes) into out.
-void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
-  const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
-  for (int64_t b = 0; b < K / 256; ++b) x16_unpack_block(g + b * kX16Bytes, static_cast<int>(n % 16), out + b * 144);
-}
 
 // y[(r0 + r) * N + col + c] for rows r < R of x (quantized in groups of 256) and the 16
 // channels of the repacked group at grp. Per block and row: I_b per channel from
@@ -2177,10 +2175,148 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_rows(const QuantizedX& xq, int6
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + col, bias ? _mm512_add_ps(acc[r], bv) : acc[r]);
 }
 
+// ---- Q6_K repacked the same way (kQ6KX16) --------------------------------------------
+// A block of 256 inputs of 16 channels (3,360 bytes: the 16 Q6_K blocks' bytes rearranged)
+// holds
+//   [0, 256)      the 16 sub-block scales (int8) in pairs, [pair j][channel][2] (sc_2j, sc_2j+1)
+//   then for each 32 inputs j (384 bytes each):
+//     256 bytes   the values' low 4 bits, as Q4_K_X16's nibbles: [quad q][channel][4 bytes],
+//                 byte i weight 32j + 8q + i low, 32j + 8q + 4 + i high
+//     128 bytes   their top 2 bits, [16 inputs h][channel][4 bytes]: byte i holds those of
+//                 weights 32j + 16h + i, + 4 + i, + 8 + i, + 12 + i in its bits 0-1, 2-3,
+//                 4-5, 6-7
+//   [3328, 3360)  d of each channel (float16, as stored).
+// The stored values (q + 32, 0-63) go into vpdpbusd as Q6_K's other kernels take them;
+// the -32 is folded in per block as there (- 32 sum_j sc_j x's sum over sub-block j).
+
+constexpr int64_t kX16Q6Bytes = 3360;
+// Where the parts of a block lie (read in address order: a layout whose reads jumped
+// between regions ran at half the bandwidth, the hardware prefetchers lost).
+constexpr int q6x16_pair(int j) { return 32 * j; }
+constexpr int q6x16_low(int j, int q) { return 256 + 384 * j + 64 * q; }
+constexpr int q6x16_high(int j, int h) { return 256 + 384 * j + 256 + 64 * h; }
+constexpr int kX16Q6D = 3328;
+
+// Weight w (0-255) of a Q6_K block p: its stored value (0-63; ggml's dequantize_row_q6_K).
+inline uint8_t q6k_value(const uint8_t* p, int w) {
+  const int half = w / 128, part = (w % 128) / 32, l = w % 32;
+  const uint8_t lo = p[64 * half + l + 32 * (part & 1)];
+  const uint8_t hi = p[128 + 32 * half + l];
+  return static_cast<uint8_t>(((part >= 2 ? lo >> 4 : lo & 0x0F)) | (((hi >> (2 * part)) & 3) << 4));
+}
+
+void x16_pack_q6k_block(const uint8_t* const* src, uint8_t* dst) {
+  for (int c = 0; c < 16; ++c) {
+    const uint8_t* p = src[c];
+    std::memcpy(dst + kX16Q6D + 2 * c, p + 208, 2);
+    for (int s = 0; s < 16; ++s) dst[q6x16_pair(s / 2) + 2 * c + s % 2] = p[192 + s];
+    for (int j = 0; j < 8; ++j) {
+      for (int q = 0; q < 4; ++q)
+        for (int i = 0; i < 4; ++i) {
+          const int w = 32 * j + 8 * q + i;
+          dst[q6x16_low(j, q) + 4 * c + i] =
+              static_cast<uint8_t>((q6k_value(p, w) & 0x0F) | ((q6k_value(p, w + 4) & 0x0F) << 4));
+        }
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 4; ++i) {
+          uint8_t bits = 0;
+          for (int f = 0; f < 4; ++f) bits |= static_cast<uint8_t>((q6k_value(p, 32 * j + 16 * h + 4 * f + i) >> 4) << (2 * f));
+          dst[q6x16_high(j, h) + 4 * c + i] = bits;
+        }
+    }
+  }
+}
+
+void x16_unpack_q6k_block(const uint8_t* src, int c, uint8_t* p) {
+  std::memset(p, 0, 192);
+  std::memcpy(p + 208, src + kX16Q6D + 2 * c, 2);
+  for (int s = 0; s < 16; ++s) p[192 + s] = src[q6x16_pair(s / 2) + 2 * c + s % 2];
+  for (int w = 0; w < 256; ++w) {
+    const int j = w / 32, q = (w % 32) / 8, i = w % 4, upper = (w % 8) / 4;
+    const uint8_t lb = src[q6x16_low(j, q) + 4 * c + i];
+    const int h = (w % 32) / 16, f = (w % 16) / 4;
+    const uint8_t hb = src[q6x16_high(j, h) + 4 * c + i];
+    const uint8_t v = static_cast<uint8_t>((upper ? lb >> 4 : lb & 0x0F) | (((hb >> (2 * f)) & 3) << 4));
+    const int half = w / 128, part = (w % 128) / 32, l = w % 32;
+    p[64 * half + l + 32 * (part & 1)] |= static_cast<uint8_t>(part >= 2 ? (v & 0x0F) << 4 : v & 0x0F);
+    p[128 + 32 * half + l] |= static_cast<uint8_t>((v >> 4) << (2 * part));
+  }
+}
+
+// The Q6_K version of x16_rows.
+// Row n of a repacked part as its Q4_K / Q6_K row into out.
+void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
+  const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
+  const int c = static_cast<int>(n % 16);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    if (w.type == kQ6KX16)
+      x16_unpack_q6k_block(g + b * kX16Q6Bytes, c, out + b * 210);
+    else
+      x16_unpack_block(g + b * kX16Bytes, c, out + b * 144);
+  }
+}
+
+template <int R>
+PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0,
+                                                            const uint8_t* grp, const float* bias, float* y,
+                                                            int64_t N, int64_t col) {
+  const int64_t nb = K / 256;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const int8_t* xr[R];
+  const int16_t* hr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q.data() + (r0 + r) * K;
+    hr[r] = xq.h16.data() + (r0 + r) * (K / 16);
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = grp + b * kX16Q6Bytes;
+    __m512i isum[R], off[R];
+    for (int r = 0; r < R; ++r) isum[r] = off[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      // Scales 2j and 2j + 1 per channel, as int16 pairs and as int32 each.
+      const __m512i sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j))));
+      const __m512i sc[2] = {_mm512_srai_epi32(_mm512_slli_epi32(sp, 16), 16), _mm512_srai_epi32(sp, 16)};
+      for (int r = 0; r < R; ++r) off[r] = _mm512_dpwssd_epi32(off[r], sp, bcast32(hr[r] + b * 16 + 2 * j));
+      for (int h = 0; h < 2; ++h) {  // sub-block 2j + h: quads 2h, 2h + 1
+        const __m512i hb = _mm512_loadu_si512(p + q6x16_high(j, h));
+        __m512i s[2][R];
+        for (int r = 0; r < R; ++r) s[0][r] = s[1][r] = _mm512_setzero_si512();
+        for (int u = 0; u < 2; ++u) {
+          const int q = 2 * h + u;
+          const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
+          // Top bits of the low-nibble weights: fields 2u; of the high-nibble ones: 2u + 1.
+          const __m512i tl = u ? hb : _mm512_slli_epi16(hb, 4);
+          const __m512i th = u ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+          const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(tl, m30));
+          const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(th, m30));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xj = xr[r] + b * 256 + 32 * j + 8 * q;
+            s[0][r] = _mm512_dpbusd_epi32(s[0][r], lo, bcast32(xj));
+            s[1][r] = _mm512_dpbusd_epi32(s[1][r], hi, bcast32(xj + 4));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s[0][r], s[1][r]), sc[h]));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i ib = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(off[r], 5));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(ib), acc[r]);
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + col, bias ? _mm512_add_ps(acc[r], bv) : acc[r]);
+}
+
+inline bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16; }
+
 PartKinds part_kinds(const std::vector<Part>& parts) {
   PartKinds out;
   for (const Part& p : parts) {
-    if (p.type == kQ4KX16)
+    if (is_x16(p.type))
       out.k = true;
     else if (has_k_kernel(p.type))
       out.k = out.rows = true;
@@ -2192,20 +2328,35 @@ PartKinds part_kinds(const std::vector<Part>& parts) {
 
 // Channels [n0, n1) (multiples of 16) of a repacked part for rows [m0, m1): each group of
 // 16 channels against four rows at a time, then the rest.
-PAGODA_AVX512 void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
-                            int64_t n1, const float* bias, float* y, int64_t N) {
+template <bool Q6>
+PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
+                              int64_t n1, const float* bias, float* y, int64_t N) {
+  auto rows = [&](auto rr, int64_t r, const uint8_t* grp, int64_t col) {
+    if constexpr (Q6)
+      x16_q6k_rows<decltype(rr)::value>(xq, K, r, grp, bias, y, N, col);
+    else
+      x16_rows<decltype(rr)::value>(xq, K, r, grp, bias, y, N, col);
+  };
   for (int64_t n = n0; n < n1; n += 16) {
     const uint8_t* grp = w.data + n * w.row_bytes;
     const int64_t col = w.col + n;
     int64_t r = m0;
-    for (; r + 4 <= m1; r += 4) x16_rows<4>(xq, K, r, grp, bias, y, N, col);
+    for (; r + 4 <= m1; r += 4) rows(std::integral_constant<int, 4>{}, r, grp, col);
     switch (m1 - r) {
-      case 3: x16_rows<3>(xq, K, r, grp, bias, y, N, col); break;
-      case 2: x16_rows<2>(xq, K, r, grp, bias, y, N, col); break;
-      case 1: x16_rows<1>(xq, K, r, grp, bias, y, N, col); break;
+      case 3: rows(std::integral_constant<int, 3>{}, r, grp, col); break;
+      case 2: rows(std::integral_constant<int, 2>{}, r, grp, col); break;
+      case 1: rows(std::integral_constant<int, 1>{}, r, grp, col); break;
       default: break;
     }
   }
+}
+
+void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
+              const float* bias, float* y, int64_t N) {
+  if (w.type == kQ6KX16)
+    x16_tile_t<true>(xq, m0, m1, K, w, n0, n1, bias, y, N);
+  else
+    x16_tile_t<false>(xq, m0, m1, K, w, n0, n1, bias, y, N);
 }
 
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
@@ -2323,12 +2474,14 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
   auto y = torch::empty({R, K}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    Buffer<uint8_t> row(w.type == kQ4KX16 ? K / 256 * 144 : 0);
+    const bool x16 = is_x16(w.type);
+    const int64_t plain = w.type == kQ6KX16 ? kQ6_K : kQ4_K;
+    Buffer<uint8_t> row(x16 ? K / 256 * format_of(plain).bytes : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t src = idx ? idx[r] : r;
-      if (w.type == kQ4KX16) {  // the channel's Q4_K row again, then as any Q4_K row
+      if (x16) {  // the channel's row in the file's layout again, then dequantized as such
         x16_unpack_row(w, src, K, row.data());
-        dequantize_row(kQ4_K, row.data(), K, yp + r * K);
+        dequantize_row(static_cast<int>(plain), row.data(), K, yp + r * K);
       } else {
         dequantize_row(w.type, w.data + src * w.row_bytes, K, yp + r * K);
       }
@@ -2337,19 +2490,25 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
   return y;
 }
 
-torch::Tensor gguf_repack_q4k_x16(torch::Tensor data, int64_t K) {
-  const std::vector<Part> parts = check_parts({data}, {kQ4_K}, K);
+torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
+  TORCH_CHECK(type == kQ4_K || type == kQ6_K, "only Q4_K and Q6_K repack with 16 channels in the lanes, not type ", type);
+  const std::vector<Part> parts = check_parts({data}, {type}, K);
   const Part& w = parts[0];
-  TORCH_CHECK(w.rows % 16 == 0, "repacking Q4_K needs a multiple of 16 channels, not ", w.rows);
-  const int64_t nb = K / 256;
-  auto out = torch::empty({w.rows, nb * 148}, torch::kUInt8);
+  TORCH_CHECK(w.rows % 16 == 0, "repacking needs a multiple of 16 channels, not ", w.rows);
+  // bytes: a channel's block in the file; packed: in the repacked layout (16 of them a group).
+  const int64_t nb = K / 256, bytes = format_of(type).bytes, packed = format_of(type == kQ6_K ? kQ6KX16 : kQ4KX16).bytes;
+  auto out = torch::empty({w.rows, nb * packed}, torch::kUInt8);
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, w.rows / 16, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* src[16];
-        for (int c = 0; c < 16; ++c) src[c] = w.data + (16 * g + c) * w.row_bytes + b * 144;
-        x16_pack_block(src, op + g * 16 * nb * 148 + b * kX16Bytes);
+        for (int c = 0; c < 16; ++c) src[c] = w.data + (16 * g + c) * w.row_bytes + b * bytes;
+        uint8_t* dst = op + (g * nb + b) * 16 * packed;
+        if (type == kQ6_K)
+          x16_pack_q6k_block(src, dst);
+        else
+          x16_pack_block(src, dst);
       }
   });
   return out;
@@ -2425,7 +2584,7 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
                           c10::optional<torch::Tensor> bias) {
   const LinearCall call = check_linear(x_in, weights, types, bias, 8);
   for (const Part& p : call.parts)
-    TORCH_CHECK(p.type != kQ4KX16, "repacked Q4_K weights multiply in the gguf mode only (gguf_linear_int8)");
+    TORCH_CHECK(!is_x16(p.type), "repacked K-quant weights multiply in the gguf mode only (gguf_linear_int8)");
   const torch::Tensor& x = call.x;
   const int64_t M = call.M, K = call.K, N = call.N;
   const std::vector<Part>& parts = call.parts;
@@ -2521,8 +2680,8 @@ void k_rows_layout(QuantizedX& xk, int64_t M, int64_t K, bool vnni) {
 void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m1, int64_t K, const Part& w,
                const Tile& tile, const float* bp, float* yp, int64_t N, Int8Scratch& sc) {
   DecodedRows& dr = sc.dr;
-  if (w.type == kQ4KX16) {
-    TORCH_CHECK(cpu_has_avx512_vnni(), "repacked Q4_K weights need an AVX-512 VNNI CPU");
+  if (is_x16(w.type)) {
+    TORCH_CHECK(cpu_has_avx512_vnni(), "repacked K-quant weights need an AVX-512 VNNI CPU");
     x16_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
     return;
   }
@@ -2768,8 +2927,8 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
                        std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation) {
   const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
-  for (int64_t t : gate_up_types) TORCH_CHECK(t != kQ4KX16, "repacked Q4_K weights multiply in the gguf mode only");
-  for (int64_t t : down_types) TORCH_CHECK(t != kQ4KX16, "repacked Q4_K weights multiply in the gguf mode only");
+  for (int64_t t : gate_up_types) TORCH_CHECK(!is_x16(t), "repacked K-quant weights multiply in the gguf mode only");
+  for (int64_t t : down_types) TORCH_CHECK(!is_x16(t), "repacked K-quant weights multiply in the gguf mode only");
   const int64_t H = c.H, I = c.I;
   struct Active {
     int64_t e, n;

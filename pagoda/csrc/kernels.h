@@ -80,7 +80,7 @@ torch::Tensor argmax_rows(torch::Tensor x);
 
 // ---- gguf_blocks.cpp ----
 torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::optional<torch::Tensor> rows);
-torch::Tensor gguf_repack_q4k_x16(torch::Tensor data, int64_t K);
+torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K);
 torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                           c10::optional<torch::Tensor> bias);
 torch::Tensor gguf_linear_direct_reference(torch::Tensor x, std::vector<torch::Tensor> weights,

@@ -69,9 +69,11 @@ def own_type(value: int, name: str, block: int, nbytes: int) -> OwnType:
     return OWN_TYPES[value]
 
 
-# Q4_K repacked at load with 16 channels in the vector lanes (gguf_repack_q4k_x16): the
-# gguf mode's layout for Q4_K parts on AVX-512 VNNI CPUs (BlocksLinear.repack_for_lanes).
+# Q4_K and Q6_K repacked at load with 16 channels in the vector lanes (gguf_repack_x16):
+# the gguf mode's layout for their parts on AVX-512 VNNI CPUs (BlocksLinear.repack_for_lanes).
 Q4_K_X16 = own_type(204, "Q4_K_X16", 256, 148)
+Q6_K_X16 = own_type(205, "Q6_K_X16", 256, 210)
+LANES_TYPES = {_Q.Q4_K: Q4_K_X16, _Q.Q6_K: Q6_K_X16}
 
 
 def block_format(ggml_type: int) -> tuple[int, int]:
@@ -253,19 +255,20 @@ class BlocksLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def repack_for_lanes(self) -> int:
-        """Repack the Q4_K parts (those of a multiple of 16 channels, inputs in order) into
-        Q4_K_X16, 16 channels side by side in the vector lanes: the gguf mode's few-row
-        and prompt products on AVX-512 VNNI CPUs then run without decoding blocks (the
-        same integers and float32 operations: the same bits). Call only with
+        """Repack the Q4_K and Q6_K parts (those of a multiple of 16 channels, inputs in
+        order) into Q4_K_X16 / Q6_K_X16, 16 channels side by side in the vector lanes: the
+        gguf mode's few-row and prompt products on AVX-512 VNNI CPUs then run without
+        decoding blocks (the same integers and float32 operations: the same bits). Call only with
         ``int8_activations`` set (the exact mode does not read the layout). The file's pages
         the parts were read from are let go. Returns the parts repacked."""
         if not self.int8_activations:
             raise RuntimeError("repacked Q4_K weights multiply in the gguf mode (int8 activations) only")
         done = 0
         for i, p in enumerate(self.parts):
-            if p.ggml_type != _Q.Q4_K or p.input_order is not None or p.out_features % 16:
+            lanes = LANES_TYPES.get(p.ggml_type)
+            if lanes is None or p.input_order is not None or p.out_features % 16:
                 continue
-            packed = BlockWeight(self._ops.gguf_repack_q4k_x16(p.data, p.in_features), Q4_K_X16, p.in_features)
+            packed = BlockWeight(self._ops.gguf_repack_x16(p.data, int(p.ggml_type), p.in_features), lanes, p.in_features)
             p.drop_pages()
             self.parts[i] = packed
             self.register_buffer(f"part{i}", packed.data, persistent=False)

@@ -509,7 +509,7 @@ def _int8_activations(model: nn.Module) -> nn.Module:
             if lanes:
                 repacked += layer.repack_for_lanes()
     if repacked:
-        logger.info("gguf mode: %d Q4_K weights repacked with 16 channels in the AVX-512 VNNI lanes", repacked)
+        logger.info("gguf mode: %d Q4_K / Q6_K weights repacked with 16 channels in the AVX-512 VNNI lanes", repacked)
     return model
 
 
