@@ -71,9 +71,7 @@ def test_gguf_mode_multiplies_the_blocks_with_int8_activations(gguf_path):
     for layer in linears:
         x = torch.randn(5, layer.in_features, generator=g)
         got = layer(x)
-        layer.int8_activations = False
-        ref = layer(x)
-        layer.int8_activations = True
+        ref = x @ layer.dequantized().T + (0 if layer.bias is None else layer.bias)
         assert not torch.equal(got, ref)
         assert (got - ref).norm() < 0.02 * ref.norm(), layer
     got = pagoda_prompt_logits(loaded.model, PROMPT, [len(PROMPT)])
@@ -175,6 +173,26 @@ def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
         for block in (lyr.mlp for lyr in fast.model.layers):
             block._fused = None
         assert torch.isfinite(fused).all() and torch.equal(fused, per_expert)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="needs a CPU with AVX-512 VNNI")
+def test_gguf_mode_repacks_k_quants_into_the_lanes_with_the_same_numbers(tmp_path, monkeypatch):
+    """On AVX-512 VNNI CPUs the gguf mode repacks Q4_K / Q6_K weights at load (16 channels
+    in the vector lanes): the experts and projections run other kernels on other bytes and
+    give the very logits of the file's layout, one token at a time and as a prompt."""
+    path = write_model(str(tmp_path / "moe.gguf"), MOE, "Q4_K_M", show_progress=False)
+    monkeypatch.setenv("PAGODA_GGUF_REPACK", "0")
+    plain = load_model(path, show_progress=False, quantization="gguf").model
+    monkeypatch.delenv("PAGODA_GGUF_REPACK")
+    lanes = load_model(path, show_progress=False, quantization="gguf").model
+    types = {p.ggml_type.name for m in lanes.modules() if isinstance(m, BlocksLinear) and m.int8_activations
+             for p in m.parts}
+    assert {"Q4_K_X16", "Q6_K_X16"} <= types and not types & {"Q4_K", "Q6_K"}, types
+    expert = lanes.model.layers[0].mlp.experts[1]
+    assert not expert.down_proj.parts[0].file_mapped   # its own memory; the file's pages let go
+    for chunks in ([len(PROMPT)], [1] * len(PROMPT)):
+        got = pagoda_prompt_logits(lanes, PROMPT, chunks)
+        assert torch.isfinite(got).all() and torch.equal(got, pagoda_prompt_logits(plain, PROMPT, chunks))
 
 
 # gpt-oss-20b's structure, small: sinks, biases everywhere, a window on even layers, YaRN,

@@ -348,3 +348,79 @@ def test_int8_mode_quantizes_blocks_a_block_of_rows_at_a_time(monkeypatch):
     assert torch.equal(from_float.int8_weight(), qweight) and torch.equal(from_float.weight_scale, scales)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
     assert torch.equal(got(x), from_float(x))
+
+
+# ---- K-quants repacked with 16 channels in the lanes (the gguf mode on AVX-512 VNNI) ----
+vnni_only = pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
+X16 = {Q.Q4_K: 204, Q.Q6_K: 205}
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_repacked_k_quants_hold_the_same_weights(ggml_type):
+    """gguf_repack_x16 rearranges 16 channels' blocks (any CPU): each channel reads back as
+    its own blocks (the dequantized values of every row, and of rows picked by index)."""
+    rng = np.random.default_rng(ggml_type.value)
+    for rows, cols in ((16, 256), (48, 2048), (32, 33 * 256)):
+        raw = torch.from_numpy(random_blocks(ggml_type, rows, cols, rng))
+        packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
+        assert packed.shape == (rows, cols // 256 * (148 if ggml_type == Q.Q4_K else 210))
+        plain = ops.gguf_dequantize(raw, ggml_type.value, cols, None)
+        assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, None), plain)
+        idx = torch.tensor([rows - 1, 0, 5, 15])
+        assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, idx), plain[idx])
+    with pytest.raises(RuntimeError, match="multiple of 16 channels"):
+        ops.gguf_repack_x16(torch.from_numpy(random_blocks(ggml_type, 24, 256, rng)), ggml_type.value, 256)
+    with pytest.raises(RuntimeError, match="only Q4_K and Q6_K"):
+        ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.Q8_0, 16, 256, rng)), Q.Q8_0.value, 256)
+
+
+@vnni_only
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_repacked_k_quant_kernels_give_the_k_quant_kernels_bits(ggml_type):
+    """The repacked layout's kernel (16 channels in the lanes, 1-4 rows a pass) computes the
+    same integers per block and the same float32 operations as the Q4_K / Q6_K kernels of
+    every step size: the same bits, for long rows, a block of zeros, full-scale inputs,
+    Q6_K values at both extremes, a bias, stacked parts of both layouts, one thread or two."""
+    threads = torch.get_num_threads()
+    try:
+        rng = np.random.default_rng(40 + ggml_type.value)
+        for rows_w, cols in ((32, 256), (48, 2048), (16, 33 * 256)):
+            raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
+            if ggml_type == Q.Q6_K:   # channels of all -32 / all 31 at full-scale sub-block scales
+                q6 = raw.view(rows_w, -1, 210)
+                q6[0, :, :192], q6[0, :, 192:208] = 0, 127
+                q6[1, :, :192], q6[1, :, 192:208] = 0xFF, 0x80
+            packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
+            other = torch.from_numpy(random_blocks(Q.Q8_0, 8, cols, rng))
+            bias = torch.randn(rows_w + 8, generator=torch.Generator().manual_seed(cols))
+            x = torch.randn(40, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
+            x[1, :256] = 0.0
+            x[6], x[9] = 2.0, -2.0
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (*range(1, 10), 16, 17, 23, 40):
+                    plain = ops.gguf_linear_int8(x[:rows], [raw, other], [ggml_type.value, Q.Q8_0.value], bias)
+                    lanes = ops.gguf_linear_int8(x[:rows], [packed, other], [X16[ggml_type], Q.Q8_0.value], bias)
+                    assert torch.equal(lanes.view(torch.int32), plain.view(torch.int32)), (cols, rows, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@vnni_only
+def test_blocks_linear_repacks_for_the_gguf_mode_only():
+    """repack_for_lanes swaps the Q4_K / Q6_K parts of 16-channel multiples for their
+    repacked layout and leaves the rest; the exact mode refuses the layout by name."""
+    parts = [_weight(Q.Q4_K, 32, 512, seed=1)[0], _weight(Q.Q6_K, 16, 512, seed=2)[0],
+             _weight(Q.Q4_K, 8, 512, seed=3)[0], _weight(Q.Q8_0, 16, 512, seed=4)[0]]
+    layer = BlocksLinear(parts)
+    with pytest.raises(RuntimeError, match="gguf mode"):
+        layer.repack_for_lanes()
+    layer.int8_activations = True
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
+    before = layer(x)
+    assert layer.repack_for_lanes() == 2
+    assert [p.ggml_type.name for p in layer.parts] == ["Q4_K_X16", "Q6_K_X16", "Q4_K", "Q8_0"]
+    assert torch.equal(layer(x), before)
+    assert torch.equal(layer.dequantized(), torch.cat([p.dequantize() for p in parts]))
+    with pytest.raises(RuntimeError, match="gguf mode only"):
+        ops.gguf_linear(x, layer._data, layer._types, None)
