@@ -2268,21 +2268,27 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
     xr[r] = xq.q.data() + (r0 + r) * K;
     hr[r] = xq.h16.data() + (r0 + r) * (K / 16);
   }
+  // Two chains of sums a row for up to four rows (the vpdpbusd latency in view), one
+  // beyond (the registers go to the rows: a pass of 8 rows shares each vector's 6-bit
+  // unpacking between twice the products).
+  constexpr int T = R > 4 ? 1 : 2;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = grp + b * kX16Q6Bytes;
-    __m512i isum[R], off[R];
-    for (int r = 0; r < R; ++r) isum[r] = off[r] = _mm512_setzero_si512();
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      // Scales 2j and 2j + 1 per channel, as int16 pairs and as int32 each.
+      // Scales 2j and 2j + 1 per channel, as int16 pairs and as int32 each; the pairs
+      // times -32 (|32 sc| < 2^15) against x's sums per 16: the -32 of every stored value.
       const __m512i sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j))));
       const __m512i sc[2] = {_mm512_srai_epi32(_mm512_slli_epi32(sp, 16), 16), _mm512_srai_epi32(sp, 16)};
-      for (int r = 0; r < R; ++r) off[r] = _mm512_dpwssd_epi32(off[r], sp, bcast32(hr[r] + b * 16 + 2 * j));
+      const __m512i neg = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sp, 5));
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], neg, bcast32(hr[r] + b * 16 + 2 * j));
       for (int h = 0; h < 2; ++h) {  // sub-block 2j + h: quads 2h, 2h + 1
         const __m512i hb = _mm512_loadu_si512(p + q6x16_high(j, h));
         __m512i s[2][R];
-        for (int r = 0; r < R; ++r) s[0][r] = s[1][r] = _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) s[0][r] = s[T - 1][r] = _mm512_setzero_si512();
         for (int u = 0; u < 2; ++u) {
           const int q = 2 * h + u;
           const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
@@ -2294,18 +2300,18 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
           for (int r = 0; r < R; ++r) {
             const int8_t* xj = xr[r] + b * 256 + 32 * j + 8 * q;
             s[0][r] = _mm512_dpbusd_epi32(s[0][r], lo, bcast32(xj));
-            s[1][r] = _mm512_dpbusd_epi32(s[1][r], hi, bcast32(xj + 4));
+            s[T - 1][r] = _mm512_dpbusd_epi32(s[T - 1][r], hi, bcast32(xj + 4));
           }
         }
-        for (int r = 0; r < R; ++r)
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s[0][r], s[1][r]), sc[h]));
+        for (int r = 0; r < R; ++r) {
+          const __m512i sj = T == 2 ? _mm512_add_epi32(s[0][r], s[T - 1][r]) : s[0][r];
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sj, sc[h]));
+        }
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D)));
-    for (int r = 0; r < R; ++r) {
-      const __m512i ib = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(off[r], 5));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(ib), acc[r]);
-    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + col, bias ? _mm512_add_ps(acc[r], bv) : acc[r]);
@@ -2341,6 +2347,8 @@ PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int6
     const uint8_t* grp = w.data + n * w.row_bytes;
     const int64_t col = w.col + n;
     int64_t r = m0;
+    if constexpr (Q6)
+      for (; r + 8 <= m1; r += 8) rows(std::integral_constant<int, 8>{}, r, grp, col);
     for (; r + 4 <= m1; r += 4) rows(std::integral_constant<int, 4>{}, r, grp, col);
     switch (m1 - r) {
       case 3: rows(std::integral_constant<int, 3>{}, r, grp, col); break;
