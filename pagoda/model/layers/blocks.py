@@ -254,19 +254,20 @@ class BlocksLinear(nn.Module):
             y = matmul(x2, self._data, self._types, self.bias)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def repack_for_lanes(self) -> int:
+    def repack_for_lanes(self, q6k: bool = True) -> int:
         """Repack the Q4_K and Q6_K parts (those of a multiple of 16 channels, inputs in
         order) into Q4_K_X16 / Q6_K_X16, 16 channels side by side in the vector lanes: the
         gguf mode's few-row and prompt products on AVX-512 VNNI CPUs then run without
         decoding blocks (the same integers and float32 operations: the same bits). Call only with
         ``int8_activations`` set (the exact mode does not read the layout). The file's pages
-        the parts were read from are let go. Returns the parts repacked."""
+        the parts were read from are let go. ``q6k=False`` leaves Q6_K parts as they are.
+        Returns the parts repacked."""
         if not self.int8_activations:
             raise RuntimeError("repacked Q4_K weights multiply in the gguf mode (int8 activations) only")
         done = 0
         for i, p in enumerate(self.parts):
             lanes = LANES_TYPES.get(p.ggml_type)
-            if lanes is None or p.input_order is not None or p.out_features % 16:
+            if lanes is None or (lanes is Q6_K_X16 and not q6k) or p.input_order is not None or p.out_features % 16:
                 continue
             packed = BlockWeight(self._ops.gguf_repack_x16(p.data, int(p.ggml_type), p.in_features), lanes, p.in_features)
             p.drop_pages()
