@@ -1135,6 +1135,31 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group = 32) 
   return out;
 }
 
+// Rows rows[i].first of xq (quantized in groups of `group`, K inputs a row) as a QuantizedX
+// of their own, in that order: every row is quantized on its own, so these are the very
+// values quantize_x gives those rows alone.
+template <typename Rows>
+QuantizedX gather_quantized(const QuantizedX& xq, const Rows& rows, int64_t K, int64_t group) {
+  QuantizedX out;
+  out.avx512 = xq.avx512;
+  const int64_t n = static_cast<int64_t>(rows.size());
+  out.q.resize(n * K);
+  out.d.resize(n * K / group);
+  out.s16.resize(n * K / 16);
+  out.h16.resize(n * K / 16);
+  out.h32.resize(n * K / 32);
+  auto copy = [&](const auto& src, auto& dst, int64_t width) {
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(dst.data() + r * width, src.data() + rows[r].first * width, width * sizeof(src[0]));
+  };
+  copy(xq.q, out.q, K);
+  copy(xq.d, out.d, K / group);
+  copy(xq.s16, out.s16, K / 16);
+  copy(xq.h16, out.h16, K / 16);
+  copy(xq.h32, out.h32, K / 32);
+  return out;
+}
+
 // xq.u = xq.q + 128 (1 .. 255 as unsigned bytes: the sign bit flipped), for the AVX2 Q6_K
 // panels.
 void unsigned_rows(QuantizedX& xq) {
@@ -2876,36 +2901,58 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
   struct Active {
     int64_t e, n;
     std::vector<Part> gu, dn;
-    torch::Tensor xe;
     Buffer<float> ge, he, ye;  // every element written by the tiles / the activation
     QuantizedX xq, xk, hq, hk;
+    bool vnni_in = false, vnni_hidden = false;  // whether its K-quant parts take the VNNI row layout
   };
   std::vector<Active> act;
+  PartKinds first_kinds;  // of every active expert's gate/up parts
   for (int64_t e = 0; e < c.E; ++e) {
     if (c.rows[e].empty()) continue;
-    Active a{e, static_cast<int64_t>(c.rows[e].size()), c.gate_up_parts(e), c.down_parts(e), c.gather(e)};
+    Active a{e, static_cast<int64_t>(c.rows[e].size()), c.gate_up_parts(e), c.down_parts(e)};
     for (const Part& p : a.gu) TORCH_CHECK(int8_type(p.type), "the int8 product needs quantized blocks of integers");
     TORCH_CHECK(int8_type(a.dn[0].type), "the int8 product needs quantized blocks of integers");
+    const PartKinds k = part_kinds(a.gu);
+    first_kinds.k |= k.k, first_kinds.rows |= k.rows, first_kinds.other |= k.other;
     act.push_back(std::move(a));
   }
-  // Runs every (expert, tile) unit of one projection in one parallel region.
-  auto project = [&](bool first) {
-    std::vector<std::pair<int64_t, Tile>> units;
-    for (int64_t a = 0; a < static_cast<int64_t>(act.size()); ++a) {
+  // The experts share the layer's x: each token's row quantized once (a row is quantized
+  // on its own, so each expert's rows are the values quantize_x gives them alone), then
+  // each expert's rows gathered.
+  const float* xp = c.x.data_ptr<float>();
+  const QuantizedX x32 = first_kinds.other ? quantize_x(xp, c.T, H) : QuantizedX{};
+  const QuantizedX x256 = first_kinds.k ? quantize_x(xp, c.T, H, 256) : QuantizedX{};
+  const int64_t n_act = static_cast<int64_t>(act.size());
+  // Each expert's inputs of one projection (its rows of x gathered, or its activations
+  // quantized), the experts shared between the threads (nested parallel_for calls run
+  // inline: each expert's the very values it gets alone).
+  auto prepare = [&](bool first) {
+    activate_experts(n_act, [&](int64_t a) {
       Active& s = act[a];
       const std::vector<Part>& parts = first ? s.gu : s.dn;
       const int64_t K = first ? H : I;
-      const float* in = first ? s.xe.data_ptr<float>() : s.he.data();
       const PartKinds kinds = part_kinds(parts);
-      if (kinds.other) (first ? s.xq : s.hq) = quantize_x(in, s.n, K);
+      QuantizedX& xq = first ? s.xq : s.hq;
+      QuantizedX& xk = first ? s.xk : s.hk;
+      if (kinds.other) xq = first ? gather_quantized(x32, c.rows[s.e], H, 32) : quantize_x(s.he.data(), s.n, K);
       const bool vnni = kinds.rows && vnni_k_rows(s.n);
+      (first ? s.vnni_in : s.vnni_hidden) = vnni;
       if (kinds.k) {
-        QuantizedX& xk = first ? s.xk : s.hk;
-        xk = quantize_x(in, s.n, K, 256);
+        xk = first ? gather_quantized(x256, c.rows[s.e], H, 256) : quantize_x(s.he.data(), s.n, K, 256);
         if (kinds.rows) k_rows_layout(xk, s.n, K, vnni);
       }
       (first ? s.ge : s.ye).resize(s.n * (first ? 2 * I : H));
-      for (const Tile& t : tiles_of(parts, kChannels, k_channels_per_tile(s.n, vnni))) units.push_back({a, t});
+    });
+  };
+  // Runs every (expert, tile) unit of one projection in one parallel region.
+  auto project = [&](bool first) {
+    prepare(first);
+    std::vector<std::pair<int64_t, Tile>> units;
+    for (int64_t a = 0; a < n_act; ++a) {
+      const Active& s = act[a];
+      const std::vector<Part>& parts = first ? s.gu : s.dn;
+      for (const Tile& t : tiles_of(parts, kChannels, k_channels_per_tile(s.n, first ? s.vnni_in : s.vnni_hidden)))
+        units.push_back({a, t});
     }
     for_each_unit<Int8Scratch>(static_cast<int64_t>(units.size()), [&](int64_t u, Int8Scratch& sc) {
       Active& s = act[units[u].first];
@@ -2918,12 +2965,25 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
   };
   project(true);
   for (Active& s : act) s.he.resize(s.n * I);
-  activate_experts(static_cast<int64_t>(act.size()), [&](int64_t a) {
+  activate_experts(n_act, [&](int64_t a) {
     gated_activation(act[a].ge.data(), act[a].he.data(), act[a].n, I, activation);
   });
   project(false);
+  // out[t] = sum over its experts, in expert order, of weight x expert output: columns
+  // shared between the threads, each element's sum in the same order.
   auto out = torch::zeros({c.T, H}, c.x.options());
-  for (const Active& s : act) c.add_weighted(s.e, s.ye.data(), out.data_ptr<float>());  // experts in order
+  float* op = out.data_ptr<float>();
+  const float* wp = c.wts.data_ptr<float>();
+  at::parallel_for(0, H, 512, [&](int64_t h0, int64_t h1) {
+    for (const Active& s : act)
+      for (size_t r = 0; r < c.rows[s.e].size(); ++r) {
+        const auto [t, j] = c.rows[s.e][r];
+        const float w = wp[t * c.k + j];
+        const float* yr = s.ye.data() + r * H;
+        float* o = op + t * H;
+        for (int64_t h = h0; h < h1; ++h) o[h] += yr[h] * w;
+      }
+  });
   return out;
 }
 
