@@ -375,14 +375,56 @@ class DisaggregationOptions(OptionGroup):
         _set(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_role, self.kv_transfer_config))
 
 
-GROUPS: tuple[type[OptionGroup], ...] = (
-    ModelOptions, LoadOptions, DeviceOptions, CacheOptions, SchedulerOptions, ParallelOptions,
-    SpeculativeOptions, LoRAOptions, DisaggregationOptions)
+def parse_mm_limits(value: dict[str, Any] | str | None) -> dict[str, int]:
+    """vLLM's ``--limit-mm-per-prompt``: ``{"image": N}`` as a dict or JSON; {} for the default."""
+    import json
+
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 4}}': {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}}, got {value!r}")
+    for key, n in value.items():
+        if key != "image":
+            raise ValueError(f"limit_mm_per_prompt: {key!r} is not a modality this server takes (only 'image')")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"limit_mm_per_prompt: the limit for {key!r} must be an integer >= 0, got {n!r}")
+    return dict(value)
 
 
 @dataclass(frozen=True)
-class EngineConfig(DisaggregationOptions, LoRAOptions, SpeculativeOptions, ParallelOptions, SchedulerOptions,
-                   CacheOptions, DeviceOptions, LoadOptions, ModelOptions):
+class MultiModalOptions(OptionGroup):
+    TITLE = "images in"
+    DESCRIPTION = "What vision-language models accept and how their image encoder's outputs are kept (docs/vision.md)."
+
+    limit_mm_per_prompt: dict[str, int] | str | None = option(
+        None, 'images a prompt may hold, as JSON: \'{"image": N}\' (0: none)', metavar="JSON",
+        default_text='{"image": 8}')
+    encoder_cache_budget: int = option(
+        16384, "embeddings the encoder cache keeps (each image's, by content hash), least recently used "
+               "dropped first")
+
+    def check(self) -> None:
+        _set(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
+        _positive("encoder_cache_budget", self.encoder_cache_budget)
+
+    @property
+    def max_images(self) -> int:
+        return self.limit_mm_per_prompt.get("image", 8)
+
+
+GROUPS: tuple[type[OptionGroup], ...] = (
+    ModelOptions, LoadOptions, DeviceOptions, CacheOptions, SchedulerOptions, ParallelOptions,
+    SpeculativeOptions, LoRAOptions, DisaggregationOptions, MultiModalOptions)
+
+
+@dataclass(frozen=True)
+class EngineConfig(MultiModalOptions, DisaggregationOptions, LoRAOptions, SpeculativeOptions, ParallelOptions,
+                   SchedulerOptions, CacheOptions, DeviceOptions, LoadOptions, ModelOptions):
     """Every engine option, flat (``config.max_num_seqs``), each group checked by itself, then
     ``RULES`` over them. ``config.group(CacheOptions)`` is one group's view."""
 

@@ -59,11 +59,14 @@ def hash_request_blocks(
     existing: list[BlockHash],
     extra_keys: tuple[object, ...] = (),
     extra_keys_at: int = 0,
+    image_spans: Sequence[tuple[int, int, str]] = (),
 ) -> list[BlockHash]:
     """Extend ``existing`` with the hashes of the full blocks of ``token_ids``
     not hashed yet, and return it. ``extra_keys`` go into block ``extra_keys_at``
     (0: the first; later for a salt after a shared prefix), and the chain carries
-    them on to every block after it.
+    them on to every block after it. ``image_spans``: (start, end, image hash) of the
+    prompt's images; a block holding any of an image's placeholder tokens has that
+    image's hash among its extra keys (the same placeholders of another image never hit).
 
     E.g. block_size=4, 10 tokens, 1 existing hash -> appends the hash of
     tokens[4:8]; tokens[8:10] is not full and gets no hash.
@@ -72,6 +75,9 @@ def hash_request_blocks(
     for i in range(len(existing), num_full):
         parent = existing[i - 1] if i > 0 else None
         extra = extra_keys if i == extra_keys_at else ()
+        if image_spans:
+            lo, hi = i * block_size, (i + 1) * block_size
+            extra += tuple(("image", h) for start, end, h in image_spans if start < hi and end > lo)
         existing.append(
             hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         )

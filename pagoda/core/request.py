@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from pagoda.core.block_hash import BlockHash
     from pagoda.lora.request import LoRARequest
+    from pagoda.multimodal.inputs import ImageInput
     from pagoda.pooling import PoolingParams
     from pagoda.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class Request:
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> None:
         """``pooling_params``: an embedding request, which computes its prompt, has it
         pooled, and finishes (its ``sampling_params`` are then a placeholder)."""
@@ -89,6 +91,8 @@ class Request:
         self.host_block_places: list[tuple[int, int]] = []
         self.lora_request = lora_request
         self.pooling_params = pooling_params
+        # Images in (pagoda/multimodal): their spans join the prefix cache's block hashes.
+        self.mm_inputs = list(mm_inputs)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -27,6 +27,7 @@ class NewRequestData:
     state_slot: int = -1            # a hybrid model's state slot (pagoda/core/state_pool.py); -1: none
     state_restore: int = -1         # a prefix hit's saved state to start from (StateCheckpoints entry); -1: none
     state_swap_in: int = -1         # swapped in: the host state slot its state comes back from; -1: none
+    mm_inputs: list = field(default_factory=list)   # its images (pagoda.multimodal.ImageInput)
 
 
 @dataclass

@@ -633,6 +633,7 @@ class Scheduler:
             state_slot=request.state_slot,
             state_restore=restore,
             state_swap_in=state_swap_in,
+            mm_inputs=request.mm_inputs,
         )
         step.charge(request, num_new, capped=num_new < want)
         return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -31,8 +32,9 @@ from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
+from pagoda.model.models import model_class
 from pagoda.pooling import PoolerConfig, resolve_pooler_config, resolve_task
-from pagoda.validation import WrongTaskError
+from pagoda.validation import InvalidRequestError, WrongTaskError
 from pagoda.worker.cuda_setup import cuda_defaults
 from pagoda.worker.kv_sizing import kv_blocks_for
 from pagoda.worker.model_runner import ModelRunner, kv_cache_bytes_per_block, kv_cache_storage, kv_layout, state_bytes
@@ -448,7 +450,8 @@ class EngineCore:
                                   attention_backend=config.attention_backend, num_state_slots=self.num_state_slots,
                                   num_state_checkpoints=self.num_state_checkpoints,
                                   num_host_state_slots=self.num_host_state_slots,
-                                  num_spec_state_rows=self.num_spec_state_rows)
+                                  num_spec_state_rows=self.num_spec_state_rows,
+                                  encoder_cache_budget=config.encoder_cache_budget)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")
@@ -513,6 +516,8 @@ class EngineCore:
                 f", but this engine {'serves embeddings' if self.pooler_config else 'generates text'} (--task)")
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
+        if req.mm_inputs:
+            self._check_images(req)
         request = Request(
             req.request_id,
             req.prompt_token_ids,
@@ -525,6 +530,7 @@ class EngineCore:
             tenant=req.tenant,
             lora_request=req.lora_request,
             pooling_params=req.pooling_params,
+            mm_inputs=req.mm_inputs,
         )
         if req.cache_salt and self.shared_prefixes is not None:
             request.num_shared_prefix_tokens = self.shared_prefixes.shared_len(req.prompt_token_ids)
@@ -537,6 +543,32 @@ class EngineCore:
             raise ValueError("kv_transfer_params: this instance takes no part in prefill-decode disaggregation "
                              "(start it with --kv-role prefill|decode)")
         self.scheduler.add_request(request)
+
+    def _check_images(self, req: EngineCoreRequest) -> None:
+        """A request's images fit the model and its prompt: InvalidRequestError if not (the
+        API process checked them; a request that bypassed it must not crash the step)."""
+        arch = self.loaded.arch
+        if arch.vision is None:
+            raise InvalidRequestError(f"request {req.request_id!r} has images, but this model takes text only")
+        image_token = arch.vision["image_token_id"]
+        end = 0
+        for k, image in enumerate(req.mm_inputs):
+            try:
+                want = model_class(arch.architecture).num_image_embeds(arch.vision, tuple(image.shape))
+            except ValueError as e:
+                raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {e}") from None
+            if len(image.pixels) != 4 * math.prod(image.shape):
+                raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {len(image.pixels)} bytes of "
+                                          f"pixels for shape {tuple(image.shape)}")
+            if image.offset < end or image.length < 1 or image.offset + image.length > len(req.prompt_token_ids):
+                raise InvalidRequestError(f"request {req.request_id!r}, image {k}: its span "
+                                          f"[{image.offset}, {image.offset + image.length}) is outside the prompt "
+                                          "or overlaps another image's")
+            end = image.offset + image.length
+            got = req.prompt_token_ids[image.offset:end].count(image_token)
+            if got != want:
+                raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {got} image tokens in its span "
+                                          f"for {want} embeddings")
 
     # ---- LoRA adapters -------------------------------------------------------------
 

@@ -21,6 +21,9 @@ from pagoda.engine.output_processor import OutputProcessor, make_core_requests
 from pagoda.hub.fetch import localize
 from pagoda.hub.stores import model_defaults
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import MultiModalLimits
+from pagoda.multimodal.processors import load_image_processor
+from pagoda.multimodal.prompts import has_image_parts, image_prompt, take_images
 from pagoda.outputs import RequestOutput
 from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.pooling import PoolingParams, placeholder_sampling_params, truncate_prompt
@@ -53,6 +56,11 @@ class LLM:
             self.tokenizer = build_tokenizer(self.engine.loaded, self.config.chat_template, self.defaults.template)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.processor = OutputProcessor(self.tokenizer)
+        # A vision-language model's image processor (pagoda/multimodal); None: text only.
+        vision = self.engine.loaded.arch.vision
+        self.image_token_id = vision.get("image_token_id") if vision else None
+        self.image_processor = load_image_processor(self.engine.loaded.path) if vision else None
+        self.mm_limits = MultiModalLimits(max_images=self.config.max_images)
         self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
                                     self.config.scheduling_policy, self.config.enable_lora,
                                     max_logprobs=self.config.max_logprobs, pooler=self.engine.pooler_config)
@@ -83,7 +91,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """``priority``: one per prompt, lower runs first (needs scheduling_policy
         "priority" or "fair"). A dict prompt may carry a ``cache_salt`` (prefix-cache
-        isolation, docs/scheduling.md). ``lora_request``: one adapter for every prompt,
+        isolation, docs/scheduling.md) and, for a vision-language model, vLLM's
+        ``multi_modal_data``: ``{"image": <PIL image or a list of them>}``, one per image
+        marker (``<image>``) in its ``prompt``. ``lora_request``: one adapter for every prompt,
         or one (or None = base model) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -112,6 +122,9 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         items = [self._prompt_item(p)[0] for p in prompts]
+        if any(item[2] for item in items):
+            raise ValueError("beam search with images is not supported")
+        items = [item[:2] for item in items]
         probe = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature)
         for _, token_ids in items:
             validate_request(token_ids, probe, self.limits, lora_request=lora_request)
@@ -137,23 +150,39 @@ class LLM:
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.get_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def _prompt_item(self, p: PromptType) -> tuple[tuple[str | None, list[int]], str | None]:
-        """A prompt as ((text, token ids), cache salt)."""
+    def _prompt_item(self, p: PromptType) -> tuple[tuple[str | None, list[int], list], str | None]:
+        """A prompt as ((text, token ids, image inputs), cache salt)."""
         salt = None
         if isinstance(p, dict):
-            unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+            unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
             if unknown:
                 raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
             salt = p.get("cache_salt")
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+            if p.get("multi_modal_data") is not None:
+                return self._image_item(p), salt
         if isinstance(p, str):
-            return (p, self.get_tokenizer().encode(p)), salt
+            return (p, self.get_tokenizer().encode(p), []), salt
         if isinstance(p, dict) and "prompt_token_ids" in p:
-            return (p.get("prompt"), list(p["prompt_token_ids"])), salt
+            return (p.get("prompt"), list(p["prompt_token_ids"]), []), salt
         if isinstance(p, dict) and "prompt" in p:
-            return (p["prompt"], self.get_tokenizer().encode(p["prompt"])), salt
+            return (p["prompt"], self.get_tokenizer().encode(p["prompt"]), []), salt
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {p!r}")
+
+    def _image_item(self, p: dict[str, Any]) -> tuple[str, list[int], list]:
+        data = p["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes {{'image': ...}}; got keys {sorted(data) if isinstance(data, dict) else data!r}")
+        if "prompt" not in p or "prompt_token_ids" in p:
+            raise ValueError("a prompt with images needs its 'prompt' text (with one image marker per image), "
+                             "not prompt_token_ids")
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        parts = take_images([{"role": "user", "content": [{"type": "image_pil", "image_pil": img} for img in images]}],
+                            self.mm_limits)
+        ids, inputs = image_prompt(p["prompt"], parts.images, self.image_processor,
+                                   lambda t: self.get_tokenizer().encode(t), self.image_token_id, "multi_modal_data")
+        return p["prompt"], ids, inputs
 
     def chat(
         self,
@@ -171,12 +200,22 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         items = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(
-                self.defaults.with_system(list(conv)), add_generation_prompt=add_generation_prompt,
-                tools=tools, chat_template=chat_template,
-            )
+            conv = self.defaults.with_system(list(conv))
+            images = None
+            if self.image_processor is not None or has_image_parts(conv):
+                # A vision-language model's template reads content parts, images among them.
+                images = take_images(conv, self.mm_limits)
+                conv = images.messages
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                 tools=tools, chat_template=chat_template)
             # The template already writes any BOS token it wants.
-            items.append((text, tokenizer.encode(text, add_special_tokens=False)))
+            def encode(t: str) -> list[int]:
+                return tokenizer.encode(t, add_special_tokens=False)
+            if images is not None and images.images:
+                items.append((text, *image_prompt(text, images.images, self.image_processor, encode,
+                                                  self.image_token_id)))
+            else:
+                items.append((text, encode(text), []))
         return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
     def embed(
@@ -236,7 +275,7 @@ class LLM:
 
     def _run(
         self,
-        items: list[tuple[str | None, list[int]]],
+        items: list[tuple],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priorities: list[int] | None = None,
@@ -244,8 +283,9 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         checked: bool = False,
     ) -> list[RequestOutput]:
-        """``checked``: the requests were validated already (beam search's step requests,
-        whose 2 x beam_width logprobs are the search's own, not bounded by --max-logprobs)."""
+        """``items``: (text, token ids[, image inputs]) per prompt. ``checked``: the requests
+        were validated already (beam search's step requests, whose 2 x beam_width logprobs
+        are the search's own, not bounded by --max-logprobs)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -266,7 +306,7 @@ class LLM:
             self.engine.add_lora(lora)  # a bad adapter fails here, before any request runs
         ids: list[str] = []
         try:
-            for k, ((prompt, token_ids), params, lora) in enumerate(zip(items, params_list, lora_list)):
+            for k, ((prompt, token_ids, *images), params, lora) in enumerate(zip(items, params_list, lora_list)):
                 rid = f"offline-{uuid.uuid4().hex[:12]}"
                 priority = priorities[k] if priorities is not None else 0
                 if not checked:
@@ -276,7 +316,7 @@ class LLM:
                 ids.append(rid)
                 for req in make_core_requests(rid, token_ids, params, self.eos_token_ids, priority=priority,
                                               cache_salt=salts[k] if salts is not None else None,
-                                              lora_request=lora):
+                                              lora_request=lora, mm_inputs=images[0] if images else ()):
                     self.engine.add_request(req)
         except Exception:
             self._abort(ids)

@@ -40,6 +40,7 @@ import msgspec
 
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, StepRecord
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -72,6 +73,8 @@ class EngineCoreRequest(Message, tag="add"):
     # Expert parallelism across data-parallel replicas: the request's number within the group
     # (1, 2, ...; every other replica gets a WakeUp with it). 0: no such group.
     ep_seq: int = 0
+    # Images in: each image's pixels and the prompt span its embeddings fill (pagoda/multimodal).
+    mm_inputs: list[ImageInput] = []
 
 
 class Abort(Message, tag="abort"):

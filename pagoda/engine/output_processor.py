@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 from pagoda.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.outputs import (
     CompletionOutput,
     Logprob,
@@ -38,6 +40,7 @@ def make_core_requests(
     cache_salt: str | None = None,
     tenant: str | None = None,
     lora_request: LoRARequest | None = None,
+    mm_inputs: Sequence[ImageInput] = (),
 ) -> list[EngineCoreRequest]:
     """One core request per sample (best_of of them when set, else n). With a seed, sample
     i uses seed + i, so the samples differ yet the whole request is reproducible. Only
@@ -62,6 +65,7 @@ def make_core_requests(
                 cache_salt=cache_salt,
                 tenant=tenant,
                 lora_request=lora_request,
+                mm_inputs=list(mm_inputs),
             )
         )
     return reqs

@@ -191,6 +191,9 @@ class ModelArchConfig:
     # (pagoda/model/layers/gated_deltanet.py).
     linear_attn_layers: tuple[bool, ...] | None = None
     linear_attn: dict[str, Any] | None = field(default=None, hash=False)
+    # Vision-language models: the vision tower's and connector's geometry as the family reads
+    # it (pagoda/model/models/idefics3.py), with ``image_token_id``; None: text only.
+    vision: dict[str, Any] | None = field(default=None, hash=False)
     # Qwen3-Next / Qwen3.5 attention: q_proj also yields a gate per query head's output
     # (o = attention * sigmoid(gate)), its rows interleaved with the query's per head.
     attn_output_gate: bool = False

@@ -13,7 +13,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,7 @@ from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.layers import decode_stack
 from pagoda.model.layers.decoder import CausalLM
+from pagoda.multimodal.encoder_cache import EncoderCache
 from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
 from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, device_tensor
@@ -53,6 +54,7 @@ class CachedRequestState:
     eos_token_ids: frozenset[int]
     lora_int_id: int = 0
     pooling_params: PoolingParams | None = None   # an embedding request: pooled, not sampled
+    mm_inputs: list = field(default_factory=list)  # its images (pagoda.multimodal.ImageInput)
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -253,13 +255,15 @@ class ModelRunner:
         num_state_checkpoints: int = 0,
         num_host_state_slots: int = 0,
         num_spec_state_rows: int = 0,
+        encoder_cache_budget: int = 16384,
     ) -> None:
         """``samples``: False on tensor-parallel workers (rank > 0): they run the
         forward (its collectives) but rank 0 samples (and pools), and they learn the sampled
         tokens from it (``apply_sampled``) before the next step. ``lora``: the
         adapters, when LoRA is enabled (it has wrapped the model's projections).
         ``pooler_config``: an embedding engine's pooling (pagoda/worker/pooler.py).
-        ``attention_backend``: auto, cpu, torch or triton (pagoda/attention/selector.py)."""
+        ``attention_backend``: auto, cpu, torch or triton (pagoda/attention/selector.py).
+        ``encoder_cache_budget``: a vision-language model's encoder cache, in embeddings."""
         self.samples = samples
         self.model = model
         self.lora = lora
@@ -339,6 +343,9 @@ class ModelRunner:
         self._rng = random.Random(seed)
         # Overlapped steps: the last sampled batch's (request -> row, sampled ids on the device).
         self._previous: tuple[dict[str, int], torch.Tensor] | None = None
+        # A vision-language model: each image's embeddings, encoded once (pagoda/multimodal).
+        self.image_token_id = (model.config.vision or {}).get("image_token_id")
+        self.encoder_cache = EncoderCache(encoder_cache_budget) if self.image_token_id is not None else None
 
     def _generator_for(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.temperature < 1e-5:
@@ -421,7 +428,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
-                new.lora_int_id, new.pooling_params,
+                new.lora_int_id, new.pooling_params, list(new.mm_inputs),
             )
             if new.pooling_params is not None and self.pooler is not None:
                 self.pooler.start(new.req_id, new.num_computed_tokens)
@@ -524,6 +531,8 @@ class ModelRunner:
         positions: list[int] = []
         context_lens: list[int] = []
         tables: list[list[list[int]]] = []   # per request, per KV group
+        # Images whose placeholders this step computes: (first row, start, end, state, image).
+        splices: list[tuple[int, int, int, CachedRequestState, Any]] = []
         offset = 0
         for i, (rid, state) in enumerate(zip(order, b.states)):
             n = num_tokens[rid]
@@ -545,6 +554,9 @@ class ModelRunner:
             span = _prompt_span(state, start, end, offset)
             if span is not None:
                 b.prompt_spans.append(span)
+            for image in state.mm_inputs:
+                if image.offset < end and image.offset + image.length > start:
+                    splices.append((offset, start, end, state, image))
             offset += n
             # Only a request whose last known token is in this step samples; an embedding
             # request pools every chunk of its prompt instead.
@@ -599,16 +611,39 @@ class ModelRunner:
             at, rows = zip(*b.fills)
             at_t, rows_t = device_tensor([at, rows], torch.long, self.device)
             ids_t[at_t] = self._previous[1][rows_t]
-        if self.graphs is not None and not drafts and len(input_ids) == len(order):
+        embeds = self._image_embeds(ids_t, splices) if splices else None
+        if self.graphs is not None and not drafts and embeds is None and len(input_ids) == len(order):
             b.hidden = self.graphs.run(ids_t, pos_t, metas)   # None: not a step a graph runs
         if b.hidden is None:
-            b.hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            b.hidden = (self.model(ids_t, pos_t, self.kv_caches, meta) if embeds is None else
+                        self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds))
         if self.proposer is not None and self.proposer.needs_sync:
             if hasattr(self.proposer, "sync_step"):   # MTP: the target's hidden states too
                 self.proposer.sync_step(order, b.query_lens, ids_t, pos_t, metas, b.hidden)
             else:
                 self.proposer.sync(ids_t, pos_t, metas)
         return b
+
+    def _image_embeds(self, ids: torch.Tensor,
+                      splices: list[tuple[int, int, int, CachedRequestState, Any]]) -> torch.Tensor:  # fmt: skip
+        """The step's input embeddings: the tokens', with each image's embeddings at the
+        placeholder positions the step computes (the image encoded now, or from the cache)."""
+        if self.encoder_cache is None:
+            raise RuntimeError("a request with images on a model that takes text only")
+        embeds = self.model.embed(ids)
+        for row, start, end, state, image in splices:
+            emb = self.encoder_cache.get(image, self.model.embed_images, self.device)
+            span = torch.tensor(state.all_token_ids[image.offset:image.offset + image.length])
+            is_embed = span == self.image_token_id
+            if int(is_embed.sum()) != emb.shape[0]:
+                raise RuntimeError(f"request {state.req_id}: {int(is_embed.sum())} image tokens for "
+                                   f"{emb.shape[0]} embeddings")
+            lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+            which = (torch.cumsum(is_embed, 0) - 1)[lo - image.offset:hi - image.offset]
+            take = is_embed[lo - image.offset:hi - image.offset]
+            rows = torch.arange(row + lo - start, row + hi - start)[take]
+            embeds[rows.to(embeds.device)] = emb[which[take].to(emb.device)].to(embeds.dtype)
+        return embeds
 
     def _fill_from_previous(self, b: _Batch, rid: str, at: int, missing: int) -> None:
         previous = self._previous

@@ -494,6 +494,8 @@ class CausalLM(nn.Module):
     # Modules (name suffixes) the quantized modes leave in float: MoE routers, whose
     # choice of experts a rounding would change.
     unquantized_modules: ClassVar[tuple[str, ...]] = ()
+    # Modules (name prefixes) every mode leaves as loaded: a vision-language model's tower.
+    unquantized_prefixes: ClassVar[tuple[str, ...]] = ()
     layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
 
     def __init__(self, config: ModelArchConfig) -> None:
@@ -657,11 +659,14 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor | None],  # per layer (None: a layer another pipeline stage holds)
         meta: AttentionMetadata | Sequence[AttentionMetadata],  # one for all layers, or one per layer
         num_layers: int | None = None,  # run only the first num_layers (a layer-skip draft)
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden] in place of embed(input_ids): images in
     ) -> torch.Tensor:                  # hidden states [T, hidden]
         if self.stage is not None:
             # A pipeline stage: its own layers, activations from and to its neighbours.
+            if inputs_embeds is not None:
+                raise ValueError("image inputs are not supported with pipeline parallelism")
             return self.stage.forward(self, input_ids, positions, kv_caches, meta)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         end = len(self.model.layers) if num_layers is None else num_layers
         x, residual = self.run_layers(x, None, positions, kv_caches, meta, 0, end)
         return self.model.norm(x, residual)[0]

@@ -604,9 +604,11 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device,
     if device.type != "cpu":
         raise ValueError(f"--quantization {mode} runs on the CPU only; use --quantization none on {device}")
     keep = tuple(getattr(model, "unquantized_modules", ()))   # MoE routers stay in float
+    tower = tuple(getattr(model, "unquantized_prefixes", ()))  # and a vision tower
     targets = [
         (name, module) for name, module in model.named_modules()
         if isinstance(module, (nn.Linear, BlocksLinear)) and not checkpoint_name(name).endswith(keep)
+        and not checkpoint_name(name).startswith(tower)
     ]
     # Tensor parallelism: the local layers of row-parallel layers (their input split over ranks;
     # an expert's, split by rows, is summed over ranks by its MoE block, after its weighting:

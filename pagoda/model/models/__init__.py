@@ -55,6 +55,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("qwen3_5", "Qwen3NextForCausalLM"),
+    "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
 }
 
 # GGUF `general.architecture` -> HF architecture name.

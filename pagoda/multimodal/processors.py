@@ -1,0 +1,240 @@
+"""Each family's image processor: an image's pixels as its encoder reads them, and the
+placeholder text it becomes in the prompt.
+
+Built from the checkpoint's own processor config (``preprocessor_config.json``, or the
+``image_processor`` inside ``processor_config.json`` as transformers 5 writes it), with the
+very operations of transformers' PIL image processors (``image_processing_pil_*``): PIL's
+resampling on 8-bit pixels, then rescaling in float64 and normalising in float32, so the
+same image gives the same pixel values (tests compare them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+from PIL import Image
+
+from pagoda.multimodal.inputs import ImageError, ImageInput
+
+__all__ = ["ImageProcessor", "ProcessedImage", "Idefics3ImageProcessor", "load_image_processor", "expand_images"]
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixels: np.ndarray          # float32 [tiles, channels, height, width]
+    text: str                   # the placeholder text the image's marker becomes
+    num_embeds: int             # image tokens (embeddings) in ``text``
+
+
+class ImageProcessor(Protocol):
+    image_marker: str           # what the chat template writes for an image ("<image>")
+    image_token: str            # the placeholder token the encoder's embeddings replace
+    identity: str               # the processor and its settings (joins each image's hash)
+
+    def process(self, image: Image.Image) -> ProcessedImage: ...
+
+
+def _config(path: str) -> dict[str, Any] | None:
+    """The image processor's settings of an HF folder, None when it has none."""
+    pre = os.path.join(path, "preprocessor_config.json")
+    proc = os.path.join(path, "processor_config.json")
+    settings = None
+    if os.path.isfile(pre):
+        with open(pre) as f:
+            settings = json.load(f)
+    outer: dict[str, Any] = {}
+    if os.path.isfile(proc):
+        with open(proc) as f:
+            outer = json.load(f)
+        if settings is None:
+            settings = outer.get("image_processor")
+    if settings is None:
+        return None
+    return {**{k: v for k, v in outer.items() if k != "image_processor"}, **settings}
+
+
+def load_image_processor(path: str, model_config: dict[str, Any] | None = None) -> ImageProcessor | None:
+    """The image processor of the model at ``path`` (an HF folder), None for a model that
+    takes text only."""
+    if not os.path.isdir(path):
+        return None
+    if model_config is None:
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            return None
+        with open(config_file) as f:
+            model_config = json.load(f)
+    archs = model_config.get("architectures") or []
+    if "Idefics3ForConditionalGeneration" in archs:
+        settings = _config(path)
+        if settings is None:
+            raise ImageError(f"{path}: an Idefics3 model without its processor config "
+                             "(preprocessor_config.json or processor_config.json)")
+        return Idefics3ImageProcessor(settings, model_config)
+    return None
+
+
+def _rescale_normalize(img: np.ndarray, scale: float | None, mean: Sequence[float] | None,
+                       std: Sequence[float] | None) -> np.ndarray:
+    """transformers' ``rescale`` (float64, then float32) and ``normalize`` (float32), CHW."""
+    out = img.astype(np.float64) * scale if scale is not None else img
+    out = out.astype(np.float32)
+    if mean is not None and std is not None:
+        m = np.asarray(mean, dtype=np.float32)[:, None, None]
+        s = np.asarray(std, dtype=np.float32)[:, None, None]
+        out = (out - m) / s
+    return out.astype(np.float32, copy=False)
+
+
+# ---- Idefics3 (SmolVLM) ----------------------------------------------------------------
+
+_MAX_IMAGE_SIZE = 4096   # transformers' MAX_IMAGE_SIZE for Idefics3
+
+
+def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:
+    aspect = width / height
+    if width >= height:
+        width = max_len
+        height = int(width / aspect)
+        if height % 2 != 0:
+            height += 1
+    else:
+        height = max_len
+        width = int(height * aspect)
+        if width % 2 != 0:
+            width += 1
+    return max(height, 1), max(width, 1)
+
+
+def _scale_below(height: int, width: int, max_len: int) -> tuple[int, int]:
+    aspect = width / height
+    if width >= height and width > max_len:
+        width = max_len
+        height = int(width / aspect)
+    elif height > width and height > max_len:
+        height = max_len
+        width = int(height * aspect)
+    return max(height, 1), max(width, 1)
+
+
+class Idefics3ImageProcessor:
+    """SmolVLM / Idefics3: the image resized so its longest edge is ``size``, then (with
+    ``do_image_splitting``) resized up to whole tiles of ``max_image_size`` and cut into
+    them, row by row, with the whole image resized to one tile after them; each tile is
+    ``image_seq_len`` image tokens (after the connector's pixel shuffle), marked
+    ``<row_r_col_c>`` and the whole image ``<global-img>``, between
+    ``<fake_token_around_image>`` tokens."""
+
+    image_marker = "<image>"
+    image_token = "<image>"
+    fake_token = "<fake_token_around_image>"
+    global_tag = "<global-img>"
+
+    def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
+        vision = model_config.get("vision_config") or {}
+        scale = int(model_config.get("scale_factor", 2))
+        image_size = int(vision.get("image_size", 224))
+        patch = int(vision.get("patch_size", 32))
+        self.image_seq_len = int(settings.get("image_seq_len") or ((image_size // patch) ** 2) // (scale * scale))
+        self.do_resize = bool(settings.get("do_resize", True))
+        self.size = int((settings.get("size") or {}).get("longest_edge", 4 * 364))
+        self.tile = int((settings.get("max_image_size") or {}).get("longest_edge", 364))
+        self.do_split = bool(settings.get("do_image_splitting", True))
+        self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.LANCZOS)))
+        self.rescale = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else None
+        normalize = settings.get("do_normalize", True)
+        self.mean = settings.get("image_mean", [0.5, 0.5, 0.5]) if normalize else None
+        self.std = settings.get("image_std", [0.5, 0.5, 0.5]) if normalize else None
+        if settings.get("do_convert_rgb") is False:
+            raise ImageError("an Idefics3 processor with do_convert_rgb false is not supported")
+        keys = dict(seq=self.image_seq_len, resize=self.do_resize, size=self.size, tile=self.tile,
+                    split=self.do_split, resample=int(self.resample), rescale=self.rescale, mean=self.mean,
+                    std=self.std)
+        self.identity = "idefics3:" + json.dumps(keys, sort_keys=True)
+
+    def _resize(self, img: Image.Image, height: int, width: int) -> Image.Image:
+        return img if img.size == (width, height) else img.resize((width, height), self.resample)
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        img = image
+        if self.do_resize:
+            h, w = _rescale_to_max_len(img.height, img.width, self.size)
+            img = self._resize(img, *_scale_below(h, w, _MAX_IMAGE_SIZE))
+        tile = self.tile
+        rows = cols = 0
+        if self.do_split:
+            # Up to whole tiles, keeping the aspect ratio's rounding as transformers does.
+            height, width = img.height, img.width
+            aspect = width / height
+            if width >= height:
+                width = math.ceil(width / tile) * tile
+                height = math.ceil(int(width / aspect) / tile) * tile
+            else:
+                height = math.ceil(height / tile) * tile
+                width = math.ceil(int(height * aspect) / tile) * tile
+            img = self._resize(img, height, width)
+            if height > tile or width > tile:
+                rows = (height - tile) // tile + 1
+                cols = (width - tile) // tile + 1
+                arr = np.asarray(img).transpose(2, 0, 1)
+                frames = [arr[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
+                          for r in range(rows) for c in range(cols)]
+                frames.append(np.asarray(self._resize(img, tile, tile)).transpose(2, 0, 1))
+            else:
+                frames = [np.asarray(img).transpose(2, 0, 1)]
+        else:
+            frames = [np.asarray(self._resize(img, tile, tile)).transpose(2, 0, 1)]
+        pixels = np.stack([_rescale_normalize(f, self.rescale, self.mean, self.std) for f in frames])
+        tokens = self.image_token * self.image_seq_len
+        if rows == 0 and cols == 0:
+            text = f"{self.fake_token}{self.global_tag}{tokens}{self.fake_token}"
+        else:
+            text = ""
+            for r in range(rows):
+                for c in range(cols):
+                    text += f"{self.fake_token}<row_{r + 1}_col_{c + 1}>{tokens}"
+                text += "\n"
+            text += f"\n{self.fake_token}{self.global_tag}{tokens}{self.fake_token}"
+        return ProcessedImage(np.ascontiguousarray(pixels), text, self.image_seq_len * len(frames))
+
+
+def image_hash(processor: ImageProcessor, pixels: np.ndarray) -> str:
+    h = hashlib.sha256(processor.identity.encode())
+    h.update(repr(pixels.shape).encode())
+    h.update(pixels.tobytes())
+    return h.hexdigest()
+
+
+def expand_images(text: str, images: Sequence[Image.Image], processor: ImageProcessor,
+                  encode, image_token_id: int, where: str = "messages") -> tuple[list[int], list[ImageInput]]:
+    """The token ids of a prompt whose text holds one ``image_marker`` per image, each
+    marker replaced by the image's placeholder text, and the images' inputs (their spans
+    located in the token ids). ``encode``: text -> token ids (the model's tokenizer)."""
+    marker = processor.image_marker
+    parts = text.split(marker)
+    if len(parts) - 1 != len(images):
+        raise ImageError(f"the prompt holds {len(parts) - 1} image placeholder(s) {marker!r} for "
+                         f"{len(images)} image(s)", where)  # fmt: skip
+    processed = [processor.process(img) for img in images]
+    out = parts[0]
+    for p, rest in zip(processed, parts[1:]):
+        out += p.text + rest
+    ids = encode(out)
+    positions = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(positions) != sum(p.num_embeds for p in processed):
+        raise ImageError(f"the prompt's image tokens ({len(positions)}) do not match its images' "
+                         f"({sum(p.num_embeds for p in processed)}): does the text hold {marker!r} itself?", where)
+    inputs = []
+    at = 0
+    for p in processed:
+        first, last = positions[at], positions[at + p.num_embeds - 1]
+        at += p.num_embeds
+        inputs.append(ImageInput(image_hash(processor, p.pixels), first, last - first + 1, p.pixels.tobytes(),
+                                 tuple(p.pixels.shape)))
+    return ids, inputs
