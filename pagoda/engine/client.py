@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.core.outputs import SchedulerStats
     from pagoda.lora.request import LoRARequest
+    from pagoda.multimodal.inputs import ImageInput
     from pagoda.metrics.stats import EngineMetrics
     from pagoda.outputs import EmbeddingRequestOutput, RequestOutput
     from pagoda.pooling import PoolerConfig, PoolingParams
@@ -43,6 +44,7 @@ class GenerateCall:
     tenant: str | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    mm_inputs: Sequence[ImageInput] = ()    # its images, processed (pagoda/multimodal)
 
 
 class EngineDeadError(RuntimeError):

@@ -239,7 +239,7 @@ class EngineFrontEnd(EngineClientBase):
             for req in make_core_requests(
                 request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
-                lora_request=lora_request,
+                lora_request=lora_request, mm_inputs=call.mm_inputs,
             ):
                 if self.metrics is not None:
                     self.metrics.add_request(req.request_id, arrival, len(prompt_token_ids),

@@ -36,7 +36,10 @@ def decode_image(data: bytes, where: str, limits: MultiModalLimits = MultiModalL
             # limit below is pagoda's own check, made before decoding.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
+    except Image.DecompressionBombError:
+        raise ImageError(f"{where}: the image has more pixels than PIL will decode; the limit is "
+                         f"{limits.max_image_pixels} pixels", where) from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
         raise ImageError(f"{where}: not an image this server can read ({type(e).__name__})", where) from None
     width, height = img.size
     if width < 1 or height < 1:

@@ -37,7 +37,11 @@ class ImageProcessor(Protocol):
     image_token: str            # the placeholder token the encoder's embeddings replace
     identity: str               # the processor and its settings (joins each image's hash)
 
-    def process(self, image: Image.Image) -> ProcessedImage: ...
+    def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
+        """``detail``: OpenAI's image_url detail; "low" reads the image at the encoder's
+        base resolution only (one tile where the family tiles), "auto" / "high" as the
+        checkpoint's processor config says."""
+        ...
 
 
 def _config(path: str) -> dict[str, Any] | None:
@@ -161,14 +165,15 @@ class Idefics3ImageProcessor:
     def _resize(self, img: Image.Image, height: int, width: int) -> Image.Image:
         return img if img.size == (width, height) else img.resize((width, height), self.resample)
 
-    def process(self, image: Image.Image) -> ProcessedImage:
+    def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
+        """``detail`` "low": the whole image as one tile (no splitting)."""
         img = image
         if self.do_resize:
             h, w = _rescale_to_max_len(img.height, img.width, self.size)
             img = self._resize(img, *_scale_below(h, w, _MAX_IMAGE_SIZE))
         tile = self.tile
         rows = cols = 0
-        if self.do_split:
+        if self.do_split and detail != "low":
             # Up to whole tiles, keeping the aspect ratio's rounding as transformers does.
             height, width = img.height, img.width
             aspect = width / height
@@ -212,16 +217,19 @@ def image_hash(processor: ImageProcessor, pixels: np.ndarray) -> str:
 
 
 def expand_images(text: str, images: Sequence[Image.Image], processor: ImageProcessor,
-                  encode, image_token_id: int, where: str = "messages") -> tuple[list[int], list[ImageInput]]:
+                  encode, image_token_id: int, where: str = "messages",
+                  details: Sequence[str] | None = None) -> tuple[list[int], list[ImageInput]]:  # fmt: skip
     """The token ids of a prompt whose text holds one ``image_marker`` per image, each
     marker replaced by the image's placeholder text, and the images' inputs (their spans
-    located in the token ids). ``encode``: text -> token ids (the model's tokenizer)."""
+    located in the token ids). ``encode``: text -> token ids (the model's tokenizer);
+    ``details``: each image's detail (``ImageProcessor.process``), "auto" when None."""
     marker = processor.image_marker
     parts = text.split(marker)
     if len(parts) - 1 != len(images):
         raise ImageError(f"the prompt holds {len(parts) - 1} image placeholder(s) {marker!r} for "
                          f"{len(images)} image(s)", where)  # fmt: skip
-    processed = [processor.process(img) for img in images]
+    details = details or ["auto"] * len(images)
+    processed = [processor.process(img, detail) for img, detail in zip(images, details)]
     out = parts[0]
     for p, rest in zip(processed, parts[1:]):
         out += p.text + rest

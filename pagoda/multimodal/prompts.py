@@ -25,11 +25,27 @@ class ChatImages:
 
     messages: list[dict[str, Any]]
     images: list[Image.Image] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)   # each image's detail (auto / low / high)
+    places: list[str] = field(default_factory=list)    # each image's part, as errors name it
 
 
 def has_image_parts(messages: Sequence[dict[str, Any]]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in _IMAGE_TYPES
-                                                              for p in m["content"]) for m in messages)  # fmt: skip
+    return first_image_part(messages) is not None
+
+
+def first_image_part(messages: Sequence[dict[str, Any]]) -> str | None:
+    """Where the first image part of the messages is (``messages.[i].content.[j]``), or None."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, p in enumerate(content):
+                if isinstance(p, dict) and p.get("type") in _IMAGE_TYPES:
+                    return _where(i, j)
+    return None
+
+
+def _where(i: int, j: int) -> str:
+    return f"messages.[{i}].content.[{j}]"   # OpenAI's spelling of a parameter's place
 
 
 _IMAGE_TYPES = frozenset({"image_url", "image", "image_pil", "input_image"})
@@ -42,6 +58,7 @@ def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = M
     ``{"type": "image"}`` parts; ``ImageError`` names the part of anything wrong."""
     out: list[dict[str, Any]] = []
     images: list[Image.Image] = []
+    found = ChatImages(out, images)
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str):
@@ -52,16 +69,23 @@ def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = M
             continue
         parts = []
         for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
+            where = _where(i, j)
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
                 continue
+            detail = "auto"
             if kind == "image_url":
                 spec = part.get("image_url")
                 url = spec.get("url") if isinstance(spec, dict) else spec
                 if not isinstance(url, str):
                     raise ImageError(f"{where}: image_url must be {{'url': <string>}}", where)
+                detail = (spec.get("detail") if isinstance(spec, dict) else None) or "auto"
+                if detail not in ("auto", "low", "high"):
+                    raise ImageError(f"{where}: image_url.detail must be auto, low or high, got {detail!r}", where)
+                if len(images) >= limits.max_images:
+                    raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
+                                     "(--limit-mm-per-prompt)", where)  # fmt: skip
                 images.append(_from_url(url, where, limits, fetch))
             elif kind == "image_pil":
                 img = part.get("image_pil")
@@ -75,9 +99,11 @@ def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = M
             if len(images) > limits.max_images:
                 raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
                                  "(--limit-mm-per-prompt)", where)  # fmt: skip
+            found.details.append(detail)
+            found.places.append(where)
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
-    return ChatImages(out, images)
+    return found
 
 
 def _from_url(url: str, where: str, limits: MultiModalLimits,
@@ -92,8 +118,8 @@ def _from_url(url: str, where: str, limits: MultiModalLimits,
 
 def image_prompt(text: str, images: Sequence[Image.Image], processor: ImageProcessor | None,
                  encode: Callable[[str], list[int]], image_token_id: int | None,
-                 where: str = "messages") -> tuple[list[int], list[ImageInput]]:  # fmt: skip
+                 where: str = "messages", details: Sequence[str] | None = None) -> tuple[list[int], list[ImageInput]]:
     """The token ids and image inputs of a rendered prompt that holds one marker per image."""
     if processor is None or image_token_id is None:
         raise ImageError("this model takes text only: it cannot read images", where)
-    return expand_images(text, images, processor, encode, image_token_id, where)
+    return expand_images(text, images, processor, encode, image_token_id, where, details)

@@ -56,8 +56,10 @@ def test_unknown_field(http: httpx.Client) -> None:
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
-         "messages.[0].content"),
+        # A text-only model: the image part is named.
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                    {"type": "image_url", "image_url": {"url": "u"}}]}]},
+         "messages.[0].content.[1]"),
         ({"max_tokens": 100000}, "max_tokens"),
         ({"max_completion_tokens": 100000}, "max_completion_tokens"),
         ({"seed": 2**70}, "seed"),  # beyond 64 bits: a 400 naming the bound, not a 500

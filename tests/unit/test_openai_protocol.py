@@ -89,14 +89,25 @@ def test_content_parts_joined() -> None:
     assert req.template_messages() == [{"role": "user", "content": "a\nb"}]
 
 
-def test_image_part_rejected() -> None:
+def test_unknown_and_malformed_parts_rejected() -> None:
     err = api_error_of(
         ChatCompletionRequest,
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
     )
     assert err.param == "messages.[0].content"
-    assert "'image_url' are not supported" in err.message
+    assert "'input_audio' are not supported" in err.message
     assert not err.message.startswith("Invalid value for 'messages.[0].content': Value error")
+    for part in ({"type": "image_url", "image_url": "x"}, {"type": "image_url", "image_url": {"url": 1}},
+                 {"type": "image_url", "image_url": {"url": "x", "size": 3}}):
+        err = api_error_of(ChatCompletionRequest, {"messages": [{"role": "user", "content": [part]}]})
+        assert err.param == "messages.[0].content" and "an image_url content part must be" in err.message
+
+
+def test_image_parts_kept_as_parts() -> None:
+    """Image parts stay parts (the chat serving reads the images); text-only lists still join."""
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:,", "detail": "low"}}]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    assert req.template_messages() == [{"role": "user", "content": parts}]
 
 
 def test_message_roles_and_fields() -> None:

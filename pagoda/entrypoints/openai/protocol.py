@@ -70,22 +70,33 @@ def _check_prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")
 
 
-def _check_content(value: Any) -> str | None:
-    """Text content as a string; a list of text parts is joined with newlines."""
+def _check_content(value: Any) -> str | list[dict[str, Any]] | None:
+    """Text content as a string; a list of text parts is joined with newlines. A list with
+    ``image_url`` parts stays a list of parts (the chat serving reads its images)."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise ValueError("must be a string or a list of content parts")
     texts = []
+    images = False
     for part in value:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ValueError("each content part must be an object with a 'type'")
+        if part["type"] == "image_url":
+            spec = part.get("image_url")
+            if (set(part) != {"type", "image_url"} or not isinstance(spec, dict) or not isinstance(spec.get("url"), str)
+                    or set(spec) - {"url", "detail"}):
+                raise ValueError("an image_url content part must be {'type': 'image_url', 'image_url': "
+                                 "{'url': <string>, 'detail': auto|low|high}}")
+            images = True
+            continue
         if part["type"] != "text":
-            raise ValueError(f"content parts of type {part['type']!r} are not supported; only 'text' parts are")
+            raise ValueError(f"content parts of type {part['type']!r} are not supported; only 'text' and "
+                             "'image_url' parts are")
         if set(part) != {"type", "text"} or not isinstance(part["text"], str):
             raise ValueError("a text content part must be {'type': 'text', 'text': <string>}")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return value if images else "\n".join(texts)
 
 
 StopField = Annotated[
@@ -96,7 +107,7 @@ PromptField = Annotated[
     PlainValidator(_check_prompt, json_schema_input_type=str | list[str] | list[int] | list[list[int]]),
 ]
 ContentField = Annotated[
-    str | None,
+    str | list[dict[str, Any]] | None,
     PlainValidator(_check_content, json_schema_input_type=str | list[dict[str, Any]] | None),
 ]
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from starlette.requests import Request
 
 from pagoda.engine.beam_search import BeamSearchParams, run_beam_search
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, GenerateCall, KVTransferError
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.lora.request import LoRARequest
@@ -99,6 +101,7 @@ class SubRequest:
     lora_request: LoRARequest | None = None
     beam: BeamSearchParams | None = None    # run as a beam search (pagoda/engine/beam_search.py)
     pooling_params: PoolingParams | None = None   # an embedding (params: a placeholder)
+    mm_inputs: Sequence[ImageInput] = ()          # its images, processed (pagoda/multimodal)
 
 
 class RequestStopped(Exception):
@@ -182,7 +185,7 @@ class RequestGroup:
         for i, sub in enumerate(self.subrequests):
             # OpenAIServing.prepare had the engine check each prompt: run it as it is.
             call = GenerateCall(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, self.priority,
-                                self.cache_salt, self.tenant, sub.lora_request, sub.pooling_params)
+                                self.cache_salt, self.tenant, sub.lora_request, sub.pooling_params, sub.mm_inputs)
             stream = (self.engine.run_request(call) if sub.beam is None else
                       run_beam_search(self.engine, call, sub.beam, self.engine.tokenizer.eos_token_ids))
             self._pumps.append(loop.create_task(self._pump(i, stream)))

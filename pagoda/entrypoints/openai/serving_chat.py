@@ -13,6 +13,7 @@ caps the reasoning (``thinking_budget.py``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from starlette.responses import Response
 
 from pagoda.engine.client import EngineClient
 from pagoda.entrypoints.openai.errors import bad_request
+from pagoda.entrypoints.openai.images import ImagePrompts
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.request_group import RequestGroup, ServerState
 from pagoda.entrypoints.openai.responses import (
@@ -51,6 +53,8 @@ from pagoda.entrypoints.openai.tool_parsers import (
 )
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
 from pagoda.hub.stores import NO_DEFAULTS, ModelDefaults
+from pagoda.multimodal.inputs import ImageInput
+from pagoda.multimodal.prompts import ChatImages, has_image_parts
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.reasoning import ReasoningStreamer, get_reasoning_parser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -82,6 +86,7 @@ class ChatServing(OpenAIServing):
                          force_include_usage=force_include_usage)
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.reasoning_parser = get_reasoning_parser(reasoning_parser)
+        self.images = ImagePrompts(engine)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                plan: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
@@ -91,7 +96,18 @@ class ChatServing(OpenAIServing):
         prompt when they have none; 400 if the template refuses them. ``continue_final_message``:
         the text stops right after the last message's content, so that the model continues that
         message (vLLM's prefill of an assistant answer)."""
+        return self._render(messages, add_generation_prompt, plan, template_kwargs, continue_final_message)[0]
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                plan: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
+                continue_final_message: bool = False) -> tuple[str, ChatImages | None]:  # fmt: skip
+        """``render``, and the images the messages held (None: a text-only model's messages)."""
         messages = self.model_defaults.with_system(messages)
+        images = None
+        if self.images.processor is not None or has_image_parts(messages):
+            # A vision-language model's template reads content parts (images among them).
+            images = self.images.take(messages)
+            messages = images.messages
         messages, tools = prompt_inputs(self.tokenizer, messages, plan or ToolPlan("none"), self.tool_parser)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -100,22 +116,37 @@ class ChatServing(OpenAIServing):
             # ChatTemplateError (a ValueError) is the template's own raise_exception(), e.g. roles
             # that do not alternate; other template errors also come from what the messages hold.
             raise bad_request(f"The chat template could not render the messages: {e}", param="messages") from None
-        return open_final_message(text, messages[-1]) if continue_final_message else text
+        return (open_final_message(text, messages[-1]) if continue_final_message else text), images
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     plan: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
                     continue_final_message: bool = False) -> tuple[str, list[int]]:  # fmt: skip
-        text = self.render(messages, add_generation_prompt, plan, template_kwargs, continue_final_message)
+        text, ids, images = self.encode_chat_images(messages, add_generation_prompt, plan, template_kwargs,
+                                                    continue_final_message)
+        if images:
+            raise bad_request("Images are not supported on this route yet.", param="messages")
+        return text, ids
+
+    def encode_chat_images(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                           plan: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
+                           continue_final_message: bool = False) -> tuple[str, list[int], list[ImageInput]]:  # fmt: skip
+        """The prompt's text, token ids and images (each processed, its placeholder span located)."""
+        text, images = self._render(messages, add_generation_prompt, plan, template_kwargs, continue_final_message)
+        if images is not None and images.images:
+            ids, inputs = self.images.expand(text, images)
+            return text, ids, inputs
         # The template already wrote BOS and the role markers; adding special tokens would double BOS.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens=False), []
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         lora = self.check_model(body.model)
         body.check_supported()
         plan = body.tool_plan()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        rendered, ids = self.encode_chat(body.template_messages(), body.add_generation_prompt, plan,
-                                         body.chat_template_kwargs, body.continue_final_message)  # fmt: skip
+        # Images are decoded and processed off the event loop.
+        rendered, ids, images = await asyncio.to_thread(
+            self.encode_chat_images, body.template_messages(), body.add_generation_prompt, plan,
+            body.chat_template_kwargs, body.continue_final_message)  # fmt: skip
         text: str | None = rendered
         kept = self.truncate(ids, body.truncate_prompt_tokens)
         if len(kept) < len(ids):
@@ -135,7 +166,7 @@ class ChatServing(OpenAIServing):
         sub = self.prepare(request_id, text, ids, to_params, "messages", max_param, structured_param,
                            lora_request=lora, priority=body.priority,
                            beam=body.beam_search_params if body.use_beam_search else None,
-                           logprobs_param="top_logprobs")  # fmt: skip
+                           logprobs_param="top_logprobs", mm_inputs=images)  # fmt: skip
         group: RequestGroup | BudgetedGroup = self.group(raw_request, [sub], body.priority, body.cache_salt)
         if body.thinking_token_budget is not None and self.reasoning_parser is not None:
             if body.use_beam_search:

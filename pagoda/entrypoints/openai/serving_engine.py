@@ -29,6 +29,7 @@ from pagoda.entrypoints.openai.request_group import (
 from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
 from pagoda.hub.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.backend import GrammarError
@@ -148,6 +149,7 @@ class OpenAIServing:
         priority: int = 0,
         beam: Callable[[int], BeamSearchParams] | None = None,
         logprobs_param: str = "logprobs",
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> SubRequest:
         """Build one prompt's SamplingParams and have the engine check the request
         (pagoda/validation.py); 400 on any problem. ``prompt_param`` / ``max_tokens_param``:
@@ -174,7 +176,10 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e)) from None
         beam_params = beam(params.max_tokens or 1) if beam is not None else None
-        return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request, beam_params)
+        if beam_params is not None and mm_inputs:
+            raise bad_request("'use_beam_search' with images is not supported.", param="use_beam_search")
+        return SubRequest(request_id, prompt, prompt_token_ids, params, lora_request, beam_params,
+                          mm_inputs=mm_inputs)
 
     def group(self, raw_request: Request, subrequests: list[SubRequest], priority: int = 0,
               cache_salt: str | None = None) -> RequestGroup:  # fmt: skip

@@ -1,0 +1,184 @@
+"""Idefics3 (SmolVLM): a SigLIP-style vision tower of variable resolution, a pixel-shuffle
+connector, and a Llama language model.
+
+Each image tile (``pagoda/multimodal/processors.py`` cuts them) goes through the tower
+(patch convolution, learned positions, pre-norm encoder layers of bidirectional attention,
+a final LayerNorm); the connector folds each ``scale_factor`` x ``scale_factor`` square of
+patches into one vector (the pixel shuffle) and projects it to the language model's width:
+``image_seq_len`` embeddings per tile, which replace the prompt's ``<image>`` tokens in order.
+The tower stays in float in every mode (the quantized modes convert the language model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.model.arch import ModelArchConfig, text_config
+from pagoda.model.models.llama import LlamaForCausalLM
+
+
+def _act(name: str):
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"vision activation {name!r} is not supported")
+
+
+class VisionEmbeddings(nn.Module):
+    def __init__(self, v: dict[str, Any]) -> None:
+        super().__init__()
+        self.patch_size = v["patch_size"]
+        self.patch_embedding = nn.Conv2d(v["num_channels"], v["hidden_size"], self.patch_size, self.patch_size)
+        self.per_side = v["image_size"] // self.patch_size
+        self.position_embedding = nn.Embedding(self.per_side ** 2, v["hidden_size"])
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:   # [n, C, H, W] -> [n, patches, hidden]
+        x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        rows, cols = pixels.shape[2] // self.patch_size, pixels.shape[3] // self.patch_size
+        # Each patch's learned position: its fractional place on the tile, bucketed onto the
+        # per_side x per_side grid the positions were trained on (NaViT's, as transformers).
+        bounds = torch.arange(1 / self.per_side, 1.0, 1 / self.per_side, device=pixels.device)
+        fh = torch.clamp(torch.arange(rows, device=pixels.device, dtype=torch.float32) * (1.0 / rows), max=1 - 1e-6)
+        fw = torch.clamp(torch.arange(cols, device=pixels.device, dtype=torch.float32) * (1.0 / cols), max=1 - 1e-6)
+        ids = (torch.bucketize(fh, bounds, right=True)[:, None] * self.per_side
+               + torch.bucketize(fw, bounds, right=True)[None, :]).reshape(-1)
+        return x + self.position_embedding(ids)[None]
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, v: dict[str, Any]) -> None:
+        super().__init__()
+        d = v["hidden_size"]
+        self.num_heads = v["num_attention_heads"]
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = (p(x).view(n, t, self.num_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(n, t, d))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, v: dict[str, Any]) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(v["hidden_size"], v["intermediate_size"])
+        self.fc2 = nn.Linear(v["intermediate_size"], v["hidden_size"])
+        self.act = _act(v["hidden_act"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionLayer(nn.Module):
+    def __init__(self, v: dict[str, Any]) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
+        self.self_attn = VisionAttention(v)
+        self.layer_norm2 = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
+        self.mlp = VisionMLP(v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, v: dict[str, Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VisionLayer(v) for _ in range(v["num_hidden_layers"]))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, v: dict[str, Any]) -> None:
+        super().__init__()
+        self.embeddings = VisionEmbeddings(v)
+        self.encoder = VisionEncoder(v)
+        self.post_layernorm = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(pixels)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+class ModalityProjection(nn.Module):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(in_features, out_features, bias=False)
+
+
+class Connector(nn.Module):
+    def __init__(self, v: dict[str, Any], text_hidden: int) -> None:
+        super().__init__()
+        self.scale = v["scale_factor"]
+        self.modality_projection = ModalityProjection(v["hidden_size"] * self.scale ** 2, text_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [n, patches, d] -> [n, patches / s^2, text hidden]
+        n, seq, d = x.shape
+        side, s = int(round(seq ** 0.5)), self.scale
+        # The pixel shuffle: each s x s square of patches becomes one vector of s^2 x d.
+        x = x.view(n, side, side // s, d * s).permute(0, 2, 1, 3)
+        x = x.reshape(n, side // s, side // s, d * s * s).permute(0, 2, 1, 3)
+        return self.modality_projection.proj(x.reshape(n, seq // (s * s), d * s * s))
+
+
+class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+    gguf_qk_permuted = True
+    tensor_parallel = False   # the tower is not sharded yet
+    lora = False
+    unquantized_prefixes: ClassVar[tuple[str, ...]] = ("vision_model.", "connector.")
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        v = config.vision
+        self.vision_model = VisionTransformer(v)
+        self.connector = Connector(v, config.hidden_size)
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        text = text_config(config)
+        fields = ModelArchConfig.hf_fields(text, architecture)
+        vc = config.get("vision_config") or {}
+        vision = dict(
+            hidden_size=vc.get("hidden_size", 1152), intermediate_size=vc.get("intermediate_size", 3072),
+            num_hidden_layers=vc.get("num_hidden_layers", 12), num_attention_heads=vc.get("num_attention_heads", 16),
+            num_channels=vc.get("num_channels", 3), image_size=vc.get("image_size", 224),
+            patch_size=vc.get("patch_size", 32), layer_norm_eps=vc.get("layer_norm_eps", 1e-6),
+            hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"), scale_factor=int(config.get("scale_factor", 2)),
+            image_token_id=int(config.get("image_token_id", 128257)),
+        )
+        _act(vision["hidden_act"])   # refuse an unknown activation at load
+        return ModelArchConfig(**fields, vision=vision)
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        for prefix, new in (("model.text_model.", "model."), ("model.vision_model.", "vision_model."),
+                            ("model.connector.", "connector.")):
+            if name.startswith(prefix):
+                return new + name[len(prefix):]
+        return name
+
+    @classmethod
+    def num_image_embeds(cls, vision: dict[str, Any], shape: tuple[int, ...]) -> int:
+        """The embeddings an image of pixel ``shape`` (tiles, C, H, W) becomes; ValueError for
+        a shape the tower cannot read."""
+        if len(shape) != 4 or shape[1] != vision["num_channels"]:
+            raise ValueError(f"image pixels of shape {tuple(shape)}; expected (tiles, {vision['num_channels']}, H, W)")
+        step = vision["patch_size"] * vision["scale_factor"]
+        if shape[0] < 1 or shape[2] % step or shape[3] % step or shape[2] != shape[3]:
+            raise ValueError(f"image tiles of {shape[2]}x{shape[3]} pixels; expected squares of a multiple of {step}")
+        return shape[0] * (shape[2] // step) * (shape[3] // step)
+
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[tiles, C, H, W] float -> [tiles x image_seq_len, hidden]: the embeddings that
+        replace the image's tokens, in order."""
+        dtype = self.connector.modality_projection.proj.weight.dtype
+        out = self.connector(self.vision_model(pixels.to(dtype)))
+        return out.reshape(-1, out.shape[-1])
