@@ -175,6 +175,9 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
         model = cls(arch)
     plan = None if tp is None else _shard_model(model, arch, tp)
     stage = None
+    if pipe is not None and arch.vision is not None:
+        raise UnsupportedModelError(f"{arch.architecture} (a vision-language model) cannot be served with "
+                                    "pipeline parallelism yet")
     if pipe is not None:
         stage = StagePlan.build(arch.num_hidden_layers, pipe.stage, pipe.num_stages, arch.tie_word_embeddings)
         with torch.device("meta"):
