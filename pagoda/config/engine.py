@@ -407,10 +407,25 @@ class MultiModalOptions(OptionGroup):
     encoder_cache_budget: int = option(
         16384, "embeddings the encoder cache keeps (each image's, by content hash), least recently used "
                "dropped first")
+    allowed_media_domains: list[str] | None = option(
+        None, "hosts whose http(s) image URLs are fetched (redirects checked too); without it no URL is "
+              "fetched, only data URLs are read (vLLM fetches every host then)", nargs="+", metavar="HOST",
+        commands=("serve",))
+    allowed_local_media_path: str | None = option(
+        None, "a folder whose files file:// image URLs may read (links resolved); without it none",
+        commands=("serve",))
+    media_fetch_timeout: float = option(10.0, "seconds one image URL may take to fetch, body included",
+                                        parse=positive_float, commands=("serve",))
 
     def check(self) -> None:
         _set(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
         _positive("encoder_cache_budget", self.encoder_cache_budget)
+        if isinstance(self.allowed_media_domains, str):
+            _set(self, "allowed_media_domains", self.allowed_media_domains.replace(",", " ").split())
+        import os
+
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path: {self.allowed_local_media_path!r} is not a folder")
 
     @property
     def max_images(self) -> int:

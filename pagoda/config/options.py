@@ -37,6 +37,7 @@ class OptionSpec:
     cli: bool = True                          # False: set from Python only (or internally)
     commands: tuple[str, ...] | None = None   # only these commands take it (None: every engine command)
     default_text: str | None = None           # the default in words, where it is resolved later
+    nargs: str | None = None                  # "+": a list on the command line (--flag a b c)
 
 
 def option(default: Any, help: str, **spec: Any) -> Any:
@@ -142,6 +143,8 @@ def add_option_groups(parser: argparse.ArgumentParser, groups: Iterable[type[Opt
                     kwargs["choices"] = opt.spec.choices
                 if opt.spec.metavar is not None:
                     kwargs["metavar"] = opt.spec.metavar
+                if opt.spec.nargs is not None:
+                    kwargs["nargs"] = opt.spec.nargs
             if opt.name in positional:
                 kwargs.pop("action", None)
                 arg_group.add_argument(opt.name, nargs="?", **kwargs)

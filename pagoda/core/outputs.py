@@ -81,6 +81,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_free_state_slots: int = 0
     num_saved_states: int = 0
     num_state_restores: int = 0
+    # A vision-language model's encoder cache (cumulative): lookups answered from it, images
+    # encoded, and seconds in the encoder.
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+    encoder_seconds: float = 0.0
     # LoRA: adapter name -> requests running / waiting with it.
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}

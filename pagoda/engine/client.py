@@ -112,6 +112,7 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Validate, run, and yield the request's outputs until the finished one. Closing or
         cancelling the iterator early aborts the request."""
@@ -209,11 +210,12 @@ class EngineClientBase(EngineClient):
         cache_salt: str | None = None,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> AsyncIterator[RequestOutput]:
         self.validate_request(prompt_token_ids, sampling_params, priority, lora_request)
         async with contextlib.aclosing(self.run_request(GenerateCall(
                 request_id, prompt, prompt_token_ids, sampling_params, priority, cache_salt, tenant,
-                lora_request))) as stream:  # fmt: skip
+                lora_request, mm_inputs=mm_inputs))) as stream:  # fmt: skip
             async for out in stream:
                 yield out
 

@@ -751,12 +751,20 @@ class EngineCore:
         return self._stats_out(outputs, record, end)
 
     def _stats_out(self, outputs: list[EngineCoreOutput], record, end: float) -> EngineCoreOutputs:
-        out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=end)
+        out = EngineCoreOutputs(outputs=outputs, scheduler_stats=self._make_stats(), timestamp=end)
         if self.step_stats is not None:
             out.step = record
             out.kv_block_map = self.step_stats.maybe_block_map(self.kv_manager.pool, end)
         out.expert_load = self._maybe_expert_load(end)
         return out
+
+    def _make_stats(self):
+        stats = self.scheduler.make_stats()
+        cache = getattr(self.runner, "encoder_cache", None)
+        if cache is not None:
+            stats.encoder_cache_hits, stats.encoder_cache_misses = cache.hits, cache.misses
+            stats.encoder_seconds = cache.encoder_seconds
+        return stats
 
     def _maybe_expert_load(self, now: float) -> list[list[int]] | None:
         """The experts' load for /metrics, at most once a second (MoE models only). Under
@@ -776,7 +784,7 @@ class EngineCore:
     def idle_stats(self) -> Heartbeat:
         """Stats alone (no step), for the heartbeat the core sends while idle."""
         now = time.monotonic()
-        out = Heartbeat(scheduler_stats=self.scheduler.make_stats(), timestamp=now)
+        out = Heartbeat(scheduler_stats=self._make_stats(), timestamp=now)
         if self.step_stats is not None:
             out.kv_block_map = self.step_stats.maybe_block_map(self.kv_manager.pool, now)
         out.expert_load = self._maybe_expert_load(now)

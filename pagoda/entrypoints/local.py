@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -48,6 +49,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="default: the model's num_predict, else what the context leaves")
     p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for a vision-language model, sent with the first prompt (repeat for several)")
     p.add_argument("--verbose", action="store_true",
                    help="after each reply, print its prompt and generated token counts and speed")
 
@@ -75,6 +78,9 @@ class TerminalChat:
         given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                  "seed": args.sampling_seed, "max_tokens": args.max_tokens}  # fmt: skip
         self.overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        # --image files, sent with the first prompt (base64, as the other dialects send them).
+        self.pending_images = [base64.b64encode(_read(p)).decode() for p in getattr(args, "image", [])]
+        self._images = None
 
     def set_parameter(self, name: str, text: str) -> None:
         """``/set parameter NAME VALUE`` (Ollama's parameter names); ValueError for a bad one."""
@@ -92,7 +98,11 @@ class TerminalChat:
     def messages(self, user_text: str) -> list[dict[str, Any]]:
         """The conversation with a new user message: history, and a system prompt in front
         (--system, else the model's own)."""
-        messages = [*self.history, {"role": "user", "content": user_text}]
+        content: Any = user_text
+        if self.pending_images:
+            content = [*({"type": "image_base64", "image_base64": b} for b in self.pending_images),
+                       {"type": "text", "text": user_text}]
+        messages = [*self.history, {"role": "user", "content": content}]
         if self.system is not None:
             return [{"role": "system", "content": self.system}, *messages]
         return self.defaults.with_system(messages)
@@ -109,14 +119,29 @@ class TerminalChat:
 
     async def reply(self, user_text: str) -> Reply:
         """Stream the answer to ``user_text`` to ``out``; cancelling this aborts the request."""
+        from pagoda.entrypoints.openai.errors import APIError
+        from pagoda.entrypoints.openai.images import ImagePrompts
+        from pagoda.multimodal.prompts import has_image_parts
+
         tokenizer = self.engine.tokenizer
-        text = tokenizer.apply_chat_template(self.messages(user_text), add_generation_prompt=True)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        messages = self.messages(user_text)
+        if self._images is None:
+            self._images = ImagePrompts(self.engine)
+        images = None
+        try:
+            if self._images.processor is not None or has_image_parts(messages):
+                images = self._images.take(messages)
+                messages = images.messages
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids, mm_inputs = (self._images.expand(text, images) if images is not None and images.images
+                              else (tokenizer.encode(text, add_special_tokens=False), []))
+        except APIError as e:
+            raise ValueError(e.message) from None
         params = self.params(len(ids))
         start = time.monotonic()
         pieces: list[str] = []
         generated = 0
-        stream = self.engine.generate(f"run-{uuid.uuid4().hex[:16]}", text, ids, params)
+        stream = self.engine.generate(f"run-{uuid.uuid4().hex[:16]}", text, ids, params, mm_inputs=mm_inputs)
         async with contextlib.aclosing(stream):
             async for out in stream:
                 c = out.outputs[0]
@@ -128,7 +153,18 @@ class TerminalChat:
         return Reply("".join(pieces), len(ids), generated, time.monotonic() - start)
 
     def remember(self, user_text: str, reply: Reply) -> None:
-        self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply.text}]
+        # The first turn keeps its images: later turns resend them (served from the caches).
+        user = self.messages(user_text)[-1]
+        self.pending_images = []
+        self.history += [user, {"role": "assistant", "content": reply.text}]
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--image {path}: {e.strerror}") from None
 
 
 def _interruptible(loop: asyncio.AbstractEventLoop, coro) -> Any:
@@ -225,7 +261,11 @@ def cmd_run(args: argparse.Namespace, config) -> int:
 
     engine = loop.run_until_complete(start())
     try:
-        chat = TerminalChat(engine, defaults, args)
+        try:
+            chat = TerminalChat(engine, defaults, args)
+        except ValueError as e:
+            print(f"pagoda: error: {e}", file=sys.stderr)
+            return 2
         if prompt is None:
             return _repl(loop, chat)
         if not prompt.strip():

@@ -166,6 +166,10 @@ def _families(labels: list[str], parts: list[tuple[list[str], EngineMetrics | No
                 lambda s: s.num_saved_states)
     yield counter("state_restores", "Prefix-cache hits that started from a saved state (hybrid models).",
                   lambda s: s.num_state_restores)
+    yield counter("encoder_cache_hits", "Image embeddings read from the encoder cache (a step that needed them).",
+                  lambda s: s.encoder_cache_hits)
+    yield counter("encoder_runs", "Images encoded (encoder cache misses).", lambda s: s.encoder_cache_misses)
+    yield counter("encoder_seconds", "Seconds spent in the vision encoder.", lambda s: s.encoder_seconds)
     yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                   lambda s: s.prefix_cache_queries)
     yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits)

@@ -81,6 +81,12 @@ def load_image_processor(path: str, model_config: dict[str, Any] | None = None) 
             raise ImageError(f"{path}: an Idefics3 model without its processor config "
                              "(preprocessor_config.json or processor_config.json)")
         return Idefics3ImageProcessor(settings, model_config)
+    if "LlavaForConditionalGeneration" in archs:
+        settings = _config(path)
+        if settings is None:
+            raise ImageError(f"{path}: a LLaVA model without its processor config "
+                             "(preprocessor_config.json or processor_config.json)")
+        return LlavaImageProcessor(settings, model_config)
     return None
 
 
@@ -207,6 +213,90 @@ class Idefics3ImageProcessor:
                 text += "\n"
             text += f"\n{self.fake_token}{self.global_tag}{tokens}{self.fake_token}"
         return ProcessedImage(np.ascontiguousarray(pixels), text, self.image_seq_len * len(frames))
+
+
+# ---- LLaVA ---------------------------------------------------------------------------------
+
+
+class LlavaImageProcessor:
+    """LLaVA (CLIP's processing): optionally padded to a square of the mean colour, the
+    shortest edge resized to ``size``, the centre cropped to ``crop_size``; one tile, one
+    ``<image>`` token per patch (plus the class token's unless the "default" strategy drops
+    it). ``detail`` changes nothing: the tower reads one resolution."""
+
+    image_marker = "<image>"
+
+    def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
+        vision = model_config.get("vision_config") or {}
+        self.image_token = settings.get("image_token", "<image>")
+        self.image_marker = self.image_token
+        patch = int(settings.get("patch_size") or vision.get("patch_size", 32))
+        strategy = settings.get("vision_feature_select_strategy") or model_config.get(
+            "vision_feature_select_strategy", "default")
+        size = settings.get("size") or {"shortest_edge": 224}
+        self.shortest = size.get("shortest_edge")
+        self.fixed = (size["height"], size["width"]) if self.shortest is None else None
+        self.do_resize = bool(settings.get("do_resize", True))
+        crop = settings.get("crop_size") or {"height": 224, "width": 224}
+        self.crop = (int(crop["height"]), int(crop["width"])) if settings.get("do_center_crop", True) else None
+        self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BICUBIC)))
+        self.rescale = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else None
+        normalize = settings.get("do_normalize", True)
+        self.mean = settings.get("image_mean", [0.48145466, 0.4578275, 0.40821073]) if normalize else None
+        self.std = settings.get("image_std", [0.26862954, 0.26130258, 0.27577711]) if normalize else None
+        self.pad = bool(settings.get("do_pad", False))
+        if settings.get("do_convert_rgb") is False:
+            raise ImageError("a LLaVA processor with do_convert_rgb false is not supported")
+        out_h, out_w = self.crop or self.fixed or (self.shortest, self.shortest)
+        extra = int(settings.get("num_additional_image_tokens", 0))
+        self.num_tokens = (out_h // patch) * (out_w // patch) + extra - (1 if strategy == "default" else 0)
+        keys = dict(shortest=self.shortest, fixed=self.fixed, crop=self.crop, resample=int(self.resample),
+                    rescale=self.rescale, mean=self.mean, std=self.std, pad=self.pad, tokens=self.num_tokens)
+        self.identity = "llava:" + json.dumps(keys, sort_keys=True)
+
+    def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
+        arr = np.asarray(image).transpose(2, 0, 1)
+        if self.pad and arr.shape[1] != arr.shape[2]:
+            side = max(arr.shape[1:])
+            color = [int(x * 255) for x in self.mean] if self.mean else [0, 0, 0]
+            square = np.empty((3, side, side), dtype=arr.dtype)
+            square[:] = np.asarray(color, dtype=arr.dtype)[:, None, None]
+            h, w = arr.shape[1:]
+            if w > h:
+                square[:, (side - h) // 2:(side - h) // 2 + h, :] = arr
+            else:
+                square[:, :, (side - w) // 2:(side - w) // 2 + w] = arr
+            arr = square
+        if self.do_resize:
+            h, w = arr.shape[1:]
+            if self.shortest is not None:
+                short, long = (w, h) if w <= h else (h, w)
+                new_short, new_long = self.shortest, int(self.shortest * long / short)
+                h, w = (new_long, new_short) if w <= h else (new_short, new_long)
+            else:
+                h, w = self.fixed
+            img = Image.fromarray(arr.transpose(1, 2, 0))
+            if img.size != (w, h):
+                img = img.resize((w, h), self.resample)
+            arr = np.asarray(img).transpose(2, 0, 1)
+        if self.crop is not None:
+            arr = _center_crop(arr, *self.crop)
+        pixels = _rescale_normalize(arr, self.rescale, self.mean, self.std)[None]
+        return ProcessedImage(np.ascontiguousarray(pixels), self.image_token * self.num_tokens, self.num_tokens)
+
+
+def _center_crop(arr: np.ndarray, height: int, width: int) -> np.ndarray:
+    """transformers' ``center_crop``: the centre, zero-padded first where the image is smaller."""
+    h, w = arr.shape[1:]
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0 and top + height <= h and left + width <= w:
+        return arr[:, top:top + height, left:left + width]
+    new_h, new_w = max(height, h), max(width, w)
+    padded = np.zeros((arr.shape[0], new_h, new_w), dtype=arr.dtype)
+    top_pad, left_pad = math.ceil((new_h - h) / 2), math.ceil((new_w - w) / 2)
+    padded[:, top_pad:top_pad + h, left_pad:left_pad + w] = arr
+    top, left = top + top_pad, left + left_pad
+    return padded[:, max(top, 0):max(top, 0) + height, max(left, 0):max(left, 0) + width]
 
 
 def image_hash(processor: ImageProcessor, pixels: np.ndarray) -> str:

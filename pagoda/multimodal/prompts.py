@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from PIL import Image
 
-from pagoda.multimodal.images import image_from_data_url, to_rgb
+from pagoda.multimodal.images import decode_base64_image, image_from_data_url, to_rgb
 from pagoda.multimodal.inputs import ImageError, ImageInput, MultiModalLimits
 from pagoda.multimodal.processors import ImageProcessor, expand_images
 
@@ -48,14 +48,15 @@ def _where(i: int, j: int) -> str:
     return f"messages.[{i}].content.[{j}]"   # OpenAI's spelling of a parameter's place
 
 
-_IMAGE_TYPES = frozenset({"image_url", "image", "image_pil", "input_image"})
+_IMAGE_TYPES = frozenset({"image_url", "image", "image_pil", "input_image", "image_base64"})
 
 
 def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = MultiModalLimits(),
                 fetch: Callable[[str, str], Image.Image] | None = None) -> ChatImages:  # fmt: skip
     """OpenAI's ``image_url`` parts (a data URL; another URL through ``fetch(url, where)``, or
-    refused without one) and vLLM's offline ``image_pil`` parts (a PIL image) become
-    ``{"type": "image"}`` parts; ``ImageError`` names the part of anything wrong."""
+    refused without one), ``image_base64`` parts (the other dialects' base64 images) and vLLM's
+    offline ``image_pil`` parts (a PIL image) become ``{"type": "image"}`` parts;
+    ``ImageError`` names the part of anything wrong."""
     out: list[dict[str, Any]] = []
     images: list[Image.Image] = []
     found = ChatImages(out, images)
@@ -87,6 +88,14 @@ def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = M
                     raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
                                      "(--limit-mm-per-prompt)", where)  # fmt: skip
                 images.append(_from_url(url, where, limits, fetch))
+            elif kind == "image_base64":   # Ollama's images, Anthropic's base64 sources
+                if len(images) >= limits.max_images:
+                    raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
+                                     "(--limit-mm-per-prompt)", where)  # fmt: skip
+                data = part.get("image_base64")
+                if not isinstance(data, str):
+                    raise ImageError(f"{where}: an image must be base64 text", where)
+                images.append(decode_base64_image(data, where, limits))
             elif kind == "image_pil":
                 img = part.get("image_pil")
                 if not isinstance(img, Image.Image):
@@ -111,8 +120,7 @@ def _from_url(url: str, where: str, limits: MultiModalLimits,
     if url.startswith("data:"):
         return image_from_data_url(url, where, limits)
     if fetch is None:
-        raise ImageError(f"{where}: only base64 data URLs are accepted here (data:image/<type>;base64,...); "
-                         "this server fetches no image URLs", where)  # fmt: skip
+        raise ImageError(f"{where}: only base64 data URLs are accepted here (data:image/<type>;base64,...)", where)
     return fetch(url, where)
 
 

@@ -64,3 +64,39 @@ def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> I
     rng = np.random.default_rng(seed)
     img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
     return img if mode == "RGB" else img.convert(mode)
+
+
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% if message['role'] != 'user' %}</s>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def write_llava(out: str, pad: bool = False) -> str:
+    """A LLaVA-1.5-shaped checkpoint: a CLIP tower of 32-pixel images in 8-pixel patches (16
+    image tokens, the class token dropped), the next-to-last layer read, a Llama model; images
+    resized on their shortest edge to 40 and centre-cropped to 32."""
+    import transformers
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tok = _tokenizer(["<image>"])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=32,
+                  patch_size=8, projection_dim=32)
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision,
+                                      image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    images = LlavaImageProcessorPil(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}, do_pad=pad)
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                            vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                            chat_template=LLAVA_TEMPLATE)
+    processor.save_pretrained(out)
+    return out

@@ -91,7 +91,7 @@ def test_data_url_image_equals_the_offline_engine(vlm_dir, server, client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
     usage = chunks[-1].usage
-    assert usage.prompt_tokens_details.cached_tokens == len(want.prompt_token_ids) // 16 * 16
+    assert usage.prompt_tokens_details.cached_tokens == (len(want.prompt_token_ids) - 1) // 16 * 16
     # detail "low": one tile, fewer tokens, still served.
     low = client.chat.completions.create(**{**kwargs, "messages": _ask(_data_url(_png(image)), detail="low")})
     assert low.usage.prompt_tokens < r.usage.prompt_tokens
@@ -106,7 +106,7 @@ def test_data_url_image_equals_the_offline_engine(vlm_dir, server, client):
     (_data_url(_huge_png()), "the limit is 40000000 pixels"),
     (_data_url(_gif(3), "image/gif"), "animated"),
     (_data_url(b"hello", "text/plain"), "not an image"),
-    ("https://example.com/cat.png", "only base64 data URLs"),
+    ("https://example.com/cat.png", "fetches no image URLs"),
 ])  # fmt: skip
 def test_bad_images_are_400s_naming_the_part(server, client, url, says):
     _, running = server
@@ -131,4 +131,109 @@ def test_image_limits_and_marker_mismatch(server, client):
         client.chat.completions.create(model=MODEL, messages=_ask(url, detail="ultra"), max_tokens=4)
     ok = client.chat.completions.create(model=MODEL, messages=_ask(url), max_tokens=4)
     assert ok.choices[0].finish_reason in ("length", "stop")
+    _wait_idle(running)
+
+
+def test_ollama_and_anthropic_images_equal_the_openai_route(server, client):
+    """The same image through Ollama's ``images`` (chat and generate) and an Anthropic base64
+    ``image`` block, with the official clients: the same prompt and greedy text as OpenAI's
+    image_url; their bad images are 400s too."""
+    import anthropic
+    import ollama
+
+    _, running = server
+    png = _png(random_image(90, 50, seed=7))
+    b64 = base64.b64encode(png).decode()
+    want = client.chat.completions.create(model=MODEL, messages=_ask(_data_url(png), "Describe it."), max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    oc = ollama.Client(host=running.base_url, timeout=120)
+    options = {"temperature": 0, "num_predict": 8}
+    # Ollama puts a message's images before its text, as the OpenAI request above does.
+    chat = oc.chat(model=MODEL, messages=[{"role": "user", "content": "Describe it.", "images": [b64]}],
+                   options=options)
+    gen = oc.generate(model=MODEL, prompt="Describe it.", images=[b64], options=options)
+    ac = anthropic.Anthropic(base_url=running.base_url, api_key="x", max_retries=0)
+    msg = ac.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": "Describe it."}]}])  # fmt: skip
+    text = want.choices[0].message.content
+    if want.choices[0].finish_reason == "length":
+        assert chat.message.content == gen.response == msg.content[0].text == text
+    # (Anthropic counts the prompt's cached tokens apart.)
+    anthropic_prompt = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert chat.prompt_eval_count == gen.prompt_eval_count == anthropic_prompt == want.usage.prompt_tokens
+    with pytest.raises(ollama.ResponseError) as err:
+        oc.chat(model=MODEL, messages=[{"role": "user", "content": "x", "images": ["aGVsbG8="]}])
+    assert err.value.status_code == 400 and "not an image" in str(err.value)
+    with pytest.raises(anthropic.BadRequestError, match="not an image"):
+        ac.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGVsbG8="}}]}])
+    _wait_idle(running)
+
+
+def test_responses_input_image_equals_chat(server, client):
+    _, running = server
+    png = _png(random_image(70, 90, seed=8))
+    want = client.chat.completions.create(model=MODEL, messages=_ask(_data_url(png), "Describe it."), max_tokens=8,
+                                          temperature=0)
+    r = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": _data_url(png)}, {"type": "input_text", "text": "Describe it."}]}])
+    assert r.usage.input_tokens == want.usage.prompt_tokens
+    assert r.output_text == want.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="file_id"):
+        client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-1"}]}])
+    _wait_idle(running)
+
+
+def test_encoder_metrics(server, client):
+    """/metrics counts images encoded, encoder-cache hits and encoder seconds: a resent image
+    whose prompt is not cached (another question after it) is read from the encoder cache."""
+    import httpx
+
+    _, running = server
+
+    def metric(name: str) -> float:
+        text = httpx.get(f"{running.base_url}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pagoda:{name}"))
+
+    url = _data_url(_png(random_image(50, 50, seed=21)))
+    runs, hits = metric("encoder_runs_total"), metric("encoder_cache_hits_total")
+    client.chat.completions.create(model=MODEL, messages=_ask(url, "One?"), max_tokens=2)
+    assert metric("encoder_runs_total") == runs + 1 and metric("encoder_seconds_total") > 0
+    # The same image after other text: no prefix hit on its blocks, the encoder cache answers.
+    other = [{"role": "user", "content": [{"type": "text", "text": "First this."},
+                                          {"type": "image_url", "image_url": {"url": url}}]}]
+    client.chat.completions.create(model=MODEL, messages=other, max_tokens=2)
+    assert metric("encoder_runs_total") == runs + 1 and metric("encoder_cache_hits_total") > hits
+    _wait_idle(running)
+
+
+def test_pagoda_run_sends_an_image_with_the_first_prompt(server, client, tmp_path):
+    """`pagoda run MODEL --image PATH`: the first prompt carries the image (the same prompt
+    and text as the OpenAI route), later turns resend it from the history."""
+    import argparse
+
+    from pagoda.entrypoints.local import TerminalChat, add_run_args
+    from pagoda.hub.stores import NO_DEFAULTS
+
+    engine, running = server
+    png = _png(random_image(60, 40, seed=31))
+    path = tmp_path / "picture.png"
+    path.write_bytes(png)
+    parser = argparse.ArgumentParser()
+    add_run_args(parser)
+    args = parser.parse_args(["--image", str(path), "--temperature", "0", "--max-tokens", "6"])
+    out = io.StringIO()
+    chat = TerminalChat(engine, NO_DEFAULTS, args, out)
+    reply = running.call(chat.reply("What is it?"))
+    chat.remember("What is it?", reply)
+    want = client.chat.completions.create(model=MODEL, messages=_ask(_data_url(png), "What is it?"), max_tokens=6,
+                                          temperature=0)
+    assert reply.prompt_tokens == want.usage.prompt_tokens and reply.text == want.choices[0].message.content
+    assert out.getvalue() == reply.text
+    second = running.call(chat.reply("And then?"))
+    assert second.prompt_tokens > reply.prompt_tokens + reply.generated_tokens
+    with pytest.raises(ValueError, match="--image"):
+        TerminalChat(engine, NO_DEFAULTS, parser.parse_args(["--image", str(tmp_path / "none.png")]), out)
     _wait_idle(running)

@@ -49,7 +49,7 @@ def test_a_call_without_a_message_before_it_opens_an_assistant_turn() -> None:
 
 
 @pytest.mark.parametrize(("body", "words"), [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "'input_image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "file_id"),
     ({"input": [{"type": "input_file", "file_id": "f"}]}, "'input_file'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "'item_reference'"),
     ({"input": [{"role": "tool", "content": "x"}]}, "role"),

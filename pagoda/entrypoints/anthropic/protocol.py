@@ -72,6 +72,32 @@ class ToolResultBlock(_Strict):
         return f"Error: {text}" if self.is_error else text
 
 
+class ImageSource(_Strict):
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Strict):
+    """An image in a user turn: base64 data (a URL is refused: this server fetches nothing)."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+    def part(self) -> dict[str, Any]:
+        """The image as the chat helpers read it (pagoda/multimodal/prompts.py)."""
+        s = self.source
+        if s.type == "base64":
+            if s.data is None or s.media_type is None:
+                raise ValueError("a base64 image source needs 'media_type' and 'data'")
+            return {"type": "image_base64", "image_base64": s.data}
+        if s.url is None:
+            raise ValueError("a url image source needs 'url'")
+        return {"type": "image_url", "image_url": {"url": s.url}}
+
+
 class ThinkingBlock(_Strict):
     """Sent back with an earlier assistant turn; like Anthropic, it is left out of the prompt."""
 
@@ -85,10 +111,10 @@ class RedactedThinkingBlock(_Strict):
     data: str
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 _BLOCKS: dict[str, type[BaseModel]] = {
-    "text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock,
-    "redacted_thinking": RedactedThinkingBlock,
+    "text": TextBlock, "image": ImageBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock,
 }  # fmt: skip
 
 
@@ -110,7 +136,10 @@ def _check_content(value: Any) -> str | list[Block]:
             raise ValueError(f"content blocks of type {kind!r} are not supported by this server "
                              f"(supported: {', '.join(_BLOCKS)})")  # fmt: skip
         try:
-            blocks.append(model.model_validate(part))
+            block = model.model_validate(part)
+            if isinstance(block, ImageBlock):
+                block.part()   # a source without its data is refused here
+            blocks.append(block)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
@@ -133,6 +162,8 @@ class InputMessage(_Strict):
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
         if self.role == "assistant":
+            if any(isinstance(b, ImageBlock) for b in self.content):
+                raise bad_request("'image' blocks belong in user messages.", param="messages")
             texts = [b.text for b in self.content if isinstance(b, TextBlock)]
             calls = [
                 {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
@@ -142,21 +173,29 @@ class InputMessage(_Strict):
             if calls:
                 message["tool_calls"] = calls
             return [message]
-        # A user turn: consecutive text blocks make one message, each tool result its own.
+        # A user turn: consecutive text (and image) blocks make one message, each tool result
+        # its own. A message with images keeps its blocks as parts, in order.
         out: list[dict[str, Any]] = []
-        texts: list[str] = []
+        parts: list[dict[str, Any]] = []
+
+        def flush() -> None:
+            if not parts:
+                return
+            images = any(p["type"] != "text" for p in parts)
+            out.append({"role": "user", "content": list(parts) if images else "\n".join(p["text"] for p in parts)})
+            parts.clear()
+
         for block in self.content:
             if isinstance(block, ToolResultBlock):
-                if texts:
-                    out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
+                flush()
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
             elif isinstance(block, TextBlock):
-                texts.append(block.text)
+                parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, ImageBlock):
+                parts.append(block.part())
             elif isinstance(block, ToolUseBlock):
                 raise bad_request("'tool_use' blocks belong in assistant messages.", param="messages")
-        if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
+        flush()
         return out
 
 

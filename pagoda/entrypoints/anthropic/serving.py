@@ -19,6 +19,7 @@ the budget is spent, ending the reasoning with ``</think>`` itself.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -88,28 +89,28 @@ class MessagesServing:
         self.chat = chat
 
     # ---- the prompt -----------------------------------------------------------------
-    def _encode(self, body: CountTokensRequest | MessagesRequest) -> tuple[ToolPlan, str, list[int]]:
+    def _encode(self, body: CountTokensRequest | MessagesRequest) -> tuple[ToolPlan, str, list[int], list]:
         if body.thinking is not None and body.thinking.type == "enabled" and self.chat.reasoning_parser is None:
             raise bad_request("Thinking is enabled, but this server has no reasoning parser; start it with "
                               "--reasoning-parser for a reasoning model.", param="thinking")  # fmt: skip
         plan = body.tool_plan()
-        text, ids = self.chat.encode_chat(body.template_messages(), plan=plan)
-        return plan, text, ids
+        text, ids, images = self.chat.encode_chat_images(body.template_messages(), plan=plan)
+        return plan, text, ids, images
 
     async def count_tokens(self, body: CountTokensRequest) -> CountTokensResponse:
         self.chat.check_model(body.model)
-        _, _, ids = self._encode(body)
+        _, _, ids, _ = await asyncio.to_thread(self._encode, body)
         return CountTokensResponse(input_tokens=len(ids))
 
     # ---- generating -----------------------------------------------------------------
     async def create(self, body: MessagesRequest, raw_request: Request) -> Response:
         lora = self.chat.check_model(body.model)
         body.check_thinking_budget()
-        plan, text, ids = self._encode(body)
+        plan, text, ids, images = await asyncio.to_thread(self._encode, body)
         structured = self.chat.with_reasoning(plan.constraint(self.chat.tool_parser)) if plan.forced else None
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
         sub = self.chat.prepare(request_id, text, ids, lambda _: body.to_sampling_params(structured, self.chat.model_defaults.sampling), "messages",
-                                "max_tokens", "tool_choice", lora_request=lora)  # fmt: skip
+                                "max_tokens", "tool_choice", lora_request=lora, mm_inputs=images)  # fmt: skip
         group = self._group(body, raw_request, sub)
         if body.stream:
             try:

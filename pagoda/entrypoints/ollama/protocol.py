@@ -245,9 +245,9 @@ class GenerateRequest(GenerationRequest):
             raise bad_request("'template' is not supported: pagoda renders prompts with the model's own chat "
                               "template (a Jinja template); send 'raw': true with a prompt you formatted yourself.",
                               param="template", code="unsupported_parameter")  # fmt: skip
-        if self.images:
-            raise bad_request("'images' are not supported: this model takes text only.", param="images",
-                              code="unsupported_parameter")  # fmt: skip
+        if self.images and self.raw:
+            raise bad_request("'images' cannot be combined with 'raw': the model's template places them.",
+                              param="images")  # fmt: skip
         for name in ("width", "height", "steps"):
             if getattr(self, name) is not None:
                 raise bad_request(f"'{name}' is for image generation, which this server does not do.",
@@ -255,6 +255,14 @@ class GenerateRequest(GenerationRequest):
         if self.raw and self.system:
             raise bad_request("'system' cannot be combined with 'raw': a raw prompt is used exactly as sent.",
                               param="system")  # fmt: skip
+
+
+def image_parts(images: list[str] | None, text: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or with ``images`` (base64) the images' parts first, then
+    the text (pagoda/multimodal/prompts.py reads them)."""
+    if not images:
+        return text
+    return [*({"type": "image_base64", "image_base64": b64} for b64 in images), {"type": "text", "text": text}]
 
 
 # ---------------------------------------------------------------------- /api/chat
@@ -278,13 +286,6 @@ class Message(_Strict):
     tool_name: str | None = None
     tool_call_id: str | None = None
 
-    @field_validator("images")
-    @classmethod
-    def _no_images(cls, value: list[str] | None) -> list[str] | None:
-        if value:
-            raise ValueError("images are not supported: this model takes text only")
-        return value
-
     @field_validator("thinking")
     @classmethod
     def _no_thinking(cls, value: str | None) -> str | None:
@@ -294,7 +295,7 @@ class Message(_Strict):
 
     def to_template_dict(self, index: int) -> dict[str, Any]:
         """The message in the OpenAI shape pagoda's chat helpers take (tools.py)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        out: dict[str, Any] = {"role": self.role, "content": image_parts(self.images, self.content)}
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": call.id or f"call_{index}_{i}", "type": "function",

@@ -12,6 +12,7 @@ the first token), ``eval_duration`` from the first output to the last, and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from pagoda.entrypoints.ollama.protocol import (
     ChatRequest,
     GenerateRequest,
     GenerationRequest,
+    image_parts,
 )
 from pagoda.entrypoints.ollama.responses import (
     NDJSON,
@@ -174,16 +176,20 @@ class OllamaServing(OpenAIServing):
                                     done_reason="load")  # fmt: skip
             return Response(load.line(), media_type="application/json")
         context = list(body.context or [])
+        images: list = []
         if body.raw:
             text: str | None = body.prompt
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=not context)
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
-            text, ids = self.chat.encode_chat([*system, {"role": "user", "content": body.prompt}],
-                                              template_kwargs=body.template_kwargs())  # fmt: skip
+            user = {"role": "user", "content": image_parts(body.images, body.prompt)}
+            text, ids, images = await asyncio.to_thread(self.chat.encode_chat_images, [*system, user],
+                                                        template_kwargs=body.template_kwargs())  # fmt: skip
         if context:
+            if images:
+                raise bad_request("'images' cannot be combined with 'context'.", param="images")
             text, ids = None, context + ids
-        sub = self._prepare(body, text, ids, lora, "prompt")
+        sub = self._prepare(body, text, ids, lora, "prompt", images)
         return await self._respond(body, raw_request, sub, clock, None)
 
     # ---- /api/chat -------------------------------------------------------------------
@@ -196,8 +202,9 @@ class OllamaServing(OpenAIServing):
                                 done=True, done_reason="load")  # fmt: skip
             return Response(load.line(), media_type="application/json")
         plan = plan_tools(body.tools, None, None)
-        text, ids = self.chat.encode_chat(body.template_messages(), plan=plan, template_kwargs=body.template_kwargs())
-        sub = self._prepare(body, text, ids, lora, "messages")
+        text, ids, images = await asyncio.to_thread(self.chat.encode_chat_images, body.template_messages(),
+                                                    plan=plan, template_kwargs=body.template_kwargs())  # fmt: skip
+        sub = self._prepare(body, text, ids, lora, "messages", images)
         return await self._respond(body, raw_request, sub, clock, plan)
 
     # ---- running ---------------------------------------------------------------------
@@ -212,14 +219,14 @@ class OllamaServing(OpenAIServing):
         return True
 
     def _prepare(self, body: GenerationRequest, text: str | None, ids: list[int], lora: LoRARequest | None,
-                 prompt_param: str) -> SubRequest:  # fmt: skip
+                 prompt_param: str, images: list | None = None) -> SubRequest:  # fmt: skip
         structured = body.structured_output()
         if self._thinking(body):
             structured = self.chat.with_reasoning(structured)  # the format applies after the reasoning
         params = body.to_sampling_params(len(ids), self.engine.max_model_len, structured, self.model_defaults.sampling)
         prefix = "chat" if isinstance(body, ChatRequest) else "generate"
         return self.prepare(f"ollama-{prefix}-{uuid.uuid4().hex}", text, ids, lambda _: params, prompt_param,
-                            "options.num_predict", "format", lora_request=lora)  # fmt: skip
+                            "options.num_predict", "format", lora_request=lora, mm_inputs=images or ())  # fmt: skip
 
     async def _respond(self, body: GenerationRequest, raw_request: Request, sub: SubRequest, clock: _Clock,
                        plan: ToolPlan | None) -> Response:  # fmt: skip

@@ -9,6 +9,7 @@ from typing import Any
 from pagoda.engine.client import EngineClient
 from pagoda.entrypoints.openai.errors import bad_request
 from pagoda.hub.stores import resolve_model
+from pagoda.multimodal.fetch import MediaFetcher
 from pagoda.multimodal.inputs import ImageError, ImageInput, MultiModalLimits
 from pagoda.multimodal.processors import ImageProcessor, load_image_processor
 from pagoda.multimodal.prompts import ChatImages, first_image_part, image_prompt, take_images
@@ -29,6 +30,8 @@ class ImagePrompts:
         self.image_token_id = (self.tokenizer.token_to_id(self.processor.image_token)
                                if self.processor is not None else None)
         self.limits = MultiModalLimits(max_images=config.max_images)
+        self.fetch = MediaFetcher(tuple(config.allowed_media_domains or ()), config.allowed_local_media_path,
+                                  self.limits, config.media_fetch_timeout)
 
     def take(self, messages: list[dict[str, Any]]) -> ChatImages:
         """The messages as the template reads them, and their images decoded."""
@@ -37,7 +40,7 @@ class ImagePrompts:
             if where is not None:
                 raise bad_request(f"{where}: this model takes text only; it cannot read images.", param=where)
         try:
-            found = take_images(messages, self.limits)
+            found = take_images(messages, self.limits, self.fetch)
         except ImageError as e:
             raise bad_request(str(e), param=e.param) from None
         return found

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from pagoda.entrypoints.openai.errors import unsupported
+from pagoda.entrypoints.openai.errors import bad_request, unsupported
 from pagoda.entrypoints.openai.structured import JsonSchemaFormat, ResponseFormat
 from pagoda.entrypoints.openai.tools import (
     ChatTool,
@@ -70,35 +70,72 @@ class TextPart(_Strict):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+class ImagePart(_Strict):
+    """``input_image``: an image as a base64 data URL (``file_id``: refused, no file store)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _has_url(self) -> ImagePart:
+        if self.file_id is not None:
+            raise ValueError("input_image with a file_id is not supported (no file store); send image_url")
+        if self.image_url is None:
+            raise ValueError("an 'input_image' part needs 'image_url'")
+        return self
+
+    def to_chat(self) -> dict[str, Any]:
+        spec = {"url": self.image_url} if self.detail is None else {"url": self.image_url, "detail": self.detail}
+        return {"type": "image_url", "image_url": spec}
+
+
 _TEXT_PARTS = ("input_text", "output_text", "refusal")
 
 
-def _check_parts(value: Any) -> str | list[TextPart]:
-    """Content: a string, or a list of text parts (images, files and audio: a clear 400)."""
+def _check_parts(value: Any) -> str | list[TextPart | ImagePart]:
+    """Content: a string, or a list of text and image parts (files and audio: a clear 400)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise ValueError("must be a string or a list of content parts")  # noqa: TRY004 (pydantic needs ValueError)
-    parts = []
+    parts: list[TextPart | ImagePart] = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            parts.append(ImagePart.model_validate(part))
+            continue
         if kind not in _TEXT_PARTS:
             if isinstance(kind, str):
                 raise ValueError(f"content parts of type {kind!r} are not supported; only text parts "
-                                 "('input_text', 'output_text', 'refusal') are")  # fmt: skip
+                                 "('input_text', 'output_text', 'refusal') and 'input_image' are")  # fmt: skip
             raise ValueError("each content part must be an object with a 'type'")
         parts.append(TextPart.model_validate(part))
     return parts
 
 
 ContentField = Annotated[
-    str | list[TextPart], PlainValidator(_check_parts, json_schema_input_type=str | list[dict[str, Any]])
+    str | list[TextPart | ImagePart],
+    PlainValidator(_check_parts, json_schema_input_type=str | list[dict[str, Any]]),
 ]
 
 
-def _text_of(content: str | list[TextPart]) -> str:
+def _text_of(content: str | list[TextPart | ImagePart]) -> str:
     # Parts joined with newlines, as /v1/chat/completions joins text parts.
-    return content if isinstance(content, str) else "\n".join(p.content for p in content)
+    if isinstance(content, str):
+        return content
+    if any(isinstance(p, ImagePart) for p in content):
+        raise bad_request("'input_image' parts belong in message content, not in a function call's output.",
+                          param="input")
+    return "\n".join(p.content for p in content)
+
+
+def _chat_content(content: str | list[TextPart | ImagePart]) -> str | list[dict[str, Any]]:
+    """A message's content for the chat helpers: text, or with images the parts in order."""
+    if isinstance(content, str) or not any(isinstance(p, ImagePart) for p in content):
+        return _text_of(content)
+    return [p.to_chat() if isinstance(p, ImagePart) else {"type": "text", "text": p.content} for p in content]
 
 
 class MessageItem(_Strict):
@@ -112,7 +149,7 @@ class MessageItem(_Strict):
     def to_chat(self) -> dict[str, Any]:
         # "developer" is OpenAI's new name for "system"; chat templates only know the latter.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": _text_of(self.content)}
+        return {"role": role, "content": _chat_content(self.content)}
 
 
 class FunctionCallItem(_Strict):

@@ -165,9 +165,10 @@ class ResponsesServing(OpenAIServing):
         plan = body.tool_plan()
         structured, structured_param = self._structured(body, plan)
         try:
-            text, ids = self.chat.encode_chat(messages, plan=plan)
+            text, ids, images = self.chat.encode_chat_images(messages, plan=plan)
         except APIError as e:
-            e.param = "input" if e.param == "messages" else e.param
+            # The chat messages' places are not the input's (instructions, earlier turns): "input".
+            e.param = "input" if e.param is not None and e.param.startswith("messages") else e.param
             raise
         response_id = new_id("resp")
 
@@ -185,7 +186,7 @@ class ResponsesServing(OpenAIServing):
             return make_sampling_params(kwargs, {"max_tokens": "max_output_tokens"})
 
         sub = self.prepare(response_id, text, ids, to_params, "input", "max_output_tokens", structured_param,
-                           lora_request=lora)  # fmt: skip
+                           lora_request=lora, mm_inputs=images)  # fmt: skip
         return _Run(body, response_id, tenant, plan, sub, items, history)
 
     def _structured(self, body: ResponsesRequest, plan: ToolPlan) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -141,7 +141,7 @@ class BudgetedGroup:
         params = dataclasses.replace(sub.params, max_tokens=max_tokens, min_tokens=min_tokens)
         continued = self.serving.prepare(f"{sub.request_id}-2", None, [*sub.prompt_token_ids, *self._prefix_ids],
                                          lambda _: params, *self.params,
-                                         lora_request=sub.lora_request)  # fmt: skip
+                                         lora_request=sub.lora_request, mm_inputs=sub.mm_inputs)  # fmt: skip
         timeout = first.timeout
         if timeout is not None:
             timeout -= time.monotonic() - self._started_at

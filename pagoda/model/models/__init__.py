@@ -56,6 +56,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("qwen3_5", "Qwen3NextForCausalLM"),
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 # GGUF `general.architecture` -> HF architecture name.

@@ -14,19 +14,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, text_config
+from pagoda.model.layers.vision import VisionEncoder, vision_config
 from pagoda.model.models.llama import LlamaForCausalLM
-
-
-def _act(name: str):
-    if name == "gelu_pytorch_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    raise ValueError(f"vision activation {name!r} is not supported")
 
 
 class VisionEmbeddings(nn.Module):
@@ -50,50 +42,6 @@ class VisionEmbeddings(nn.Module):
         return x + self.position_embedding(ids)[None]
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, v: dict[str, Any]) -> None:
-        super().__init__()
-        d = v["hidden_size"]
-        self.num_heads = v["num_attention_heads"]
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, t, d = x.shape
-        q, k, v = (p(x).view(n, t, self.num_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(out.transpose(1, 2).reshape(n, t, d))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, v: dict[str, Any]) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v["hidden_size"], v["intermediate_size"])
-        self.fc2 = nn.Linear(v["intermediate_size"], v["hidden_size"])
-        self.act = _act(v["hidden_act"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class VisionLayer(nn.Module):
-    def __init__(self, v: dict[str, Any]) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
-        self.self_attn = VisionAttention(v)
-        self.layer_norm2 = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
-        self.mlp = VisionMLP(v)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class VisionEncoder(nn.Module):
-    def __init__(self, v: dict[str, Any]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(VisionLayer(v) for _ in range(v["num_hidden_layers"]))
-
-
 class VisionTransformer(nn.Module):
     def __init__(self, v: dict[str, Any]) -> None:
         super().__init__()
@@ -102,10 +50,7 @@ class VisionTransformer(nn.Module):
         self.post_layernorm = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(pixels)
-        for layer in self.encoder.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
+        return self.post_layernorm(self.encoder(self.embeddings(pixels)))
 
 
 class ModalityProjection(nn.Module):
@@ -129,6 +74,12 @@ class Connector(nn.Module):
         return self.modality_projection.proj(x.reshape(n, seq // (s * s), d * s * s))
 
 
+# transformers' Idefics3VisionConfig defaults (a config.json may leave any of them out).
+_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
+                        num_channels=3, image_size=224, patch_size=32, layer_norm_eps=1e-6,
+                        hidden_act="gelu_pytorch_tanh")
+
+
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     gguf_qk_permuted = True
     tensor_parallel = False   # the tower is not sharded yet
@@ -145,16 +96,9 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
         text = text_config(config)
         fields = ModelArchConfig.hf_fields(text, architecture)
-        vc = config.get("vision_config") or {}
-        vision = dict(
-            hidden_size=vc.get("hidden_size", 1152), intermediate_size=vc.get("intermediate_size", 3072),
-            num_hidden_layers=vc.get("num_hidden_layers", 12), num_attention_heads=vc.get("num_attention_heads", 16),
-            num_channels=vc.get("num_channels", 3), image_size=vc.get("image_size", 224),
-            patch_size=vc.get("patch_size", 32), layer_norm_eps=vc.get("layer_norm_eps", 1e-6),
-            hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"), scale_factor=int(config.get("scale_factor", 2)),
-            image_token_id=int(config.get("image_token_id", 128257)),
-        )
-        _act(vision["hidden_act"])   # refuse an unknown activation at load
+        vision = vision_config(config.get("vision_config") or {}, _VISION_DEFAULTS)
+        vision.update(scale_factor=int(config.get("scale_factor", 2)),
+                      image_token_id=int(config.get("image_token_id", 128257)))
         return ModelArchConfig(**fields, vision=vision)
 
     @classmethod
