@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-DATASETS = ("random", "prefix", "multiturn", "jsonl")
+DATASETS = ("random", "random-mm", "prefix", "multiturn", "jsonl")
 
 _WORD_START = re.compile(r"^ [A-Za-z]+$")   # a token that opens a new word: " word"
 _ENDS_IN_LETTER = re.compile(r"[A-Za-z]$")
@@ -101,6 +101,35 @@ def random_dataset(sampler: TextSampler, num: int, input_len: int, output_len: i
         n = sampler.rng.randint(in_lo, in_hi)
         text, ids = sampler.text(n)
         convs.append(Conversation([Turn(text, sampler.rng.randint(out_lo, out_hi), len(ids))]))
+    return convs
+
+
+def random_mm_dataset(sampler: TextSampler, num: int, input_len: int, output_len: int, image_size: tuple[int, int],
+                      images_per_request: int = 1, range_ratio: float = 0.0) -> list[Conversation]:
+    """Chat requests of ``images_per_request`` images of random pixels (``image_size``: width,
+    height; PNG data URLs, a new image each, so no encoder cache helps) before random text of
+    ``input_len`` tokens (``prompt_len`` counts the text only: the server's usage counts the
+    image tokens)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    width, height = image_size
+    rng = np.random.default_rng(sampler.rng.randrange(2**32))
+    convs = []
+    for conv in random_dataset(sampler, num, input_len, output_len, range_ratio):
+        turn = conv.turns[0]
+        parts: list[dict[str, Any]] = []
+        for _ in range(images_per_request):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        parts.append({"type": "text", "text": turn.prompt})
+        turn.messages = [{"role": "user", "content": parts}]
+        convs.append(conv)
     return convs
 
 

@@ -70,6 +70,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
     g.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens (prefix dataset)")
     g.add_argument("--num-turns", type=int, default=3, help="user turns per conversation (multiturn)")
+    g.add_argument("--image-size", type=_image_size, default=(384, 384), metavar="WxH",
+                   help="random-mm: each image's width x height in pixels")
+    g.add_argument("--images-per-request", type=int, default=1, help="random-mm: images before each prompt's text")
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every reply is output-len long")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
@@ -110,6 +113,16 @@ def _points(args: argparse.Namespace) -> list[dict[str, Any]]:
              "num_prompts": pick(args.num_prompts, i)} for i in range(n)]
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 384x384, got {text!r}") from None
+    if w < 1 or h < 1:
+        raise argparse.ArgumentTypeError(f"an image of {w}x{h} pixels has none")
+    return w, h
+
+
 def _make_dataset(args: argparse.Namespace, sampler: ds.TextSampler | None, tokenizer: Any,
                   num: int) -> list[ds.Conversation]:
     if args.dataset == "jsonl":
@@ -119,6 +132,11 @@ def _make_dataset(args: argparse.Namespace, sampler: ds.TextSampler | None, toke
     assert sampler is not None
     if args.dataset == "random":
         return ds.random_dataset(sampler, num, args.input_len, args.output_len, args.range_ratio)
+    if args.dataset == "random-mm":
+        if args.endpoint != "/v1/chat/completions":
+            raise ValueError("--dataset random-mm needs --endpoint /v1/chat/completions (images go in messages)")
+        return ds.random_mm_dataset(sampler, num, args.input_len, args.output_len, args.image_size,
+                                    args.images_per_request, args.range_ratio)
     if args.dataset == "prefix":
         return ds.prefix_dataset(sampler, num, args.prefix_len, args.input_len, args.output_len, args.range_ratio)
     return ds.multiturn_dataset(sampler, num, args.num_turns, args.input_len, args.output_len, args.range_ratio)
@@ -211,6 +229,8 @@ async def run_points(args: argparse.Namespace, tokenizer: Any,
                      "range_ratio": args.range_ratio,
                      "prefix_len": args.prefix_len if args.dataset == "prefix" else None,
                      "num_turns": args.num_turns if args.dataset == "multiturn" else None,
+                     "image_size": list(args.image_size) if args.dataset == "random-mm" else None,
+                     "images_per_request": args.images_per_request if args.dataset == "random-mm" else None,
                      "dataset_path": args.dataset_path, "ignore_eos": args.ignore_eos,
                      "temperature": args.temperature, "burstiness": args.burstiness,
                      "num_warmups": args.num_warmups, "seed": args.seed},

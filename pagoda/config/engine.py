@@ -401,6 +401,10 @@ class MultiModalOptions(OptionGroup):
     TITLE = "images in"
     DESCRIPTION = "What vision-language models accept and how their image encoder's outputs are kept (docs/vision.md)."
 
+    mmproj: str | None = option(
+        None, "llama.cpp's multimodal projector file (a vision tower in GGUF, convert_hf_to_gguf.py --mmproj) "
+              "beside a GGUF language model: served as the vision-language model it makes (llama-server's flag)",
+        metavar="FILE")
     limit_mm_per_prompt: dict[str, int] | str | None = option(
         None, 'images a prompt may hold, as JSON: \'{"image": N}\' (0: none)', metavar="JSON",
         default_text='{"image": 8}')
@@ -418,12 +422,14 @@ class MultiModalOptions(OptionGroup):
                                         parse=positive_float, commands=("serve",))
 
     def check(self) -> None:
+        import os
+
         _set(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
+        if self.mmproj is not None and not os.path.isfile(self.mmproj):
+            raise ValueError(f"mmproj: {self.mmproj!r} is not a file")
         _positive("encoder_cache_budget", self.encoder_cache_budget)
         if isinstance(self.allowed_media_domains, str):
             _set(self, "allowed_media_domains", self.allowed_media_domains.replace(",", " ").split())
-        import os
-
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path: {self.allowed_local_media_path!r} is not a folder")
 

@@ -122,7 +122,8 @@ class EngineCore:
                 group = self.tp_driver.group
                 loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
                                     quantization=config.quantization, tp_group=group.tp, tp_rank=0,
-                                    expert_parallel=config.enable_expert_parallel, pipe=group.pipe)
+                                    expert_parallel=config.enable_expert_parallel, pipe=group.pipe,
+                                    mmproj=config.mmproj)
                 self._init_rest(config, loaded, device, dtype, collect_stats)
             except BaseException:
                 # The workers may be waiting in a collective: stop them, do not talk to them.
@@ -131,7 +132,7 @@ class EngineCore:
             return
         if loaded is None:
             loaded = load_model(config.model, dtype, device, show_progress=config.show_progress,
-                                quantization=config.quantization)
+                                quantization=config.quantization, mmproj=config.mmproj)
         self.ep_group = None
         if config.dp_expert_parallel:
             self._join_expert_parallel(config, loaded, device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -77,6 +78,7 @@ def load_model(
     tp_rank: int = 0,
     expert_parallel: bool = False,
     pipe: StageLink | None = None,
+    mmproj: str | None = None,
 ) -> LoadedModel:
     """Read the weights, then swap in quantized layers if asked (the model
     code itself never branches on quantization). On the CPU in float32, a GGUF
@@ -87,7 +89,9 @@ def load_model(
     part of each tensor kept as it is read (blocks cut along block boundaries); the
     quantized modes then convert the shard, every rank in step (``quantize_model``). With
     ``pipe`` (a pipeline stage's links), build only that stage's layers
-    (pagoda/model/layers/pipeline.py): other stages' tensors are never read."""
+    (pagoda/model/layers/pipeline.py): other stages' tensors are never read. ``mmproj``:
+    llama.cpp's projector file beside a GGUF language model (pagoda/model/mmproj.py),
+    served as the vision-language family it names."""
     from pagoda.model.layers.quantization import QUANTIZATION_MODES, calibration_token_ids, quantize_model
 
     path = resolve_model_path(model)
@@ -105,6 +109,8 @@ def load_model(
     # pipeline stage its own layers'. Otherwise (CUDA, another dtype, no kernels) they are
     # dequantized to ``dtype`` at load.
     keep_blocks = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.kernels() is not None
+    if mmproj is not None and not (os.path.isfile(path) and _has_gguf_magic(path)):
+        raise ModelLoadError(f"--mmproj goes with a GGUF language model; {path!r} is not one")
     if os.path.isdir(path):
         method = _quant_method(path)
         if method is not None:
@@ -118,9 +124,9 @@ def load_model(
         loaded = (_load_hf_kept(path, device, show_progress, method, tp, pipe) if kept else None) or \
             _load_hf_folder(path, dtype, device, show_progress, tp, method, pipe)
     elif (path.endswith(".gguf") or _has_gguf_magic(path)) and keep_blocks:
-        loaded = _load_gguf_blocks(path, device, show_progress, tp, pipe)
+        loaded = _load_gguf_blocks(path, device, show_progress, tp, pipe, mmproj)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
-        loaded = _load_gguf(path, dtype, device, show_progress, tp, pipe)
+        loaded = _load_gguf(path, dtype, device, show_progress, tp, pipe, mmproj)
     else:
         raise ModelLoadError(f"{path!r} is neither a model folder nor a GGUF file")
     quantize_model(loaded.model, quantization, device,
@@ -477,7 +483,10 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
     table = get_tensor_name_map(arch, model.config.num_hidden_layers)
     names: dict[str, str | list] = {}
     merged: dict[str, dict[str, list[str]]] = {}   # merged gate/up experts: their two lists
+    tower = tuple(getattr(model, "unquantized_prefixes", ()))   # a vision tower's: in the mmproj file
     for hf_name in checkpoint_names(model):
+        if tower and hf_name.startswith(tower):
+            continue
         lookup = type(model).gguf_lookup_name(hf_name)
         module, _, leaf = lookup.rpartition(".")
         expert = EXPERT_NAME.search(module)
@@ -529,9 +538,10 @@ def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _read_gguf(path: str):
+def _read_gguf(path: str, mmproj: str | None = None):
     """(the open file, its architecture, its GGUF -> HF names, the family's model built on
-    the meta device) for a GGUF model file."""
+    the meta device) for a GGUF model file (with ``mmproj``, the vision-language family of
+    the projector file)."""
     from pagoda.hub.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
@@ -542,6 +552,8 @@ def _read_gguf(path: str):
         if name in gf.tensors:
             md[name] = load_tensor(gf, name, dtype=torch.float32).flatten().tolist()
     arch = ModelArchConfig.from_gguf_metadata(md, set(gf.tensors))
+    if mmproj is not None:
+        arch = _with_projector(arch, md, mmproj)
     if md.get(f"{md['general.architecture']}.nextn_predict_layers"):
         # The multi-token-prediction blocks past the last layer (Qwen3.5's, Nemotron 3's):
         # not served (the family reads the layers before them), their tensors not read.
@@ -561,6 +573,22 @@ def _read_gguf(path: str):
     return gf, arch, names, model
 
 
+def _with_projector(arch: ModelArchConfig, md: dict[str, Any], mmproj: str) -> ModelArchConfig:
+    """The language model's architecture as the vision-language family of ``mmproj``."""
+    from pagoda.hub.gguf_file import GGUFFile
+    from pagoda.model.mmproj import mmproj_vision
+
+    proj = GGUFFile(mmproj)
+    try:
+        family, vision = mmproj_vision(proj.metadata, md.get("tokenizer.ggml.tokens") or [], mmproj)
+    finally:
+        proj.close()
+    if arch.architecture != "LlamaForCausalLM":
+        raise UnsupportedModelError(f"{mmproj}: its projector goes with a Llama language model, not "
+                                    f"{arch.architecture}")
+    return dataclasses.replace(arch, architecture=family, vision=vision)
+
+
 def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM], hf: bool = False) -> dict[str, int]:
     """Projection -> heads, for the rows to un-permute: a GGUF file's where llama.cpp holds
     them interleaved (``gguf_qk_permuted``), an HF checkpoint's where the family's own RoPE
@@ -570,8 +598,8 @@ def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM], hf: bool = False) -> d
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progress: bool,
-               tp: _TP | None = None, pipe: StageLink | None = None) -> LoadedModel:
-    gf, arch, names, meta_model = _read_gguf(path)
+               tp: _TP | None = None, pipe: StageLink | None = None, mmproj: str | None = None) -> LoadedModel:
+    gf, arch, names, meta_model = _read_gguf(path, mmproj)
     heads = _qk_heads(arch, type(meta_model))
     model, plan, stage = _instantiate(arch, dtype, device, tp, pipe)
 
@@ -598,6 +626,10 @@ def _load_gguf(path: str, dtype: torch.dtype, device: torch.device, show_progres
             if proj in heads:
                 t = unpermute_rope(t, heads[proj])
             yield hf_name, type(model).gguf_tensor(hf_name, t).to(dtype)
+        if mmproj is not None:
+            from pagoda.model.mmproj import mmproj_tensors
+
+            yield from ((n, t.to(dtype)) for n, t in mmproj_tensors(mmproj))
 
     _fill(model, tensors(), len(gf.tensors), path, show_progress, plan, stage)
     return LoadedModel(model, arch, path, gguf_metadata=gf.metadata, shard=plan, stage=stage)
@@ -623,7 +655,7 @@ def kept_weight_slots(model: CausalLM) -> dict[str, tuple[str, int]]:
 
 
 def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: _TP | None = None,
-                      pipe: StageLink | None = None) -> LoadedModel:
+                      pipe: StageLink | None = None, mmproj: str | None = None) -> LoadedModel:
     """A GGUF model whose projections, LM head and embedding stay in the file's blocks:
     views into a copy-on-write memory map (nothing read until a kernel reads it), except
     Q and K of Llama-converted files, whose rows are put back in HF order (a copy). With
@@ -632,7 +664,7 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
     only (``_stage_of``)."""
     from pagoda.model.layers.blocks import BLOCK_TYPES, BlockWeight, block_format
 
-    gf, arch, names, model = _read_gguf(path)
+    gf, arch, names, model = _read_gguf(path, mmproj)
     md = gf.metadata
     heads = _qk_heads(arch, type(model))
     plan = None
@@ -711,6 +743,10 @@ def _load_gguf_blocks(path: str, device: torch.device, show_progress: bool, tp: 
     gf.close()  # the header's map; the weights keep the copy-on-write map alive
     if unexpected:
         raise ModelLoadError(f"{path}: tensors pagoda does not know: {unexpected[:8]}")
+    if mmproj is not None:   # the tower in float32, as a float checkpoint's would be
+        from pagoda.model.mmproj import mmproj_tensors
+
+        floats.update(mmproj_tensors(mmproj))
     _kept_weights_model(model, blocks, floats, path, device)
     return LoadedModel(model, arch, path, gguf_metadata=md, shard=plan, stage=stage)
 
@@ -839,8 +875,9 @@ def _assemble_blocks(model: CausalLM, blocks: dict, floats: dict[str, torch.Tens
                 blocks[f"{attn}.qkv_proj"].setdefault(2, blocks[f"{attn}.qkv_proj"][1])
                 if f"{attn}.k_proj.bias" in floats:
                     floats.setdefault(f"{attn}.v_proj.bias", floats[f"{attn}.k_proj.bias"])
+    tower = tuple(getattr(model, "unquantized_prefixes", ()))   # a vision tower: float parameters
     for name, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or (tower and checkpoint_name(name).startswith(tower)):
             continue
         shards = blocks.pop(name, None)
         parent_name, _, attr = name.rpartition(".")

@@ -63,9 +63,12 @@ def _config(path: str) -> dict[str, Any] | None:
     return {**{k: v for k, v in outer.items() if k != "image_processor"}, **settings}
 
 
-def load_image_processor(path: str, model_config: dict[str, Any] | None = None) -> ImageProcessor | None:
-    """The image processor of the model at ``path`` (an HF folder), None for a model that
-    takes text only."""
+def load_image_processor(path: str, model_config: dict[str, Any] | None = None,
+                         mmproj: str | None = None) -> ImageProcessor | None:  # fmt: skip
+    """The image processor of the model at ``path`` (an HF folder; a GGUF file with llama.cpp's
+    projector file ``mmproj``), None for a model that takes text only."""
+    if mmproj is not None:
+        return _mmproj_processor(mmproj)
     if not os.path.isdir(path):
         return None
     if model_config is None:
@@ -88,6 +91,30 @@ def load_image_processor(path: str, model_config: dict[str, Any] | None = None) 
                              "(preprocessor_config.json or processor_config.json)")
         return LlavaImageProcessor(settings, model_config)
     return None
+
+
+def _mmproj_processor(mmproj: str) -> ImageProcessor:
+    """The processor of a projector file, with the settings its HF processor config would
+    give (llama.cpp's converter writes them into the file's ``clip.vision.*`` keys)."""
+    from pagoda.hub.gguf_file import GGUFFile
+
+    gf = GGUFFile(mmproj)
+    try:
+        md = dict(gf.metadata)
+    finally:
+        gf.close()
+    kind = md.get("clip.projector_type")
+    if kind != "idefics3":
+        raise ImageError(f"{mmproj}: projector type {kind!r} is not supported (supported: idefics3)")
+    p = "clip.vision."
+    size, patch, scale = md[p + "image_size"], md[p + "patch_size"], int(md.get(p + "projector.scale_factor", 2))
+    settings = {"size": {"longest_edge": int(md.get(p + "preproc_image_size", size))},
+                "max_image_size": {"longest_edge": size}, "do_image_splitting": True,
+                "image_mean": list(md.get(p + "image_mean", [0.5, 0.5, 0.5])),
+                "image_std": list(md.get(p + "image_std", [0.5, 0.5, 0.5])),
+                "image_seq_len": (size // patch) ** 2 // (scale * scale)}
+    return Idefics3ImageProcessor(settings, {"vision_config": {"image_size": size, "patch_size": patch},
+                                             "scale_factor": scale})
 
 
 def _rescale_normalize(img: np.ndarray, scale: float | None, mean: Sequence[float] | None,

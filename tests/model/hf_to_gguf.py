@@ -23,11 +23,12 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) -> str:
+def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None, extra=None) -> str:
     """``model``: a transformers causal LM (float32), saved in ``hf_dir`` (whose tensors,
     in the checkpoint's own names, are the ones written). ``expert_type``: a ggml type the
     experts' weights are quantized to (the gguf library's quantizer; e.g. MXFP4, as
-    llama.cpp's GPT-OSS files hold them). Returns ``path``."""
+    llama.cpp's GPT-OSS files hold them). ``extra``: called with the writer to add keys
+    (a tokenizer). Returns ``path``."""
     from safetensors.torch import load_file
     c = model.config
     if hasattr(c, "allow_global_per_layer_attribute_access"):   # Gemma 4: the windowed layers' values
@@ -140,6 +141,8 @@ def write_gguf(model, path: str, gguf_arch: str, hf_dir: str, expert_type=None) 
         w.add_residual_scale(c.residual_multiplier)
         w.add_attention_scale(c.attention_multiplier)
         w.add_logit_scale(c.logits_scaling)
+    if extra is not None:
+        extra(w)
     state = {}
     for f in sorted(__import__("pathlib").Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(f)))

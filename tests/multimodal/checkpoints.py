@@ -100,3 +100,89 @@ def write_llava(out: str, pad: bool = False) -> str:
                                             chat_template=LLAVA_TEMPLATE)
     processor.save_pretrained(out)
     return out
+
+
+def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
+    """The checkpoint of ``write_idefics3`` as llama.cpp's converter writes it: the language
+    model as a "llama" GGUF (Q/K permuted) with its tokenizer (the bundled vocabulary, the
+    image tokens added as control tokens, SmolVLM's chat template), and the tower and
+    connector as a "clip" projector file (``--mmproj``) under llama.cpp's names and keys
+    (checked against the files its convert_hf_to_gguf.py writes for this checkpoint).
+    Returns (language model, projector) paths."""
+    import transformers
+    from gguf import GGUFWriter
+
+    from pagoda.hub.gguf_file import GGUFFile
+    from tests.model.hf_to_gguf import write_gguf
+
+    vlm = transformers.Idefics3ForConditionalGeneration.from_pretrained(hf_dir).float().eval()
+    text_dir = os.path.join(out_dir, "text")
+    text_config = transformers.LlamaConfig(**vlm.config.text_config.to_dict())
+    llama = transformers.LlamaForCausalLM(text_config).float().eval()
+    state = {f"model.{k}": v for k, v in vlm.model.text_model.state_dict().items()}
+    state["lm_head.weight"] = vlm.lm_head.weight
+    llama.load_state_dict(state)
+    llama.save_pretrained(text_dir)
+
+    processor = transformers.AutoProcessor.from_pretrained(hf_dir)
+    hf_tok = processor.tokenizer
+    base = GGUFFile(default_model_path())
+    md = dict(base.metadata)
+    base.close()
+    tokens = list(md["tokenizer.ggml.tokens"])
+    types = list(md["tokenizer.ggml.token_type"])
+    for token, i in sorted(hf_tok.get_added_vocab().items(), key=lambda kv: kv[1]):
+        if i >= len(tokens):
+            assert i == len(tokens), (token, i)
+            tokens.append(token)
+            types.append(3)   # llama.cpp's converter: special added tokens are control tokens
+
+    def tokenizer(w) -> None:
+        w.add_tokenizer_model(md["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(md["tokenizer.ggml.pre"])
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(list(md["tokenizer.ggml.merges"]))
+        w.add_bos_token_id(md["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
+        w.add_chat_template(IDEFICS3_TEMPLATE)
+
+    text_path = write_gguf(llama, os.path.join(out_dir, "smolvlm-text.gguf"), "llama", text_dir, extra=tokenizer)
+
+    v = vlm.config.vision_config
+    proj_path = os.path.join(out_dir, "smolvlm-mmproj.gguf")
+    w = GGUFWriter(proj_path, "clip")
+    w.add_type("mmproj")
+    w.add_bool("clip.has_vision_encoder", True)
+    for key, value in (("image_size", v.image_size), ("patch_size", v.patch_size),
+                       ("embedding_length", v.hidden_size), ("feed_forward_length", v.intermediate_size),
+                       ("block_count", v.num_hidden_layers), ("attention.head_count", v.num_attention_heads),
+                       ("projection_dim", vlm.config.text_config.hidden_size),
+                       ("projector.scale_factor", vlm.config.scale_factor),
+                       ("preproc_image_size", processor.image_processor.size["longest_edge"])):
+        w.add_uint32(f"clip.vision.{key}", int(value))
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", v.layer_norm_eps)
+    w.add_array("clip.vision.image_mean", [float(x) for x in processor.image_processor.image_mean])
+    w.add_array("clip.vision.image_std", [float(x) for x in processor.image_processor.image_std])
+    w.add_string("clip.projector_type", "idefics3")
+    w.add_bool("clip.use_gelu", True)
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.out_proj": "attn_out", "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up",
+             "mlp.fc2": "ffn_down"}
+    other = {"embeddings.patch_embedding": "v.patch_embd", "embeddings.position_embedding": "v.position_embd",
+             "post_layernorm": "v.post_ln"}
+    for name, t in vlm.model.vision_model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module.startswith("encoder.layers."):
+            i, part = module[len("encoder.layers."):].split(".", 1)
+            gguf_name = f"v.blk.{i}.{layer[part]}"
+        else:
+            gguf_name = other[module]
+        w.add_tensor(f"{gguf_name}.{leaf}", np.ascontiguousarray(t.detach().float().numpy()))
+    w.add_tensor("mm.model.fc.weight", np.ascontiguousarray(
+        vlm.model.connector.modality_projection.proj.weight.detach().float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return text_path, proj_path

@@ -173,3 +173,26 @@ def test_quantized_modes_leave_the_tower_in_float(idefics3_dir):
     image = random_image(64, 64, seed=4)
     [out] = llm.generate({"prompt": "User:<image>hi", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 10
+
+
+@pytest.mark.parametrize("mode", ["none", "gguf"])
+def test_gguf_with_mmproj_equals_transformers(idefics3_dir, hf, tmp_path, mode):
+    """llama.cpp's pair of files (a "llama" GGUF with the tokenizer and chat template, and the
+    "clip" projector file, --mmproj): served as the Idefics3 model, the same prompt tokens
+    and greedy tokens as transformers, in the exact and the gguf modes."""
+    from tests.multimodal.checkpoints import write_idefics3_gguf
+
+    text, mmproj = write_idefics3_gguf(idefics3_dir, str(tmp_path))
+    image = random_image(100, 60, seed=1)
+    turn = _user({"type": "image"}, {"type": "text", "text": "What is in the picture?"})
+    prompt, want = _hf_generate(hf, turn, [image])
+    llm = LLM(text, mmproj=mmproj, quantization=mode, show_progress=False, num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=24)
+    assert type(llm.engine.runner.model).__name__ == "Idefics3ForConditionalGeneration"
+    ours = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "What is in the picture?"}]
+    [out] = llm.chat(_user(*ours), GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == prompt and out.outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="--mmproj goes with a GGUF language model"):
+        LLM(idefics3_dir, mmproj=mmproj, show_progress=False, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="not a multimodal projector file"):
+        LLM(text, mmproj=text, show_progress=False, num_kv_blocks=16)

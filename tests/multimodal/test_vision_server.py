@@ -237,3 +237,27 @@ def test_pagoda_run_sends_an_image_with_the_first_prompt(server, client, tmp_pat
     with pytest.raises(ValueError, match="--image"):
         TerminalChat(engine, NO_DEFAULTS, parser.parse_args(["--image", str(tmp_path / "none.png")]), out)
     _wait_idle(running)
+
+
+def test_bench_serve_random_mm(server, vlm_dir, tmp_path):
+    """`pagoda bench serve --dataset random-mm`: a new random image before each prompt's text;
+    every request is served and counted; a malformed --image-size is refused."""
+    import json
+
+    from pagoda.entrypoints.cli import build_parser
+
+    _, running = server
+    out = tmp_path / "result.json"
+    args = build_parser().parse_args(
+        ["bench", "serve", "--base-url", running.base_url, "--endpoint", "/v1/chat/completions", "--no-progress",
+         "--ignore-eos", "--dataset", "random-mm", "--image-size", "70x40", "--num-prompts", "4",
+         "--max-concurrency", "2", "--input-len", "8", "--output-len", "4", "--num-warmups", "0",
+         "--tokenizer", vlm_dir, "--save-result", str(out)])  # fmt: skip
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"]["dataset"] == "random-mm" and report["workload"]["image_size"] == [70, 40]
+    m = report["points"][0]["metrics"]
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--image-size", "70by40"])
+    _wait_idle(running)

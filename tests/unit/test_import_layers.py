@@ -53,7 +53,7 @@ FLOORS: list[tuple[str, ...]] = [
     # what requests ask for beyond sampling, finding model files, grammars, sampling,
     # attention over the paged KV cache
     ("pagoda.pooling", "pagoda.hub", "pagoda.structured_output", "pagoda.sample", "pagoda.attention"),
-    ("pagoda.tokenizer", "pagoda.reasoning"),
+    ("pagoda.tokenizer", "pagoda.reasoning", "pagoda.multimodal"),   # images in: decoding, processors
     ("pagoda.model",),
     ("pagoda.lora", "pagoda.spec_decode"),
     ("pagoda.validation",),

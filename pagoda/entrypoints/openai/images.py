@@ -16,8 +16,8 @@ from pagoda.multimodal.prompts import ChatImages, first_image_part, image_prompt
 
 
 @functools.lru_cache(maxsize=16)
-def _processor(path: str) -> ImageProcessor | None:
-    return load_image_processor(path)
+def _processor(path: str, mmproj: str | None) -> ImageProcessor | None:
+    return load_image_processor(path, mmproj=mmproj)
 
 
 class ImagePrompts:
@@ -26,7 +26,7 @@ class ImagePrompts:
     def __init__(self, engine: EngineClient) -> None:
         config = engine.config
         self.tokenizer = engine.tokenizer
-        self.processor = _processor(resolve_model(config.model).path)
+        self.processor = _processor(resolve_model(config.model).path, config.mmproj)
         self.image_token_id = (self.tokenizer.token_to_id(self.processor.image_token)
                                if self.processor is not None else None)
         self.limits = MultiModalLimits(max_images=config.max_images)
