@@ -87,8 +87,9 @@ def _assert_same(monkeypatch, model: str, perturb: bool = False, **kwargs) -> No
 
 
 @pytest.mark.parametrize(("arch", "quantization"), [
-    ("llama", "none"), ("llama", "gguf"), ("llama", "int8"), ("llama", "q4"),   # Q4_K / Q6_K blocks
-    ("qwen2", "none"), ("qwen2", "gguf"),   # q/k/v biases, Q5_0 / Q8_0 blocks
+    ("llama", "none"), ("llama", "gguf"), pytest.param("llama", "int8", marks=pytest.mark.slow),
+    ("llama", "q4"),   # Q4_K / Q6_K blocks
+    pytest.param("qwen2", "none", marks=pytest.mark.slow), ("qwen2", "gguf"),   # q/k/v biases, Q5_0 / Q8_0 blocks
 ])
 def test_gguf_file_stack_equals_python_layers(monkeypatch, gguf_files, arch, quantization):
     _assert_same(monkeypatch, gguf_files[arch], quantization=quantization)
@@ -206,7 +207,11 @@ def _scaled_file(tmp_path, name: str, **changes) -> str:
     return str(write_model(str(tmp_path / f"{name}.gguf"), shape, "Q4_K_M", show_progress=False))
 
 
-@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("none", "auto"), ("gguf", "int8"), ("int8", "auto")])
+# The gguf mode with an int8 cache in the default run (the repacked products, the chunked
+# layers' metadata); the other two repeat its layers through other kernels (make test-all).
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [
+    pytest.param("none", "auto", marks=pytest.mark.slow), ("gguf", "int8"),
+    pytest.param("int8", "auto", marks=pytest.mark.slow)])
 def test_llama4_stack_equals_python_layers(monkeypatch, tmp_path, quantization, kv_cache_dtype):
     """Llama 4's layers in the stack: experts (top-1, the weight on the expert's input) and a
     shared expert, weightless q/k norms on the RoPE layers, the NoPE layer's per-token query

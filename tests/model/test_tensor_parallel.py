@@ -115,8 +115,9 @@ def _assert_same_greedy(base, tp2, label: str) -> None:
 
 @pytest.mark.parametrize("model", [
     # The even split is also covered by the default model (slow) and by the uneven model's MLP.
-    pytest.param("tiny_llama_dir", marks=pytest.mark.slow), "tiny_qwen2_dir", "tiny_uneven_dir", "tiny_qwen3_dir",
-    "tiny_gemma3_dir", "tiny_phi3_dir", "tiny_olmo2_dir", pytest.param("tiny_olmo3_dir", marks=pytest.mark.slow), "tiny_seedoss_dir",
+    pytest.param("tiny_llama_dir", marks=pytest.mark.slow), "tiny_qwen2_dir", "tiny_uneven_dir",
+    pytest.param("tiny_qwen3_dir", marks=pytest.mark.slow), "tiny_gemma3_dir", "tiny_phi3_dir", "tiny_olmo2_dir",
+    pytest.param("tiny_olmo3_dir", marks=pytest.mark.slow), pytest.param("tiny_seedoss_dir", marks=pytest.mark.slow),
     pytest.param("tiny_exaone4_dir", marks=pytest.mark.slow), pytest.param("tiny_cohere2_dir", marks=pytest.mark.slow)])
 def test_tp2_matches_tp1_tiny(model, request):
     """Even heads (4 q / 2 kv, tied embeddings), a replicated KV head (4 / 1, qkv bias),
@@ -168,9 +169,11 @@ def test_tp_startup_error_stops_the_workers(tiny_llama_dir):
     assert _child_pids() - before == set()
 
 
-@pytest.mark.parametrize("model,expert_parallel", [("tiny_mixtral_dir", True), ("tiny_qwen3moe_dir", True),
+@pytest.mark.parametrize("model,expert_parallel", [("tiny_mixtral_dir", True),
+                                                   pytest.param("tiny_qwen3moe_dir", True, marks=pytest.mark.slow),
                                                    ("tiny_gptoss_dir", True), ("tiny_mixtral_dir", False),
-                                                   ("tiny_gptoss_dir", False), ("tiny_glm4moe_dir", False),
+                                                   pytest.param("tiny_gptoss_dir", False, marks=pytest.mark.slow),
+                                                   ("tiny_glm4moe_dir", False),
                                                    pytest.param("tiny_ernie45moe_dir", False, marks=pytest.mark.slow),
                                                    pytest.param("tiny_minimaxm2_dir", False, marks=pytest.mark.slow),
                                                    ("tiny_llama4_dir", True)])
