@@ -377,20 +377,12 @@ class DisaggregationOptions(OptionGroup):
 
 def parse_mm_limits(value: dict[str, Any] | str | None) -> dict[str, int]:
     """vLLM's ``--limit-mm-per-prompt``: ``{"image": N}`` as a dict or JSON; {} for the default."""
-    import json
+    from pagoda.json_options import json_object
 
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 4}}': {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}}, got {value!r}")
+    value = json_object("limit_mm_per_prompt", value, ("image",))   # the one modality this server takes
     for key, n in value.items():
-        if key != "image":
-            raise ValueError(f"limit_mm_per_prompt: {key!r} is not a modality this server takes (only 'image')")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"limit_mm_per_prompt: the limit for {key!r} must be an integer >= 0, got {n!r}")
     return dict(value)

@@ -78,19 +78,14 @@ def load_image_processor(path: str, model_config: dict[str, Any] | None = None,
         with open(config_file) as f:
             model_config = json.load(f)
     archs = model_config.get("architectures") or []
-    if "Idefics3ForConditionalGeneration" in archs:
-        settings = _config(path)
-        if settings is None:
-            raise ImageError(f"{path}: an Idefics3 model without its processor config "
-                             "(preprocessor_config.json or processor_config.json)")
-        return Idefics3ImageProcessor(settings, model_config)
-    if "LlavaForConditionalGeneration" in archs:
-        settings = _config(path)
-        if settings is None:
-            raise ImageError(f"{path}: a LLaVA model without its processor config "
-                             "(preprocessor_config.json or processor_config.json)")
-        return LlavaImageProcessor(settings, model_config)
-    return None
+    family = next((cls for arch, cls in _FAMILIES.items() if arch in archs), None)
+    if family is None:
+        return None
+    settings = _config(path)
+    if settings is None:
+        raise ImageError(f"{path}: a {archs[0]} model without its processor config "
+                         "(preprocessor_config.json or processor_config.json)")
+    return family(settings, model_config)
 
 
 def _mmproj_processor(mmproj: str) -> ImageProcessor:
@@ -363,3 +358,8 @@ def expand_images(text: str, images: Sequence[Image.Image], processor: ImageProc
         inputs.append(ImageInput(image_hash(processor, p.pixels), first, last - first + 1, p.pixels.tobytes(),
                                  tuple(p.pixels.shape)))
     return ids, inputs
+
+
+# HF architecture -> its image processor.
+_FAMILIES: dict[str, type] = {"Idefics3ForConditionalGeneration": Idefics3ImageProcessor,
+                              "LlavaForConditionalGeneration": LlavaImageProcessor}
