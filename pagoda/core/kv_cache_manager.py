@@ -99,7 +99,7 @@ class KVCacheManager:
         salt_at = 0 if request.lora_int_id else request.num_shared_prefix_tokens // self.block_size
         return hash_request_blocks(
             request.all_token_ids, self.block_size, request.block_hashes, extra, salt_at,
-            [(m.offset, m.offset + m.length, m.hash) for m in request.mm_inputs],
+            [(m.offset, m.end, m.hash) for m in request.mm_inputs],
         )
 
     @staticmethod

@@ -561,11 +561,11 @@ class EngineCore:
             if len(image.pixels) != 4 * math.prod(image.shape):
                 raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {len(image.pixels)} bytes of "
                                           f"pixels for shape {tuple(image.shape)}")
-            if image.offset < end or image.length < 1 or image.offset + image.length > len(req.prompt_token_ids):
+            if image.offset < end or image.length < 1 or image.end > len(req.prompt_token_ids):
                 raise InvalidRequestError(f"request {req.request_id!r}, image {k}: its span "
-                                          f"[{image.offset}, {image.offset + image.length}) is outside the prompt "
+                                          f"[{image.offset}, {image.end}) is outside the prompt "
                                           "or overlaps another image's")
-            end = image.offset + image.length
+            end = image.end
             got = req.prompt_token_ids[image.offset:end].count(image_token)
             if got != want:
                 raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {got} image tokens in its span "

@@ -30,16 +30,6 @@ class EncoderCache:
         self.misses = 0
         self.encoder_seconds = 0.0
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries
-
-    @property
-    def rows(self) -> int:
-        return self._rows
-
     def get(self, image: ImageInput, encode: Callable[[torch.Tensor], torch.Tensor],
             device: torch.device) -> torch.Tensor:  # fmt: skip
         """The image's embeddings [n, hidden]: cached, or ``encode(pixels)`` now."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgspec
 
@@ -37,11 +36,6 @@ class ImageInput(msgspec.Struct, frozen=True):
     @property
     def end(self) -> int:
         return self.offset + self.length
-
-
-def image_spans(images: Sequence[ImageInput]) -> tuple[tuple[int, int, str], ...]:
-    """(start, end, hash) of each image's placeholder span, as the prefix cache hashes them."""
-    return tuple((m.offset, m.end, m.hash) for m in images)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ class ChatImages:
     messages: list[dict[str, Any]]
     images: list[Image.Image] = field(default_factory=list)
     details: list[str] = field(default_factory=list)   # each image's detail (auto / low / high)
-    places: list[str] = field(default_factory=list)    # each image's part, as errors name it
 
 
 def has_image_parts(messages: Sequence[dict[str, Any]]) -> bool:
@@ -75,6 +74,11 @@ def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = M
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
                 continue
+            if kind not in _IMAGE_TYPES:
+                raise ImageError(f"{where}: content parts of type {kind!r} are not supported", where)
+            if len(images) >= limits.max_images:   # before decoding one more
+                raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
+                                 "(--limit-mm-per-prompt)", where)  # fmt: skip
             detail = "auto"
             if kind == "image_url":
                 spec = part.get("image_url")
@@ -84,14 +88,8 @@ def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = M
                 detail = (spec.get("detail") if isinstance(spec, dict) else None) or "auto"
                 if detail not in ("auto", "low", "high"):
                     raise ImageError(f"{where}: image_url.detail must be auto, low or high, got {detail!r}", where)
-                if len(images) >= limits.max_images:
-                    raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
-                                     "(--limit-mm-per-prompt)", where)  # fmt: skip
                 images.append(_from_url(url, where, limits, fetch))
             elif kind == "image_base64":   # Ollama's images, Anthropic's base64 sources
-                if len(images) >= limits.max_images:
-                    raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
-                                     "(--limit-mm-per-prompt)", where)  # fmt: skip
                 data = part.get("image_base64")
                 if not isinstance(data, str):
                     raise ImageError(f"{where}: an image must be base64 text", where)
@@ -103,13 +101,9 @@ def take_images(messages: Sequence[dict[str, Any]], limits: MultiModalLimits = M
                 images.append(to_rgb(img))
             elif isinstance(part, dict) and kind == "image" and isinstance(part.get("image"), Image.Image):
                 images.append(to_rgb(part["image"]))
-            else:
+            else:   # an "image" part without a PIL image; "input_image" (the Responses API converts its own)
                 raise ImageError(f"{where}: content parts of type {kind!r} are not supported", where)
-            if len(images) > limits.max_images:
-                raise ImageError(f"{where}: at most {limits.max_images} image(s) per prompt "
-                                 "(--limit-mm-per-prompt)", where)  # fmt: skip
             found.details.append(detail)
-            found.places.append(where)
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return found

@@ -555,7 +555,7 @@ class ModelRunner:
             if span is not None:
                 b.prompt_spans.append(span)
             for image in state.mm_inputs:
-                if image.offset < end and image.offset + image.length > start:
+                if image.offset < end and image.end > start:
                     splices.append((offset, start, end, state, image))
             offset += n
             # Only a request whose last known token is in this step samples; an embedding
@@ -633,12 +633,12 @@ class ModelRunner:
         embeds = self.model.embed(ids)
         for row, start, end, state, image in splices:
             emb = self.encoder_cache.get(image, self.model.embed_images, self.device)
-            span = torch.tensor(state.all_token_ids[image.offset:image.offset + image.length])
+            span = torch.tensor(state.all_token_ids[image.offset:image.end])
             is_embed = span == self.image_token_id
             if int(is_embed.sum()) != emb.shape[0]:
                 raise RuntimeError(f"request {state.req_id}: {int(is_embed.sum())} image tokens for "
                                    f"{emb.shape[0]} embeddings")
-            lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+            lo, hi = max(start, image.offset), min(end, image.end)
             which = (torch.cumsum(is_embed, 0) - 1)[lo - image.offset:hi - image.offset]
             take = is_embed[lo - image.offset:hi - image.offset]
             rows = torch.arange(row + lo - start, row + hi - start)[take]
