@@ -52,11 +52,16 @@ prometheus:
 	  echo "could not install prometheus with apt: the Prometheus tests will skip"; \
 	else echo "no prometheus and no apt as root: the Prometheus tests will skip"; fi
 
+# Two workers, whole files each (a file's module fixtures, e.g. its server, start once):
+# most tests wait on a subprocess or a socket part of the time. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP) browser prometheus
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-all: $(STAMP) browser prometheus
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/pagoda bench throughput --num-prompts 64 --input-len 128 --output-len 128 --compare-hf

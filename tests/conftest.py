@@ -14,6 +14,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that changes torch's thread count (an in-process engine sets its own) gives it
+    back: kernels whose blocking follows the thread count see the same count in every test,
+    whatever ran before it on the same pytest worker."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from pagoda.hub.paths import default_model_path as find
