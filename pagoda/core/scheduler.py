@@ -84,6 +84,9 @@ class SchedulerConfig:
     # how often a long prompt chunk saves one (every interval-th block end, and its last).
     num_state_checkpoints: int = 0
     state_checkpoint_interval: int = 1
+    # A model whose images attend in both directions (Gemma 3): a prompt chunk never ends
+    # inside an image's span (its first tokens would miss the later ones).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -355,7 +358,7 @@ class Scheduler:
             if request.num_pending and (request.num_output_tokens + request.num_pending >= request.max_output_tokens
                                         or not overlap):
                 want = 0   # the pending token ends it (or steps are not overlapped now)
-            num_new = self._cap(request, min(want, step.budget), step)
+            num_new = self._cap(request, min(want, step.budget), step, request.num_computed_tokens)
             if num_new == 0:
                 # All scheduled already (its sampled token has not arrived yet), or
                 # its tenant's share of this step is used up.
@@ -470,15 +473,33 @@ class Scheduler:
             request.state_tail = hashes[last - 1]
         return writes
 
-    def _cap(self, request: Request, num_new: int, step: _Step) -> int:
+    def _cap(self, request: Request, num_new: int, step: _Step, start: int) -> int:
         """Hold back a long prefill's chunk at the threshold and a tenant at its share
-        (the top-up pass gives back what nobody else used)."""
+        (the top-up pass gives back what nobody else used); ``start``: the chunk's first
+        position. With ``whole_images``, a chunk that would end inside an image ends before
+        it, or, starting in or at one, runs to its end where the budget allows that much."""
+        allowed = num_new
         threshold = self.config.long_prefill_threshold
         if threshold is not None and request.long_prefill_end and num_new > threshold:
             num_new = threshold
         if step.quota is not None:
             num_new = min(num_new, step.quota.get(tenant_of(request), 0))
+        if self.config.whole_images and request.mm_inputs:
+            num_new = self._whole_images(request, start, num_new, allowed)
         return num_new
+
+    @staticmethod
+    def _whole_images(request: Request, start: int, num_new: int, allowed: int) -> int:
+        end = start + num_new
+        for image in request.mm_inputs:
+            if image.offset < end < image.end:
+                if image.offset > start:
+                    end = image.offset          # up to the image; it comes whole next time
+                elif image.end - start <= allowed:
+                    end = image.end             # the rest of the image, past the other caps
+                else:
+                    end = start                 # not this step
+        return end - start
 
     def _evict(self, victim: Request, step: _Step) -> None:
         """Preempt a running request, undoing whatever this step scheduled for it."""
@@ -561,7 +582,7 @@ class Scheduler:
             is_long = threshold is not None and want > threshold
             if is_long:
                 request.long_prefill_end = request.num_tokens
-            num_new = self._cap(request, num_new, step)
+            num_new = self._cap(request, num_new, step, num_hit_tokens)
             if num_new == 0:
                 request.long_prefill_end = 0
                 return False
@@ -711,6 +732,9 @@ class Scheduler:
             request = self.requests[rid]
             done = step.num_scheduled[rid]
             extra = min(step.capped[rid] - done, step.budget)
+            if self.config.whole_images and request.mm_inputs:
+                start = request.num_computed_tokens
+                extra = self._whole_images(request, start, done + extra, done + extra) - done
             if extra <= 0:
                 continue
             # Blocks for num_computed + done + extra tokens (num_computed is not advanced yet).

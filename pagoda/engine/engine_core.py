@@ -433,6 +433,7 @@ class EngineCore:
                 num_host_state_slots=self.num_host_state_slots,
                 num_state_checkpoints=self.num_state_checkpoints,
                 state_checkpoint_interval=self.state_checkpoint_interval,
+                whole_images=bool((self.loaded.arch.vision or {}).get("bidirectional")),
             ),
             self.kv_manager,
         )
@@ -566,6 +567,11 @@ class EngineCore:
                                           f"[{image.offset}, {image.end}) is outside the prompt "
                                           "or overlaps another image's")
             end = image.end
+            if arch.vision.get("bidirectional") and image.length > self.scheduler.config.max_num_batched_tokens:
+                raise InvalidRequestError(
+                    f"request {req.request_id!r}, image {k}: its {image.length} tokens attend to each other in both "
+                    "directions and so are computed in one step, but a step computes at most "
+                    f"{self.scheduler.config.max_num_batched_tokens} tokens (--max-num-batched-tokens)")
             got = req.prompt_token_ids[image.offset:end].count(image_token)
             if got != want:
                 raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {got} image tokens in its span "

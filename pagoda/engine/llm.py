@@ -59,8 +59,9 @@ class LLM:
         # A vision-language model's image processor (pagoda/multimodal); None: text only.
         vision = self.engine.loaded.arch.vision
         self.image_token_id = vision.get("image_token_id") if vision else None
+        # (Not with skip_tokenizer_init: prompts come as token ids, and images cannot be read.)
         self.image_processor = load_image_processor(self.engine.loaded.path, mmproj=self.config.mmproj) \
-            if vision else None
+            if vision and self.tokenizer is not None else None
         self.mm_limits = MultiModalLimits(max_images=self.config.max_images)
         self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
                                     self.config.scheduling_policy, self.config.enable_lora,

@@ -52,6 +52,15 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+def renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    """``name`` with the first of ``prefixes``' (old, new) pairs it starts with replaced; as it
+    is when none: a multimodal checkpoint's names as its family holds them."""
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def moe_fields(experts: int, per_token: int, intermediate: int, norm_topk_prob: bool) -> dict[str, Any]:
     """The mixture-of-experts fields of a ModelArchConfig."""
     return dict(num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=intermediate,

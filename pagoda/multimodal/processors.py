@@ -22,7 +22,8 @@ from PIL import Image
 
 from pagoda.multimodal.inputs import ImageError, ImageInput
 
-__all__ = ["ImageProcessor", "ProcessedImage", "Idefics3ImageProcessor", "load_image_processor", "expand_images"]
+__all__ = ["ImageProcessor", "ProcessedImage", "Idefics3ImageProcessor", "LlavaImageProcessor", "Gemma3ImageProcessor",
+           "load_image_processor", "expand_images"]
 
 
 @dataclass(frozen=True)
@@ -307,6 +308,46 @@ class LlavaImageProcessor:
         return ProcessedImage(np.ascontiguousarray(pixels), self.image_token * self.num_tokens, self.num_tokens)
 
 
+# ---- Gemma 3 ---------------------------------------------------------------------------------
+
+
+class Gemma3ImageProcessor:
+    """Gemma 3 (SigLIP's processing): the image resized to the tower's square (bilinear; no
+    crop, no padding), one tile of ``image_seq_length`` image tokens between
+    ``<start_of_image>`` and ``<end_of_image>``, a blank line on each side; the chat template
+    writes ``<start_of_image>`` where the image goes. Pan and scan (extra crops of a wide
+    image) is refused. ``detail`` changes nothing: the tower reads one resolution."""
+
+    image_marker = "<start_of_image>"
+    image_token = "<image_soft_token>"
+    end_token = "<end_of_image>"
+
+    def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
+        if settings.get("do_pan_and_scan"):
+            raise ImageError("a Gemma 3 processor with do_pan_and_scan is not supported")
+        if settings.get("do_convert_rgb") is False:
+            raise ImageError("a Gemma 3 processor with do_convert_rgb false is not supported")
+        size = settings.get("size") or {"height": 224, "width": 224}
+        self.size = (int(size["height"]), int(size["width"]))
+        self.do_resize = bool(settings.get("do_resize", True))
+        self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BILINEAR)))
+        self.rescale = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else None
+        normalize = settings.get("do_normalize", True)
+        self.mean = settings.get("image_mean", [0.5, 0.5, 0.5]) if normalize else None
+        self.std = settings.get("image_std", [0.5, 0.5, 0.5]) if normalize else None
+        self.num_tokens = int(settings.get("image_seq_length") or model_config.get("mm_tokens_per_image", 256))
+        keys = dict(size=self.size, resize=self.do_resize, resample=int(self.resample), rescale=self.rescale,
+                    mean=self.mean, std=self.std, tokens=self.num_tokens)
+        self.identity = "gemma3:" + json.dumps(keys, sort_keys=True)
+
+    def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
+        h, w = self.size
+        img = image if not self.do_resize or image.size == (w, h) else image.resize((w, h), self.resample)
+        pixels = _rescale_normalize(np.asarray(img).transpose(2, 0, 1), self.rescale, self.mean, self.std)[None]
+        text = f"\n\n{self.image_marker}{self.image_token * self.num_tokens}{self.end_token}\n\n"
+        return ProcessedImage(np.ascontiguousarray(pixels), text, self.num_tokens)
+
+
 def _center_crop(arr: np.ndarray, height: int, width: int) -> np.ndarray:
     """transformers' ``center_crop``: the centre, zero-padded first where the image is smaller."""
     h, w = arr.shape[1:]
@@ -362,4 +403,5 @@ def expand_images(text: str, images: Sequence[Image.Image], processor: ImageProc
 
 # HF architecture -> its image processor.
 _FAMILIES: dict[str, type] = {"Idefics3ForConditionalGeneration": Idefics3ImageProcessor,
-                              "LlavaForConditionalGeneration": LlavaImageProcessor}
+                              "LlavaForConditionalGeneration": LlavaImageProcessor,
+                              "Gemma3ForConditionalGeneration": Gemma3ImageProcessor}

@@ -346,6 +346,12 @@ class ModelRunner:
         # A vision-language model: each image's embeddings, encoded once (pagoda/multimodal).
         self.image_token_id = (model.config.vision or {}).get("image_token_id")
         self.encoder_cache = EncoderCache(encoder_cache_budget) if self.image_token_id is not None else None
+        # Images attended in both directions (Gemma 3): the torch path's masks open over them.
+        self.open_images = bool((model.config.vision or {}).get("bidirectional"))
+        chunked = any(self.layout.chunk_of(g) is not None for g in range(self.layout.num_groups))
+        if self.open_images and (self.attn_backend.name not in ("torch", "cpu") or chunked):
+            raise ValueError(f"{type(model).__name__}'s images attend in both directions, which the "
+                             f"{self.attn_backend.name} attention backend does not do yet (use the cpu or torch one)")
 
     def _generator_for(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.temperature < 1e-5:
@@ -533,6 +539,7 @@ class ModelRunner:
         tables: list[list[list[int]]] = []   # per request, per KV group
         # Images whose placeholders this step computes: (first row, start, end, state, image).
         splices: list[tuple[int, int, int, CachedRequestState, Any]] = []
+        open_spans: dict[int, list[tuple[int, int]]] = {}   # request -> its images' spans, if open
         offset = 0
         for i, (rid, state) in enumerate(zip(order, b.states)):
             n = num_tokens[rid]
@@ -557,6 +564,8 @@ class ModelRunner:
             for image in state.mm_inputs:
                 if image.offset < end and image.end > start:
                     splices.append((offset, start, end, state, image))
+                    if self.open_images:
+                        open_spans.setdefault(i, []).append((image.offset, image.end))
             offset += n
             # Only a request whose last known token is in this step samples; an embedding
             # request pools every chunk of its prompt instead.
@@ -592,6 +601,8 @@ class ModelRunner:
             if chunk is not None:
                 *lens, group_tables = chunk_requests(*lens, group_tables, chunk, self.block_size)
             metas.append(self.attn_backend.build(*lens, group_tables, self.block_size, self.device, group=g))
+            if open_spans:
+                metas[-1].open_spans(open_spans)
         if self._state_caches:
             states = self._step_states(order, b.query_lens, so.state_writes, metas[0], drafts)
             for m in metas:

@@ -609,10 +609,10 @@ def test_gpt_oss_mxfp4_checkpoint_is_served_from_its_blocks(tmp_path):
         LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False)
 
 
-def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+def test_gemma3_multimodal_checkpoint_computes_text_as_transformers(tmp_path):
     """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (language_model.* beside a
-    vision tower, a text_config that leaves out its defaults): pagoda serves the language
-    model, as transformers computes it for text."""
+    vision tower, a text_config that leaves out its defaults): a text prompt's logits are
+    transformers' (images: tests/multimodal/test_gemma3.py)."""
     tc = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=32,
               num_attention_heads=4, num_key_value_heads=2, sliding_window=16, query_pre_attn_scalar=32,
               initializer_range=0.3)
@@ -625,7 +625,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=32, block_size=16)
     model = llm.engine.runner.model
     assert type(model).__name__ == "Gemma3ForConditionalGeneration" and model.config.num_hidden_layers == 6
-    assert not any("vision" in n for n, _ in model.named_parameters())
+    assert any(n.startswith("vision_tower.") for n, _ in model.named_parameters())
     for ids in _prompts()[1:]:
         with torch.inference_mode():
             want = hf(input_ids=torch.tensor([ids])).logits[0].float()

@@ -102,6 +102,48 @@ def write_llava(out: str, pad: bool = False) -> str:
     return out
 
 
+# Gemma 3's chat template, shortened: turns between <start_of_turn> and <end_of_turn>, an
+# image part written as <start_of_image> (the processor expands it).
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' "
+    "else message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<start_of_image>{% else %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_gemma3(out: str) -> str:
+    """A Gemma 3 checkpoint with its vision tower: 28-pixel images in 7-pixel patches (a 4x4
+    grid) pooled to 4 image tokens, a 6-layer language model with a sliding window of 16 on
+    five layers of six (so prompts with an image cross the window)."""
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    specials = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+    tok = _tokenizer(["<start_of_turn>", "<end_of_turn>", *specials.values()])
+    tok._set_model_specific_special_tokens(specials)   # tok.image_token, .boi_token_id...: saved with it
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=32,
+                num_attention_heads=4, num_key_value_heads=2, sliding_window=16, query_pre_attn_scalar=32,
+                max_position_embeddings=2048)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id,
+                                       eoi_token_id=tok.eoi_token_id)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    processor = transformers.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
+                                             chat_template=GEMMA3_TEMPLATE)
+    processor.save_pretrained(out)
+    return out
+
+
 def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     """The checkpoint of ``write_idefics3`` as llama.cpp's converter writes it: the language
     model as a "llama" GGUF (Q/K permuted) with its tokenizer (the bundled vocabulary, the

@@ -326,6 +326,9 @@ def bf16_gemm_path() -> str:
     - ``onednn``: where the CPU has bf16 units (AMX, AVX512_BF16) and oneDNN may use them:
       oneDNN with each weight packed once (instead of reordered at every call; measured:
       a 1536 x 576 product at one row 94 -> 45 us, the 49152 x 576 LM head 6.5 -> 3.9 ms);
+      a row's numbers are the same in steps of any size from two rows, and its one-row
+      product (a matrix-vector kernel) may round a sum's last bfloat16 bit the other way
+      (measured: 6 of 100 random 1536 x 576 cases; padding to two rows would cost ~20 %);
     - ``pagoda``: elsewhere, pagoda's kernel for bfloat16 weights (float32 sums; the exact
       mode's: one order for steps of up to 16 rows, BLAS's above). oneDNN without bf16
       units converts, and its one-row product then sums in another order than its 2-15

@@ -2,8 +2,8 @@
 attention with biases, a two-layer MLP), as SigLIP and CLIP build them, named as their
 checkpoints name them (``layer_norm1``, ``self_attn.{q,k,v,out}_proj``, ``mlp.fc1``...).
 
-Each family's tower (its embeddings: positions, a class token) and connector live in its own
-file; ``vision_config(...)`` reads the geometry from an HF ``vision_config``."""
+SigLIP's tower (``SiglipVisionTransformer``) serves Idefics3 and Gemma 3; a family's other
+tower (CLIP's, with a class token) and its connector live in its own file; ``vision_config(...)`` reads the geometry from an HF ``vision_config``."""
 
 from __future__ import annotations
 
@@ -85,3 +85,45 @@ class VisionEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class SiglipEmbeddings(nn.Module):
+    """SigLIP's patch embedding and learned positions, for tiles of any size up to
+    ``image_size`` (Idefics3's variable resolution: each patch's fractional place on the tile
+    bucketed onto the trained grid); ``exact_grid``: the tiles are always ``image_size`` and
+    the positions are 0..patches - 1 in order (SigLIP's own, as Gemma 3 reads them)."""
+
+    def __init__(self, v: dict[str, Any], exact_grid: bool = False) -> None:
+        super().__init__()
+        self.exact_grid = exact_grid
+        self.patch_size = v["patch_size"]
+        self.patch_embedding = nn.Conv2d(v["num_channels"], v["hidden_size"], self.patch_size, self.patch_size)
+        self.per_side = v["image_size"] // self.patch_size
+        self.position_embedding = nn.Embedding(self.per_side ** 2, v["hidden_size"])
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:   # [n, C, H, W] -> [n, patches, hidden]
+        x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        if self.exact_grid:
+            return x + self.position_embedding.weight[None]
+        rows, cols = pixels.shape[2] // self.patch_size, pixels.shape[3] // self.patch_size
+        # Each patch's learned position: its fractional place on the tile, bucketed onto the
+        # per_side x per_side grid the positions were trained on (NaViT's, as transformers).
+        bounds = torch.arange(1 / self.per_side, 1.0, 1 / self.per_side, device=pixels.device)
+        fh = torch.clamp(torch.arange(rows, device=pixels.device, dtype=torch.float32) * (1.0 / rows), max=1 - 1e-6)
+        fw = torch.clamp(torch.arange(cols, device=pixels.device, dtype=torch.float32) * (1.0 / cols), max=1 - 1e-6)
+        ids = (torch.bucketize(fh, bounds, right=True)[:, None] * self.per_side
+               + torch.bucketize(fw, bounds, right=True)[None, :]).reshape(-1)
+        return x + self.position_embedding(ids)[None]
+
+
+class SiglipVisionTransformer(nn.Module):
+    """SigLIP's tower without its pooling head: embeddings, encoder layers, a final LayerNorm."""
+
+    def __init__(self, v: dict[str, Any], exact_grid: bool = False) -> None:
+        super().__init__()
+        self.embeddings = SiglipEmbeddings(v, exact_grid)
+        self.encoder = VisionEncoder(v)
+        self.post_layernorm = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.post_layernorm(self.encoder(self.embeddings(pixels)))

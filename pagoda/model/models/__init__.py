@@ -36,7 +36,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
-    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_vision", "Gemma3ForConditionalGeneration"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForConditionalGeneration"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),

@@ -15,7 +15,6 @@ from pagoda.model.arch import (
     UnsupportedModelError,
     gguf_layer_types,
     periodic_layer_types,
-    text_config,
 )
 from pagoda.model.layers.decoder import CausalLM
 
@@ -76,24 +75,3 @@ class Gemma3ForCausalLM(CausalLM):
             embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
             final_logit_softcapping=md.get("gemma3.final_logit_softcapping") or None,
         )
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """Gemma 3 4B / 12B / 27B as published (with a vision tower): the language model is
-    served, text in and text out; the vision tower's and projector's tensors are not
-    loaded (images are refused by the API, which takes text only)."""
-
-    @classmethod
-    def hf_name(cls, name: str) -> str | None:
-        for prefix, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
-                            ("language_model.lm_head.", "lm_head.")):
-            if name.startswith(prefix):
-                return new + name[len(prefix):]
-        return None if name.startswith(_VISION) else name
-
-    @classmethod
-    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        return super().arch_from_hf(text_config(config), architecture)
-
-
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")

@@ -16,41 +16,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagoda.model.arch import ModelArchConfig, text_config
-from pagoda.model.layers.vision import VisionEncoder, vision_config
+from pagoda.model.arch import ModelArchConfig, renamed, text_config
+from pagoda.model.layers.vision import SiglipVisionTransformer, vision_config
 from pagoda.model.models.llama import LlamaForCausalLM
-
-
-class VisionEmbeddings(nn.Module):
-    def __init__(self, v: dict[str, Any]) -> None:
-        super().__init__()
-        self.patch_size = v["patch_size"]
-        self.patch_embedding = nn.Conv2d(v["num_channels"], v["hidden_size"], self.patch_size, self.patch_size)
-        self.per_side = v["image_size"] // self.patch_size
-        self.position_embedding = nn.Embedding(self.per_side ** 2, v["hidden_size"])
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:   # [n, C, H, W] -> [n, patches, hidden]
-        x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
-        rows, cols = pixels.shape[2] // self.patch_size, pixels.shape[3] // self.patch_size
-        # Each patch's learned position: its fractional place on the tile, bucketed onto the
-        # per_side x per_side grid the positions were trained on (NaViT's, as transformers).
-        bounds = torch.arange(1 / self.per_side, 1.0, 1 / self.per_side, device=pixels.device)
-        fh = torch.clamp(torch.arange(rows, device=pixels.device, dtype=torch.float32) * (1.0 / rows), max=1 - 1e-6)
-        fw = torch.clamp(torch.arange(cols, device=pixels.device, dtype=torch.float32) * (1.0 / cols), max=1 - 1e-6)
-        ids = (torch.bucketize(fh, bounds, right=True)[:, None] * self.per_side
-               + torch.bucketize(fw, bounds, right=True)[None, :]).reshape(-1)
-        return x + self.position_embedding(ids)[None]
-
-
-class VisionTransformer(nn.Module):
-    def __init__(self, v: dict[str, Any]) -> None:
-        super().__init__()
-        self.embeddings = VisionEmbeddings(v)
-        self.encoder = VisionEncoder(v)
-        self.post_layernorm = nn.LayerNorm(v["hidden_size"], eps=v["layer_norm_eps"])
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.post_layernorm(self.encoder(self.embeddings(pixels)))
 
 
 class ModalityProjection(nn.Module):
@@ -89,7 +57,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
         v = config.vision
-        self.vision_model = VisionTransformer(v)
+        self.vision_model = SiglipVisionTransformer(v)
         self.connector = Connector(v, config.hidden_size)
 
     @classmethod
@@ -103,11 +71,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        for prefix, new in (("model.text_model.", "model."), ("model.vision_model.", "vision_model."),
-                            ("model.connector.", "connector.")):
-            if name.startswith(prefix):
-                return new + name[len(prefix):]
-        return name
+        return renamed(name, (("model.text_model.", "model."), ("model.vision_model.", "vision_model."),
+                              ("model.connector.", "connector.")))
 
     @classmethod
     def num_image_embeds(cls, vision: dict[str, Any], shape: tuple[int, ...]) -> int:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, text_config
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
 from pagoda.model.layers.vision import VisionEncoder, activation, vision_config
 from pagoda.model.models.llama import LlamaForCausalLM
 
@@ -66,6 +66,12 @@ class Projector(nn.Module):
 
 
 _TEXT_FAMILIES = ("llama", "mistral")
+# transformers 5 writes language_model.model.*, vision_tower.* (the CLIP transformer's own
+# names); other files model.language_model.*, vision_tower.vision_model.*.
+_HF_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                ("language_model.lm_head.", "lm_head."), ("model.vision_tower.vision_model.", "vision_tower."),
+                ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+                ("model.multi_modal_projector.", "multi_modal_projector."))
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
@@ -109,15 +115,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        # transformers 5 writes language_model.model.*, vision_tower.* (the CLIP transformer's
-        # own names); other files model.language_model.*, vision_tower.vision_model.*.
-        for prefix, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                            ("language_model.lm_head.", "lm_head."), ("model.vision_tower.vision_model.", "vision_tower."),
-                            ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
-                            ("model.multi_modal_projector.", "multi_modal_projector.")):
-            if name.startswith(prefix):
-                return new + name[len(prefix):]
-        return name
+        return renamed(name, _HF_PREFIXES)
 
     @classmethod
     def num_image_embeds(cls, vision: dict[str, Any], shape: tuple[int, ...]) -> int:
