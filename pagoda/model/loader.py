@@ -483,7 +483,7 @@ def gguf_names(gguf_arch: str, model: CausalLM) -> dict[str, str | list[str]]:
     table = get_tensor_name_map(arch, model.config.num_hidden_layers)
     names: dict[str, str | list] = {}
     merged: dict[str, dict[str, list[str]]] = {}   # merged gate/up experts: their two lists
-    tower = tuple(getattr(model, "unquantized_prefixes", ()))   # a vision tower's: in the mmproj file
+    tower = tuple(getattr(model, "tower_prefixes", ()))   # a vision tower's: in the mmproj file
     for hf_name in checkpoint_names(model):
         if tower and hf_name.startswith(tower):
             continue
@@ -576,15 +576,16 @@ def _read_gguf(path: str, mmproj: str | None = None):
 def _with_projector(arch: ModelArchConfig, md: dict[str, Any], mmproj: str) -> ModelArchConfig:
     """The language model's architecture as the vision-language family of ``mmproj``."""
     from pagoda.hub.gguf_file import GGUFFile
-    from pagoda.model.mmproj import mmproj_vision
+    from pagoda.model.mmproj import PROJECTORS, mmproj_vision
 
     proj = GGUFFile(mmproj)
     try:
         family, vision = mmproj_vision(proj.metadata, md.get("tokenizer.ggml.tokens") or [], mmproj)
+        text = PROJECTORS[proj.metadata["clip.projector_type"]].text
     finally:
         proj.close()
-    if arch.architecture != "LlamaForCausalLM":
-        raise UnsupportedModelError(f"{mmproj}: its projector goes with a Llama language model, not "
+    if arch.architecture != text:
+        raise UnsupportedModelError(f"{mmproj}: its projector goes with a {text} language model, not "
                                     f"{arch.architecture}")
     return dataclasses.replace(arch, architecture=family, vision=vision)
 
@@ -875,7 +876,7 @@ def _assemble_blocks(model: CausalLM, blocks: dict, floats: dict[str, torch.Tens
                 blocks[f"{attn}.qkv_proj"].setdefault(2, blocks[f"{attn}.qkv_proj"][1])
                 if f"{attn}.k_proj.bias" in floats:
                     floats.setdefault(f"{attn}.v_proj.bias", floats[f"{attn}.k_proj.bias"])
-    tower = tuple(getattr(model, "unquantized_prefixes", ()))   # a vision tower: float parameters
+    tower = tuple(getattr(model, "tower_prefixes", ()))   # a vision tower: float parameters
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Embedding)) or (tower and checkpoint_name(name).startswith(tower)):
             continue

@@ -11,25 +11,40 @@ the family's HF names (float32). The image processor's settings come from the sa
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
 from pagoda.model.arch import UnsupportedModelError
 
-# Projector type -> the HF architecture of the vision-language family that serves it.
-PROJECTORS = {"idefics3": "Idefics3ForConditionalGeneration"}
+@dataclass(frozen=True)
+class Projector:
+    family: str                  # the HF architecture of the vision-language family that serves it
+    text: str                    # the language model's architecture it goes with
+    tower: str                   # the family's name prefix of its tower
+    image_token: str             # the placeholder token its embeddings replace
+    scale_factor: int            # llama.cpp's default where the file writes none
+    other: dict[str, str]        # its projector's tensors -> the family's names
+
+
+PROJECTORS = {
+    "idefics3": Projector("Idefics3ForConditionalGeneration", "LlamaForCausalLM", "vision_model.", "<image>", 2,
+                          {"mm.model.fc.weight": "connector.modality_projection.proj.weight"}),
+    "gemma3": Projector("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", "vision_tower.", "<image_soft_token>",
+                        4, {"mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
+                            "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight"}),
+}
 
 _LAYER = re.compile(r"^v\.blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_IDEFICS3_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                   "attn_out": "self_attn.out_proj", "ln1": "layer_norm1", "ln2": "layer_norm2",
-                   "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
-_IDEFICS3_OTHER = {"v.patch_embd.weight": "vision_model.embeddings.patch_embedding.weight",
-                   "v.patch_embd.bias": "vision_model.embeddings.patch_embedding.bias",
-                   "v.position_embd.weight": "vision_model.embeddings.position_embedding.weight",
-                   "v.post_ln.weight": "vision_model.post_layernorm.weight",
-                   "v.post_ln.bias": "vision_model.post_layernorm.bias",
-                   "mm.model.fc.weight": "connector.modality_projection.proj.weight"}
+_LAYER_PARTS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_out": "self_attn.out_proj", "ln1": "layer_norm1", "ln2": "layer_norm2",
+                "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+# The SigLIP tower's other tensors, under the tower's prefix.
+_TOWER_OTHER = {"v.patch_embd.weight": "embeddings.patch_embedding.weight",
+                "v.patch_embd.bias": "embeddings.patch_embedding.bias",
+                "v.position_embd.weight": "embeddings.position_embedding.weight",
+                "v.post_ln.weight": "post_layernorm.weight", "v.post_ln.bias": "post_layernorm.bias"}
 
 
 def projector_type(md: dict[str, Any], path: str) -> str:
@@ -46,29 +61,36 @@ def projector_type(md: dict[str, Any], path: str) -> str:
 def mmproj_vision(md: dict[str, Any], tokens: list[str], path: str) -> tuple[str, dict[str, Any]]:
     """(the family's HF architecture, its vision dict) from a projector file's metadata and the
     language model's vocabulary (the image token's id)."""
-    kind = projector_type(md, path)
+    proj = PROJECTORS[projector_type(md, path)]
     p = "clip.vision."
-    if "<image>" not in tokens:
-        raise UnsupportedModelError(f"{path}: the language model's vocabulary has no '<image>' token")
+    if proj.image_token not in tokens:
+        raise UnsupportedModelError(f"{path}: the language model's vocabulary has no {proj.image_token!r} token")
+    scale = int(md.get(p + "projector.scale_factor", proj.scale_factor))
     vision = dict(hidden_size=md[p + "embedding_length"], intermediate_size=md[p + "feed_forward_length"],
                   num_hidden_layers=md[p + "block_count"], num_attention_heads=md[p + "attention.head_count"],
                   num_channels=3, image_size=md[p + "image_size"], patch_size=md[p + "patch_size"],
                   layer_norm_eps=float(md.get(p + "attention.layer_norm_epsilon", 1e-6)),
-                  hidden_act="gelu_pytorch_tanh", scale_factor=int(md.get(p + "projector.scale_factor", 2)),
-                  image_token_id=tokens.index("<image>"))
-    return PROJECTORS[kind], vision
+                  hidden_act="gelu_pytorch_tanh", image_token_id=tokens.index(proj.image_token))
+    if proj.family == "Gemma3ForConditionalGeneration":
+        vision.update(mm_tokens_per_image=(vision["image_size"] // vision["patch_size"] // scale) ** 2,
+                      bidirectional=True)
+    else:
+        vision.update(scale_factor=scale)
+    return proj.family, vision
 
 
 def mmproj_names(md: dict[str, Any], tensor_names: list[str], path: str) -> dict[str, str]:
     """The projector file's tensor names -> the family's HF names."""
-    projector_type(md, path)
+    proj = PROJECTORS[projector_type(md, path)]
     names = {}
     for name in tensor_names:
         m = _LAYER.match(name)
-        if m is not None and m.group(2) in _IDEFICS3_LAYER:
-            names[name] = f"vision_model.encoder.layers.{m.group(1)}.{_IDEFICS3_LAYER[m.group(2)]}.{m.group(3)}"
-        elif name in _IDEFICS3_OTHER:
-            names[name] = _IDEFICS3_OTHER[name]
+        if m is not None and m.group(2) in _LAYER_PARTS:
+            names[name] = f"{proj.tower}encoder.layers.{m.group(1)}.{_LAYER_PARTS[m.group(2)]}.{m.group(3)}"
+        elif name in _TOWER_OTHER:
+            names[name] = proj.tower + _TOWER_OTHER[name]
+        elif name in proj.other:
+            names[name] = proj.other[name]
         else:
             raise UnsupportedModelError(f"{path}: tensor {name} of the projector is not known")
     return names

@@ -100,15 +100,18 @@ def _mmproj_processor(mmproj: str) -> ImageProcessor:
     finally:
         gf.close()
     kind = md.get("clip.projector_type")
-    if kind != "idefics3":
-        raise ImageError(f"{mmproj}: projector type {kind!r} is not supported (supported: idefics3)")
+    if kind not in ("idefics3", "gemma3"):
+        raise ImageError(f"{mmproj}: projector type {kind!r} is not supported (supported: idefics3, gemma3)")
     p = "clip.vision."
-    size, patch, scale = md[p + "image_size"], md[p + "patch_size"], int(md.get(p + "projector.scale_factor", 2))
+    size, patch = md[p + "image_size"], md[p + "patch_size"]
+    scale = int(md.get(p + "projector.scale_factor", 2 if kind == "idefics3" else 4))
+    tokens = (size // patch) ** 2 // (scale * scale)
+    norm = {"image_mean": list(md.get(p + "image_mean", [0.5, 0.5, 0.5])),
+            "image_std": list(md.get(p + "image_std", [0.5, 0.5, 0.5]))}
+    if kind == "gemma3":
+        return Gemma3ImageProcessor({"size": {"height": size, "width": size}, "image_seq_length": tokens, **norm}, {})
     settings = {"size": {"longest_edge": int(md.get(p + "preproc_image_size", size))},
-                "max_image_size": {"longest_edge": size}, "do_image_splitting": True,
-                "image_mean": list(md.get(p + "image_mean", [0.5, 0.5, 0.5])),
-                "image_std": list(md.get(p + "image_std", [0.5, 0.5, 0.5])),
-                "image_seq_len": (size // patch) ** 2 // (scale * scale)}
+                "max_image_size": {"longest_edge": size}, "do_image_splitting": True, "image_seq_len": tokens, **norm}
     return Idefics3ImageProcessor(settings, {"vision_config": {"image_size": size, "patch_size": patch},
                                              "scale_factor": scale})
 

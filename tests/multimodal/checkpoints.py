@@ -152,9 +152,7 @@ def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     (checked against the files its convert_hf_to_gguf.py writes for this checkpoint).
     Returns (language model, projector) paths."""
     import transformers
-    from gguf import GGUFWriter
 
-    from pagoda.hub.gguf_file import GGUFFile
     from tests.model.hf_to_gguf import write_gguf
 
     vlm = transformers.Idefics3ForConditionalGeneration.from_pretrained(hf_dir).float().eval()
@@ -167,7 +165,21 @@ def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     llama.save_pretrained(text_dir)
 
     processor = transformers.AutoProcessor.from_pretrained(hf_dir)
-    hf_tok = processor.tokenizer
+    text_path = write_gguf(llama, os.path.join(out_dir, "smolvlm-text.gguf"), "llama", text_dir,
+                           extra=_gguf_tokenizer(processor.tokenizer, IDEFICS3_TEMPLATE))
+    proj_path = os.path.join(out_dir, "smolvlm-mmproj.gguf")
+    _write_clip(proj_path, "idefics3", vlm.config, processor.image_processor, vlm.model.vision_model,
+                {"mm.model.fc.weight": vlm.model.connector.modality_projection.proj.weight},
+                {"projector.scale_factor": vlm.config.scale_factor,
+                 "preproc_image_size": processor.image_processor.size["longest_edge"]})
+    return text_path, proj_path
+
+
+def _gguf_tokenizer(hf_tok, template: str):
+    """The writer callback of a GGUF tokenizer: the bundled vocabulary with ``hf_tok``'s added
+    tokens (control tokens, as llama.cpp's converter writes special added tokens)."""
+    from pagoda.hub.gguf_file import GGUFFile
+
     base = GGUFFile(default_model_path())
     md = dict(base.metadata)
     base.close()
@@ -177,7 +189,7 @@ def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
         if i >= len(tokens):
             assert i == len(tokens), (token, i)
             tokens.append(token)
-            types.append(3)   # llama.cpp's converter: special added tokens are control tokens
+            types.append(3)
 
     def tokenizer(w) -> None:
         w.add_tokenizer_model(md["tokenizer.ggml.model"])
@@ -187,44 +199,82 @@ def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
         w.add_token_merges(list(md["tokenizer.ggml.merges"]))
         w.add_bos_token_id(md["tokenizer.ggml.bos_token_id"])
         w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
-        w.add_chat_template(IDEFICS3_TEMPLATE)
+        w.add_chat_template(template)
 
-    text_path = write_gguf(llama, os.path.join(out_dir, "smolvlm-text.gguf"), "llama", text_dir, extra=tokenizer)
+    return tokenizer
 
-    v = vlm.config.vision_config
-    proj_path = os.path.join(out_dir, "smolvlm-mmproj.gguf")
-    w = GGUFWriter(proj_path, "clip")
+
+def _write_clip(path: str, projector: str, config, image_processor, tower, projector_tensors: dict,
+                extra_keys: dict) -> None:
+    """A "clip" projector file (``--mmproj``) as llama.cpp's converter writes it: the SigLIP
+    tower under its v.* names, the projector's tensors, the geometry and processor settings
+    in clip.vision.* keys (checked against the converter's own output for each type)."""
+    from gguf import GGUFWriter
+
+    v = config.vision_config
+    w = GGUFWriter(path, "clip")
     w.add_type("mmproj")
     w.add_bool("clip.has_vision_encoder", True)
     for key, value in (("image_size", v.image_size), ("patch_size", v.patch_size),
                        ("embedding_length", v.hidden_size), ("feed_forward_length", v.intermediate_size),
                        ("block_count", v.num_hidden_layers), ("attention.head_count", v.num_attention_heads),
-                       ("projection_dim", vlm.config.text_config.hidden_size),
-                       ("projector.scale_factor", vlm.config.scale_factor),
-                       ("preproc_image_size", processor.image_processor.size["longest_edge"])):
+                       ("projection_dim", config.text_config.hidden_size), *extra_keys.items()):
         w.add_uint32(f"clip.vision.{key}", int(value))
     w.add_float32("clip.vision.attention.layer_norm_epsilon", v.layer_norm_eps)
-    w.add_array("clip.vision.image_mean", [float(x) for x in processor.image_processor.image_mean])
-    w.add_array("clip.vision.image_std", [float(x) for x in processor.image_processor.image_std])
-    w.add_string("clip.projector_type", "idefics3")
+    w.add_array("clip.vision.image_mean", [float(x) for x in image_processor.image_mean])
+    w.add_array("clip.vision.image_std", [float(x) for x in image_processor.image_std])
+    w.add_string("clip.projector_type", projector)
     w.add_bool("clip.use_gelu", True)
     layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.out_proj": "attn_out", "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up",
              "mlp.fc2": "ffn_down"}
     other = {"embeddings.patch_embedding": "v.patch_embd", "embeddings.position_embedding": "v.position_embd",
              "post_layernorm": "v.post_ln"}
-    for name, t in vlm.model.vision_model.state_dict().items():
+    for name, t in tower.state_dict().items():
         module, _, leaf = name.rpartition(".")
+        if module.startswith("head"):   # SigLIP's pooling head: the converter drops it
+            continue
         if module.startswith("encoder.layers."):
             i, part = module[len("encoder.layers."):].split(".", 1)
             gguf_name = f"v.blk.{i}.{layer[part]}"
         else:
             gguf_name = other[module]
         w.add_tensor(f"{gguf_name}.{leaf}", np.ascontiguousarray(t.detach().float().numpy()))
-    w.add_tensor("mm.model.fc.weight", np.ascontiguousarray(
-        vlm.model.connector.modality_projection.proj.weight.detach().float().numpy()))
+    for name, t in projector_tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_gemma3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
+    """The checkpoint of ``write_gemma3`` as llama.cpp's converter writes it: the language model
+    as a "gemma3" GGUF (its norms as 1 + w) with its tokenizer and chat template, and the tower
+    and projector as a "gemma3" projector file (the soft-embedding norm as 1 + w, the
+    projection as stored; checked against the converter's output for this checkpoint).
+    Returns (language model, projector) paths."""
+    import transformers
+
+    from tests.model.hf_to_gguf import write_gguf
+
+    vlm = transformers.Gemma3ForConditionalGeneration.from_pretrained(hf_dir).float().eval()
+    text_dir = os.path.join(out_dir, "text")
+    text_config = transformers.Gemma3TextConfig(**vlm.config.text_config.to_dict())
+    text = transformers.Gemma3ForCausalLM(text_config).float().eval()
+    state = {f"model.{k}": v for k, v in vlm.model.language_model.state_dict().items()}
+    state["lm_head.weight"] = vlm.lm_head.weight
+    text.load_state_dict(state)
+    text.save_pretrained(text_dir)
+    processor = transformers.AutoProcessor.from_pretrained(hf_dir)
+    text_path = write_gguf(text, os.path.join(out_dir, "gemma3-text.gguf"), "gemma3", text_dir,
+                           extra=_gguf_tokenizer(processor.tokenizer, GEMMA3_TEMPLATE))
+    proj_path = os.path.join(out_dir, "gemma3-mmproj.gguf")
+    p = vlm.model.multi_modal_projector
+    v = vlm.config.vision_config
+    scale = (v.image_size // v.patch_size) // int(vlm.config.mm_tokens_per_image ** 0.5)
+    _write_clip(proj_path, "gemma3", vlm.config, processor.image_processor, vlm.model.vision_tower,
+                {"mm.input_projection.weight": p.mm_input_projection_weight,
+                 "mm.soft_emb_norm.weight": p.mm_soft_emb_norm.weight + 1},
+                {"projector.scale_factor": scale} if scale != 4 else {})
     return text_path, proj_path

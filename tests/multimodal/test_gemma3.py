@@ -132,3 +132,31 @@ def test_the_core_refuses_an_image_longer_than_a_step(gemma3):
         llm.engine.add_request(EngineCoreRequest("r", [5] + [token] * 4 + [7], GREEDY, mm_inputs=[image]))
     [out] = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 10
+
+
+@pytest.mark.parametrize("mode", ["none", "gguf"])
+def test_gguf_with_mmproj_equals_transformers(gemma3, tmp_path, mode):
+    """llama.cpp's pair (a "gemma3" GGUF and a "gemma3" projector file, the tensors and keys
+    its converter writes for this checkpoint): served as Gemma 3 with its tower, the same
+    prompt, tokens and log-probabilities as transformers in the exact and gguf modes."""
+    from tests.multimodal.checkpoints import write_gemma3_gguf
+
+    path, model, processor = gemma3
+    text, mmproj = write_gemma3_gguf(path, str(tmp_path))
+    image = random_image(90, 50, seed=5)
+    prompt = processor.apply_chat_template(_turn({"type": "image"}), add_generation_prompt=True)
+    inputs = processor(images=[image], text=[prompt], return_tensors="pt")
+    with torch.inference_mode():
+        gen = model.generate(**inputs, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    want = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    llm = LLM(text, mmproj=mmproj, quantization=mode, show_progress=False, num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=6)
+    assert type(llm.engine.runner.model).__name__ == "Gemma3ForConditionalGeneration"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    [out] = llm.chat(_turn({"type": "image_pil", "image_pil": image}), params, use_tqdm=False)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist() and out.outputs[0].token_ids == want
+    if mode == "none":
+        want_lp = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, want)]
+        got_lp = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, want)]
+        assert np.allclose(got_lp, want_lp, atol=2e-3), (got_lp, want_lp)

@@ -164,13 +164,25 @@ def test_the_core_refuses_images_that_do_not_fit(idefics3_dir, tiny_llama_dir):
         text_only.engine.add_request(EngineCoreRequest("t", prompt, GREEDY, mm_inputs=[good]))
 
 
-def test_quantized_modes_leave_the_tower_in_float(idefics3_dir):
-    llm = LLM(idefics3_dir, show_progress=False, num_kv_blocks=32, block_size=16, quantization="int8")
+@pytest.mark.parametrize("mode", ["int8", "q4"])
+def test_the_int8_mode_converts_the_tower_and_the_others_leave_it_in_float(idefics3_dir, mode):
+    """The int8 mode's tower and connector are int8 too (outlier channels from a calibration
+    image), its image embeddings close to the float tower's; q4 leaves them in float."""
+    from pagoda.model.layers.quantization import Int8Linear
+
+    llm = LLM(idefics3_dir, show_progress=False, num_kv_blocks=32, block_size=16, quantization=mode)
     model = llm.engine.runner.model
-    assert type(model.vision_model.encoder.layers[0].self_attn.q_proj) is torch.nn.Linear
-    assert type(model.connector.modality_projection.proj) is torch.nn.Linear
+    tower = (type(model.vision_model.encoder.layers[0].self_attn.q_proj),
+             type(model.connector.modality_projection.proj))
+    assert tower == ((Int8Linear, Int8Linear) if mode == "int8" else (torch.nn.Linear, torch.nn.Linear))
     assert type(model.model.layers[0].self_attn.qkv_proj) is not torch.nn.Linear
     image = random_image(64, 64, seed=4)
+    if mode == "int8":
+        exact = LLM(idefics3_dir, show_progress=False, num_kv_blocks=32, block_size=16)
+        pixels = torch.from_numpy(llm.image_processor.process(image).pixels)
+        with torch.inference_mode():
+            want, got = exact.engine.runner.model.embed_images(pixels), model.embed_images(pixels)
+        assert float((got - want).norm() / want.norm()) < 0.03
     [out] = llm.generate({"prompt": "User:<image>hi", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 10
 

@@ -50,3 +50,19 @@ def test_greedy_equal_with_chunks_and_a_cached_second_turn(llava):
     [again] = llm.chat(ours, params, use_tqdm=False)
     assert again.outputs[0].token_ids == want and again.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 8 * 8
     assert llm.engine.runner.encoder_cache.misses == 1
+
+
+def test_the_int8_mode_converts_the_layers_the_tower_reads(llava):
+    """int8: the tower layers the model reads (up to vision_feature_layer) and the projector
+    in int8; the last layer, never run, stays as loaded."""
+    from pagoda.model.layers.quantization import Int8Linear
+
+    path, _, _ = llava
+    llm = LLM(path, show_progress=False, num_kv_blocks=64, block_size=8, quantization="int8")
+    model = llm.engine.runner.model
+    layers = model.vision_tower.encoder.layers
+    assert [type(layer.mlp.fc1) for layer in layers] == [Int8Linear, Int8Linear, torch.nn.Linear]
+    assert type(model.multi_modal_projector.linear_2) is Int8Linear
+    [out] = llm.generate({"prompt": "USER: <image>\nhi", "multi_modal_data": {"image": random_image(40, 30)}},
+                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4

@@ -494,8 +494,9 @@ class CausalLM(nn.Module):
     # Modules (name suffixes) the quantized modes leave in float: MoE routers, whose
     # choice of experts a rounding would change.
     unquantized_modules: ClassVar[tuple[str, ...]] = ()
-    # Modules (name prefixes) every mode leaves as loaded: a vision-language model's tower.
-    unquantized_prefixes: ClassVar[tuple[str, ...]] = ()
+    # A vision-language model's tower and projector (name prefixes): not converted with the
+    # language model; float in every mode but int8, which converts them after (quantize_tower).
+    tower_prefixes: ClassVar[tuple[str, ...]] = ()
     layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
 
     def __init__(self, config: ModelArchConfig) -> None:

@@ -10,7 +10,7 @@ runner opens the attention mask over it (``PrefillChunk.open_spans``) and the sc
 ends a prompt chunk inside it (``SchedulerConfig.whole_images``). The image's embeddings are
 spliced in unscaled (the text's are scaled by sqrt(hidden), as transformers does). Pan and
 scan (several crops of a wide image) is off in the published processors and refused when on.
-The tower stays in float in every mode.
+The tower stays in float in every mode but int8 (``quantize_tower``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class MultiModalProjector(nn.Module):
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     tensor_parallel = False   # the tower is not sharded yet
     lora = False
-    unquantized_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+    tower_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)

@@ -6,7 +6,8 @@ Each image tile (``pagoda/multimodal/processors.py`` cuts them) goes through the
 a final LayerNorm); the connector folds each ``scale_factor`` x ``scale_factor`` square of
 patches into one vector (the pixel shuffle) and projects it to the language model's width:
 ``image_seq_len`` embeddings per tile, which replace the prompt's ``<image>`` tokens in order.
-The tower stays in float in every mode (the quantized modes convert the language model).
+The tower stays in float in every mode but int8 (``quantize_tower``; the other quantized modes
+convert the language model only).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     gguf_qk_permuted = True
     tensor_parallel = False   # the tower is not sharded yet
     lora = False
-    unquantized_prefixes: ClassVar[tuple[str, ...]] = ("vision_model.", "connector.")
+    tower_prefixes: ClassVar[tuple[str, ...]] = ("vision_model.", "connector.")
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
@@ -88,6 +89,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """[tiles, C, H, W] float -> [tiles x image_seq_len, hidden]: the embeddings that
         replace the image's tokens, in order."""
-        dtype = self.connector.modality_projection.proj.weight.dtype
+        dtype = self.vision_model.post_layernorm.weight.dtype   # (a norm: float in every mode)
         out = self.connector(self.vision_model(pixels.to(dtype)))
         return out.reshape(-1, out.shape[-1])

@@ -5,7 +5,7 @@ Each image is one square tile at the tower's resolution (the processor resizes i
 edge and crops the centre); the tower's output after ``vision_feature_layer`` layers (HF's
 hidden_states index: -2 is the next-to-last layer's output), without the class token with
 the "default" strategy, goes through the projector: one embedding per patch, which replace
-the prompt's ``<image>`` tokens in order. The tower stays in float in every mode.
+the prompt's ``<image>`` tokens in order. The tower stays in float in every mode but int8 (``quantize_tower``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ _HF_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     tensor_parallel = False   # the tower is not sharded yet
     lora = False
-    unquantized_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+    tower_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
@@ -127,7 +127,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
         v = self.config.vision
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
+        dtype = self.vision_tower.pre_layrnorm.weight.dtype   # (a norm: float in every mode)
         x = self.vision_tower(pixels.to(dtype), v["feature_layers"])
         if v["drop_cls"]:
             x = x[:, 1:]
