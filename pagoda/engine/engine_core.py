@@ -559,7 +559,7 @@ class EngineCore:
                 want = model_class(arch.architecture).num_image_embeds(arch.vision, tuple(image.shape))
             except ValueError as e:
                 raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {e}") from None
-            if len(image.pixels) != 4 * math.prod(image.shape):
+            if len(image.pixels) != image.itemsize * math.prod(image.shape):
                 raise InvalidRequestError(f"request {req.request_id!r}, image {k}: {len(image.pixels)} bytes of "
                                           f"pixels for shape {tuple(image.shape)}")
             if image.offset < end or image.length < 1 or image.end > len(req.prompt_token_ids):

@@ -15,7 +15,6 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-import numpy as np
 import torch
 
 from pagoda.multimodal.inputs import ImageInput
@@ -39,8 +38,8 @@ class EncoderCache:
             self.hits += 1
             return hit
         self.misses += 1
-        pixels = torch.from_numpy(np.frombuffer(image.pixels, dtype=np.float32).reshape(image.shape).copy())
         start = time.perf_counter()
+        pixels = torch.from_numpy(image.float_pixels())
         out = encode(pixels.to(device))
         self.encoder_seconds += time.perf_counter() - start
         self._entries[image.hash] = out

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import msgspec
+import numpy as np
 
 
 class ImageError(ValueError):
@@ -24,18 +26,44 @@ class ImageInput(msgspec.Struct, frozen=True):
     encoder's embeddings replace the span's image tokens (the model's ``image_token_id``)
     in order. ``hash``: the processed pixels' SHA-256 with the processor's identity; it keys
     the encoder cache and joins the prefix cache's block hashes (the same text with another
-    image never hits). ``pixels``: float32, C order, of ``shape`` (tiles, channels, height,
-    width)."""
+    image never hits). ``pixels``: C order, of ``shape`` (tiles, channels, height, width):
+    float32 as the encoder reads them, or, with ``normalize`` = (rescale, mean, std), the
+    8-bit pixels the processor resized and cut, a quarter of the bytes, made float where
+    the encoder runs (``float_pixels``: the same numbers)."""
 
     hash: str
     offset: int
     length: int
     pixels: bytes
     shape: tuple[int, ...]
+    normalize: tuple[float | None, tuple[float, ...] | None, tuple[float, ...] | None] | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.normalize is None else 1
+
+    def float_pixels(self) -> np.ndarray:
+        """float32 [tiles, channels, height, width], as the encoder reads them."""
+        if self.normalize is None:
+            return np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape).copy()
+        return rescale_normalize(np.frombuffer(self.pixels, dtype=np.uint8).reshape(self.shape), *self.normalize)
+
+
+def rescale_normalize(img: np.ndarray, scale: float | None, mean: Sequence[float] | None,
+                      std: Sequence[float] | None) -> np.ndarray:
+    """transformers' ``rescale`` (float64, then float32) and ``normalize`` (float32), on
+    [..., channels, height, width]."""
+    out = img.astype(np.float64) * scale if scale is not None else img
+    out = out.astype(np.float32)
+    if mean is not None and std is not None:
+        m = np.asarray(mean, dtype=np.float32)[:, None, None]
+        s = np.asarray(std, dtype=np.float32)[:, None, None]
+        out = (out - m) / s
+    return out.astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)

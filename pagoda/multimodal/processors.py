@@ -5,7 +5,8 @@ Built from the checkpoint's own processor config (``preprocessor_config.json``, 
 ``image_processor`` inside ``processor_config.json`` as transformers 5 writes it), with the
 very operations of transformers' PIL image processors (``image_processing_pil_*``): PIL's
 resampling on 8-bit pixels, then rescaling in float64 and normalising in float32, so the
-same image gives the same pixel values (tests compare them).
+same image gives the same pixel values (tests compare them). The 8-bit tiles travel to the
+engine (``ImageInput.normalize``); the floats are made where the encoder runs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 from PIL import Image
 
-from pagoda.multimodal.inputs import ImageError, ImageInput
+from pagoda.multimodal.inputs import ImageError, ImageInput, rescale_normalize
 
 __all__ = ["ImageProcessor", "ProcessedImage", "Idefics3ImageProcessor", "LlavaImageProcessor", "Gemma3ImageProcessor",
            "load_image_processor", "expand_images"]
@@ -28,9 +29,15 @@ __all__ = ["ImageProcessor", "ProcessedImage", "Idefics3ImageProcessor", "LlavaI
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    pixels: np.ndarray          # float32 [tiles, channels, height, width]
+    frames: np.ndarray          # uint8 [tiles, channels, height, width]: resized and cut
+    normalize: tuple            # (rescale, mean, std): what makes them the encoder's floats
     text: str                   # the placeholder text the image's marker becomes
     num_embeds: int             # image tokens (embeddings) in ``text``
+
+    @property
+    def pixels(self) -> np.ndarray:
+        """float32 [tiles, channels, height, width], as the encoder reads them."""
+        return rescale_normalize(self.frames, *self.normalize)
 
 
 class ImageProcessor(Protocol):
@@ -116,16 +123,10 @@ def _mmproj_processor(mmproj: str) -> ImageProcessor:
                                              "scale_factor": scale})
 
 
-def _rescale_normalize(img: np.ndarray, scale: float | None, mean: Sequence[float] | None,
-                       std: Sequence[float] | None) -> np.ndarray:
-    """transformers' ``rescale`` (float64, then float32) and ``normalize`` (float32), CHW."""
-    out = img.astype(np.float64) * scale if scale is not None else img
-    out = out.astype(np.float32)
-    if mean is not None and std is not None:
-        m = np.asarray(mean, dtype=np.float32)[:, None, None]
-        s = np.asarray(std, dtype=np.float32)[:, None, None]
-        out = (out - m) / s
-    return out.astype(np.float32, copy=False)
+def _norm(processor) -> tuple:
+    """A processor's (rescale, mean, std) as ``ImageInput.normalize`` carries them."""
+    return (processor.rescale, None if processor.mean is None else tuple(map(float, processor.mean)),
+            None if processor.std is None else tuple(map(float, processor.std)))
 
 
 # ---- Idefics3 (SmolVLM) ----------------------------------------------------------------
@@ -227,7 +228,7 @@ class Idefics3ImageProcessor:
                 frames = [np.asarray(img).transpose(2, 0, 1)]
         else:
             frames = [np.asarray(self._resize(img, tile, tile)).transpose(2, 0, 1)]
-        pixels = np.stack([_rescale_normalize(f, self.rescale, self.mean, self.std) for f in frames])
+        pixels = np.stack(frames)
         tokens = self.image_token * self.image_seq_len
         if rows == 0 and cols == 0:
             text = f"{self.fake_token}{self.global_tag}{tokens}{self.fake_token}"
@@ -238,7 +239,7 @@ class Idefics3ImageProcessor:
                     text += f"{self.fake_token}<row_{r + 1}_col_{c + 1}>{tokens}"
                 text += "\n"
             text += f"\n{self.fake_token}{self.global_tag}{tokens}{self.fake_token}"
-        return ProcessedImage(np.ascontiguousarray(pixels), text, self.image_seq_len * len(frames))
+        return ProcessedImage(np.ascontiguousarray(pixels), _norm(self), text, self.image_seq_len * len(frames))
 
 
 # ---- LLaVA ---------------------------------------------------------------------------------
@@ -307,8 +308,8 @@ class LlavaImageProcessor:
             arr = np.asarray(img).transpose(2, 0, 1)
         if self.crop is not None:
             arr = _center_crop(arr, *self.crop)
-        pixels = _rescale_normalize(arr, self.rescale, self.mean, self.std)[None]
-        return ProcessedImage(np.ascontiguousarray(pixels), self.image_token * self.num_tokens, self.num_tokens)
+        return ProcessedImage(np.ascontiguousarray(arr[None]), _norm(self), self.image_token * self.num_tokens,
+                              self.num_tokens)
 
 
 # ---- Gemma 3 ---------------------------------------------------------------------------------
@@ -346,9 +347,9 @@ class Gemma3ImageProcessor:
     def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
         h, w = self.size
         img = image if not self.do_resize or image.size == (w, h) else image.resize((w, h), self.resample)
-        pixels = _rescale_normalize(np.asarray(img).transpose(2, 0, 1), self.rescale, self.mean, self.std)[None]
+        frames = np.asarray(img).transpose(2, 0, 1)[None]
         text = f"\n\n{self.image_marker}{self.image_token * self.num_tokens}{self.end_token}\n\n"
-        return ProcessedImage(np.ascontiguousarray(pixels), text, self.num_tokens)
+        return ProcessedImage(np.ascontiguousarray(frames), _norm(self), text, self.num_tokens)
 
 
 def _center_crop(arr: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -365,10 +366,12 @@ def _center_crop(arr: np.ndarray, height: int, width: int) -> np.ndarray:
     return padded[:, max(top, 0):max(top, 0) + height, max(left, 0):max(left, 0) + width]
 
 
-def image_hash(processor: ImageProcessor, pixels: np.ndarray) -> str:
+def image_hash(processor: ImageProcessor, frames: np.ndarray) -> str:
+    """The processed image's key: the processor's identity (its settings, normalisation
+    included) and its 8-bit pixels."""
     h = hashlib.sha256(processor.identity.encode())
-    h.update(repr(pixels.shape).encode())
-    h.update(pixels.tobytes())
+    h.update(repr(frames.shape).encode())
+    h.update(frames.tobytes())
     return h.hexdigest()
 
 
@@ -399,8 +402,8 @@ def expand_images(text: str, images: Sequence[Image.Image], processor: ImageProc
     for p in processed:
         first, last = positions[at], positions[at + p.num_embeds - 1]
         at += p.num_embeds
-        inputs.append(ImageInput(image_hash(processor, p.pixels), first, last - first + 1, p.pixels.tobytes(),
-                                 tuple(p.pixels.shape)))
+        inputs.append(ImageInput(image_hash(processor, p.frames), first, last - first + 1, p.frames.tobytes(),
+                                 tuple(p.frames.shape), p.normalize))
     return ids, inputs
 
 

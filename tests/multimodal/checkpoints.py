@@ -153,26 +153,31 @@ def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     Returns (language model, projector) paths."""
     import transformers
 
-    from tests.model.hf_to_gguf import write_gguf
-
     vlm = transformers.Idefics3ForConditionalGeneration.from_pretrained(hf_dir).float().eval()
-    text_dir = os.path.join(out_dir, "text")
-    text_config = transformers.LlamaConfig(**vlm.config.text_config.to_dict())
-    llama = transformers.LlamaForCausalLM(text_config).float().eval()
-    state = {f"model.{k}": v for k, v in vlm.model.text_model.state_dict().items()}
-    state["lm_head.weight"] = vlm.lm_head.weight
-    llama.load_state_dict(state)
-    llama.save_pretrained(text_dir)
-
     processor = transformers.AutoProcessor.from_pretrained(hf_dir)
-    text_path = write_gguf(llama, os.path.join(out_dir, "smolvlm-text.gguf"), "llama", text_dir,
-                           extra=_gguf_tokenizer(processor.tokenizer, IDEFICS3_TEMPLATE))
+    text_path = _write_text_gguf(vlm, vlm.model.text_model, transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                                 os.path.join(out_dir, "smolvlm-text.gguf"), "llama",
+                                 _gguf_tokenizer(processor.tokenizer, IDEFICS3_TEMPLATE))
     proj_path = os.path.join(out_dir, "smolvlm-mmproj.gguf")
     _write_clip(proj_path, "idefics3", vlm.config, processor.image_processor, vlm.model.vision_model,
                 {"mm.model.fc.weight": vlm.model.connector.modality_projection.proj.weight},
                 {"projector.scale_factor": vlm.config.scale_factor,
                  "preproc_image_size": processor.image_processor.size["longest_edge"]})
     return text_path, proj_path
+
+
+def _write_text_gguf(vlm, language_model, config_cls, model_cls, path: str, gguf_arch: str, tokenizer) -> str:
+    """The language model of ``vlm`` as its own causal LM (saved beside ``path``), written as
+    a GGUF file of ``gguf_arch`` with the ``tokenizer`` writer's keys."""
+    from tests.model.hf_to_gguf import write_gguf
+
+    text_dir = os.path.join(os.path.dirname(path), "text")
+    text = model_cls(config_cls(**vlm.config.text_config.to_dict())).float().eval()
+    state = {f"model.{k}": v for k, v in language_model.state_dict().items()}
+    state["lm_head.weight"] = vlm.lm_head.weight
+    text.load_state_dict(state)
+    text.save_pretrained(text_dir)
+    return write_gguf(text, path, gguf_arch, text_dir, extra=tokenizer)
 
 
 def _gguf_tokenizer(hf_tok, template: str):
@@ -256,19 +261,11 @@ def write_gemma3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     Returns (language model, projector) paths."""
     import transformers
 
-    from tests.model.hf_to_gguf import write_gguf
-
     vlm = transformers.Gemma3ForConditionalGeneration.from_pretrained(hf_dir).float().eval()
-    text_dir = os.path.join(out_dir, "text")
-    text_config = transformers.Gemma3TextConfig(**vlm.config.text_config.to_dict())
-    text = transformers.Gemma3ForCausalLM(text_config).float().eval()
-    state = {f"model.{k}": v for k, v in vlm.model.language_model.state_dict().items()}
-    state["lm_head.weight"] = vlm.lm_head.weight
-    text.load_state_dict(state)
-    text.save_pretrained(text_dir)
     processor = transformers.AutoProcessor.from_pretrained(hf_dir)
-    text_path = write_gguf(text, os.path.join(out_dir, "gemma3-text.gguf"), "gemma3", text_dir,
-                           extra=_gguf_tokenizer(processor.tokenizer, GEMMA3_TEMPLATE))
+    text_path = _write_text_gguf(vlm, vlm.model.language_model, transformers.Gemma3TextConfig,
+                                 transformers.Gemma3ForCausalLM, os.path.join(out_dir, "gemma3-text.gguf"), "gemma3",
+                                 _gguf_tokenizer(processor.tokenizer, GEMMA3_TEMPLATE))
     proj_path = os.path.join(out_dir, "gemma3-mmproj.gguf")
     p = vlm.model.multi_modal_projector
     v = vlm.config.vision_config

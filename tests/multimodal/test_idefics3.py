@@ -65,6 +65,10 @@ def test_pixels_and_placeholders_equal_transformers(idefics3_dir, hf, size):
     [one] = inputs
     assert ids[one.offset] == image_token and ids[one.offset + one.length - 1] == image_token
     assert ids[one.offset:one.offset + one.length].count(image_token) == got.num_embeds == 16 * got.pixels.shape[0]
+    # The request carries the 8-bit tiles (a quarter of float32's bytes); where the encoder
+    # runs they become the same floats.
+    assert one.itemsize == 1 and len(one.pixels) == got.pixels.size
+    assert np.array_equal(one.float_pixels(), want["pixel_values"][0])
 
 
 def test_greedy_equal_with_chunks_and_a_second_turn_from_the_cache(idefics3_dir, hf):

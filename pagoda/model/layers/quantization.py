@@ -431,6 +431,14 @@ CALIBRATION_TEXT = (
 )
 
 
+def _range_hook(ranges: dict[str, torch.Tensor], name: str):
+    """A forward hook keeping the largest |input| each input channel of layer ``name`` sees."""
+    def hook(module, args, output):
+        seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+        ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
+    return hook
+
+
 def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Largest |activation| seen by each input channel of every linear layer while the
     (unquantized) model computes ``token_ids`` as one prompt: name -> [in_features]."""
@@ -439,14 +447,8 @@ def calibrate(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]
     from pagoda.attention.state import StateCache, StepStates
 
     ranges: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(module, args, output):
-            seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
-            ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
-        return hook
-
-    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, (nn.Linear, BlocksLinear))]
+    hooks = [m.register_forward_hook(_range_hook(ranges, n)) for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, BlocksLinear))]
     # MoE layers one product per expert, so that each expert's hooks see its inputs (the
     # exact mode's one-call kernel for a layer kept as blocks calls no expert module).
     moe = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
@@ -686,14 +688,7 @@ def quantize_tower(model: nn.Module, prefixes: tuple[str, ...]) -> None:
     input channels over one calibration image (``tower_calibration_pixels``) kept in float."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefixes)]
     ranges: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(module, args, output):
-            seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
-            ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
-        return hook
-
-    hooks = [m.register_forward_hook(record(n)) for n, m in targets]
+    hooks = [m.register_forward_hook(_range_hook(ranges, n)) for n, m in targets]
     try:
         with torch.inference_mode():
             model.embed_images(tower_calibration_pixels(model.config.vision))

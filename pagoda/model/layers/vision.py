@@ -87,6 +87,16 @@ class VisionEncoder(nn.Module):
         return x
 
 
+class VisionLanguage:
+    """What every vision-language family's class says (listed first among its bases): its
+    tower is not sharded (tensor parallelism refused), no LoRA yet, and the tower and
+    projector's name prefixes (``CausalLM.tower_prefixes``)."""
+
+    tensor_parallel = False
+    lora = False
+    tower_prefixes: tuple[str, ...] = ("vision_tower.", "multi_modal_projector.")
+
+
 class SiglipEmbeddings(nn.Module):
     """SigLIP's patch embedding and learned positions, for tiles of any size up to
     ``image_size`` (Idefics3's variable resolution: each patch's fractional place on the tile

@@ -16,14 +16,14 @@ The tower stays in float in every mode but int8 (``quantize_tower``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
-from pagoda.model.layers.vision import SiglipVisionTransformer, vision_config
+from pagoda.model.layers.vision import SiglipVisionTransformer, VisionLanguage, vision_config
 from pagoda.model.models.gemma3 import Gemma3ForCausalLM
 
 # transformers' SiglipVisionConfig defaults (a config.json may leave any of them out).
@@ -65,11 +65,7 @@ class MultiModalProjector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    tensor_parallel = False   # the tower is not sharded yet
-    lora = False
-    tower_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
-
+class Gemma3ForConditionalGeneration(VisionLanguage, Gemma3ForCausalLM):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
         self.vision_tower = SiglipVisionTransformer(config.vision, exact_grid=True)

@@ -12,13 +12,13 @@ convert the language model only).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, renamed, text_config
-from pagoda.model.layers.vision import SiglipVisionTransformer, vision_config
+from pagoda.model.layers.vision import SiglipVisionTransformer, VisionLanguage, vision_config
 from pagoda.model.models.llama import LlamaForCausalLM
 
 
@@ -49,11 +49,9 @@ _VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_lay
                         hidden_act="gelu_pytorch_tanh")
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
     gguf_qk_permuted = True
-    tensor_parallel = False   # the tower is not sharded yet
-    lora = False
-    tower_prefixes: ClassVar[tuple[str, ...]] = ("vision_model.", "connector.")
+    tower_prefixes = ("vision_model.", "connector.")
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)

@@ -10,13 +10,13 @@ the prompt's ``<image>`` tokens in order. The tower stays in float in every mode
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
-from pagoda.model.layers.vision import VisionEncoder, activation, vision_config
+from pagoda.model.layers.vision import VisionEncoder, VisionLanguage, activation, vision_config
 from pagoda.model.models.llama import LlamaForCausalLM
 
 # transformers' CLIPVisionConfig defaults.
@@ -74,11 +74,7 @@ _HF_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "
                 ("model.multi_modal_projector.", "multi_modal_projector."))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
-    tensor_parallel = False   # the tower is not sharded yet
-    lora = False
-    tower_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
-
+class LlavaForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
         self.vision_tower = ClipVisionTransformer(config.vision)
