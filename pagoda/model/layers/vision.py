@@ -87,6 +87,15 @@ class VisionEncoder(nn.Module):
         return x
 
 
+def one_tile(vision: dict[str, Any], shape: tuple[int, ...]) -> int:
+    """A tower that reads one square tile at its resolution: ValueError unless ``shape`` is
+    (1, channels, size, size); returns the size."""
+    size = vision["image_size"]
+    if tuple(shape) != (1, vision["num_channels"], size, size):
+        raise ValueError(f"image pixels of shape {tuple(shape)}; expected (1, {vision['num_channels']}, {size}, {size})")
+    return size
+
+
 class VisionLanguage:
     """What every vision-language family's class says (listed first among its bases): its
     tower is not sharded (tensor parallelism refused), no LoRA yet, and the tower and

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
-from pagoda.model.layers.vision import SiglipVisionTransformer, VisionLanguage, vision_config
+from pagoda.model.layers.vision import SiglipVisionTransformer, VisionLanguage, one_tile, vision_config
 from pagoda.model.models.gemma3 import Gemma3ForCausalLM
 
 # transformers' SiglipVisionConfig defaults (a config.json may leave any of them out).
@@ -96,10 +96,7 @@ class Gemma3ForConditionalGeneration(VisionLanguage, Gemma3ForCausalLM):
 
     @classmethod
     def num_image_embeds(cls, vision: dict[str, Any], shape: tuple[int, ...]) -> int:
-        size = vision["image_size"]
-        if tuple(shape) != (1, vision["num_channels"], size, size):
-            raise ValueError(f"image pixels of shape {tuple(shape)}; expected (1, {vision['num_channels']}, "
-                             f"{size}, {size})")
+        one_tile(vision, shape)
         return vision["mm_tokens_per_image"]
 
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
-from pagoda.model.layers.vision import VisionEncoder, VisionLanguage, activation, vision_config
+from pagoda.model.layers.vision import VisionEncoder, VisionLanguage, activation, one_tile, vision_config
 from pagoda.model.models.llama import LlamaForCausalLM
 
 # transformers' CLIPVisionConfig defaults.
@@ -115,10 +115,7 @@ class LlavaForConditionalGeneration(VisionLanguage, LlamaForCausalLM):
 
     @classmethod
     def num_image_embeds(cls, vision: dict[str, Any], shape: tuple[int, ...]) -> int:
-        size = vision["image_size"]
-        if tuple(shape) != (1, vision["num_channels"], size, size):
-            raise ValueError(f"image pixels of shape {tuple(shape)}; expected (1, {vision['num_channels']}, "
-                             f"{size}, {size})")
+        size = one_tile(vision, shape)
         return (size // vision["patch_size"]) ** 2 + (0 if vision["drop_cls"] else 1)
 
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
