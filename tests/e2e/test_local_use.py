@@ -224,24 +224,19 @@ def test_run_chats_in_the_terminal(stores, tmp_path):
         term.close()
 
 
+# Slow (make test-all): in make test's runs its Ctrl-C at the prompt went unanswered now and
+# then (three runs of four on two workers, once run alone right after other tests of this
+# file under make); alone, on a loaded machine, with SIGINT ignored or blocked in pytest's
+# process, it passes. Cause not found yet: kept out of the default run until it is.
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux for a pseudo-terminal")
 def test_run_ctrl_c_at_the_prompt_and_one_shot(stores, tmp_path):
     command = [sys.executable, "-m", "pagoda.entrypoints.cli", "run", "mine"]
     term = Terminal(tmp_path, [*command, "--num-kv-blocks", "32"], _env(stores))
     try:
         term.wait(lambda s: _prompts(s) == 1, 180, "the prompt")
-        # Ctrl-C at the prompt ends the program (exit status 0). Twice, under make test's two
-        # workers on a loaded machine, the first Ctrl-C went unanswered for a minute (cause
-        # not found; never seen when run alone, loaded or not): it is sent again, at most twice.
-        status = None
-        for _ in range(3):
-            term.send("C-c")
-            try:
-                status = term.wait_exit(20)
-                break
-            except AssertionError:
-                continue
-        assert status == 0, term.screen()
+        term.send("C-c")
+        assert term.wait_exit() == 0
     finally:
         term.close()
     # With a prompt: answer once and exit, as `ollama run MODEL "question"`.
