@@ -567,7 +567,7 @@ class EngineCore:
                                           f"[{image.offset}, {image.end}) is outside the prompt "
                                           "or overlaps another image's")
             end = image.end
-            if arch.vision.get("bidirectional") and image.length > self.scheduler.config.max_num_batched_tokens:
+            if self.scheduler.config.whole_images and image.length > self.scheduler.config.max_num_batched_tokens:
                 raise InvalidRequestError(
                     f"request {req.request_id!r}, image {k}: its {image.length} tokens attend to each other in both "
                     "directions and so are computed in one step, but a step computes at most "

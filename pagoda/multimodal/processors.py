@@ -123,6 +123,15 @@ def _mmproj_processor(mmproj: str) -> ImageProcessor:
                                              "scale_factor": scale})
 
 
+def _normalization(settings: dict[str, Any], mean: list[float], std: list[float]) -> tuple:
+    """(rescale factor, mean, std) from a processor config (None where it turns one off);
+    ``mean`` / ``std``: the family's defaults."""
+    rescale = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else None
+    if not settings.get("do_normalize", True):
+        return rescale, None, None
+    return rescale, settings.get("image_mean", mean), settings.get("image_std", std)
+
+
 def _norm(processor) -> tuple:
     """A processor's (rescale, mean, std) as ``ImageInput.normalize`` carries them."""
     return (processor.rescale, None if processor.mean is None else tuple(map(float, processor.mean)),
@@ -184,10 +193,7 @@ class Idefics3ImageProcessor:
         self.tile = int((settings.get("max_image_size") or {}).get("longest_edge", 364))
         self.do_split = bool(settings.get("do_image_splitting", True))
         self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.LANCZOS)))
-        self.rescale = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else None
-        normalize = settings.get("do_normalize", True)
-        self.mean = settings.get("image_mean", [0.5, 0.5, 0.5]) if normalize else None
-        self.std = settings.get("image_std", [0.5, 0.5, 0.5]) if normalize else None
+        self.rescale, self.mean, self.std = _normalization(settings, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
         if settings.get("do_convert_rgb") is False:
             raise ImageError("an Idefics3 processor with do_convert_rgb false is not supported")
         keys = dict(seq=self.image_seq_len, resize=self.do_resize, size=self.size, tile=self.tile,
@@ -267,10 +273,7 @@ class LlavaImageProcessor:
         crop = settings.get("crop_size") or {"height": 224, "width": 224}
         self.crop = (int(crop["height"]), int(crop["width"])) if settings.get("do_center_crop", True) else None
         self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BICUBIC)))
-        self.rescale = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else None
-        normalize = settings.get("do_normalize", True)
-        self.mean = settings.get("image_mean", [0.48145466, 0.4578275, 0.40821073]) if normalize else None
-        self.std = settings.get("image_std", [0.26862954, 0.26130258, 0.27577711]) if normalize else None
+        self.rescale, self.mean, self.std = _normalization(settings, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
         self.pad = bool(settings.get("do_pad", False))
         if settings.get("do_convert_rgb") is False:
             raise ImageError("a LLaVA processor with do_convert_rgb false is not supported")
@@ -335,10 +338,7 @@ class Gemma3ImageProcessor:
         self.size = (int(size["height"]), int(size["width"]))
         self.do_resize = bool(settings.get("do_resize", True))
         self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BILINEAR)))
-        self.rescale = float(settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else None
-        normalize = settings.get("do_normalize", True)
-        self.mean = settings.get("image_mean", [0.5, 0.5, 0.5]) if normalize else None
-        self.std = settings.get("image_std", [0.5, 0.5, 0.5]) if normalize else None
+        self.rescale, self.mean, self.std = _normalization(settings, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
         self.num_tokens = int(settings.get("image_seq_length") or model_config.get("mm_tokens_per_image", 256))
         keys = dict(size=self.size, resize=self.do_resize, resample=int(self.resample), rescale=self.rescale,
                     mean=self.mean, std=self.std, tokens=self.num_tokens)

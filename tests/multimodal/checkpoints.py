@@ -31,6 +31,17 @@ def _tokenizer(extra: list[str]):
     return tok
 
 
+def _save_random(model_cls, config, out: str) -> None:
+    """The model of ``config`` with weights of N(0, 0.2), seeded: wide enough that an image
+    changes the tokens."""
+    torch.manual_seed(0)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out)
+
+
 def write_idefics3(out: str, split: bool = True) -> str:
     """An Idefics3 (SmolVLM) checkpoint: 64-pixel tiles of 8-pixel patches, a pixel shuffle
     of 2 (16 image tokens a tile), images resized to a longest edge of 128 and split."""
@@ -46,12 +57,7 @@ def write_idefics3(out: str, split: bool = True) -> str:
                   patch_size=8)
     config = transformers.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
                                          image_token_id=tok.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():   # wide enough that the image changes the tokens
-            p.normal_(0, 0.2)
-    model.save_pretrained(out)
+    _save_random(transformers.Idefics3ForConditionalGeneration, config, out)
     images = Idefics3ImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64},
                                        do_image_splitting=split)
     processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=16,
@@ -88,12 +94,7 @@ def write_llava(out: str, pad: bool = False) -> str:
                   patch_size=8, projection_dim=32)
     config = transformers.LlavaConfig(text_config=text, vision_config=vision,
                                       image_token_id=tok.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(out)
+    _save_random(transformers.LlavaForConditionalGeneration, config, out)
     images = LlavaImageProcessorPil(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}, do_pad=pad)
     processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8,
                                             vision_feature_select_strategy="default", num_additional_image_tokens=1,
@@ -131,12 +132,7 @@ def write_gemma3(out: str) -> str:
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id,
                                        eoi_token_id=tok.eoi_token_id)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(out)
+    _save_random(transformers.Gemma3ForConditionalGeneration, config, out)
     images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
     processor = transformers.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
                                              chat_template=GEMMA3_TEMPLATE)
