@@ -26,6 +26,8 @@ class Projector:
     image_token: str             # the placeholder token its embeddings replace
     scale_factor: int            # llama.cpp's default where the file writes none
     other: dict[str, str]        # its projector's tensors -> the family's names
+    pooled: bool = False         # patches pooled to a fixed count of image tokens that attend
+                                 # to each other both ways (Gemma 3), not pixel-shuffled (Idefics3)
 
 
 PROJECTORS = {
@@ -33,7 +35,8 @@ PROJECTORS = {
                           {"mm.model.fc.weight": "connector.modality_projection.proj.weight"}),
     "gemma3": Projector("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", "vision_tower.", "<image_soft_token>",
                         4, {"mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
-                            "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight"}),
+                            "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight"},
+                        pooled=True),
 }
 
 _LAYER = re.compile(r"^v\.blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -71,7 +74,7 @@ def mmproj_vision(md: dict[str, Any], tokens: list[str], path: str) -> tuple[str
                   num_channels=3, image_size=md[p + "image_size"], patch_size=md[p + "patch_size"],
                   layer_norm_eps=float(md.get(p + "attention.layer_norm_epsilon", 1e-6)),
                   hidden_act="gelu_pytorch_tanh", image_token_id=tokens.index(proj.image_token))
-    if proj.family == "Gemma3ForConditionalGeneration":
+    if proj.pooled:
         vision.update(mm_tokens_per_image=(vision["image_size"] // vision["patch_size"] // scale) ** 2,
                       bidirectional=True)
     else:
