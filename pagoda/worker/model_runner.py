@@ -350,8 +350,9 @@ class ModelRunner:
         self.open_images = bool((model.config.vision or {}).get("bidirectional"))
         chunked = any(self.layout.chunk_of(g) is not None for g in range(self.layout.num_groups))
         if self.open_images and (self.attn_backend.name not in ("torch", "cpu") or chunked):
-            raise ValueError(f"{type(model).__name__}'s images attend in both directions, which the "
-                             f"{self.attn_backend.name} attention backend does not do yet (use the cpu or torch one)")
+            where = "chunked-attention layers" if chunked else f"the {self.attn_backend.name} attention backend"
+            raise ValueError(f"{type(model).__name__}'s images attend in both directions, which {where} "
+                             "do not do yet (the cpu and torch backends do)")
 
     def _generator_for(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.temperature < 1e-5:
