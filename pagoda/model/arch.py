@@ -206,6 +206,11 @@ class ModelArchConfig:
     # Qwen3-Next / Qwen3.5 attention: q_proj also yields a gate per query head's output
     # (o = attention * sigmoid(gate)), its rows interleaved with the query's per head.
     attn_output_gate: bool = False
+    # M-RoPE (Qwen2-VL and later): frequencies per position row (temporal, height, width),
+    # contiguous or interleaved (Qwen3-VL); positions are then [3, T] where a step holds an
+    # image's tokens (pagoda/model/layers/rotary.py). None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in hf_architectures():

@@ -24,7 +24,7 @@ from PIL import Image
 from pagoda.multimodal.inputs import ImageError, ImageInput, rescale_normalize
 
 __all__ = ["ImageProcessor", "ProcessedImage", "Idefics3ImageProcessor", "LlavaImageProcessor", "Gemma3ImageProcessor",
-           "load_image_processor", "expand_images"]
+           "Qwen2VLImageProcessor", "load_image_processor", "expand_images"]
 
 
 @dataclass(frozen=True)
@@ -352,6 +352,75 @@ class Gemma3ImageProcessor:
         return ProcessedImage(np.ascontiguousarray(frames), _norm(self), text, self.num_tokens)
 
 
+# ---- Qwen2-VL / Qwen2.5-VL ---------------------------------------------------------------
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's target size: each side a multiple of ``factor`` (patch x merge), the area
+    within [min_pixels, max_pixels], the aspect ratio kept as near as that allows."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"an image of {width}x{height} pixels: its aspect ratio must be below 200")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+class Qwen2VLImageProcessor:
+    """Qwen2-VL / Qwen2.5-VL (dynamic resolution): the image resized (bicubic) to whole
+    cells of ``patch_size x merge_size`` pixels with its area between ``min_pixels`` and
+    ``max_pixels`` (``size``'s shortest_edge / longest_edge in transformers 5's configs), one
+    ``<|image_pad|>`` token per cell; the chat template writes one ``<|image_pad|>`` between
+    ``<|vision_start|>`` and ``<|vision_end|>`` per image. The model cuts the patches
+    (``pagoda/model/models/qwen2_vl.py``). ``detail`` "low": at most ``LOW_DETAIL_CELLS``
+    cells (tokens), as OpenAI's low detail reads a small copy of the image."""
+
+    image_marker = "<|image_pad|>"
+    image_token = "<|image_pad|>"
+    LOW_DETAIL_CELLS = 256
+
+    def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
+        if settings.get("do_convert_rgb") is False:
+            raise ImageError("a Qwen2-VL processor with do_convert_rgb false is not supported")
+        size = settings.get("size") or {}
+        self.min_pixels = int(settings.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
+        self.max_pixels = int(settings.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
+        self.patch = int(settings.get("patch_size", 14))
+        self.merge = int(settings.get("merge_size", 2))
+        if int(settings.get("temporal_patch_size", 2)) != int((model_config.get("vision_config") or {}).get(
+                "temporal_patch_size", 2)):
+            raise ImageError("the processor's temporal_patch_size differs from the vision tower's")
+        self.do_resize = bool(settings.get("do_resize", True))
+        self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BICUBIC)))
+        self.rescale, self.mean, self.std = _normalization(settings, [0.48145466, 0.4578275, 0.40821073],
+                                                           [0.26862954, 0.26130258, 0.27577711])
+        keys = dict(min=self.min_pixels, max=self.max_pixels, patch=self.patch, merge=self.merge,
+                    resize=self.do_resize, resample=int(self.resample), rescale=self.rescale, mean=self.mean,
+                    std=self.std)
+        self.identity = "qwen2_vl:" + json.dumps(keys, sort_keys=True)
+
+    def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
+        factor = self.patch * self.merge
+        h, w = image.height, image.width
+        if self.do_resize:
+            most = self.max_pixels if detail != "low" else min(self.max_pixels, self.LOW_DETAIL_CELLS * factor * factor)
+            h, w = smart_resize(h, w, factor, min(self.min_pixels, most), most)
+            if image.size != (w, h):
+                image = image.resize((w, h), self.resample)
+        elif h % factor or w % factor:
+            raise ImageError(f"an image of {w}x{h} pixels: without resizing, its sides must be multiples of {factor}")
+        frames = np.asarray(image).transpose(2, 0, 1)[None]
+        cells = (h // factor) * (w // factor)
+        return ProcessedImage(np.ascontiguousarray(frames), _norm(self), self.image_token * cells, cells)
+
+
 def _center_crop(arr: np.ndarray, height: int, width: int) -> np.ndarray:
     """transformers' ``center_crop``: the centre, zero-padded first where the image is smaller."""
     h, w = arr.shape[1:]
@@ -410,4 +479,6 @@ def expand_images(text: str, images: Sequence[Image.Image], processor: ImageProc
 # HF architecture -> its image processor.
 _FAMILIES: dict[str, type] = {"Idefics3ForConditionalGeneration": Idefics3ImageProcessor,
                               "LlavaForConditionalGeneration": LlavaImageProcessor,
-                              "Gemma3ForConditionalGeneration": Gemma3ImageProcessor}
+                              "Gemma3ForConditionalGeneration": Gemma3ImageProcessor,
+                              "Qwen2VLForConditionalGeneration": Qwen2VLImageProcessor,
+                              "Qwen2_5_VLForConditionalGeneration": Qwen2VLImageProcessor}

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pagoda.attention import AttentionMetadata, select_backend
@@ -56,6 +57,9 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None   # an embedding request: pooled, not sampled
     mm_inputs: list = field(default_factory=list)  # its images (pagoda.multimodal.ImageInput)
     all_token_ids: list[int] = field(init=False)
+    # M-RoPE with images: the prompt's positions [3, P], and the shift of every later one.
+    mrope: np.ndarray | None = None
+    mrope_delta: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -348,6 +352,8 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(encoder_cache_budget) if self.image_token_id is not None else None
         # Images attended in both directions (Gemma 3): the torch path's masks open over them.
         self.open_images = bool((model.config.vision or {}).get("bidirectional"))
+        # Positions of three rows (temporal, height, width) for image tokens (Qwen2-VL's M-RoPE).
+        self.mrope = model.config.mrope_section is not None and self.image_token_id is not None
         chunked = any(self.layout.chunk_of(g) is not None for g in range(self.layout.num_groups))
         if self.open_images and (self.attn_backend.name not in ("torch", "cpu") or chunked):
             where = "chunked-attention layers" if chunked else f"the {self.attn_backend.name} attention backend"
@@ -437,6 +443,9 @@ class ModelRunner:
                 new.sampling_params, [list(t) for t in new.block_ids], new.num_computed_tokens, new.eos_token_ids,
                 new.lora_int_id, new.pooling_params, list(new.mm_inputs),
             )
+            if self.mrope and new.mm_inputs:
+                state = self.requests[new.req_id]
+                state.mrope, state.mrope_delta = self.model.mrope_positions(state.prompt_token_ids, state.mm_inputs)
             if new.pooling_params is not None and self.pooler is not None:
                 self.pooler.start(new.req_id, new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
@@ -541,6 +550,7 @@ class ModelRunner:
         # Images whose placeholders this step computes: (first row, start, end, state, image).
         splices: list[tuple[int, int, int, CachedRequestState, Any]] = []
         open_spans: dict[int, list[tuple[int, int]]] = {}   # request -> its images' spans, if open
+        image_positions: list[tuple[int, np.ndarray]] = []   # M-RoPE: (first row, [3, n]) of image tokens
         offset = 0
         for i, (rid, state) in enumerate(zip(order, b.states)):
             n = num_tokens[rid]
@@ -555,7 +565,10 @@ class ModelRunner:
                 self._fill_from_previous(b, rid, len(input_ids), end - start - len(known))
                 input_ids.append(0)
             input_ids.extend(draft)
-            positions.extend(range(start, start + n))
+            if state.mrope is None:
+                positions.extend(range(start, start + n))
+            else:
+                positions.extend(self._mrope_rows(state, start, n, offset, image_positions))
             b.query_lens.append(n)
             context_lens.append(start)
             tables.append(state.block_ids)
@@ -619,6 +632,10 @@ class ModelRunner:
         else:
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if image_positions:   # three rows where image tokens have a height and a width
+            pos_t = pos_t[None].repeat(3, 1)
+            for row, rows in image_positions:
+                pos_t[:, row:row + rows.shape[1]] = torch.from_numpy(rows).to(self.device)
         if b.fills:
             at, rows = zip(*b.fills)
             at_t, rows_t = device_tensor([at, rows], torch.long, self.device)
@@ -635,6 +652,21 @@ class ModelRunner:
             else:
                 self.proposer.sync(ids_t, pos_t, metas)
         return b
+
+    @staticmethod
+    def _mrope_rows(state: CachedRequestState, start: int, n: int, row: int,
+                    image_positions: list[tuple[int, np.ndarray]]) -> list[int]:  # fmt: skip
+        """M-RoPE: the positions of a request's tokens [start, start + n) (its prompt's from
+        its table, later ones shifted by its delta), one a token; where image tokens among
+        them have three that differ, their [3, k] go to ``image_positions`` at ``row``."""
+        table = state.mrope
+        assert table is not None
+        length = table.shape[1]
+        inside = table[:, start:min(start + n, length)]
+        if inside.shape[1] and not ((inside[1] == inside[0]).all() and (inside[2] == inside[0]).all()):
+            image_positions.append((row, inside))
+        later = range(max(start, length) + state.mrope_delta, start + n + state.mrope_delta)
+        return inside[0].tolist() + list(later)
 
     def _image_embeds(self, ids: torch.Tensor,
                       splices: list[tuple[int, int, int, CachedRequestState, Any]]) -> torch.Tensor:  # fmt: skip

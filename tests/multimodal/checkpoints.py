@@ -140,6 +140,70 @@ def write_gemma3(out: str) -> str:
     return out
 
 
+# Qwen2-VL's chat template, shortened: ChatML turns, an image part written as one
+# <|image_pad|> between <|vision_start|> and <|vision_end|> (the processor expands it).
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_qwen2_vl(out: str, version: str = "2.5") -> str:
+    """A Qwen2.5-VL (or Qwen2-VL, ``version`` "2") checkpoint: 8-pixel patches merged 2 x 2
+    (a token per 16 x 16 pixels), images resized to between 4 and 64 tokens' area; Qwen2.5-VL's
+    tower with windows of 2 x 2 tokens on two layers of four; a language model whose head has
+    M-RoPE sections (2, 3, 3). Saved without transformers' processor class (it needs
+    torchvision for videos): the tokenizer with the template, and the image processor's config."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name.removesuffix('_token_id')}|>") for name in
+           ("image_pad_token_id", "video_pad_token_id", "vision_start_token_id", "vision_end_token_id")}
+    tokens = dict(image_token_id=ids["image_pad_token_id"], video_token_id=ids["video_pad_token_id"],
+                  vision_start_token_id=ids["vision_start_token_id"], vision_end_token_id=ids["vision_end_token_id"])
+    if version == "2":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        _save_random(transformers.Qwen2VLForConditionalGeneration, config, out)
+    else:
+        vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=32, out_hidden_size=64, fullatt_block_indexes=[1, 3])
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        _save_random(transformers.Qwen2_5_VLForConditionalGeneration, config, out)
+    tok.chat_template = QWEN2_VL_TEMPLATE
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16 * 4,
+                             max_pixels=16 * 16 * 64).save_pretrained(out)
+    return out
+
+
+def qwen2_vl_inputs(path: str, prompt: str, images: list) -> dict:
+    """transformers' inputs for a Qwen2-VL checkpoint of ``write_qwen2_vl`` (its processor's
+    work without the processor class): pixels, grids, and the prompt with each image's
+    ``<|image_pad|>`` repeated once per token."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    pixels = Qwen2VLImageProcessorPil.from_pretrained(path)(images=images, return_tensors="pt")
+    parts = prompt.split("<|image_pad|>")
+    text = parts[0]
+    for grid, rest in zip(pixels["image_grid_thw"], parts[1:]):
+        text += "<|image_pad|>" * (int(grid.prod()) // 4) + rest
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    image_token = tok.convert_tokens_to_ids("<|image_pad|>")
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token).int(),
+                **pixels)
+
+
 def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     """The checkpoint of ``write_idefics3`` as llama.cpp's converter writes it: the language
     model as a "llama" GGUF (Q/K permuted) with its tokenizer (the bundled vocabulary, the

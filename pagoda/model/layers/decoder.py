@@ -22,13 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.attention import AttentionMetadata, kernel_cache, paged_attention, rope_writes_kv
-from pagoda.model.arch import ModelArchConfig
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
 from pagoda.model.layers.expert_parallel import dispatch_combine
 from pagoda.model.layers.norm import RMSNorm, UnitRMSNorm, fused_ops
 from pagoda.model.layers.pipeline import MissingLayer
 from pagoda.model.layers.rotary import (
     apply_rope,
     longrope_tables,
+    mrope_axes,
+    mrope_cos_sin,
     rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
@@ -580,6 +582,13 @@ class CausalLM(nn.Module):
                              persistent=False)
         self.longrope = None
         self.rope_scale = rope_attention_factor(c.rope_scaling)
+        axes = None   # M-RoPE: each frequency's position row
+        if c.mrope_section is not None:
+            axes = mrope_axes(c.mrope_section, c.mrope_interleaved).to(device)
+            if len(axes) != dim // 2:
+                raise UnsupportedModelError(f"mrope_section {list(c.mrope_section)} covers {len(axes)} frequencies "
+                                            f"of {dim // 2}")
+        self.register_buffer("mrope", axes, persistent=False)
         if rope_kind(c.rope_scaling) == "longrope":
             long, original, attention = longrope_tables(dim, c.rope_theta, c.rope_scaling)
             self.register_buffer("inv_freq_long", long.to(device), persistent=False)
@@ -656,7 +665,7 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,        # [T]
-        positions: torch.Tensor,        # [T]
+        positions: torch.Tensor,        # [T], or [3, T] (M-RoPE, a step holding image tokens)
         kv_caches: list[torch.Tensor | None],  # per layer (None: a layer another pipeline stage holds)
         meta: AttentionMetadata | Sequence[AttentionMetadata],  # one for all layers, or one per layer
         num_layers: int | None = None,  # run only the first num_layers (a layer-skip draft)
@@ -709,6 +718,10 @@ class CausalLM(nn.Module):
         return x, residual
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 2:   # M-RoPE's [3, T] (a step holding an image's tokens)
+            if self.mrope is None:
+                raise ValueError(f"positions of shape {tuple(positions.shape)} for a model with one position a token")
+            return mrope_cos_sin(positions, self.inv_freq, self.mrope, dtype, self.rope_scale)
         if self.longrope is None:
             return rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
         original, attention = self.longrope

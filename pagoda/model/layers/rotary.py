@@ -133,3 +133,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def mrope_axes(sections: tuple[int, ...], interleaved: bool = False) -> torch.Tensor:
+    """M-RoPE (Qwen2-VL and later): which of the three position rows (temporal, height,
+    width) each rotary frequency turns with. ``sections``: frequencies per row (they sum to
+    half the rotary width). Qwen2-VL / Qwen2.5-VL give each row a contiguous run of
+    frequencies; Qwen3-VL / Qwen3.5 interleave them (T H W T H W ..., the temporal row taking
+    what the other two leave)."""
+    if len(sections) != 3:
+        raise ValueError(f"mrope_section must have three entries (temporal, height, width), got {list(sections)}")
+    if not interleaved:
+        return torch.cat([torch.full((n,), axis, dtype=torch.long, device="cpu") for axis, n in enumerate(sections)])
+    axes = torch.zeros(sum(sections), dtype=torch.long, device="cpu")
+    for axis in (1, 2):
+        axes[axis:sections[axis] * 3:3] = axis
+    return axes
+
+
+def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor, dtype: torch.dtype,
+                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``rope_cos_sin`` for M-RoPE's positions [3, T]: frequency i turns with row ``axes[i]``
+    (an image's tokens have a height and a width; text's three rows are equal, and then
+    this is ``rope_cos_sin`` of any row)."""
+    freqs = positions.float()[axes].T * inv_freq[None, :]   # [T, F]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)

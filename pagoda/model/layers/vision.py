@@ -17,6 +17,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "silu": F.silu,
 }
 
 

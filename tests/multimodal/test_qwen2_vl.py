@@ -1,0 +1,102 @@
+"""Qwen2.5-VL and Qwen2-VL against transformers on tiny random checkpoints: the same pixels
+(cut into patches by the model as transformers' processor cuts them), the same prompt tokens,
+greedy tokens and log-probabilities equal with the tower's windows and the language model's
+M-RoPE (an image's tokens at three positions, the text after it shifted), with prompts chunked
+inside an image and a second turn from the prefix cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.model.models.qwen2_vl import _patches, _windows, mrope_positions
+from pagoda.multimodal.processors import load_image_processor
+from tests.multimodal.checkpoints import qwen2_vl_inputs, random_image, write_qwen2_vl
+
+transformers = pytest.importorskip("transformers")
+
+QUESTION = "Describe this picture in a few careful words, please."
+
+
+@pytest.fixture(scope="module", params=["2.5", "2"])
+def qwen(request, tmp_path_factory):
+    path = write_qwen2_vl(str(tmp_path_factory.mktemp("qwen2vl")), request.param)
+    cls = (transformers.Qwen2_5_VLForConditionalGeneration if request.param == "2.5"
+           else transformers.Qwen2VLForConditionalGeneration)
+    return path, cls.from_pretrained(path).float().eval()
+
+
+def _turn(*parts):
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
+
+
+@pytest.mark.parametrize("size", [(90, 50), (16, 16), (300, 40), (40, 300), (33, 97)])
+def test_patches_equal_transformers(qwen, size):
+    """The processor's 8-bit pixels, normalised and cut by the model: transformers' pixel
+    values, bit for bit, and one token per 16 x 16 cell."""
+    path, _ = qwen
+    image = random_image(*size, seed=sum(size))
+    want = qwen2_vl_inputs(path, "<|image_pad|>", [image])
+    got = load_image_processor(path).process(image)
+    t, h, w = want["image_grid_thw"][0].tolist()
+    assert got.pixels.shape == (1, 3, h * 8, w * 8) and got.num_embeds == h * w // 4
+    patches = _patches(torch.from_numpy(got.pixels[0]), 8, 2, 2)
+    assert torch.equal(patches, want["pixel_values"])
+
+
+def test_windows_and_positions():
+    """Windows of 2 x 2 cells over a 3 x 5 grid: row by row, cut short at the edges, grouped
+    by length; M-RoPE positions: text counts on from an image's start plus its larger side."""
+    order, groups = _windows(3, 5, 2, 4)
+    assert order.tolist() == [0, 1, 5, 6, 2, 3, 7, 8, 4, 9, 10, 11, 12, 13, 14]
+    lengths = sorted(g.shape[1] for g in groups)
+    assert lengths == [4, 8, 16] and sum(g.numel() for g in groups) == 15 * 4
+    assert _windows(2, 2, 2, 4) is None
+    pos, delta = mrope_positions(9, [(2, 2, 3)])   # two text tokens, a 2 x 3 image, one text token
+    assert pos.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5], [0, 1, 2, 2, 2, 3, 3, 3, 5], [0, 1, 2, 3, 4, 2, 3, 4, 5]]
+    assert delta == 6 - 9
+
+
+@pytest.mark.parametrize("budget", [7, 512])
+def test_greedy_equal_transformers_with_chunks_inside_images(qwen, budget):
+    """Two images of different shapes in one prompt: tokens and log-probabilities equal to
+    transformers'; budget 7 splits both images across steps (positions of three rows in
+    some steps, one in others); a second turn hits the prefix cache and encodes nothing."""
+    path, model = qwen
+    images = [random_image(90, 50, seed=3), random_image(40, 70, seed=4)]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt = tok.apply_chat_template(_turn({"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}),
+                                     add_generation_prompt=True, tokenize=False)
+    inputs = qwen2_vl_inputs(path, prompt, images)
+    with torch.inference_mode():
+        gen = model.generate(**inputs, max_new_tokens=10, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    want = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    want_lp = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, want)]
+    llm = LLM(path, show_progress=False, num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget)
+    ours = _turn({"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
+                 {"type": "image_pil", "image_pil": images[1]})
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    [out] = llm.chat(ours, params, use_tqdm=False)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == want
+    got_lp = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, want)]
+    assert np.allclose(got_lp, want_lp, atol=2e-3), (got_lp, want_lp)
+    [again] = llm.chat(ours, params, use_tqdm=False)
+    assert again.outputs[0].token_ids == want and again.num_cached_tokens > 0
+    assert llm.engine.runner.encoder_cache.misses == 2
+
+
+def test_text_only_prompts_are_plain_rope(qwen):
+    """Without images the positions are the tokens' indices: equal to transformers too."""
+    path, model = qwen
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template(_turn(), add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    llm = LLM(path, show_progress=False, num_kv_blocks=64, block_size=4)
+    [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)
+    assert out.outputs[0].token_ids == want
