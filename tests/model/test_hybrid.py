@@ -455,38 +455,3 @@ def test_a_random_qwen35_shaped_file_serves_in_every_gguf_mode(tmp_path):
         assert _free(llm) == free
 
 
-def test_a_qwen35_checkpoint_as_published_serves_its_language_model(tmp_path):
-    """Qwen3.5 is published as Qwen3_5ForConditionalGeneration: the language model under
-    model.language_model.*, its config as text_config, a vision tower and an MTP head
-    beside. pagoda serves the language model (the others not loaded): the same greedy
-    tokens as the text-only checkpoint of the same weights."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    from tests.model.hybrid_qwen3_5 import FAMILIES as QWEN
-
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(QWEN["qwen35"].config()).float().eval()
-    text, published = tmp_path / "text", tmp_path / "published"
-    hf.save_pretrained(text, safe_serialization=True)
-    published.mkdir()
-    config = json.loads((text / "config.json").read_text())
-    outer = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-             "text_config": {k: v for k, v in config.items() if k != "architectures"},
-             "vision_config": {"depth": 1, "hidden_size": 8}, "tie_word_embeddings": config["tie_word_embeddings"]}
-    (published / "config.json").write_text(json.dumps(outer))
-    state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-             for k, v in load_file(str(text / "model.safetensors")).items()}
-    state["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
-    state["mtp.fc.weight"] = torch.zeros(4, 4)
-    save_file(state, str(published / "model.safetensors"))
-    prompts = _prompts()[2:4]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = []
-    for path in (text, published):
-        llm = LLM(str(path), skip_tokenizer_init=True, show_progress=False, num_kv_blocks=32, block_size=16)
-        outs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                  params, use_tqdm=False)])
-    assert type(llm.engine.runner.model).__name__ == "Qwen3_5ForConditionalGeneration"
-    assert outs[0] == outs[1]

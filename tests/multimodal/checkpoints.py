@@ -151,7 +151,7 @@ QWEN2_VL_TEMPLATE = (
 
 
 def write_qwen2_vl(out: str, version: str = "2.5") -> str:
-    """A Qwen2.5-VL (or Qwen2-VL, ``version`` "2") checkpoint: 8-pixel patches merged 2 x 2
+    """A Qwen2.5-VL (or Qwen2-VL, ``version`` "2", or Qwen3.5, "3.5") checkpoint: 8-pixel patches merged 2 x 2
     (a token per 16 x 16 pixels), images resized to between 4 and 64 tokens' area; Qwen2.5-VL's
     tower with windows of 2 x 2 tokens on two layers of four; a language model whose head has
     M-RoPE sections (2, 3, 3). Saved without transformers' processor class (it needs
@@ -173,6 +173,18 @@ def write_qwen2_vl(out: str, version: str = "2.5") -> str:
                       spatial_merge_size=2, temporal_patch_size=2)
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
         _save_random(transformers.Qwen2VLForConditionalGeneration, config, out)
+    elif version == "3.5":
+        # Qwen3.5's hybrid language model: Gated DeltaNet layers between gated attention
+        # layers whose partial RoPE (16 of 32 dimensions) interleaves the M-RoPE rows.
+        text.update(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens)
+        _save_random(transformers.Qwen3_5ForConditionalGeneration, config, out)
     else:
         vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
                       temporal_patch_size=2, window_size=32, out_hidden_size=64, fullatt_block_indexes=[1, 3])

@@ -147,9 +147,11 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(v)
         self.blocks = nn.ModuleList(VisionBlock(v) for _ in range(v["num_hidden_layers"]))
         self.merger = PatchMerger(v)
-        head = v["hidden_size"] // v["num_attention_heads"]
-        self.inv_freq = 1.0 / (v["rope_theta"] ** (torch.arange(0, head // 2, 2, dtype=torch.float, device="cpu")
-                                            / (head // 2)))
+        self.inv_freq = axial_inv_freq(v)
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        return self.merger.ln_q.weight.dtype   # (a norm: float in every mode)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[1, C, H, W] float -> [(H / p / m) x (W / p / m), out hidden], cells row by row."""
@@ -157,13 +159,7 @@ class VisionTransformer(nn.Module):
         p, m = v["patch_size"], v["spatial_merge_size"]
         rows, cols = pixels.shape[2] // p, pixels.shape[3] // p
         x = self.patch_embed(_patches(pixels[0], p, m, v["temporal_patch_size"]))
-        # Each patch's (row, column), cell by cell as the patches are ordered.
-        hpos = torch.arange(rows)[:, None].expand(rows, cols)
-        wpos = torch.arange(cols)[None, :].expand(rows, cols)
-        pos = torch.stack([_by_cell(hpos, m), _by_cell(wpos, m)], dim=-1)
-        freqs = (pos[..., None].float() * self.inv_freq).flatten(1)   # [N, head / 2]: rows' then columns'
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(pixels.device), emb.sin().to(pixels.device)
+        cos, sin = axial_rope(rows, cols, m, self.inv_freq, pixels.device)
         windows = v["window_size"] and _windows(rows // m, cols // m, v["window_size"] // m // p, m * m)
         if windows:
             # Patches in window order (whole cells moved together), as the checkpoint's code.
@@ -174,6 +170,25 @@ class VisionTransformer(nn.Module):
             x = block(x, cos, sin, None if not windows or i in v["fullatt_block_indexes"] else groups)
         out = self.merger(x)
         return out[torch.argsort(order)] if windows else out
+
+
+def axial_inv_freq(v: dict[str, Any]) -> torch.Tensor:
+    """The towers' 2-D RoPE frequencies: a quarter of the head's width, for rows and columns each."""
+    half = v["hidden_size"] // v["num_attention_heads"] // 2
+    return 1.0 / (v["rope_theta"] ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
+
+
+def axial_rope(rows: int, cols: int, m: int, inv_freq: torch.Tensor,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The towers' 2-D RoPE tables [patches, 1, head] for a rows x cols grid of patches,
+    cell by cell as the patches are ordered: half the frequencies turn with the row, half with
+    the column."""
+    hpos = torch.arange(rows)[:, None].expand(rows, cols)
+    wpos = torch.arange(cols)[None, :].expand(rows, cols)
+    pos = torch.stack([_by_cell(hpos, m), _by_cell(wpos, m)], dim=-1)
+    freqs = (pos[..., None].float() * inv_freq).flatten(1)   # [N, head / 2]: rows' then columns'
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(device), emb.sin().to(device)
 
 
 def _by_cell(grid: torch.Tensor, m: int) -> torch.Tensor:
@@ -239,54 +254,33 @@ def mrope_positions(length: int, images: list[tuple[int, int, int]]) -> tuple[np
     return pos, int(pos.max()) + 1 - length if length else 0
 
 
-class Qwen2VLForConditionalGeneration(VisionLanguage, Qwen2ForCausalLM):
+def qwen_vision_config(config: dict[str, Any], text_hidden: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """The tower's geometry from a Qwen VL checkpoint's vision_config: what the towers share,
+    and ``fields`` (the family's own)."""
+    vc = config.get("vision_config") or {}
+    v = dict(num_hidden_layers=vc.get("depth", 32), num_attention_heads=vc.get("num_heads", 16),
+             num_channels=vc.get("in_channels", 3), patch_size=vc.get("patch_size", 14),
+             spatial_merge_size=vc.get("spatial_merge_size", 2), temporal_patch_size=vc.get("temporal_patch_size", 2),
+             out_hidden_size=vc.get("out_hidden_size", vc.get("hidden_size", text_hidden)),
+             rope_theta=float((vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)), **fields)
+    activation(v["hidden_act"])
+    if v["out_hidden_size"] != text_hidden:
+        raise UnsupportedModelError(f"the vision tower's output ({v['out_hidden_size']}) is not the language "
+                                    f"model's width ({text_hidden})")
+    # The side of the one image int8 mode calibrates the tower on (8 x 8 cells).
+    v["image_size"] = v["patch_size"] * v["spatial_merge_size"] * 8
+    v["image_token_id"] = int(config.get("image_token_id", 151655))
+    return v
+
+
+class QwenVision(VisionLanguage):
+    """What the Qwen VL families share beside their language model (listed first among a
+    family's bases): a tower at ``visual`` reading one image of any size in whole cells, an
+    image token per cell, and M-RoPE positions."""
+
     tower_prefixes = ("visual.",)
-
-    def __init__(self, config: ModelArchConfig) -> None:
-        super().__init__(config)
-        self.visual = VisionTransformer(config.vision)
-
-    @classmethod
-    def vision_fields(cls, vc: dict[str, Any], text_hidden: int) -> dict[str, Any]:
-        """The tower's geometry from the checkpoint's vision_config (Qwen2-VL's names)."""
-        d = vc.get("embed_dim", 1280)
-        return dict(hidden_size=d, intermediate_size=int(d * vc.get("mlp_ratio", 4)),
-                    hidden_act=vc.get("hidden_act", "quick_gelu"), rms_norm=False, gated_mlp=False,
-                    window_size=0, fullatt_block_indexes=())
-
-    @classmethod
-    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        # Older configs (Qwen2-VL, the first Qwen2.5-VL uploads) hold the text fields at the top.
-        text = dict(text_config(config) if "text_config" in config else config)
-        params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        section = params.pop("mrope_section", None)
-        if params.get("type") == "mrope" or params.get("rope_type") == "mrope":   # older configs' name for it
-            params.pop("type", None)
-            params["rope_type"] = "default"
-        params.pop("mrope_interleaved", None)
-        text.pop("rope_scaling", None)
-        text["rope_parameters"] = params
-        arch = super().arch_from_hf(text, architecture)
-        vc = config.get("vision_config") or {}
-        v = dict(num_hidden_layers=vc.get("depth", 32), num_attention_heads=vc.get("num_heads", 16),
-                 num_channels=vc.get("in_channels", 3), patch_size=vc.get("patch_size", 14),
-                 spatial_merge_size=vc.get("spatial_merge_size", 2),
-                 temporal_patch_size=vc.get("temporal_patch_size", 2),
-                 out_hidden_size=vc.get("out_hidden_size", vc.get("hidden_size", arch.hidden_size)),
-                 **cls.vision_fields(vc, arch.hidden_size))
-        v["rope_theta"] = float((vc.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        activation(v["hidden_act"])
-        if v["out_hidden_size"] != arch.hidden_size:
-            raise UnsupportedModelError(f"the vision tower's output ({v['out_hidden_size']}) is not the language "
-                                        f"model's width ({arch.hidden_size})")
-        # The side of the one image int8 mode calibrates the tower on (8 x 8 cells).
-        v["image_size"] = v["patch_size"] * v["spatial_merge_size"] * 8
-        v["image_token_id"] = int(config.get("image_token_id", 151655))
-        return dataclasses.replace(arch, vision=v, mrope_section=tuple(section or (16, 24, 24)))
-
-    @classmethod
-    def hf_name(cls, name: str) -> str | None:
-        return renamed(name, _HF_PREFIXES)
+    visual: nn.Module
+    config: ModelArchConfig
 
     @classmethod
     def image_grid(cls, vision: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
@@ -311,14 +305,47 @@ class Qwen2VLForConditionalGeneration(VisionLanguage, Qwen2ForCausalLM):
         return mrope_positions(len(prompt_token_ids), grids)
 
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[1, C, H, W] float -> [(H / 28) x (W / 28), hidden] (at 14-pixel patches)."""
-        dtype = self.visual.merger.ln_q.weight.dtype   # (a norm: float in every mode)
-        return self.visual(pixels.to(dtype))
+        """[1, C, H, W] float -> [cells, hidden] (a cell: 2 x 2 patches), row by row."""
+        return self.visual(pixels.to(self.visual.float_dtype))
+
+
+class Qwen2VLForConditionalGeneration(QwenVision, Qwen2ForCausalLM):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        self.visual = VisionTransformer(config.vision)
+
+    @classmethod
+    def vision_fields(cls, vc: dict[str, Any]) -> dict[str, Any]:
+        """The tower's own geometry (Qwen2-VL's names)."""
+        d = vc.get("embed_dim", 1280)
+        return dict(hidden_size=d, intermediate_size=int(d * vc.get("mlp_ratio", 4)),
+                    hidden_act=vc.get("hidden_act", "quick_gelu"), rms_norm=False, gated_mlp=False,
+                    window_size=0, fullatt_block_indexes=())
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        # Older configs (Qwen2-VL, the first Qwen2.5-VL uploads) hold the text fields at the top.
+        text = dict(text_config(config) if "text_config" in config else config)
+        params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        section = params.pop("mrope_section", None)
+        if params.get("type") == "mrope" or params.get("rope_type") == "mrope":   # older configs' name for it
+            params.pop("type", None)
+            params["rope_type"] = "default"
+        params.pop("mrope_interleaved", None)
+        text.pop("rope_scaling", None)
+        text["rope_parameters"] = params
+        arch = super().arch_from_hf(text, architecture)
+        v = qwen_vision_config(config, arch.hidden_size, cls.vision_fields(config.get("vision_config") or {}))
+        return dataclasses.replace(arch, vision=v, mrope_section=tuple(section or (16, 24, 24)))
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        return renamed(name, _HF_PREFIXES)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     @classmethod
-    def vision_fields(cls, vc: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    def vision_fields(cls, vc: dict[str, Any]) -> dict[str, Any]:
         return dict(hidden_size=vc.get("hidden_size", 1280), intermediate_size=vc.get("intermediate_size", 3420),
                     hidden_act=vc.get("hidden_act", "silu"), rms_norm=True, gated_mlp=True,
                     window_size=vc.get("window_size", 112),

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagoda.model.arch import ModelArchConfig, moe_fields, text_config
+from pagoda.model.arch import ModelArchConfig, moe_fields
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.model.layers.gated_deltanet import GatedDeltaNet
 from pagoda.model.layers.hybrid import HybridDecoderLayer, renamed
@@ -167,19 +167,6 @@ class Qwen3_5ForCausalLM(CausalLM):
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    pass
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """A Qwen3.5 checkpoint as published (a vision tower beside the language model): the
-    language model is served, text in and text out."""
-
-    @classmethod
-    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        return super().arch_from_hf(text_config(config), architecture)
-
-
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     pass
 
 

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen2-VL against transformers on tiny random checkpoints: the same pixels
+"""Qwen2-VL, Qwen2.5-VL and Qwen3.5 against transformers on tiny random checkpoints: the same pixels
 (cut into patches by the model as transformers' processor cuts them), the same prompt tokens,
 greedy tokens and log-probabilities equal with the tower's windows and the language model's
 M-RoPE (an image's tokens at three positions, the text after it shifted), with prompts chunked
@@ -20,12 +20,14 @@ transformers = pytest.importorskip("transformers")
 QUESTION = "Describe this picture in a few careful words, please."
 
 
-@pytest.fixture(scope="module", params=["2.5", "2"])
+_CLASSES = {"2": "Qwen2VLForConditionalGeneration", "2.5": "Qwen2_5_VLForConditionalGeneration",
+            "3.5": "Qwen3_5ForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module", params=list(_CLASSES))
 def qwen(request, tmp_path_factory):
-    path = write_qwen2_vl(str(tmp_path_factory.mktemp("qwen2vl")), request.param)
-    cls = (transformers.Qwen2_5_VLForConditionalGeneration if request.param == "2.5"
-           else transformers.Qwen2VLForConditionalGeneration)
-    return path, cls.from_pretrained(path).float().eval()
+    path = write_qwen2_vl(str(tmp_path_factory.mktemp("qwenvl")), request.param)
+    return path, getattr(transformers, _CLASSES[request.param]).from_pretrained(path).float().eval()
 
 
 def _turn(*parts):
