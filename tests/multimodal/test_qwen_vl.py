@@ -27,7 +27,7 @@ _CLASSES = {"2": "Qwen2VLForConditionalGeneration", "2.5": "Qwen2_5_VLForConditi
 @pytest.fixture(scope="module", params=list(_CLASSES))
 def qwen(request, tmp_path_factory):
     path = write_qwen2_vl(str(tmp_path_factory.mktemp("qwenvl")), request.param)
-    return path, getattr(transformers, _CLASSES[request.param]).from_pretrained(path).float().eval()
+    return path, getattr(transformers, _CLASSES[request.param]).from_pretrained(path).float().eval(), request.param
 
 
 def _turn(*parts):
@@ -38,7 +38,7 @@ def _turn(*parts):
 def test_patches_equal_transformers(qwen, size):
     """The processor's 8-bit pixels, normalised and cut by the model: transformers' pixel
     values, bit for bit, and one token per 16 x 16 cell."""
-    path, _ = qwen
+    path, _, _ = qwen
     image = random_image(*size, seed=sum(size))
     want = qwen2_vl_inputs(path, "<|image_pad|>", [image])
     got = load_image_processor(path).process(image)
@@ -66,7 +66,7 @@ def test_greedy_equal_transformers_with_chunks_inside_images(qwen, budget):
     """Two images of different shapes in one prompt: tokens and log-probabilities equal to
     transformers'; budget 7 splits both images across steps (positions of three rows in
     some steps, one in others); a second turn hits the prefix cache and encodes nothing."""
-    path, model = qwen
+    path, model, _ = qwen
     images = [random_image(90, 50, seed=3), random_image(40, 70, seed=4)]
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompt = tok.apply_chat_template(_turn({"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}),
@@ -93,7 +93,7 @@ def test_greedy_equal_transformers_with_chunks_inside_images(qwen, budget):
 
 def test_text_only_prompts_are_plain_rope(qwen):
     """Without images the positions are the tokens' indices: equal to transformers too."""
-    path, model = qwen
+    path, model, _ = qwen
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ids = tok.apply_chat_template(_turn(), add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     with torch.inference_mode():
@@ -102,3 +102,63 @@ def test_text_only_prompts_are_plain_rope(qwen):
     [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                          use_tqdm=False)
     assert out.outputs[0].token_ids == want
+
+
+def test_ngram_drafts_after_an_image_keep_greedy_tokens(qwen):
+    """n-gram drafts verified at the shifted positions of the text after an image: the same
+    tokens as without drafts (random weights repeat themselves, so there are drafts to verify)."""
+    path, _, version = qwen
+    if version == "3.5":
+        pytest.skip("this Qwen3.5 checkpoint's random weights never repeat a token: no drafts to verify")
+    image = random_image(60, 60, seed=9)
+    ours = _turn({"type": "image_pil", "image_pil": image})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(path, show_progress=False, num_kv_blocks=128, block_size=4, speculative_config=spec)
+        [out] = llm.chat(ours, params, use_tqdm=False)
+        outs.append(out.outputs[0].token_ids)
+    assert outs[0] == outs[1]
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.spec_num_draft_tokens > 0, "no drafts: the test checks nothing"
+
+
+def test_qwen25_vl_over_http_equals_the_offline_engine(tmp_path):
+    """Qwen2.5-VL on a real server (loopback) with the official client: an image as a data
+    URL gives the offline engine's tokens (itself equal to transformers, above); an image too
+    small for one cell after resizing is still served (resized up to the pixel floor)."""
+    import base64
+
+    import openai
+
+    from pagoda.config import EngineConfig
+    from tests.e2e.server_utils import real_engine_server
+    from tests.e2e.test_real_engine import _wait_idle
+
+    path = write_qwen2_vl(str(tmp_path / "qwen25vl"))
+    image = random_image(70, 45, seed=2)
+    url = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": QUESTION}]}]
+    offline = LLM(path, show_progress=False, num_kv_blocks=64, block_size=16)
+    [want] = offline.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    config = EngineConfig(model=path, show_progress=False, num_kv_blocks=64, block_size=16, max_model_len=512)
+    with real_engine_server(config, served_model_name="qwen") as (_, running):
+        with openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            r = client.chat.completions.create(model="qwen", messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].token_ids == want.outputs[0].token_ids
+            assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+            tiny = "data:image/png;base64," + base64.b64encode(_png(random_image(3, 5, seed=1))).decode()
+            small = client.chat.completions.create(model="qwen", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": tiny}}]}])
+            assert small.usage.prompt_tokens > 4   # at least the 4 cells of the 1024-pixel floor
+            _wait_idle(running)
+
+
+def _png(image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
