@@ -576,18 +576,15 @@ def _read_gguf(path: str, mmproj: str | None = None):
 def _with_projector(arch: ModelArchConfig, md: dict[str, Any], mmproj: str) -> ModelArchConfig:
     """The language model's architecture as the vision-language family of ``mmproj``."""
     from pagoda.hub.gguf_file import GGUFFile
-    from pagoda.model.mmproj import PROJECTORS, mmproj_vision
+    from pagoda.model.mmproj import mmproj_vision
 
     proj = GGUFFile(mmproj)
     try:
-        family, vision = mmproj_vision(proj.metadata, md.get("tokenizer.ggml.tokens") or [], mmproj)
-        text = PROJECTORS[proj.metadata["clip.projector_type"]].text
+        family, vision = mmproj_vision(proj.metadata, md.get("tokenizer.ggml.tokens") or [], mmproj,
+                                       arch.architecture, {n: t.shape for n, t in proj.tensors.items()})
     finally:
         proj.close()
-    if arch.architecture != text:
-        raise UnsupportedModelError(f"{mmproj}: its projector goes with a {text} language model, not "
-                                    f"{arch.architecture}")
-    return dataclasses.replace(arch, architecture=family, vision=vision)
+    return model_class(family).with_projector(dataclasses.replace(arch, architecture=family, vision=vision), md)
 
 
 def _qk_heads(arch: ModelArchConfig, cls: type[CausalLM], hf: bool = False) -> dict[str, int]:

@@ -107,10 +107,20 @@ def _mmproj_processor(mmproj: str) -> ImageProcessor:
     finally:
         gf.close()
     kind = md.get("clip.projector_type")
-    if kind not in ("idefics3", "gemma3"):
-        raise ImageError(f"{mmproj}: projector type {kind!r} is not supported (supported: idefics3, gemma3)")
+    supported = ("idefics3", "gemma3", *_MMPROJ_QWEN)
+    if kind not in supported:
+        raise ImageError(f"{mmproj}: projector type {kind!r} is not supported (supported: {', '.join(supported)})")
     p = "clip.vision."
     size, patch = md[p + "image_size"], md[p + "patch_size"]
+    if kind in _MMPROJ_QWEN:
+        # The pixel budget the file writes, else llama.cpp's for these models: 8 to 4096 tokens.
+        merge = int(md.get(p + "spatial_merge_size", 2))
+        cell = (patch * merge) ** 2
+        settings = {"patch_size": patch, "merge_size": merge, "min_pixels": md.get(p + "image_min_pixels") or 8 * cell,
+                    "max_pixels": md.get(p + "image_max_pixels") or 4096 * cell,
+                    "image_mean": list(md.get(p + "image_mean", [0.5] * 3)),
+                    "image_std": list(md.get(p + "image_std", [0.5] * 3))}
+        return Qwen2VLImageProcessor(settings, {})
     scale = int(md.get(p + "projector.scale_factor", 2 if kind == "idefics3" else 4))
     tokens = (size // patch) ** 2 // (scale * scale)
     norm = {"image_mean": list(md.get(p + "image_mean", [0.5, 0.5, 0.5])),
@@ -121,6 +131,9 @@ def _mmproj_processor(mmproj: str) -> ImageProcessor:
                 "max_image_size": {"longest_edge": size}, "do_image_splitting": True, "image_seq_len": tokens, **norm}
     return Idefics3ImageProcessor(settings, {"vision_config": {"image_size": size, "patch_size": patch},
                                              "scale_factor": scale})
+
+
+_MMPROJ_QWEN = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
 
 
 def _normalization(settings: dict[str, Any], mean: list[float], std: list[float]) -> tuple:

@@ -61,13 +61,14 @@ def _tiled(t, dim: int, k_heads: int, per_k: int, size: int):
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def write_qwen35_gguf(model, path: str, hf_dir: str, legacy_qkvz: bool = False) -> str:
+def write_qwen35_gguf(model, path: str, hf_dir: str, legacy_qkvz: bool = False, extra=None) -> str:
     """A tiny Qwen3.5 / Qwen3-Next checkpoint as llama.cpp's converter writes a ``qwen35`` /
     ``qwen35moe`` / ``qwen3next`` file (float32): A_log as -exp(A_log), dt_bias as the dt
     projection's bias, the convolution squeezed, zero-centred norms as 1 + w. Qwen3.5: value
     heads tiled. Qwen3-Next: value heads as HF's (grouped), in_proj_qkvz split per key head
     into [q; k; v] (attn_qkv) and z (attn_gate), in_proj_ba as it is (ssm_ba); with
-    ``legacy_qkvz``, in_proj_qkvz kept whole (ssm_in), as its first converter wrote it."""
+    ``legacy_qkvz``, in_proj_qkvz kept whole (ssm_in), as its first converter wrote it.
+    ``extra``: called with the writer to add keys (a tokenizer, M-RoPE's sections)."""
     import pathlib
 
     import numpy as np
@@ -159,6 +160,8 @@ def write_qwen35_gguf(model, path: str, hf_dir: str, legacy_qkvz: bool = False) 
             add(base + "in_proj_z.weight", z.reshape(-1, cols))
             continue
         add(hf_name, t)
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

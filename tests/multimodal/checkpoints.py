@@ -150,10 +150,10 @@ QWEN2_VL_TEMPLATE = (
 )
 
 
-def write_qwen2_vl(out: str, version: str = "2.5") -> str:
+def write_qwen2_vl(out: str, version: str = "2.5", window: int = 32) -> str:
     """A Qwen2.5-VL (or Qwen2-VL, ``version`` "2", or Qwen3.5, "3.5") checkpoint: 8-pixel patches merged 2 x 2
     (a token per 16 x 16 pixels), images resized to between 4 and 64 tokens' area; Qwen2.5-VL's
-    tower with windows of 2 x 2 tokens on two layers of four; a language model whose head has
+    tower with windows of ``window`` pixels (2 x 2 tokens) on two layers of four; a language model whose head has
     M-RoPE sections (2, 3, 3). Saved without transformers' processor class (it needs
     torchvision for videos): the tokenizer with the template, and the image processor's config."""
     import transformers
@@ -178,7 +178,7 @@ def write_qwen2_vl(out: str, version: str = "2.5") -> str:
         # layers whose partial RoPE (16 of 32 dimensions) interleaves the M-RoPE rows.
         text.update(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],   # (llama.cpp's files: every 4th)
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                      "mrope_section": [3, 3, 2], "mrope_interleaved": True})
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
@@ -187,7 +187,7 @@ def write_qwen2_vl(out: str, version: str = "2.5") -> str:
         _save_random(transformers.Qwen3_5ForConditionalGeneration, config, out)
     else:
         vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
-                      temporal_patch_size=2, window_size=32, out_hidden_size=64, fullatt_block_indexes=[1, 3])
+                      temporal_patch_size=2, window_size=window, out_hidden_size=64, fullatt_block_indexes=[1, 3])
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
         _save_random(transformers.Qwen2_5_VLForConditionalGeneration, config, out)
     tok.chat_template = QWEN2_VL_TEMPLATE
@@ -347,3 +347,104 @@ def write_gemma3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
                  "mm.soft_emb_norm.weight": p.mm_soft_emb_norm.weight + 1},
                 {"projector.scale_factor": scale} if scale != 4 else {})
     return text_path, proj_path
+
+
+def write_qwen_vl_gguf(hf_dir: str, out_dir: str, version: str = "2.5") -> tuple[str, str]:
+    """The checkpoint of ``write_qwen2_vl`` as llama.cpp's converter writes it: the language
+    model as a "qwen2vl" GGUF (Qwen2.5-VL) or a "qwen35" GGUF (Qwen3.5) with its tokenizer,
+    chat template and M-RoPE sections (``rope.dimension_sections``), and the tower as a
+    "qwen2.5vl_merger" / "qwen3vl_merger" projector file: q, k and v split (Qwen2.5-VL), the
+    patch embedding's Conv3D split into two Conv2D kernels, the merger as ``mm.0`` / ``mm.2``
+    and ``v.post_ln`` (checked against the files its convert_hf_to_gguf.py writes for these
+    checkpoints; its Qwen3.5 text converter needs a tokenizer it knows, so that file is
+    pagoda's writer's). Returns (language model, projector) paths."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    qwen3 = version == "3.5"
+    cls = transformers.Qwen3_5ForConditionalGeneration if qwen3 else transformers.Qwen2_5_VLForConditionalGeneration
+    vlm = cls.from_pretrained(hf_dir).float().eval()
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    images = Qwen2VLImageProcessorPil.from_pretrained(hf_dir)
+    sections = list(vlm.config.text_config.rope_parameters["mrope_section"]) + [0]
+    tokenizer = _gguf_tokenizer(tok, QWEN2_VL_TEMPLATE)
+
+    def keys(w) -> None:
+        tokenizer(w)
+        w.add_array(f"{w.arch}.rope.dimension_sections", sections)
+
+    text_path = os.path.join(out_dir, f"qwen{version}-text.gguf")
+    if qwen3:
+        from tests.model.hybrid_qwen3_5 import write_qwen35_gguf
+
+        text_dir = os.path.join(out_dir, "text")
+        text = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**vlm.config.text_config.to_dict()))
+        state = {f"model.{k}": v for k, v in vlm.model.language_model.state_dict().items()}
+        state["lm_head.weight"] = vlm.lm_head.weight
+        text.load_state_dict(state)
+        text.save_pretrained(text_dir)
+        write_qwen35_gguf(text.float().eval(), text_path, text_dir, extra=keys)
+    else:
+        _write_text_gguf(vlm, vlm.model.language_model, transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                         text_path, "qwen2vl", keys)
+    proj_path = os.path.join(out_dir, f"qwen{version}-mmproj.gguf")
+    _write_qwen_clip(proj_path, vlm, images, qwen3)
+    return text_path, proj_path
+
+
+def _write_qwen_clip(path: str, vlm, image_processor, qwen3: bool) -> None:
+    from gguf import GGUFWriter
+
+    v = vlm.config.vision_config
+    w = GGUFWriter(path, "clip")
+    w.add_type("mmproj")
+    w.add_bool("clip.has_vision_encoder", True)
+    side = int(v.num_position_embeddings ** 0.5) * v.patch_size if qwen3 else 560
+    for key, value in (("projection_dim", vlm.config.text_config.hidden_size), ("image_size", side),
+                       ("patch_size", v.patch_size), ("embedding_length", v.hidden_size),
+                       ("feed_forward_length", v.intermediate_size), ("block_count", v.depth),
+                       ("attention.head_count", v.num_heads)):
+        w.add_uint32(f"clip.vision.{key}", int(value))
+    w.add_array("clip.vision.image_mean", [float(x) for x in image_processor.image_mean])
+    w.add_array("clip.vision.image_std", [float(x) for x in image_processor.image_std])
+    if qwen3:
+        w.add_string("clip.projector_type", "qwen3vl_merger")
+        w.add_bool("clip.use_gelu", True)
+        w.add_uint32("clip.vision.spatial_merge_size", v.spatial_merge_size)
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+        w.add_array("clip.vision.is_deepstack_layers", [False] * v.depth)
+    else:
+        w.add_string("clip.projector_type", "qwen2.5vl_merger")
+        w.add_bool("clip.use_silu", True)
+        w.add_uint32("clip.vision.n_wa_pattern", v.fullatt_block_indexes[0] + 1)
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+        if v.window_size != 112:   # (llama.cpp's key; its converter writes none: 112 is its default)
+            w.add_uint32("clip.vision.window_size", v.window_size)
+    parts = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.linear_fc1": "ffn_up",
+             "mlp.linear_fc2": "ffn_down", "attn.qkv": "attn_qkv"}
+    other = {"merger.ln_q": "v.post_ln", "merger.norm": "v.post_ln", "merger.mlp.0": "mm.0", "merger.mlp.2": "mm.2",
+             "merger.linear_fc1": "mm.0", "merger.linear_fc2": "mm.2", "patch_embed.proj": "v.patch_embd",
+             "pos_embed": "v.position_embd"}
+
+    def add(name: str, t) -> None:
+        w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
+
+    for name, t in vlm.model.visual.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module == "patch_embed.proj" and leaf == "weight":   # Conv3D -> two Conv2D kernels
+            add("v.patch_embd.weight", t[:, :, 0])
+            add("v.patch_embd.weight.1", t[:, :, 1])
+        elif module.startswith("blocks."):
+            i, part = module[len("blocks."):].split(".", 1)
+            if part == "attn.qkv" and not qwen3:   # q, k and v split
+                for j, t3 in zip("qkv", t.chunk(3, dim=0)):
+                    add(f"v.blk.{i}.attn_{j}.{leaf}", t3)
+            else:
+                add(f"v.blk.{i}.{parts[part]}.{leaf}", t)
+        else:
+            add(f"{other[module]}.{leaf}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

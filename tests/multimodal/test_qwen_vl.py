@@ -162,3 +162,32 @@ def _png(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+@pytest.mark.parametrize("version", ["2.5", "3.5"])
+def test_gguf_with_mmproj_equals_transformers(tmp_path, version):
+    """llama.cpp's pair (a "qwen2vl" or "qwen35" GGUF with M-RoPE sections, and a
+    "qwen2.5vl_merger" or "qwen3vl_merger" projector file, as its converter writes them):
+    served as the family with its tower, the same prompt and greedy tokens as transformers in
+    the exact and gguf modes. Qwen2.5-VL at llama.cpp's 112-pixel windows (an image of 4 x 12
+    cells: two windows of up to 7 x 7 cells on the windowed layers)."""
+    from tests.multimodal.checkpoints import write_qwen_vl_gguf
+
+    path = write_qwen2_vl(str(tmp_path / "hf"), version, window=112)
+    text, mmproj = write_qwen_vl_gguf(path, str(tmp_path), version)
+    model = getattr(transformers, _CLASSES[version]).from_pretrained(path).float().eval()
+    image = random_image(200, 60, seed=3)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt = tok.apply_chat_template(_turn({"type": "image"}), add_generation_prompt=True, tokenize=False)
+    inputs = qwen2_vl_inputs(path, prompt, [image])
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 24]]
+    with torch.inference_mode():
+        want = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    for mode in ("none", "gguf"):
+        llm = LLM(text, mmproj=mmproj, quantization=mode, show_progress=False, num_kv_blocks=64, block_size=4,
+                  max_num_batched_tokens=16)
+        assert type(llm.engine.runner.model).__name__ == _CLASSES[version]
+        [out] = llm.chat(_turn({"type": "image_pil", "image_pil": image}),
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == want, mode

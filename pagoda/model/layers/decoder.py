@@ -563,6 +563,13 @@ class CausalLM(nn.Module):
             yield ours, cls.hf_tensor(name, tensor)
 
     @classmethod
+    def with_projector(cls, arch: ModelArchConfig, md: dict[str, Any]) -> ModelArchConfig:
+        """A vision-language family's architecture from a GGUF language model (metadata ``md``)
+        and llama.cpp's projector file (already in ``arch.vision``): what the family reads
+        from the language model's keys beside (Qwen's M-RoPE sections)."""
+        return arch
+
+    @classmethod
     def gguf_tensor(cls, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A float tensor of a GGUF file (read under ``hf_name``, the checkpoint name it
         maps to) as the model holds it, where llama.cpp's converter stored it transformed

@@ -279,8 +279,18 @@ class QwenVision(VisionLanguage):
     image token per cell, and M-RoPE positions."""
 
     tower_prefixes = ("visual.",)
+    mrope_interleaved = False   # the family's M-RoPE layout (llama.cpp's files do not say)
     visual: nn.Module
     config: ModelArchConfig
+
+    @classmethod
+    def with_projector(cls, arch: ModelArchConfig, md: dict[str, Any]) -> ModelArchConfig:
+        """M-RoPE's sections from the language model's GGUF keys (``rope.dimension_sections``)."""
+        sections = md.get(f"{md['general.architecture']}.rope.dimension_sections")
+        if not sections:
+            raise UnsupportedModelError("a Qwen VL language model file without rope.dimension_sections (M-RoPE)")
+        return dataclasses.replace(arch, mrope_section=tuple(int(x) for x in sections[:3]),
+                                   mrope_interleaved=cls.mrope_interleaved)
 
     @classmethod
     def image_grid(cls, vision: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:

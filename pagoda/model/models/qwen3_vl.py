@@ -125,6 +125,7 @@ class VisionTransformer(nn.Module):
 
 
 class Qwen3_5ForConditionalGeneration(QwenVision, Qwen3_5ForCausalLM):
+    mrope_interleaved = True
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
         self.visual = VisionTransformer(config.vision)
