@@ -69,7 +69,8 @@ PROJECTORS = {
     "qwen2.5vl_merger": _qwen({"Qwen2ForCausalLM": "Qwen2_5_VLForConditionalGeneration"},
                               {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
                               _QWEN2_MERGER),
-    "qwen3vl_merger": _qwen({"Qwen3_5ForCausalLM": "Qwen3_5ForConditionalGeneration",
+    "qwen3vl_merger": _qwen({"Qwen3ForCausalLM": "Qwen3VLForConditionalGeneration",
+                             "Qwen3_5ForCausalLM": "Qwen3_5ForConditionalGeneration",
                              "Qwen3_5MoeForCausalLM": "Qwen3_5MoeForConditionalGeneration"},
                             {"ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"},
                             {"v.post_ln.weight": "merger.norm.weight", "v.post_ln.bias": "merger.norm.bias",
@@ -79,6 +80,9 @@ PROJECTORS = {
 }
 
 _LAYER = re.compile(r"^v\.blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Qwen3-VL's deepstack mergers, named by the tower layer they read.
+_DEEPSTACK = re.compile(r"^v\.deepstack\.(\d+)\.(norm|fc1|fc2)\.(weight|bias)$")
+_DEEPSTACK_PARTS = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 
 
 def projector_type(md: dict[str, Any], path: str) -> str:
@@ -107,7 +111,11 @@ def mmproj_vision(md: dict[str, Any], tokens: list[str], path: str, text: str,
         raise UnsupportedModelError(f"{path}: the language model's vocabulary has no {proj.image_token!r} token")
     image_token_id = tokens.index(proj.image_token)
     if kind.startswith("qwen"):
-        return proj.families[text], _qwen_vision(md, shapes, kind, image_token_id)
+        family = proj.families[text]
+        v = _qwen_vision(md, shapes, kind, image_token_id)
+        if v.get("deepstack_visual_indexes") and family != "Qwen3VLForConditionalGeneration":
+            raise UnsupportedModelError(f"{path}: deepstack features go with a Qwen3-VL language model, not {text}")
+        return family, v
     scale = int(md.get(p + "projector.scale_factor", proj.scale_factor))
     vision = dict(hidden_size=md[p + "embedding_length"], intermediate_size=md[p + "feed_forward_length"],
                   num_hidden_layers=md[p + "block_count"], num_attention_heads=md[p + "attention.head_count"],
@@ -137,8 +145,7 @@ def _qwen_vision(md: dict[str, Any], shapes: dict[str, tuple[int, ...]], kind: s
              out_hidden_size=md[p + "projection_dim"], rope_theta=10000.0, image_size=patch * merge * 8,
              image_token_id=image_token_id)
     if kind == "qwen3vl_merger":
-        if any(md.get(p + "is_deepstack_layers") or ()):
-            raise UnsupportedModelError("Qwen3-VL's deepstack features are not supported yet")
+        v["deepstack_visual_indexes"] = _deepstack(md)
         positions = shapes.get("v.position_embd.weight")
         v.update(hidden_act="gelu_pytorch_tanh",
                  num_position_embeddings=positions[0] if positions else (int(md[p + "image_size"]) // patch) ** 2)
@@ -151,6 +158,11 @@ def _qwen_vision(md: dict[str, Any], shapes: dict[str, tuple[int, ...]], kind: s
     return v
 
 
+def _deepstack(md: dict[str, Any]) -> tuple[int, ...]:
+    """The tower layers whose outputs feed Qwen3-VL's deepstack mergers."""
+    return tuple(i for i, on in enumerate(md.get("clip.vision.is_deepstack_layers") or ()) if on)
+
+
 def mmproj_names(md: dict[str, Any], tensor_names: list[str], path: str) -> dict[str, str]:
     """The projector file's tensor names -> the family's HF names; a name ending in
     ``#i/n`` is the i-th of n parts stacked into that tensor (``t``: along a new dimension 2,
@@ -158,7 +170,13 @@ def mmproj_names(md: dict[str, Any], tensor_names: list[str], path: str) -> dict
     proj = PROJECTORS[projector_type(md, path)]
     parts, tower = proj.layer_parts or _SIGLIP_PARTS, proj.tower_other or _SIGLIP_OTHER
     names = {}
+    deepstack = _deepstack(md)
     for name in tensor_names:
+        d = _DEEPSTACK.match(name)
+        if d is not None and int(d.group(1)) in deepstack:
+            names[name] = (f"{proj.tower}deepstack_merger_list.{deepstack.index(int(d.group(1)))}."
+                           f"{_DEEPSTACK_PARTS[d.group(2)]}.{d.group(3)}")
+            continue
         m = _LAYER.match(name)
         if m is not None and m.group(2) in parts:
             part, _, stack = parts[m.group(2)].partition("#")

@@ -675,8 +675,11 @@ class ModelRunner:
         if self.encoder_cache is None:
             raise RuntimeError("a request with images on a model that takes text only")
         embeds = self.model.embed(ids)
-        for row, start, end, state, image in splices:
-            emb = self.encoder_cache.get(image, self.model.embed_images, self.device)
+        encoded = [self.encoder_cache.get(image, self.model.embed_images, self.device) for *_, image in splices]
+        width = max(e.shape[-1] for e in encoded)
+        if width > embeds.shape[-1]:   # features beside the embeddings (Qwen3-VL's deepstack): zero on text rows
+            embeds = torch.cat([embeds, embeds.new_zeros(embeds.shape[0], width - embeds.shape[-1])], dim=-1)
+        for (row, start, end, state, image), emb in zip(splices, encoded):
             span = torch.tensor(state.all_token_ids[image.offset:image.end])
             is_embed = span == self.image_token_id
             if int(is_embed.sum()) != emb.shape[0]:

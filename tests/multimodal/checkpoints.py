@@ -4,7 +4,11 @@ family's image tokens added, so prompts, pixels and placeholders are the family'
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import torch
@@ -22,11 +26,24 @@ IDEFICS3_TEMPLATE = (
 )
 
 
-def _tokenizer(extra: list[str]):
+@functools.lru_cache(maxsize=None)
+def _base_tokenizer_dir() -> str:
+    """The bundled GGUF's tokenizer saved as an HF folder, once a process (reading it from
+    the GGUF takes seconds; from the folder, a fraction of one)."""
     import transformers
 
     gguf = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    out = tempfile.mkdtemp(prefix="pagoda-tokenizer-")
+    atexit.register(shutil.rmtree, out, True)
+    tok.save_pretrained(out)
+    return out
+
+
+def _tokenizer(extra: list[str]):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(_base_tokenizer_dir())
     tok.add_special_tokens({"additional_special_tokens": extra})
     return tok
 
@@ -151,7 +168,7 @@ QWEN2_VL_TEMPLATE = (
 
 
 def write_qwen2_vl(out: str, version: str = "2.5", window: int = 32) -> str:
-    """A Qwen2.5-VL (or Qwen2-VL, ``version`` "2", or Qwen3.5, "3.5") checkpoint: 8-pixel patches merged 2 x 2
+    """A Qwen2.5-VL (or Qwen2-VL, ``version`` "2", Qwen3-VL, "3", Qwen3.5, "3.5") checkpoint: 8-pixel patches merged 2 x 2
     (a token per 16 x 16 pixels), images resized to between 4 and 64 tokens' area; Qwen2.5-VL's
     tower with windows of ``window`` pixels (2 x 2 tokens) on two layers of four; a language model whose head has
     M-RoPE sections (2, 3, 3). Saved without transformers' processor class (it needs
@@ -173,6 +190,17 @@ def write_qwen2_vl(out: str, version: str = "2.5", window: int = 32) -> str:
                       spatial_merge_size=2, temporal_patch_size=2)
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
         _save_random(transformers.Qwen2VLForConditionalGeneration, config, out)
+    elif version == "3":
+        # Qwen3-VL: Qwen3's language model (three layers), deepstack features of both tower
+        # layers added after its first two.
+        text.update(num_hidden_layers=3, head_dim=16,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                     "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        _save_random(transformers.Qwen3VLForConditionalGeneration, config, out)
     elif version == "3.5":
         # Qwen3.5's hybrid language model: Gated DeltaNet layers between gated attention
         # layers whose partial RoPE (16 of 32 dimensions) interleaves the M-RoPE rows.
@@ -351,9 +379,10 @@ def write_gemma3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
 
 def write_qwen_vl_gguf(hf_dir: str, out_dir: str, version: str = "2.5") -> tuple[str, str]:
     """The checkpoint of ``write_qwen2_vl`` as llama.cpp's converter writes it: the language
-    model as a "qwen2vl" GGUF (Qwen2.5-VL) or a "qwen35" GGUF (Qwen3.5) with its tokenizer,
+    model as a "qwen2vl" GGUF (Qwen2.5-VL), "qwen3vl" (Qwen3-VL) or "qwen35" (Qwen3.5) with its tokenizer,
     chat template and M-RoPE sections (``rope.dimension_sections``), and the tower as a
-    "qwen2.5vl_merger" / "qwen3vl_merger" projector file: q, k and v split (Qwen2.5-VL), the
+    "qwen2.5vl_merger" / "qwen3vl_merger" projector file: q, k and v split (Qwen2.5-VL), Qwen3-VL's
+    deepstack mergers named by the tower layer they read, the
     patch embedding's Conv3D split into two Conv2D kernels, the merger as ``mm.0`` / ``mm.2``
     and ``v.post_ln`` (checked against the files its convert_hf_to_gguf.py writes for these
     checkpoints; its Qwen3.5 text converter needs a tokenizer it knows, so that file is
@@ -361,8 +390,9 @@ def write_qwen_vl_gguf(hf_dir: str, out_dir: str, version: str = "2.5") -> tuple
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    qwen3 = version == "3.5"
-    cls = transformers.Qwen3_5ForConditionalGeneration if qwen3 else transformers.Qwen2_5_VLForConditionalGeneration
+    qwen3 = version in ("3", "3.5")
+    cls = {"2.5": transformers.Qwen2_5_VLForConditionalGeneration, "3": transformers.Qwen3VLForConditionalGeneration,
+           "3.5": transformers.Qwen3_5ForConditionalGeneration}[version]
     vlm = cls.from_pretrained(hf_dir).float().eval()
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     images = Qwen2VLImageProcessorPil.from_pretrained(hf_dir)
@@ -372,9 +402,14 @@ def write_qwen_vl_gguf(hf_dir: str, out_dir: str, version: str = "2.5") -> tuple
     def keys(w) -> None:
         tokenizer(w)
         w.add_array(f"{w.arch}.rope.dimension_sections", sections)
+        if version == "3":
+            w.add_uint32(f"{w.arch}.n_deepstack_layers", len(vlm.config.vision_config.deepstack_visual_indexes))
 
     text_path = os.path.join(out_dir, f"qwen{version}-text.gguf")
-    if qwen3:
+    if version == "3":
+        _write_text_gguf(vlm, vlm.model.language_model, transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                         text_path, "qwen3vl", keys)
+    elif qwen3:
         from tests.model.hybrid_qwen3_5 import write_qwen35_gguf
 
         text_dir = os.path.join(out_dir, "text")
@@ -412,7 +447,8 @@ def _write_qwen_clip(path: str, vlm, image_processor, qwen3: bool) -> None:
         w.add_bool("clip.use_gelu", True)
         w.add_uint32("clip.vision.spatial_merge_size", v.spatial_merge_size)
         w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-        w.add_array("clip.vision.is_deepstack_layers", [False] * v.depth)
+        deepstack = list(getattr(v, "deepstack_visual_indexes", None) or [])
+        w.add_array("clip.vision.is_deepstack_layers", [i in deepstack for i in range(v.depth)])
     else:
         w.add_string("clip.projector_type", "qwen2.5vl_merger")
         w.add_bool("clip.use_silu", True)
@@ -435,6 +471,9 @@ def _write_qwen_clip(path: str, vlm, image_processor, qwen3: bool) -> None:
         if module == "patch_embed.proj" and leaf == "weight":   # Conv3D -> two Conv2D kernels
             add("v.patch_embd.weight", t[:, :, 0])
             add("v.patch_embd.weight.1", t[:, :, 1])
+        elif module.startswith("deepstack_merger_list."):   # named by the tower layer each reads
+            k, part = module[len("deepstack_merger_list."):].split(".", 1)
+            add(f"v.deepstack.{deepstack[int(k)]}.{part.replace('linear_', '')}.{leaf}", t)
         elif module.startswith("blocks."):
             i, part = module[len("blocks."):].split(".", 1)
             if part == "attn.qkv" and not qwen3:   # q, k and v split

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.model.arch import ModelArchConfig, renamed, text_config
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
 from pagoda.model.layers.vision import activation
 from pagoda.model.models.qwen2_vl import (QwenVision, VisionAttention, _by_cell, _patches, axial_inv_freq, axial_rope,
                                          qwen_vision_config)
+from pagoda.model.models.qwen3 import Qwen3ForCausalLM
 from pagoda.model.models.qwen3_5 import Qwen3_5ForCausalLM
 
 _HF_PREFIXES = (("model.visual.", "visual."),)
@@ -53,16 +54,21 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, v: dict[str, Any]) -> None:
+    """A cell's 2 x 2 patches into one embedding; ``postshuffle``: the norm over the folded
+    cell (Qwen3-VL's deepstack mergers), else over each patch."""
+
+    def __init__(self, v: dict[str, Any], postshuffle: bool = False) -> None:
         super().__init__()
         self.width = v["hidden_size"] * v["spatial_merge_size"] ** 2
-        self.norm = nn.LayerNorm(v["hidden_size"], eps=1e-6)
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.width if postshuffle else v["hidden_size"], eps=1e-6)
         self.linear_fc1 = nn.Linear(self.width, self.width)
         self.act = nn.GELU()
         self.linear_fc2 = nn.Linear(self.width, v["out_hidden_size"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(self.norm(x).view(-1, self.width))))
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class PatchEmbed(nn.Module):
@@ -87,6 +93,11 @@ class VisionTransformer(nn.Module):
         self.side = int(round(v["num_position_embeddings"] ** 0.5))
         self.blocks = nn.ModuleList(VisionBlock(v) for _ in range(v["num_hidden_layers"]))
         self.merger = PatchMerger(v)
+        # Qwen3-VL: features of some layers' outputs, merged by mergers of their own, that the
+        # language model adds to the image tokens' hidden states after its first layers.
+        self.deepstack = tuple(v.get("deepstack_visual_indexes") or ())
+        if self.deepstack:
+            self.deepstack_merger_list = nn.ModuleList(PatchMerger(v, postshuffle=True) for _ in self.deepstack)
         self.inv_freq = axial_inv_freq(v)
 
     @property
@@ -112,16 +123,20 @@ class VisionTransformer(nn.Module):
         return (table[index.to(table.device)] * weight.to(table.device)[:, :, None]).sum(1)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[1, C, H, W] float -> [(H / p / m) x (W / p / m), out hidden], cells row by row."""
+        """[1, C, H, W] float -> [(H / p / m) x (W / p / m), out hidden x (1 + deepstack
+        layers)], cells row by row: the embeddings, then each deepstack feature."""
         v = self.v
         p, m = v["patch_size"], v["spatial_merge_size"]
         rows, cols = pixels.shape[2] // p, pixels.shape[3] // p
         x = self.patch_embed(_patches(pixels[0], p, m, v["temporal_patch_size"]))
         x = x + self.positions(rows, cols).to(x.dtype)
         cos, sin = axial_rope(rows, cols, m, self.inv_freq, pixels.device)
-        for block in self.blocks:
+        features = []
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin)
-        return self.merger(x)
+            if i in self.deepstack:
+                features.append(self.deepstack_merger_list[self.deepstack.index(i)](x))
+        return torch.cat([self.merger(x), *features], dim=-1) if features else self.merger(x)
 
 
 class Qwen3_5ForConditionalGeneration(QwenVision, Qwen3_5ForCausalLM):
@@ -157,3 +172,54 @@ class Qwen3_5ForConditionalGeneration(QwenVision, Qwen3_5ForCausalLM):
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     pass
+
+
+class Qwen3VLForConditionalGeneration(QwenVision, Qwen3ForCausalLM):
+    """Qwen3-VL (dense): the tower above with its deepstack mergers, Qwen3's language model
+    with interleaved M-RoPE. The image's deepstack features ride in the step's input
+    embeddings beside the embeddings (zero on text rows) and are added to the hidden states
+    after the first layers, one feature a layer (``forward``)."""
+
+    mrope_interleaved = True
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        self.visual = VisionTransformer(config.vision)
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        text = text_config(config)
+        arch = super().arch_from_hf(text, architecture)
+        vc = config.get("vision_config") or {}
+        fields = dict(hidden_size=vc.get("hidden_size", 1152), intermediate_size=vc.get("intermediate_size", 4304),
+                      hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
+                      num_position_embeddings=vc.get("num_position_embeddings", 2304),
+                      deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes", (8, 16, 24))))
+        v = qwen_vision_config({**config, "vision_config": {"patch_size": 16, **vc}}, arch.hidden_size, fields)
+        if len(v["deepstack_visual_indexes"]) > arch.num_hidden_layers:
+            raise UnsupportedModelError(f"{len(v['deepstack_visual_indexes'])} deepstack features for "
+                                        f"{arch.num_hidden_layers} layers")
+        params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        return dataclasses.replace(arch, vision=v, mrope_section=tuple(params.get("mrope_section") or (24, 20, 20)),
+                                   mrope_interleaved=bool(params.get("mrope_interleaved", True)))
+
+    @classmethod
+    def hf_name(cls, name: str) -> str | None:
+        return renamed(name, (("model.language_model.", "model."), ("model.visual.", "visual.")))
+
+    def forward(self, input_ids, positions, kv_caches, meta, num_layers=None, inputs_embeds=None):
+        hidden = self.config.hidden_size
+        if inputs_embeds is None or inputs_embeds.shape[-1] == hidden:
+            return super().forward(input_ids, positions, kv_caches, meta, num_layers, inputs_embeds)
+        if self.stage is not None:
+            raise ValueError("image inputs are not supported with pipeline parallelism")
+        x, deep = inputs_embeds[:, :hidden].contiguous(), inputs_embeds[:, hidden:]
+        end = len(self.model.layers) if num_layers is None else num_layers
+        residual, at = None, 0
+        for i in range(min(deep.shape[-1] // hidden, end)):
+            x, residual = self.run_layers(x, residual, positions, kv_caches, meta, at, i + 1)
+            # The layer's output is x + residual: the feature joins it (zero on text rows).
+            x = x + deep[:, i * hidden:(i + 1) * hidden].to(x.dtype)
+            at = i + 1
+        x, residual = self.run_layers(x, residual, positions, kv_caches, meta, at, end)
+        return self.model.norm(x, residual)[0]
