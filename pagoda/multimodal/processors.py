@@ -24,7 +24,7 @@ from PIL import Image
 from pagoda.multimodal.inputs import ImageError, ImageInput, rescale_normalize
 
 __all__ = ["ImageProcessor", "ProcessedImage", "Idefics3ImageProcessor", "LlavaImageProcessor", "Gemma3ImageProcessor",
-           "Qwen2VLImageProcessor", "load_image_processor", "expand_images"]
+           "Gemma4ImageProcessor", "Qwen2VLImageProcessor", "load_image_processor", "expand_images"]
 
 
 @dataclass(frozen=True)
@@ -434,6 +434,71 @@ class Qwen2VLImageProcessor:
         return ProcessedImage(np.ascontiguousarray(frames), _norm(self), self.image_token * cells, cells)
 
 
+# ---- Gemma 4 ---------------------------------------------------------------------------------
+
+
+class Gemma4ImageProcessor:
+    """Gemma 4 (variable resolution): the image resized (bicubic), its aspect ratio kept, to
+    the most ``patch_size`` patches ``max_soft_tokens`` x ``pooling_kernel_size``^2 allows with
+    both sides whole pooling cells; rescaled to [0, 1], not normalised. One ``<|image|>`` per
+    pooling cell, between ``<|image>`` and ``<image|>``; the chat template writes
+    ``<|image|>`` once per image. ``detail`` "low": at most 70 soft tokens (the smallest
+    budget the processor offers)."""
+
+    image_marker = "<|image|>"
+    image_token = "<|image|>"
+    begin, end = "<|image>", "<image|>"
+    BUDGETS = (70, 140, 280, 560, 1120)
+
+    def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
+        if settings.get("do_convert_rgb") is False:
+            raise ImageError("a Gemma 4 processor with do_convert_rgb false is not supported")
+        self.patch = int(settings.get("patch_size", 16))
+        self.kernel = int(settings.get("pooling_kernel_size", 3))
+        self.max_tokens = int(settings.get("max_soft_tokens") or settings.get("image_seq_length") or 280)
+        if self.max_tokens not in self.BUDGETS:
+            raise ImageError(f"a Gemma 4 processor with max_soft_tokens {self.max_tokens} (supported: {self.BUDGETS})")
+        self.do_resize = bool(settings.get("do_resize", True))
+        self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BICUBIC)))
+        self.rescale, self.mean, self.std = _normalization({"do_normalize": False, **settings}, [0.0] * 3, [1.0] * 3)
+        keys = dict(patch=self.patch, kernel=self.kernel, tokens=self.max_tokens, resize=self.do_resize,
+                    resample=int(self.resample), rescale=self.rescale, mean=self.mean, std=self.std)
+        self.identity = "gemma4:" + json.dumps(keys, sort_keys=True)
+
+    def _size(self, height: int, width: int, tokens: int) -> tuple[int, int]:
+        """transformers' aspect-ratio-preserving size for a budget of ``tokens`` soft tokens."""
+        target = tokens * self.kernel ** 2 * self.patch ** 2
+        factor = math.sqrt(target / (height * width))
+        side = self.kernel * self.patch
+        h = int(math.floor(factor * height / side)) * side
+        w = int(math.floor(factor * width / side)) * side
+        if h == 0 and w == 0:
+            raise ImageError(f"an image of {width}x{height} pixels is too small or too thin to read")
+        longest = tokens * side
+        if h == 0:
+            h, w = side, min(int(math.floor(width / height)) * side, longest)
+        elif w == 0:
+            w, h = side, min(int(math.floor(height / width)) * side, longest)
+        if h * w > target:
+            raise ImageError(f"an image of {width}x{height} pixels does not fit {tokens} soft tokens")
+        return h, w
+
+    def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
+        tokens = self.BUDGETS[0] if detail == "low" else self.max_tokens
+        h, w = image.height, image.width
+        if self.do_resize:
+            h, w = self._size(h, w, tokens)
+            if image.size != (w, h):
+                image = image.resize((w, h), self.resample)
+        side = self.kernel * self.patch
+        if h % side or w % side:
+            raise ImageError(f"an image of {w}x{h} pixels: without resizing, its sides must be multiples of {side}")
+        frames = np.asarray(image).transpose(2, 0, 1)[None]
+        cells = (h // side) * (w // side)
+        return ProcessedImage(np.ascontiguousarray(frames), _norm(self), f"{self.begin}{self.image_token * cells}{self.end}",
+                              cells)
+
+
 def _center_crop(arr: np.ndarray, height: int, width: int) -> np.ndarray:
     """transformers' ``center_crop``: the centre, zero-padded first where the image is smaller."""
     h, w = arr.shape[1:]
@@ -493,6 +558,7 @@ def expand_images(text: str, images: Sequence[Image.Image], processor: ImageProc
 _FAMILIES: dict[str, type] = {"Idefics3ForConditionalGeneration": Idefics3ImageProcessor,
                               "LlavaForConditionalGeneration": LlavaImageProcessor,
                               "Gemma3ForConditionalGeneration": Gemma3ImageProcessor,
+                              "Gemma4ForConditionalGeneration": Gemma4ImageProcessor,
                               "Qwen2VLForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen2_5_VLForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen3VLForConditionalGeneration": Qwen2VLImageProcessor,

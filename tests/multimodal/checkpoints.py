@@ -244,6 +244,84 @@ def qwen2_vl_inputs(path: str, prompt: str, images: list) -> dict:
                 **pixels)
 
 
+# Gemma 4's chat template, shortened: turns between <|turn>role and <turn|>, an image part
+# written as <|image|> (the processor expands it between <|image> and <image|>).
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|turn>{{ 'model' if message['role'] == 'assistant' "
+    "else message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|image|>{% else %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def write_gemma4(out: str, per_layer: bool = False, bidirectional: bool = False) -> str:
+    """A Gemma 4 checkpoint with its vision tower: 4-pixel patches pooled 2 x 2 (an image
+    token per 8 x 8 pixels, at most 70 of them), clipped linears, standardised soft tokens;
+    a 6-layer language model with a window of 16 on five layers of six. ``per_layer``: E2B /
+    E4B's per-layer inputs and shared KV; ``bidirectional``: the 26B / 31B's image tokens
+    attending to each other both ways."""
+    import transformers
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    specials = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"}
+    tok = _tokenizer(["<|turn>", "<turn|>", *specials.values()])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048, num_hidden_layers=6, head_dim=32,
+                global_head_dim=64, sliding_window=16, final_logit_softcapping=30.0, pad_token_id=0,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                use_bidirectional_attention="vision" if bidirectional else None)
+    if per_layer:
+        text.update(layer_types=["sliding_attention", "full_attention"] * 3, hidden_size_per_layer_input=16,
+                    vocab_size_per_layer_input=len(tok), num_kv_shared_layers=2, use_double_wide_mlp=True)
+    else:
+        text.update(hidden_size_per_layer_input=0, num_global_key_value_heads=1, attention_k_eq_v=True)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                  position_embedding_size=64, use_clipped_linears=True, standardize=True)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                                       image_token_id=tok.convert_tokens_to_ids(specials["image_token"]),
+                                       boi_token_id=tok.convert_tokens_to_ids(specials["boi_token"]),
+                                       eoi_token_id=tok.convert_tokens_to_ids(specials["eoi_token"]))
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.2)
+        for name, b in model.named_buffers():   # the clipping bounds: wide, but not infinite
+            if name.endswith(("input_min", "output_min")):
+                b.fill_(-3.0)
+            elif name.endswith(("input_max", "output_max")):
+                b.fill_(3.0)
+            elif name.endswith("std_bias"):
+                b.normal_(0, 0.5)
+            elif name.endswith("std_scale"):
+                b.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    tok.chat_template = GEMMA4_TEMPLATE
+    tok.save_pretrained(out)
+    Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70).save_pretrained(out)
+    return out
+
+
+def gemma4_inputs(path: str, prompt: str, images: list) -> dict:
+    """transformers' inputs for a checkpoint of ``write_gemma4`` (its processor's work without
+    the processor class, which needs torchvision for videos)."""
+    import transformers
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    pixels = Gemma4ImageProcessorPil.from_pretrained(path)(images=images, return_tensors="pt")
+    parts = prompt.split("<|image|>")
+    text = parts[0]
+    for n, rest in zip(pixels["num_soft_tokens_per_image"], parts[1:]):
+        text += "<|image>" + "<|image|>" * int(n) + "<image|>" + rest
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    image_token = tok.convert_tokens_to_ids("<|image|>")
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token).long(),
+                pixel_values=pixels["pixel_values"], image_position_ids=pixels["image_position_ids"])
+
+
 def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     """The checkpoint of ``write_idefics3`` as llama.cpp's converter writes it: the language
     model as a "llama" GGUF (Q/K permuted) with its tokenizer (the bundled vocabulary, the

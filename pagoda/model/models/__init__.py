@@ -38,7 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3_vision", "Gemma3ForConditionalGeneration"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
-    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForConditionalGeneration"),
+    "Gemma4ForConditionalGeneration": ("gemma4_vision", "Gemma4ForConditionalGeneration"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields, text_config
+from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, moe_fields
 from pagoda.model.layers.decoder import CausalLM, DecoderLayer, GatedMLP, SparseMoeBlock, split_stacked_experts
 from pagoda.model.layers.hybrid import renamed
 from pagoda.model.layers.norm import RMSNorm, UnitRMSNorm
@@ -179,16 +179,20 @@ class Gemma4ForCausalLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed(input_ids)
-        p = self.config.per_layer_input_size
-        if p:
-            # The token's own per-layer embedding (x sqrt(p)) and a projection of its embedding
-            # (x 1 / sqrt(hidden), RMS-normed per layer), averaged (x 1 / sqrt(2)).
-            t, n = x.shape[0], self.config.num_hidden_layers
-            own = self.model.embed_tokens_per_layer(input_ids).view(t, n, p) * float(p) ** 0.5
-            proj = self.model.per_layer_model_projection(x) * self.config.hidden_size ** -0.5
-            proj = self.model.per_layer_projection_norm.rows(proj.view(t, n, p))
-            self.per_layer["inputs"] = (proj + own) * 2.0 ** -0.5
+        if self.config.per_layer_input_size:
+            self.per_layer_inputs(input_ids, x)
         return x
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        """The step's per-layer inputs (E2B, E4B): the token's own per-layer embedding
+        (x sqrt(p)) and a projection of its embedding ``x`` (x 1 / sqrt(hidden), RMS-normed
+        per layer), averaged (x 1 / sqrt(2))."""
+        p = self.config.per_layer_input_size
+        t, n = x.shape[0], self.config.num_hidden_layers
+        own = self.model.embed_tokens_per_layer(input_ids).view(t, n, p) * float(p) ** 0.5
+        proj = self.model.per_layer_model_projection(x) * self.config.hidden_size ** -0.5
+        proj = self.model.per_layer_projection_norm.rows(proj.view(t, n, p))
+        self.per_layer["inputs"] = (proj + own) * 2.0 ** -0.5
     unquantized_modules = (".moe.gate",)
     tensor_parallel = False   # (per-layer head shapes: not split yet)
     lora = False              # (adapters over per-layer head shapes: not tested yet)
@@ -286,22 +290,3 @@ class Gemma4ForCausalLM(CausalLM):
             attention_multiplier=1.0, o_proj_bias="blk.0.attn_output.bias" in tensor_names,
             embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
             final_logit_softcapping=md.get(p + "final_logit_softcapping") or None)
-
-
-class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
-    """Gemma 4 as published (vision and audio towers beside the language model): text in,
-    text out; the towers' and embedders' tensors are not read."""
-
-    @classmethod
-    def hf_name(cls, name: str) -> str | None:
-        for prefix, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                            ("language_model.lm_head.", "lm_head.")):
-            if name.startswith(prefix):
-                return super().hf_name(new + name[len(prefix):])
-        if name.startswith("lm_head."):
-            return name
-        return None   # vision / audio towers, their embedders
-
-    @classmethod
-    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        return super().arch_from_hf(text_config(config), architecture)
