@@ -30,6 +30,7 @@ class Projector:
     layers: str = "encoder.layers."            # the family's prefix of its tower's layers
     layer_parts: dict[str, str] | None = None  # a layer's tensors -> the family's names (None: SigLIP's)
     tower_other: dict[str, str] | None = None  # the tower's other tensors, under its prefix (None: SigLIP's)
+    weight_leaf: dict[str, str] | None = None  # a layer part's weight -> its leaf (Gemma 4's linear.weight)
 
 
 # SigLIP's layers and other tensors (Idefics3, Gemma 3), under the tower's prefix.
@@ -56,6 +57,15 @@ def _qwen(families: dict[str, str], mlp: dict[str, str], merger: dict[str, str])
                      tower_other={**_QWEN_OTHER, **merger})
 
 
+# Gemma 4's tower: its clippable linears hold the weight under ``linear`` and their bounds
+# (``input_min``...) beside it; the norms around attention and MLP under Gemma's names.
+_GEMMA4_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                   "attn_out": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                   "ffn_down": "mlp.down_proj"}
+_GEMMA4_PARTS = {**_GEMMA4_LINEARS, "ln1": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                 "ln2": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm",
+                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
 PROJECTORS = {
     "idefics3": Projector({"LlamaForCausalLM": "Idefics3ForConditionalGeneration"}, "vision_model.", "<image>", 2,
                           {"mm.model.fc.weight": "connector.modality_projection.proj.weight"}),
@@ -77,9 +87,16 @@ PROJECTORS = {
                              "v.position_embd.weight": "pos_embed.weight",
                              **{f"mm.{i}.{leaf}": f"merger.linear_fc{1 + i // 2}.{leaf}" for i in (0, 2)
                                 for leaf in ("weight", "bias")}}),
+    "gemma4v": Projector({"Gemma4ForCausalLM": "Gemma4ForConditionalGeneration"}, "vision_tower.", "<|image|>", 3,
+                         {"mm.input_projection.weight": "embed_vision.embedding_projection.weight"},
+                         layers="encoder.layers.", layer_parts=_GEMMA4_PARTS,
+                         tower_other={"v.patch_embd.weight": "patch_embedder.input_proj.weight",
+                                      "v.position_embd.weight": "patch_embedder.position_embedding_table",
+                                      "v.std_bias": "std_bias", "v.std_scale": "std_scale"},
+                         weight_leaf={part: "linear.weight" for part in _GEMMA4_LINEARS}),
 }
 
-_LAYER = re.compile(r"^v\.blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER = re.compile(r"^v\.blk\.(\d+)\.(\w+)\.(weight|bias|input_min|input_max|output_min|output_max)$")
 # Qwen3-VL's deepstack mergers, named by the tower layer they read.
 _DEEPSTACK = re.compile(r"^v\.deepstack\.(\d+)\.(norm|fc1|fc2)\.(weight|bias)$")
 _DEEPSTACK_PARTS = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
@@ -89,7 +106,8 @@ def projector_type(md: dict[str, Any], path: str) -> str:
     if md.get("general.architecture") != "clip" or not md.get("clip.has_vision_encoder"):
         raise UnsupportedModelError(f"{path} is not a multimodal projector file with a vision encoder "
                                     "(llama.cpp's convert_hf_to_gguf.py --mmproj writes them)")
-    kind = md.get("clip.projector_type")
+    # (files with an audio encoder beside name the vision one's under clip.vision.)
+    kind = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
     if kind not in PROJECTORS:
         raise UnsupportedModelError(f"{path}: projector type {kind!r} is not supported "
                                     f"(supported: {', '.join(PROJECTORS)})")
@@ -110,6 +128,8 @@ def mmproj_vision(md: dict[str, Any], tokens: list[str], path: str, text: str,
     if proj.image_token not in tokens:
         raise UnsupportedModelError(f"{path}: the language model's vocabulary has no {proj.image_token!r} token")
     image_token_id = tokens.index(proj.image_token)
+    if kind == "gemma4v":
+        return proj.families[text], _gemma4_vision(md, shapes, image_token_id, proj.scale_factor)
     if kind.startswith("qwen"):
         family = proj.families[text]
         v = _qwen_vision(md, shapes, kind, image_token_id)
@@ -128,6 +148,25 @@ def mmproj_vision(md: dict[str, Any], tokens: list[str], path: str, text: str,
     else:
         vision.update(scale_factor=scale)
     return proj.families[text], vision
+
+
+def _gemma4_vision(md: dict[str, Any], shapes: dict[str, tuple[int, ...]], image_token_id: int,
+                   kernel: int) -> dict[str, Any]:  # fmt: skip
+    """Gemma 4's tower from its projector file: what the converter leaves out read from the
+    tensors (head size, KV heads, the learned positions, clipping and standardising where
+    their tensors are), llama.cpp's constants where it holds some (RoPE base 100, 3x3 pooling)."""
+    p = "clip.vision."
+    head_dim = shapes["v.blk.0.attn_q_norm.weight"][0]
+    v = dict(hidden_size=md[p + "embedding_length"], intermediate_size=shapes["v.blk.0.ffn_up.weight"][0],
+             num_hidden_layers=md[p + "block_count"], num_attention_heads=md[p + "attention.head_count"],
+             num_key_value_heads=shapes["v.blk.0.attn_k.weight"][0] // head_dim, head_dim=head_dim,
+             hidden_activation="gelu_pytorch_tanh", rms_norm_eps=float(md.get(p + "attention.layer_norm_epsilon", 1e-6)),
+             pooling_kernel_size=int(md.get(p + "projector.scale_factor", kernel)), patch_size=md[p + "patch_size"],
+             position_embedding_size=shapes["v.position_embd.weight"][1],
+             use_clipped_linears="v.blk.0.attn_q.input_max" in shapes, standardize="v.std_bias" in shapes,
+             rope_theta=100.0, image_token_id=image_token_id, num_channels=3)
+    v["image_size"] = v["patch_size"] * v["pooling_kernel_size"] * 8
+    return v
 
 
 def _qwen_vision(md: dict[str, Any], shapes: dict[str, tuple[int, ...]], kind: str,
@@ -180,7 +219,8 @@ def mmproj_names(md: dict[str, Any], tensor_names: list[str], path: str) -> dict
         m = _LAYER.match(name)
         if m is not None and m.group(2) in parts:
             part, _, stack = parts[m.group(2)].partition("#")
-            names[name] = f"{proj.tower}{proj.layers}{m.group(1)}.{part}.{m.group(3)}" + (f"#{stack}" if stack else "")
+            leaf = (proj.weight_leaf or {}).get(m.group(2), "weight") if m.group(3) == "weight" else m.group(3)
+            names[name] = f"{proj.tower}{proj.layers}{m.group(1)}.{part}.{leaf}" + (f"#{stack}" if stack else "")
         elif name in tower:
             names[name] = proj.tower + tower[name]
         elif name in proj.other:
@@ -201,6 +241,10 @@ def mmproj_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[int, torch.Tensor]] = {}
         for gguf_name, hf_name in names.items():
             t = load_tensor(gf, gguf_name, dtype=torch.float32)
+            if hf_name.endswith(("_min", "_max")):   # a clipping bound: a scalar, stored as [1]
+                t = t.reshape(())
+            elif hf_name.endswith("patch_embedder.input_proj.weight"):   # the converter's Conv2D layout
+                t = t.permute(0, 2, 3, 1).reshape(t.shape[0], -1)   # [d, 3, p, p] -> [d, p * p * 3]
             if "#" not in hf_name:
                 yield hf_name, t
                 continue

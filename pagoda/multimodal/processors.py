@@ -106,12 +106,20 @@ def _mmproj_processor(mmproj: str) -> ImageProcessor:
         md = dict(gf.metadata)
     finally:
         gf.close()
-    kind = md.get("clip.projector_type")
-    supported = ("idefics3", "gemma3", *_MMPROJ_QWEN)
+    kind = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
+    supported = ("idefics3", "gemma3", "gemma4v", *_MMPROJ_QWEN)
     if kind not in supported:
         raise ImageError(f"{mmproj}: projector type {kind!r} is not supported (supported: {', '.join(supported)})")
     p = "clip.vision."
     size, patch = md[p + "image_size"], md[p + "patch_size"]
+    if kind == "gemma4v":
+        # The file's pixel budget (llama.cpp's key) as the largest soft-token budget within it,
+        # else the HF processor's default, 280 soft tokens (llama-server reads up to 1,120).
+        kernel = int(md.get(p + "projector.scale_factor", 3))
+        most = md.get(p + "image_max_pixels")
+        tokens = 280 if not most else max([b for b in Gemma4ImageProcessor.BUDGETS
+                                           if b * (patch * kernel) ** 2 <= most] or [70])
+        return Gemma4ImageProcessor({"patch_size": patch, "pooling_kernel_size": kernel, "max_soft_tokens": tokens}, {})
     if kind in _MMPROJ_QWEN:
         # The pixel budget the file writes, else llama.cpp's for these models: 8 to 4096 tokens.
         merge = int(md.get(p + "spatial_merge_size", 2))

@@ -565,3 +565,65 @@ def _write_qwen_clip(path: str, vlm, image_processor, qwen3: bool) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_gemma4_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
+    """The checkpoint of ``write_gemma4`` as llama.cpp's converter writes it: the language
+    model as a "gemma4" GGUF with its tokenizer and chat template, and the tower as a
+    "gemma4v" projector file (the patch embedding in Conv2D layout, the clipping bounds as
+    [1] tensors, the geometry it leaves out to be read from the tensors; checked against the
+    converter's output for this checkpoint). Returns (language model, projector) paths."""
+    import transformers
+    from gguf import GGUFWriter
+
+    vlm = transformers.Gemma4ForConditionalGeneration.from_pretrained(hf_dir).float().eval()
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    text_path = _write_text_gguf(vlm, vlm.model.language_model, transformers.Gemma4TextConfig,
+                                 transformers.Gemma4ForCausalLM, os.path.join(out_dir, "gemma4-text.gguf"), "gemma4",
+                                 _gguf_tokenizer(tok, GEMMA4_TEMPLATE))
+    proj_path = os.path.join(out_dir, "gemma4-mmproj.gguf")
+    v = vlm.config.vision_config
+    w = GGUFWriter(proj_path, "clip")
+    w.add_type("mmproj")
+    w.add_bool("clip.has_vision_encoder", True)
+    for key, value in (("projection_dim", vlm.config.text_config.hidden_size), ("image_size", 224),
+                       ("patch_size", v.patch_size), ("embedding_length", v.hidden_size),
+                       ("feed_forward_length", v.intermediate_size), ("block_count", v.num_hidden_layers),
+                       ("attention.head_count", v.num_attention_heads)):
+        w.add_uint32(f"clip.vision.{key}", int(value))
+    w.add_array("clip.vision.image_mean", [0.0, 0.0, 0.0])
+    w.add_array("clip.vision.image_std", [1.0, 1.0, 1.0])
+    w.add_string("clip.vision.projector_type", "gemma4v")
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    if v.pooling_kernel_size != 3:   # (llama.cpp's key; its converter writes none: 3 is its default)
+        w.add_uint32("clip.vision.projector.scale_factor", v.pooling_kernel_size)
+    # The processor's budget (70 soft tokens) as llama.cpp's pixel key, which its converter
+    # leaves out for Gemma 4 (pagoda then reads 280, the HF processor's default).
+    w.add_uint32("clip.vision.image_max_pixels", 70 * (v.patch_size * v.pooling_kernel_size) ** 2)
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "ln1", "post_attention_layernorm": "attn_post_norm",
+             "pre_feedforward_layernorm": "ln2", "post_feedforward_layernorm": "ffn_post_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    state = {**{f"vision_tower.{k}": t for k, t in vlm.model.vision_tower.state_dict().items()},
+             "embed_vision.embedding_projection.weight": vlm.model.embed_vision.embedding_projection.weight}
+    for name, t in state.items():
+        t = t.detach().float()
+        if name.startswith("vision_tower.encoder.layers."):
+            i, rest = name[len("vision_tower.encoder.layers."):].split(".", 1)
+            module, _, leaf = rest.replace(".linear.weight", ".weight").rpartition(".")
+            gguf_name = f"v.blk.{i}.{parts[module]}.{leaf}"
+            t = t.reshape(1) if t.dim() == 0 else t
+        elif name.endswith("patch_embedder.input_proj.weight"):
+            p = v.patch_size
+            gguf_name, t = "v.patch_embd.weight", t.reshape(t.shape[0], p, p, 3).permute(0, 3, 1, 2)
+        else:
+            gguf_name = {"vision_tower.patch_embedder.position_embedding_table": "v.position_embd.weight",
+                         "vision_tower.std_bias": "v.std_bias", "vision_tower.std_scale": "v.std_scale",
+                         "embed_vision.embedding_projection.weight": "mm.input_projection.weight"}[name]
+        w.add_tensor(gguf_name, np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return text_path, proj_path

@@ -73,3 +73,31 @@ def test_greedy_equal_transformers(gemma4, budget):
     [again] = llm.chat(ours, params, use_tqdm=False)
     assert again.outputs[0].token_ids == want and again.num_cached_tokens > 0
     assert llm.engine.runner.encoder_cache.misses == 1
+
+
+def test_gguf_with_mmproj_equals_transformers(gemma4, tmp_path):
+    """llama.cpp's pair (a "gemma4" GGUF and a "gemma4v" projector file, as its converter writes
+    them): served as Gemma 4 with its tower, the same prompt and greedy tokens as transformers
+    in the exact and gguf modes; image tokens attending both ways where the model has no
+    per-layer inputs (llama.cpp's rule: its files do not say)."""
+    from tests.multimodal.checkpoints import write_gemma4_gguf
+
+    path, model, variant = gemma4
+    if variant == "31b":
+        pytest.skip("a model without per-layer inputs and causal image tokens: no published Gemma 4 is one")
+    text, mmproj = write_gemma4_gguf(path, str(tmp_path))
+    image = random_image(90, 50, seed=5)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt = tok.apply_chat_template(_turn({"type": "image"}), add_generation_prompt=True, tokenize=False)
+    inputs = gemma4_inputs(path, prompt, [image])
+    with torch.inference_mode():
+        want = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    for mode in ("none", "gguf"):
+        llm = LLM(text, mmproj=mmproj, quantization=mode, show_progress=False, num_kv_blocks=256, block_size=4,
+                  max_num_batched_tokens=128)
+        assert type(llm.engine.runner.model).__name__ == "Gemma4ForConditionalGeneration"
+        assert llm.engine.scheduler.config.whole_images == (variant == "26b")
+        [out] = llm.chat(_turn({"type": "image_pil", "image_pil": image}),
+                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == want, mode

@@ -225,6 +225,15 @@ class Gemma4ForConditionalGeneration(VisionLanguage, Gemma4ForCausalLM):
         return dataclasses.replace(arch, vision=v)
 
     @classmethod
+    def with_projector(cls, arch: ModelArchConfig, md: dict[str, Any]) -> ModelArchConfig:
+        """From llama.cpp's pair: the pad token of the language model's file, and image tokens
+        attending both ways on the models without per-layer inputs (26B, 31B), as llama.cpp
+        decides it (its files do not say)."""
+        vision = {**arch.vision, "pad_token_id": int(md.get("tokenizer.ggml.padding_token_id") or 0),
+                  "bidirectional": not arch.per_layer_input_size}
+        return dataclasses.replace(arch, vision=vision)
+
+    @classmethod
     def hf_name(cls, name: str) -> str | None:
         ours = renamed(name, _HF_PREFIXES)
         if ours.startswith(("vision_tower.", "embed_vision.")):
