@@ -45,10 +45,12 @@ def gguf_layer_types(md: dict[str, Any], n: int, default_pattern: int) -> tuple[
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config of a multimodal checkpoint (``text_config``), with the
-    outer config's tie_word_embeddings where the text config leaves it out."""
+    outer config's tie_word_embeddings where it has one: transformers ties the head by the
+    outer config (Qwen3-VL-MoE's text config says true under an outer false, and its
+    checkpoints hold a head of their own)."""
     text = dict(config.get("text_config") or {})
     if "tie_word_embeddings" in config:
-        text.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
     return text
 
 

@@ -80,6 +80,7 @@ PROJECTORS = {
                               {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
                               _QWEN2_MERGER),
     "qwen3vl_merger": _qwen({"Qwen3ForCausalLM": "Qwen3VLForConditionalGeneration",
+                             "Qwen3MoeForCausalLM": "Qwen3VLMoeForConditionalGeneration",
                              "Qwen3_5ForCausalLM": "Qwen3_5ForConditionalGeneration",
                              "Qwen3_5MoeForCausalLM": "Qwen3_5MoeForConditionalGeneration"},
                             {"ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"},
@@ -133,7 +134,7 @@ def mmproj_vision(md: dict[str, Any], tokens: list[str], path: str, text: str,
     if kind.startswith("qwen"):
         family = proj.families[text]
         v = _qwen_vision(md, shapes, kind, image_token_id)
-        if v.get("deepstack_visual_indexes") and family != "Qwen3VLForConditionalGeneration":
+        if v.get("deepstack_visual_indexes") and not family.startswith("Qwen3VL"):
             raise UnsupportedModelError(f"{path}: deepstack features go with a Qwen3-VL language model, not {text}")
         return family, v
     scale = int(md.get(p + "projector.scale_factor", proj.scale_factor))

@@ -570,5 +570,6 @@ _FAMILIES: dict[str, type] = {"Idefics3ForConditionalGeneration": Idefics3ImageP
                               "Qwen2VLForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen2_5_VLForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen3VLForConditionalGeneration": Qwen2VLImageProcessor,
+                              "Qwen3VLMoeForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen3_5ForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen3_5MoeForConditionalGeneration": Qwen2VLImageProcessor}

@@ -201,6 +201,17 @@ def write_qwen2_vl(out: str, version: str = "2.5", window: int = 32) -> str:
                       deepstack_visual_indexes=[0, 1])
         config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
         _save_random(transformers.Qwen3VLForConditionalGeneration, config, out)
+    elif version == "3moe":
+        # Qwen3-VL-MoE: Qwen3-MoE's language model (4 experts, 2 a token), the deepstack as Qwen3-VL's.
+        text.update(num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                    decoder_sparse_step=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                     "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **tokens)
+        _save_random(transformers.Qwen3VLMoeForConditionalGeneration, config, out)
     elif version == "3.5":
         # Qwen3.5's hybrid language model: Gated DeltaNet layers between gated attention
         # layers whose partial RoPE (16 of 32 dimensions) interleaves the M-RoPE rows.

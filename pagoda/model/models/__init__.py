@@ -53,6 +53,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "Qwen3_5ForConditionalGeneration": ("qwen3_vl", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_vl", "Qwen3_5MoeForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("qwen3_5", "Qwen3NextForCausalLM"),
@@ -70,6 +71,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2vl": "Qwen2ForCausalLM",   # Qwen2-VL / Qwen2.5-VL's language model (M-RoPE: with --mmproj)
     "qwen3": "Qwen3ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",   # Qwen3-VL's language model (M-RoPE and deepstack: with --mmproj)
+    "qwen3vlmoe": "Qwen3MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",

@@ -14,17 +14,19 @@ width rows interleaved (T H W T H W ...); its Gated DeltaNet layers have no posi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
+from pagoda.model.layers.decoder import split_stacked_experts
 from pagoda.model.layers.vision import activation
 from pagoda.model.models.qwen2_vl import (QwenVision, VisionAttention, _by_cell, _patches, axial_inv_freq, axial_rope,
                                          qwen_vision_config)
 from pagoda.model.models.qwen3 import Qwen3ForCausalLM
 from pagoda.model.models.qwen3_5 import Qwen3_5ForCausalLM
+from pagoda.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _HF_PREFIXES = (("model.visual.", "visual."),)
 
@@ -174,9 +176,9 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     pass
 
 
-class Qwen3VLForConditionalGeneration(QwenVision, Qwen3ForCausalLM):
-    """Qwen3-VL (dense): the tower above with its deepstack mergers, Qwen3's language model
-    with interleaved M-RoPE. The image's deepstack features ride in the step's input
+class _Qwen3VL(QwenVision):
+    """Qwen3-VL (dense and MoE): the tower above with its deepstack mergers, Qwen3's language
+    model with interleaved M-RoPE. The image's deepstack features ride in the step's input
     embeddings beside the embeddings (zero on text rows) and are added to the hidden states
     after the first layers, one feature a layer (``forward``)."""
 
@@ -205,7 +207,8 @@ class Qwen3VLForConditionalGeneration(QwenVision, Qwen3ForCausalLM):
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
-        return renamed(name, (("model.language_model.", "model."), ("model.visual.", "visual.")))
+        ours = renamed(name, (("model.language_model.", "model."), ("model.visual.", "visual.")))
+        return ours if ours.startswith("visual.") else super().hf_name(ours)
 
     def forward(self, input_ids, positions, kv_caches, meta, num_layers=None, inputs_embeds=None):
         hidden = self.config.hidden_size
@@ -223,3 +226,34 @@ class Qwen3VLForConditionalGeneration(QwenVision, Qwen3ForCausalLM):
             at = i + 1
         x, residual = self.run_layers(x, residual, positions, kv_caches, meta, at, end)
         return self.model.norm(x, residual)[0]
+
+
+class Qwen3VLForConditionalGeneration(_Qwen3VL, Qwen3ForCausalLM):
+    pass
+
+
+class Qwen3VLMoeForConditionalGeneration(_Qwen3VL, Qwen3MoeForCausalLM):
+    """Qwen3-VL's MoE: its checkpoints stack a layer's experts in one tensor each, as published
+    [experts, in, out] or as transformers 5 saves them [experts, out, in] (told apart by the
+    router's width; a square one is read as transformers', as transformers reads it); its router
+    always renormalises the top-k weights (the config has no norm_topk_prob)."""
+
+    @classmethod
+    def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
+        arch = super().arch_from_hf(config, architecture)
+        return dataclasses.replace(arch, norm_topk_prob=True)
+
+    @classmethod
+    def hf_tensors(cls, name: str, tensor: torch.Tensor,
+                   checkpoint: Callable[[str], torch.Tensor] | None = None) -> Iterator[tuple[str, Any]]:  # fmt: skip
+        ours = cls.hf_name(name)
+        if ours is None or not ours.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            yield from super().hf_tensors(name, tensor, checkpoint)
+            return
+        if checkpoint is None:
+            raise ValueError(f"{name}: stacked experts need the router's width to be read")
+        hidden = checkpoint(name.rsplit(".experts.", 1)[0] + ".gate.weight").shape[1]
+        # [experts, out, in]: gate_up's input, down's output is the hidden width.
+        transposed = tensor.shape[2 if ours.endswith("gate_up_proj") else 1] != hidden
+        base, _, proj = ours.rpartition(".")
+        yield from split_stacked_experts(base, proj, tensor, transposed=transposed)
