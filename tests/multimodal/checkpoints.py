@@ -83,6 +83,32 @@ def write_idefics3(out: str, split: bool = True) -> str:
     return out
 
 
+def hf_greedy(model, inputs: dict, max_new_tokens: int = 10) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens for ``inputs`` and each one's log-probability."""
+    with torch.inference_mode():
+        gen = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    want = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return want, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, want)]
+
+
+def assert_chat_equals(llm, messages: list, inputs: dict, want: list[int], want_logprobs: list[float],
+                       images: int) -> None:  # fmt: skip
+    """``llm`` serves ``messages`` with transformers' prompt, greedy tokens and log-probabilities
+    (``inputs``, ``want``); a second time from the prefix cache, its ``images`` encoded once."""
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True, logprobs=0)
+    [out] = llm.chat(messages, params, use_tqdm=False)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == want
+    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, want)]
+    assert np.allclose(got, want_logprobs, atol=2e-3), (got, want_logprobs)
+    [again] = llm.chat(messages, params, use_tqdm=False)
+    assert again.outputs[0].token_ids == want and again.num_cached_tokens > 0
+    assert llm.engine.runner.encoder_cache.misses == images
+
+
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
     rng = np.random.default_rng(seed)
     img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
@@ -190,28 +216,20 @@ def write_qwen2_vl(out: str, version: str = "2.5", window: int = 32) -> str:
                       spatial_merge_size=2, temporal_patch_size=2)
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
         _save_random(transformers.Qwen2VLForConditionalGeneration, config, out)
-    elif version == "3":
-        # Qwen3-VL: Qwen3's language model (three layers), deepstack features of both tower
-        # layers added after its first two.
+    elif version in ("3", "3moe"):
+        # Qwen3-VL: Qwen3's language model (three layers; "3moe": Qwen3-MoE's, 4 experts, 2 a
+        # token), deepstack features of both tower layers added after its first two.
         text.update(num_hidden_layers=3, head_dim=16,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                      "mrope_interleaved": True})
+        if version == "3moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
                       temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
                       deepstack_visual_indexes=[0, 1])
-        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
-        _save_random(transformers.Qwen3VLForConditionalGeneration, config, out)
-    elif version == "3moe":
-        # Qwen3-VL-MoE: Qwen3-MoE's language model (4 experts, 2 a token), the deepstack as Qwen3-VL's.
-        text.update(num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                    decoder_sparse_step=1,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                     "mrope_interleaved": True})
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
-                      temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0, 1])
-        config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **tokens)
-        _save_random(transformers.Qwen3VLMoeForConditionalGeneration, config, out)
+        moe = "Moe" if version == "3moe" else ""
+        config = getattr(transformers, f"Qwen3VL{moe}Config")(text_config=text, vision_config=vision, **tokens)
+        _save_random(getattr(transformers, f"Qwen3VL{moe}ForConditionalGeneration"), config, out)
     elif version == "3.5":
         # Qwen3.5's hybrid language model: Gated DeltaNet layers between gated attention
         # layers whose partial RoPE (16 of 32 dimensions) interleaves the M-RoPE rows.

@@ -6,13 +6,12 @@ token's are the pad token's) and the 26B-style bidirectional image attention; pr
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.multimodal.processors import load_image_processor
-from tests.multimodal.checkpoints import gemma4_inputs, random_image, write_gemma4
+from tests.multimodal.checkpoints import assert_chat_equals, gemma4_inputs, hf_greedy, random_image, write_gemma4
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,25 +53,12 @@ def test_greedy_equal_transformers(gemma4, budget):
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompt = tok.apply_chat_template(_turn({"type": "image"}), add_generation_prompt=True, tokenize=False)
     inputs = gemma4_inputs(path, prompt, [image])
-    with torch.inference_mode():
-        gen = model.generate(**inputs, max_new_tokens=10, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-    want = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    want_lp = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, want)]
+    want, want_lp = hf_greedy(model, inputs)
     if variant == "26b" and budget == 9:
         budget = 80   # the image's 66 tokens go in one step where they attend both ways
     llm = LLM(path, show_progress=False, num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget)
     assert llm.engine.scheduler.config.whole_images == (variant == "26b")
-    ours = _turn({"type": "image_pil", "image_pil": image})
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
-    [out] = llm.chat(ours, params, use_tqdm=False)
-    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-    assert out.outputs[0].token_ids == want
-    got_lp = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, want)]
-    assert np.allclose(got_lp, want_lp, atol=2e-3), (got_lp, want_lp)
-    [again] = llm.chat(ours, params, use_tqdm=False)
-    assert again.outputs[0].token_ids == want and again.num_cached_tokens > 0
-    assert llm.engine.runner.encoder_cache.misses == 1
+    assert_chat_equals(llm, _turn({"type": "image_pil", "image_pil": image}), inputs, want, want_lp, images=1)
 
 
 def test_gguf_with_mmproj_equals_transformers(gemma4, tmp_path):

@@ -6,14 +6,13 @@ inside an image and a second turn from the prefix cache."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.models.qwen2_vl import _patches, _windows, mrope_positions
 from pagoda.multimodal.processors import load_image_processor
-from tests.multimodal.checkpoints import qwen2_vl_inputs, random_image, write_qwen2_vl
+from tests.multimodal.checkpoints import assert_chat_equals, hf_greedy, qwen2_vl_inputs, random_image, write_qwen2_vl
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,23 +72,11 @@ def test_greedy_equal_transformers_with_chunks_inside_images(qwen, budget):
     prompt = tok.apply_chat_template(_turn({"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}),
                                      add_generation_prompt=True, tokenize=False)
     inputs = qwen2_vl_inputs(path, prompt, images)
-    with torch.inference_mode():
-        gen = model.generate(**inputs, max_new_tokens=10, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-    want = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    want_lp = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, want)]
+    want, want_lp = hf_greedy(model, inputs)
     llm = LLM(path, show_progress=False, num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget)
     ours = _turn({"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
                  {"type": "image_pil", "image_pil": images[1]})
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
-    [out] = llm.chat(ours, params, use_tqdm=False)
-    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-    assert out.outputs[0].token_ids == want
-    got_lp = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, want)]
-    assert np.allclose(got_lp, want_lp, atol=2e-3), (got_lp, want_lp)
-    [again] = llm.chat(ours, params, use_tqdm=False)
-    assert again.outputs[0].token_ids == want and again.num_cached_tokens > 0
-    assert llm.engine.runner.encoder_cache.misses == 2
+    assert_chat_equals(llm, ours, inputs, want, want_lp, images=2)
 
 
 def test_text_only_prompts_are_plain_rope(qwen):

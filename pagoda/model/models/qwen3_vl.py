@@ -141,24 +141,39 @@ class VisionTransformer(nn.Module):
         return torch.cat([self.merger(x), *features], dim=-1) if features else self.merger(x)
 
 
-class Qwen3_5ForConditionalGeneration(QwenVision, Qwen3_5ForCausalLM):
+def _with_tower(arch: ModelArchConfig, config: dict[str, Any], sections: tuple[int, ...],
+                deepstack: tuple[int, ...] = ()) -> ModelArchConfig:  # fmt: skip
+    """A Qwen3-VL-style checkpoint's language model ``arch`` with the tower's geometry and the
+    interleaved M-RoPE sections (``sections``: the family's default)."""
+    vc = config.get("vision_config") or {}
+    fields = dict(hidden_size=vc.get("hidden_size", 1152), intermediate_size=vc.get("intermediate_size", 4304),
+                  hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
+                  num_position_embeddings=vc.get("num_position_embeddings", 2304))
+    if deepstack:
+        fields["deepstack_visual_indexes"] = deepstack
+    v = qwen_vision_config({**config, "vision_config": {"patch_size": 16, **vc}}, arch.hidden_size, fields)
+    if len(deepstack) > arch.num_hidden_layers:
+        raise UnsupportedModelError(f"{len(deepstack)} deepstack features for {arch.num_hidden_layers} layers")
+    text = text_config(config)
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    return dataclasses.replace(arch, vision=v, mrope_section=tuple(params.get("mrope_section") or sections),
+                               mrope_interleaved=bool(params.get("mrope_interleaved", True)))
+
+
+class _Qwen3Tower(QwenVision):
+    """The tower above at ``visual``, M-RoPE interleaved: what Qwen3.5 and Qwen3-VL share."""
+
     mrope_interleaved = True
+
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
         self.visual = VisionTransformer(config.vision)
 
+
+class Qwen3_5ForConditionalGeneration(_Qwen3Tower, Qwen3_5ForCausalLM):
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        text = text_config(config)
-        arch = super().arch_from_hf(text, architecture)
-        vc = config.get("vision_config") or {}
-        fields = dict(hidden_size=vc.get("hidden_size", 1152), intermediate_size=vc.get("intermediate_size", 4304),
-                      hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
-                      num_position_embeddings=vc.get("num_position_embeddings", 2304))
-        v = qwen_vision_config({**config, "vision_config": {"patch_size": 16, **vc}}, arch.hidden_size, fields)
-        params = text.get("rope_parameters") or {}
-        return dataclasses.replace(arch, vision=v, mrope_section=tuple(params.get("mrope_section") or (11, 11, 10)),
-                                   mrope_interleaved=bool(params.get("mrope_interleaved", True)))
+        return _with_tower(super().arch_from_hf(text_config(config), architecture), config, (11, 11, 10))
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
@@ -176,34 +191,16 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     pass
 
 
-class _Qwen3VL(QwenVision):
+class _Qwen3VL(_Qwen3Tower):
     """Qwen3-VL (dense and MoE): the tower above with its deepstack mergers, Qwen3's language
     model with interleaved M-RoPE. The image's deepstack features ride in the step's input
     embeddings beside the embeddings (zero on text rows) and are added to the hidden states
     after the first layers, one feature a layer (``forward``)."""
 
-    mrope_interleaved = True
-
-    def __init__(self, config: ModelArchConfig) -> None:
-        super().__init__(config)
-        self.visual = VisionTransformer(config.vision)
-
     @classmethod
     def arch_from_hf(cls, config: dict[str, Any], architecture: str) -> ModelArchConfig:
-        text = text_config(config)
-        arch = super().arch_from_hf(text, architecture)
-        vc = config.get("vision_config") or {}
-        fields = dict(hidden_size=vc.get("hidden_size", 1152), intermediate_size=vc.get("intermediate_size", 4304),
-                      hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
-                      num_position_embeddings=vc.get("num_position_embeddings", 2304),
-                      deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes", (8, 16, 24))))
-        v = qwen_vision_config({**config, "vision_config": {"patch_size": 16, **vc}}, arch.hidden_size, fields)
-        if len(v["deepstack_visual_indexes"]) > arch.num_hidden_layers:
-            raise UnsupportedModelError(f"{len(v['deepstack_visual_indexes'])} deepstack features for "
-                                        f"{arch.num_hidden_layers} layers")
-        params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        return dataclasses.replace(arch, vision=v, mrope_section=tuple(params.get("mrope_section") or (24, 20, 20)),
-                                   mrope_interleaved=bool(params.get("mrope_interleaved", True)))
+        deepstack = tuple((config.get("vision_config") or {}).get("deepstack_visual_indexes", (8, 16, 24)))
+        return _with_tower(super().arch_from_hf(text_config(config), architecture), config, (24, 20, 20), deepstack)
 
     @classmethod
     def hf_name(cls, name: str) -> str | None:
