@@ -442,6 +442,56 @@ class Qwen2VLImageProcessor:
         return ProcessedImage(np.ascontiguousarray(frames), _norm(self), self.image_token * cells, cells)
 
 
+# ---- Mistral 3 (Pixtral) -------------------------------------------------------------------
+
+
+class PixtralImageProcessor:
+    """Mistral 3's (Pixtral's processing): an image whose longer side passes ``longest_edge``
+    shrunk to fit it, then both sides rounded up to whole cells of ``patch_size x
+    spatial_merge_size`` pixels (bicubic), normalised; a row of ``[IMG]`` per row of cells,
+    each row ended by ``[IMG_BREAK]`` and the last by ``[IMG_END]``; the chat template writes
+    ``[IMG]`` once per image. ``detail`` "low": the longer side at most 512 pixels."""
+
+    image_marker = "[IMG]"
+    image_token = "[IMG]"
+    LOW_DETAIL_EDGE = 512
+
+    def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
+        if settings.get("do_convert_rgb") is False:
+            raise ImageError("a Pixtral processor with do_convert_rgb false is not supported")
+        vision = model_config.get("vision_config") or {}
+        patch = settings.get("patch_size") or vision.get("patch_size", 16)
+        patch = int(patch["height"] if isinstance(patch, dict) else patch)
+        self.cell = patch * int(settings.get("spatial_merge_size") or model_config.get("spatial_merge_size", 2))
+        self.longest = int((settings.get("size") or {}).get("longest_edge", 1024))
+        self.do_resize = bool(settings.get("do_resize", True))
+        self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BICUBIC)))
+        self.rescale, self.mean, self.std = _normalization(settings, [0.48145466, 0.4578275, 0.40821073],
+                                                           [0.26862954, 0.26130258, 0.27577711])
+        self.image_break = settings.get("image_break_token", "[IMG_BREAK]")
+        self.image_end = settings.get("image_end_token", "[IMG_END]")
+        keys = dict(cell=self.cell, longest=self.longest, resize=self.do_resize, resample=int(self.resample),
+                    rescale=self.rescale, mean=self.mean, std=self.std)
+        self.identity = "pixtral:" + json.dumps(keys, sort_keys=True)
+
+    def process(self, image: Image.Image, detail: str = "auto") -> ProcessedImage:
+        h, w = image.height, image.width
+        if self.do_resize:
+            longest = self.longest if detail != "low" else min(self.longest, self.LOW_DETAIL_EDGE)
+            ratio = max(h / longest, w / longest)
+            if ratio > 1:
+                h, w = int(math.floor(h / ratio)), int(math.floor(w / ratio))
+            h, w = ((h - 1) // self.cell + 1) * self.cell, ((w - 1) // self.cell + 1) * self.cell
+            if image.size != (w, h):
+                image = image.resize((w, h), self.resample)
+        elif h % self.cell or w % self.cell:
+            raise ImageError(f"an image of {w}x{h} pixels: without resizing, its sides must be multiples of {self.cell}")
+        rows, cols = h // self.cell, w // self.cell
+        text = ((self.image_token * cols + self.image_break) * rows)[:-len(self.image_break)] + self.image_end
+        frames = np.asarray(image).transpose(2, 0, 1)[None]
+        return ProcessedImage(np.ascontiguousarray(frames), _norm(self), text, rows * cols)
+
+
 # ---- Gemma 4 ---------------------------------------------------------------------------------
 
 
@@ -567,6 +617,7 @@ _FAMILIES: dict[str, type] = {"Idefics3ForConditionalGeneration": Idefics3ImageP
                               "LlavaForConditionalGeneration": LlavaImageProcessor,
                               "Gemma3ForConditionalGeneration": Gemma3ImageProcessor,
                               "Gemma4ForConditionalGeneration": Gemma4ImageProcessor,
+                              "Mistral3ForConditionalGeneration": PixtralImageProcessor,
                               "Qwen2VLForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen2_5_VLForConditionalGeneration": Qwen2VLImageProcessor,
                               "Qwen3VLForConditionalGeneration": Qwen2VLImageProcessor,

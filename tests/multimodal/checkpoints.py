@@ -351,6 +351,56 @@ def gemma4_inputs(path: str, prompt: str, images: list) -> dict:
                 pixel_values=pixels["pixel_values"], image_position_ids=pixels["image_position_ids"])
 
 
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]{% if message['content'] "
+    "is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' "
+    "%}[IMG]{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]{% else %}{{ message['content'] }}"
+    "{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def write_mistral3(out: str) -> str:
+    """A Mistral 3 checkpoint: a Pixtral tower of 4-pixel patches (three layers, the last
+    read), a 2 x 2 patch merger (a token per 8 x 8 pixels), a Mistral language model; images
+    shrunk to a longest edge of 64 and rounded up to whole 8-pixel cells."""
+    import transformers
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tok = _tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"])
+    text = dict(model_type="mistral", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=None,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=64,
+                  patch_size=4, head_dim=16, hidden_act="silu")
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=2,
+                                         image_token_id=tok.convert_tokens_to_ids("[IMG]"), vision_feature_layer=-1)
+    _save_random(transformers.Mistral3ForConditionalGeneration, config, out)
+    tok.chat_template = MISTRAL3_TEMPLATE
+    tok.save_pretrained(out)
+    PixtralImageProcessorPil(patch_size={"height": 4, "width": 4}, size={"longest_edge": 64}).save_pretrained(out)
+    with open(os.path.join(out, "processor_config.json"), "w") as f:   # (the processor's own settings)
+        f.write('{"processor_class": "PixtralProcessor", "patch_size": 4, "spatial_merge_size": 2}')
+    return out
+
+
+def mistral3_inputs(path: str, prompt: str, images: list) -> dict:
+    """transformers' inputs for a checkpoint of ``write_mistral3`` (PixtralProcessor's work:
+    the image processor at patch x merge, each [IMG] expanded row by row)."""
+    import transformers
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    pixels = PixtralImageProcessorPil.from_pretrained(path)(images=images, patch_size={"height": 8, "width": 8},
+                                                            return_tensors="pt")
+    parts = prompt.split("[IMG]")
+    text = parts[0]
+    for (h, w), rest in zip(pixels["image_sizes"].tolist(), parts[1:]):
+        text += ((("[IMG]" * (w // 8)) + "[IMG_BREAK]") * (h // 8))[:-len("[IMG_BREAK]")] + "[IMG_END]" + rest
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels)
+
+
 def write_idefics3_gguf(hf_dir: str, out_dir: str) -> tuple[str, str]:
     """The checkpoint of ``write_idefics3`` as llama.cpp's converter writes it: the language
     model as a "llama" GGUF (Q/K permuted) with its tokenizer (the bundled vocabulary, the
