@@ -210,7 +210,10 @@ def _add_server_args(serve: argparse.ArgumentParser, groups: dict[str, argparse.
 
     api.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
                      help="the format tool calls are written in by the model and read from its output "
-                          "(hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
+                          "(hermes: Hermes / Qwen's <tool_call>{...}</tool_call>; mistral: [TOOL_CALLS][{...}]; "
+                          "llama3_json: Llama 3's {\"name\": ..., \"parameters\": ...}; granite: "
+                          "<|tool_call|>[{...}]; deepseek_v3, deepseek_v31: DeepSeek's tool-call tokens; kimi_k2: "
+                          "Kimi K2's)")
     from pagoda.reasoning import REASONING_PARSERS
 
     api.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),

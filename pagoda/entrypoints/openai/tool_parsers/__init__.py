@@ -11,8 +11,12 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
     ToolParser,
 )
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagoda.entrypoints.openai.tool_parsers.delimited import DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser
+from pagoda.entrypoints.openai.tool_parsers.json_calls import GraniteToolParser, Llama3JsonToolParser, MistralToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, MistralToolParser, Llama3JsonToolParser, GraniteToolParser,
+                        DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser)}
 DEFAULT_TOOL_PARSER = HermesToolParser.name
 
 

@@ -15,10 +15,10 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedToolCall,
     StreamDelta,
-    ToolCallDelta,
     ToolCallStreamer,
     ToolParser,
 )
+from pagoda.entrypoints.openai.tool_parsers.json_calls import call_deltas, partial_suffix
 from pagoda.entrypoints.openai.tool_parsers.partial_json import PartialCall, scan_calls
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -27,14 +27,6 @@ _WS = " \t\r\n"
 
 # How the constrained JSON is laid out: single-line, with the separators json.dumps writes.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper beginning of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def _find_close(text: str, start: int) -> int:
@@ -200,25 +192,7 @@ class HermesStreamer(ToolCallStreamer):
         for inner, closed in blocks:
             scanned, _ = scan_calls(inner, final=final or closed)
             calls.extend(scanned)
-        for index, call in enumerate(calls):
-            if index == len(self._names_sent):
-                if call.name is None:
-                    break  # calls go out in order: wait for this one's name
-                self._names_sent.append(call.name)
-                self._args_sent.append(0)
-                out.calls.append(ToolCallDelta(index=index, name=call.name))
-            if call.arguments_done or not call.done:
-                arguments = call.arguments  # complete, or the raw prefix of an object so far
-            else:
-                arguments = "{}"  # a closed call without arguments
-            new = arguments[self._args_sent[index]:]
-            if not new:
-                continue
-            self._args_sent[index] = len(arguments)
-            if out.calls and out.calls[-1].index == index:
-                out.calls[-1].arguments += new
-            else:
-                out.calls.append(ToolCallDelta(index=index, arguments=new))
+        out.calls = call_deltas(calls, self._names_sent, self._args_sent)
         return out
 
     def _new_content(self, segments: list[str], has_blocks: bool, final: bool) -> str:
@@ -226,7 +200,7 @@ class HermesStreamer(ToolCallStreamer):
         if has_blocks:
             last = last.lstrip(_WS)
         if not final:
-            last = last[: len(last) - _partial_tag_len(last, OPEN)]
+            last = last[: len(last) - partial_suffix(last, OPEN)]
             last = last.rstrip(_WS)  # it stays if text follows, goes if a block does
         stable = " ".join(p for p in _parts(segments)[:-1] if p) if has_blocks else ""
         if stable and last:

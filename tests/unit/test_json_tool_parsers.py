@@ -1,0 +1,174 @@
+"""The tool-call formats beside Hermes (``--tool-call-parser mistral | llama3_json | granite |
+deepseek_v3 | deepseek_v31 | kimi_k2``): whole outputs, streaming (deltas reassemble to the
+same calls and content), outputs cut short, and the grammars that force a call."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+
+WEATHER = {"city": "Paris", "days": [1, 2], "x": {"y": "}{\\\"[TOOL_CALLS]"}}
+
+# (parser, output, expected content, expected calls as (name, arguments JSON))
+DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
+DS31_CALL = "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
+KIMI_CALL = "<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+
+
+def _section(fmt: str, begin: str, end: str, calls: list[tuple[str, str]]) -> str:
+    return begin + "".join(fmt.format(name=n, args=a, i=i) for i, (n, a) in enumerate(calls)) + end
+
+
+DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+TWO = [("get_weather", json.dumps(WEATHER)), ("search", '{"q": "<｜tool▁call▁end｜>", "n": 3}')]
+
+CASES = [
+    ("deepseek_v3", "Let me check." + _section(DS_CALL, *DS, TWO), "Let me check.", TWO),
+    ("deepseek_v3", "No tools.", "No tools.", []),
+    ("deepseek_v3", _section(DS_CALL, *DS, TWO)[:-len(DS[1])], None, TWO),   # stopped at EOS before the end
+    ("deepseek_v3", DS[0] + "<｜tool▁call▁begin｜>nonsense<｜tool▁call▁end｜>" + DS[1], None, None),
+    ("deepseek_v31", _section(DS31_CALL, *DS, TWO), None, TWO),
+    ("kimi_k2", "Sure. " + _section(KIMI_CALL, *KIMI, TWO), "Sure.", TWO),
+    ("kimi_k2", _section(KIMI_CALL, *KIMI, [("f", "{}")]), None, [("f", "{}")]),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": [1, 2]}}]', None, [("f", '{"a": [1, 2]}')]),
+    ("mistral", "Hello there, no tools here.", "Hello there, no tools here.", []),
+    ("mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {json.dumps(WEATHER)}}}]', None,
+     [("get_weather", json.dumps(WEATHER))]),
+    ("mistral", 'Let me look. [TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"k": 1.5}}]',
+     "Let me look.", [("a", "{}"), ("b", '{"k": 1.5}')]),
+    ("mistral", '[TOOL_CALLS] [{"name": "no_args"}]', None, [("no_args", "{}")]),
+    ("mistral", '[TOOL_CALLS][{"name": "broken", "arguments": {"a": }]', None, None),   # not calls: content
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
+     [("get_weather", '{"city": "Paris"}')]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": -1}}; {"name": "b", "parameters": {}}', None,
+     [("a", '{"n": -1}'), ("b", "{}")]),
+    ("llama3_json", "  The answer is 4.", "  The answer is 4.", []),
+    ("llama3_json", 'Sure: {"name": "a", "parameters": {}}', 'Sure: {"name": "a", "parameters": {}}', []),
+    ("llama3_json", '{"name": "a", "parameters": {}} and more', None, None),
+]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_extract(name, text, content, calls) -> None:
+    out = get_tool_parser(name).extract(text)
+    if calls is None:   # not valid calls: the whole output is the content
+        assert out.content == text and out.calls == []
+        return
+    assert out.content == content
+    assert [(c.name, c.arguments) for c in out.calls] == calls
+    for _, arguments in calls:
+        json.loads(arguments)
+
+
+def _stream(name: str, text: str, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
+    streamer = get_tool_parser(name).streamer()
+    content, calls = "", {}
+    i = 0
+    while i < len(text):
+        step = rng.randint(1, 5)
+        piece, i = text[i:i + step], i + step
+        delta = streamer.feed(piece, final=i >= len(text))
+        content += delta.content
+        for d in delta.calls:
+            if d.name is not None:
+                assert d.index not in calls and d.index == len(calls), "names come once, in order"
+                calls[d.index] = [d.name, ""]
+            calls[d.index][1] += d.arguments
+    return content, [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.parametrize("name, text, content, calls", [c for c in CASES if c[3] is not None])
+def test_streaming_reassembles_the_same_calls(name, text, content, calls) -> None:
+    rng = random.Random(7)
+    for _ in range(5):
+        got_content, got_calls = _stream(name, text, rng)
+        assert got_content.strip() == (content or "").strip()
+        assert got_calls == calls
+
+
+def test_streaming_holds_back_a_partial_marker_and_sends_names_first() -> None:
+    streamer = get_tool_parser("mistral").streamer()
+    assert streamer.feed("Hi [TOOL_").content == "Hi "
+    delta = streamer.feed('CALLS][{"name": "f", "arguments": {"a": 1')
+    assert delta.content == "" and delta.calls[0].name == "f" and delta.calls[0].arguments == '{"a": 1'
+    assert streamer.feed('}}]', final=True).calls[0].arguments == "}"
+    assert streamer.num_calls == 1
+
+
+def test_cut_short_keeps_the_complete_calls() -> None:
+    parser = get_tool_parser("mistral")
+    text = '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"q": "unfini'
+    out = parser.extract(text, truncated=True)
+    assert [(c.name, c.arguments) for c in out.calls] == [("a", "{}")]
+    cut = parser.extract_cut(text)
+    assert [(c.name, c.arguments) for c in cut.calls] == [("a", "{}"), ("b", '{"q": "unfini')]
+
+
+def test_calls_render_as_the_parser_reads_them() -> None:
+    call = [{"function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]
+    for name in ("mistral", "llama3_json", "granite", "deepseek_v3", "deepseek_v31", "kimi_k2"):
+        parser = get_tool_parser(name)
+        out = parser.extract(parser.render_calls(None, call))
+        assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Oslo"})]
+    assert set(TOOL_PARSERS) >= {"hermes", "mistral", "llama3_json", "granite", "deepseek_v3", "deepseek_v31",
+                                 "kimi_k2"}
+
+
+@pytest.fixture(scope="module")
+def matcher_factory():
+    llguidance = pytest.importorskip("llguidance")
+    from pagoda.config import EngineConfig
+    from pagoda.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(EngineConfig())
+    ll_tok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids))
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        assert not m.is_error(), m.get_error()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    return accepts
+
+
+def test_constraints_admit_only_valid_calls(matcher_factory) -> None:
+    from pagoda.entrypoints.openai.tools import ChatTool, call_schema
+
+    tools = [ChatTool.model_validate({"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}) for n in ("f", "g")]
+    schema = {"anyOf": [call_schema(t, f"#/anyOf/{i}/properties/arguments") for i, t in enumerate(tools)]}
+    mistral = get_tool_parser("mistral")
+    good = '[TOOL_CALLS][{"name": "f", "arguments": {"city": "Paris"}}]'
+    assert matcher_factory(mistral.constraint(schema, multiple=False).grammar, good)
+    assert not matcher_factory(mistral.constraint(schema, multiple=False).grammar, good.replace('"f"', '"h"'))
+    two = '[TOOL_CALLS][{"name": "f", "arguments": {"city": "Paris"}}, {"name": "g", "arguments": {"city": "Rome"}}]'
+    assert matcher_factory(mistral.constraint(schema, multiple=True).grammar, two)
+    assert not matcher_factory(mistral.constraint(schema, multiple=False).grammar, two)
+    llama = get_tool_parser("llama3_json")
+    good = '{"name": "g", "parameters": {"city": "Paris"}}'
+    assert matcher_factory(llama.constraint(schema, multiple=False).grammar, good)
+    assert not matcher_factory(llama.constraint(schema, multiple=False).grammar,
+                               good.replace("parameters", "arguments"))
+    assert matcher_factory(llama.constraint(schema, multiple=True).grammar, good + "; " + good)
+    assert [c.name for c in llama.extract(good + "; " + good).calls] == ["g", "g"]
+
+
+def test_delimited_constraints_admit_only_valid_calls(matcher_factory) -> None:
+    from pagoda.entrypoints.openai.tools import ChatTool, call_schema
+
+    tool = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    schema = call_schema(tool)
+    for name, fmt, section in (("kimi_k2", KIMI_CALL, KIMI), ("deepseek_v3", DS_CALL, DS)):
+        parser = get_tool_parser(name)
+        good = _section(fmt, *section, [("f", '{"city": "Paris"}')])
+        assert matcher_factory(parser.constraint(schema, multiple=False).grammar, good), name
+        assert not matcher_factory(parser.constraint(schema, multiple=False).grammar, good.replace('"city"', '"x"'))
+        two = _section(fmt, *section, [("f", '{"city": "Paris"}')] * 2).replace(":1<", ":0<")
+        assert matcher_factory(parser.constraint(schema, multiple=True).grammar, two), name
+        assert [c.name for c in parser.extract(two).calls] == ["f", "f"]
