@@ -33,6 +33,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 256
 
 # Below this temperature sampling is greedy: dividing logits by something this
 # small only amplifies noise, and temperature 0 would divide by zero.
@@ -175,6 +176,13 @@ class SamplingParams:
     # Prefill-decode disaggregation (pagoda/config/kv_transfer.py): this request's part in a
     # KV transfer between a prefill and a decode instance; a dict of its fields is accepted.
     kv_transfer_params: KVTransferParams | None = None
+    # vLLM's: sample only among these tokens; never generate these words (each as the
+    # tokenizer writes it at the start of a text and after a space: its last token is banned
+    # whenever the output ends with the tokens before it). ``bad_words_token_ids`` holds
+    # them as token ids, set from the tokenizer when the request is added (or given directly).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -203,6 +211,43 @@ class SamplingParams:
         ):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
         self._validate_kv_transfer()
+        self._validate_word_lists()
+
+    def _validate_word_lists(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            ids = [_check_int("allowed_token_ids", t) for t in self.allowed_token_ids]
+            if any(t < 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be token ids (ints >= 0), got {ids}")
+            self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            seqs = []
+            for seq in self.bad_words_token_ids:
+                if not isinstance(seq, (list, tuple)) or not seq:
+                    raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
+                seqs.append([_check_int("bad_words_token_ids", t) for t in seq])
+            self.bad_words_token_ids = seqs
+
+    def update_from_tokenizer(self, encode) -> None:
+        """``bad_words`` as token ids (``encode``: text -> ids, no special tokens): each word
+        as written at the start of a text and, where that tokenizes apart, after a space."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(encode(text))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = (self.bad_words_token_ids or []) + seqs
 
     def _validate_logprobs(self) -> None:
         """Counts >= -1 (-1: the whole vocabulary). Their upper bound is the engine's
@@ -391,3 +436,9 @@ class SamplingParams:
                 raise ValueError(
                     f"logprob_token_ids token id {token_id} is out of range for vocab size {vocab_size}"
                 )
+        for name in ("allowed_token_ids", "bad_words_token_ids"):
+            values = getattr(self, name) or []
+            flat = [t for seq in values for t in seq] if name == "bad_words_token_ids" else values
+            bad = [t for t in flat if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id(s) {bad[:5]} are out of range for vocab size {vocab_size}")

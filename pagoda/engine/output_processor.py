@@ -126,8 +126,11 @@ class OutputProcessor:
     ) -> None:
         if request_id in self._parents:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer (the engine was started with skip_tokenizer_init)")
+        if self.tokenizer is None and (params.stop or params.bad_words):
+            raise ValueError("stop strings and bad_words need a tokenizer (the engine was started with "
+                             "skip_tokenizer_init)")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         parent = _ParentState(request_id, prompt, prompt_token_ids, params, [])
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)

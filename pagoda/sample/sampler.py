@@ -5,10 +5,12 @@ processes every row in this order:
 
 0. Structured output: a row under a grammar gets -inf at every token its grammar
    does not allow this step (``SamplingRow.allowed_tokens``; a mask narrower than
-   the logits also bans the columns past its end).
+   the logits also bans the columns past its end); a row with ``allowed_token_ids``
+   at every token not listed.
 1. ``logit_bias`` is added.
 2. ``min_tokens``: while a row has fewer than ``min_tokens`` outputs, its
-   ``stop_token_ids`` and (unless ``ignore_eos``) the model's EOS ids get -inf.
+   ``stop_token_ids`` and (unless ``ignore_eos``) the model's EOS ids get -inf; so does
+   the last token of each of its bad words whose other tokens end the output.
 3. Penalties, as vLLM/OpenAI define them:
    repetition (over prompt + output tokens): ``l / rp if l > 0 else l * rp``;
    then ``l -= frequency_penalty * count_in_output``;
@@ -192,25 +194,43 @@ class SamplingMetadata:
                     bias_rows.append(i)
                     bias_tokens.append(token_id)
                     bias_values.append(value)
+            banned = set()
             if len(row.output_token_ids) < p.min_tokens:
                 banned = set(p.stop_token_ids or ())
                 if not p.ignore_eos:
                     banned |= row.eos_token_ids
-                for token_id in sorted(banned):
-                    if token_id < vocab_size:
-                        ban_rows.append(i)
-                        ban_tokens.append(token_id)
+            for seq in p.bad_words_token_ids or ():
+                # A bad word's last token, wherever the output ends with the tokens before it.
+                before = len(seq) - 1
+                if before == 0 or (len(row.output_token_ids) >= before and row.output_token_ids[-before:] == seq[:-1]):
+                    banned.add(seq[-1])
+            for token_id in sorted(banned):
+                if token_id < vocab_size:
+                    ban_rows.append(i)
+                    ban_tokens.append(token_id)
 
         def index(values: list[int]) -> torch.Tensor:
             return device_tensor(values, torch.int64, device)
 
+        # Rows that may emit only some tokens: under a grammar, or with allowed_token_ids (or both).
         grammar_rows = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
+        listed = [i for i, p in enumerate(params) if p.allowed_token_ids]
         grammar_banned = None
         if grammar_rows:
             allowed = to_device(torch.stack([rows[i].allowed_tokens for i in grammar_rows]), device)
             width = min(allowed.shape[1], vocab_size)
             grammar_banned = torch.ones(len(grammar_rows), vocab_size, dtype=torch.bool, device=device)
             grammar_banned[:, :width] = ~allowed[:, :width]
+        if listed:
+            masked = sorted(set(grammar_rows) | set(listed))
+            banned_rows = torch.zeros(len(masked), vocab_size, dtype=torch.bool, device=device)
+            if grammar_rows:
+                banned_rows[device_tensor([masked.index(i) for i in grammar_rows], torch.int64, device)] = grammar_banned
+            for i in listed:
+                keep = torch.ones(vocab_size, dtype=torch.bool)
+                keep[[t for t in params[i].allowed_token_ids if t < vocab_size]] = False
+                banned_rows[masked.index(i)] |= to_device(keep, device)
+            grammar_rows, grammar_banned = masked, banned_rows
 
         random_idx = [i for i, g in enumerate(greedy) if not g]
         if counter_rng is None:

@@ -581,3 +581,55 @@ def test_counter_draws_sample_the_distribution() -> None:
     tokens = _counter_sample(logits.expand(n, 3).contiguous(), rows)
     freq = torch.bincount(tokens, minlength=3).float() / n
     assert torch.allclose(freq, torch.tensor([0.2, 0.5, 0.3]), atol=4 * math.sqrt(0.25 / n))
+
+
+# ---------------------------------------------------------- allowed_token_ids and bad words
+
+
+def test_allowed_token_ids_limit_every_row_they_are_set_on() -> None:
+    torch.manual_seed(5)
+    draws = 200
+    logits = torch.randn(1, 40).expand(draws, -1)
+    gen = torch.Generator().manual_seed(1)
+    allowed = [3, 9, 27]
+    rows = [make_row(SamplingParams(temperature=2.0, allowed_token_ids=allowed), generator=gen) for _ in range(draws)]
+    got = set(sample(logits, rows).sampled_token_ids.tolist())
+    assert got <= set(allowed) and len(got) > 1
+    # Greedy: the best of the allowed, beside a row without the list (untouched).
+    greedy = [make_row(SamplingParams(temperature=0.0, allowed_token_ids=allowed)),
+              make_row(SamplingParams(temperature=0.0))]
+    out = sample(logits[:2], greedy).sampled_token_ids.tolist()
+    assert out == [max(allowed, key=lambda t: float(logits[0, t])), int(logits[0].argmax())]
+
+
+def test_allowed_token_ids_meet_a_grammar_mask() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 5.0
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[[2, 4, 6]] = True   # the grammar allows 2, 4, 6; the list 6, 7
+    row = make_row(SamplingParams(temperature=0.0, allowed_token_ids=[6, 7]))
+    row.allowed_tokens = mask
+    assert sample(logits, [row]).sampled_token_ids.item() == 6
+
+
+def test_bad_words_ban_their_last_token_after_the_rest() -> None:
+    logits = torch.zeros(1, 20)
+    logits[0, 5] = 3.0
+    logits[0, 8] = 2.0
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[5], [1, 2, 8]])
+    # A one-token bad word is always banned; the three-token one only after 1, 2.
+    assert sample(logits, [make_row(params, output=[7])]).sampled_token_ids.item() == 8
+    assert sample(logits, [make_row(params, output=[1, 2])]).sampled_token_ids.item() not in (5, 8)
+
+
+def test_bad_words_become_token_ids_at_the_start_and_after_a_space() -> None:
+    params = SamplingParams(bad_words=["hello world"])
+    table = {"hello world": [1, 2], " hello world": [3, 2]}
+    params.update_from_tokenizer(lambda text: table[text])
+    assert params.bad_words_token_ids == [[1, 2], [3, 2]]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+    with pytest.raises(ValueError, match="out of range"):
+        SamplingParams(allowed_token_ids=[1, 99]).validate_for_vocab(50)

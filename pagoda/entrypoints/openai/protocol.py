@@ -124,7 +124,8 @@ class StreamOptions(_Strict):
 _NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens", "response_format",
                   "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "prompt_logprobs", "logprob_token_ids", "kv_transfer_params")  # fmt: skip
+                  "prompt_logprobs", "logprob_token_ids", "kv_transfer_params", "bad_words",
+                  "allowed_token_ids")  # fmt: skip
 
 
 class _SamplingRequest(_Strict):
@@ -157,6 +158,8 @@ class _SamplingRequest(_Strict):
     priority: int = 0  # lower runs first; non-zero needs --scheduling-policy priority or fair
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # vLLM's response extras: the prompt's and each choice's token ids; logprob tokens as "token_id:N".
@@ -269,7 +272,8 @@ class _SamplingRequest(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "prompt_logprobs": self.prompt_logprobs, "logprob_token_ids": self.logprob_token_ids,
-            "kv_transfer_params": self.kv_transfer_params,
+            "kv_transfer_params": self.kv_transfer_params, "bad_words": self.bad_words,
+            "allowed_token_ids": self.allowed_token_ids,
         }  # fmt: skip
         # Leave absent ones out so the model's or SamplingParams' own defaults apply.
         base = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
