@@ -34,7 +34,7 @@ def _turn(*parts):
     return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
 
 
-@pytest.mark.parametrize("size", [(90, 50), (16, 16), (300, 40), (40, 300), (33, 97)])
+@pytest.mark.parametrize("size", [(90, 50), (16, 16), (300, 40), (33, 97)])
 def test_patches_equal_transformers(qwen, size):
     """The processor's 8-bit pixels, normalised and cut by the model: transformers' pixel
     values, bit for bit, and one token per 16 x 16 cell."""
