@@ -206,14 +206,14 @@ def _add_server_args(serve: argparse.ArgumentParser, groups: dict[str, argparse.
     http.add_argument("--enable-debug-endpoints", action="store_true",
                       help="add POST /debug/check_integrity (internal, for soak tests; do not expose)")
     api = serve.add_argument_group("API", "How requests and responses are read and written.")
-    from pagoda.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+    from pagoda.entrypoints.openai.tool_parsers import AUTO, DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
-    api.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
+    api.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=[*sorted(TOOL_PARSERS), AUTO],
                      help="the format tool calls are written in by the model and read from its output "
                           "(hermes: Hermes / Qwen's <tool_call>{...}</tool_call>; mistral: [TOOL_CALLS][{...}]; "
                           "llama3_json: Llama 3's {\"name\": ..., \"parameters\": ...}; granite: "
                           "<|tool_call|>[{...}]; deepseek_v3, deepseek_v31: DeepSeek's tool-call tokens; kimi_k2: "
-                          "Kimi K2's)")
+                          "Kimi K2's; auto: the format the chat template writes, named in the log)")
     from pagoda.reasoning import REASONING_PARSERS
 
     api.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),

@@ -99,3 +99,27 @@ def test_forced_call_is_constrained(client: openai.OpenAI, engine: FakeEngine) -
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     grammar = engine.calls[0].params.structured_outputs.grammar
     assert grammar.startswith("start: call\n") and "<tool_call>" in grammar
+
+
+def test_auto_parser_reads_the_format_the_template_writes(caplog) -> None:
+    """--tool-call-parser auto on a model whose template writes Mistral's [TOOL_CALLS]: the
+    server logs the parser it chose and reads the model's calls in that format."""
+    import logging
+
+    from tests.e2e.server_utils import running_server
+
+    engine = FakeEngine()
+    engine.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}"
+        "[/AVAILABLE_TOOLS]{% endif %}{# calls: [TOOL_CALLS][...] #}")
+    with caplog.at_level(logging.INFO), running_server(engine, tool_call_parser="auto") as running:
+        assert any("tool-call parser: mistral" in r.getMessage() for r in caplog.records)
+        text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+        engine.script = engine.tokenizer.encode(text, add_special_tokens=False) + [EOS]
+        with openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="x", max_retries=0) as client:
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                               tools=TOOLS, max_tokens=len(engine.script) + 1,
+                                               extra_body={"stop_token_ids": [EOS]})
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert r.choices[0].finish_reason == "tool_calls"

@@ -172,3 +172,21 @@ def test_delimited_constraints_admit_only_valid_calls(matcher_factory) -> None:
         two = _section(fmt, *section, [("f", '{"city": "Paris"}')] * 2).replace(":1<", ":0<")
         assert matcher_factory(parser.constraint(schema, multiple=True).grammar, two), name
         assert [c.name for c in parser.extract(two).calls] == ["f", "f"]
+
+
+@pytest.mark.parametrize("template, want", [
+    ("{% for m in messages %}<tool_call>{{ m }}</tool_call>{% endfor %}", "hermes"),
+    ("{{ '[TOOL_CALLS]' + tool_calls|tojson }}", "mistral"),
+    ('{{- "<|python_tag|>" + tool_call.name }} "parameters"', "llama3_json"),
+    ("<|tool_call|>{{ tools }}", "granite"),
+    ("{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n'}}", "deepseek_v3"),
+    ("{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments}}", "deepseek_v31"),
+    ("<|tool_calls_section_begin|>{{ calls }}", "kimi_k2"),
+    ("{{ messages }}", "hermes"),
+    (None, "hermes"),
+])
+def test_auto_picks_the_parser_the_template_writes(template, want) -> None:
+    from pagoda.entrypoints.openai.tool_parsers import choose_tool_parser
+
+    name, why = choose_tool_parser(template)
+    assert name == want and why

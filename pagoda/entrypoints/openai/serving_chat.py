@@ -14,6 +14,7 @@ caps the reasoning (``thinking_budget.py``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,8 +48,10 @@ from pagoda.entrypoints.openai.serving_engine import (
 )
 from pagoda.entrypoints.openai.thinking_budget import BudgetedGroup
 from pagoda.entrypoints.openai.tool_parsers import (
+    AUTO,
     DEFAULT_TOOL_PARSER,
     ToolCallStreamer,
+    choose_tool_parser,
     get_tool_parser,
 )
 from pagoda.entrypoints.openai.tools import ToolPlan, prompt_inputs
@@ -58,6 +61,8 @@ from pagoda.multimodal.prompts import ChatImages, has_image_parts
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.reasoning import ReasoningStreamer, get_reasoning_parser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 
 def new_call_id() -> str:
@@ -84,6 +89,9 @@ class ChatServing(OpenAIServing):
     ) -> None:
         super().__init__(engine, state, served_model_name, request_timeout, model_defaults,
                          force_include_usage=force_include_usage)
+        if tool_call_parser == AUTO:
+            tool_call_parser, why = choose_tool_parser(self.tokenizer.chat_template if self.tokenizer else None)
+            logger.info("tool-call parser: %s (--tool-call-parser auto: %s)", tool_call_parser, why)
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.reasoning_parser = get_reasoning_parser(reasoning_parser)
         self.images = ImagePrompts(engine)

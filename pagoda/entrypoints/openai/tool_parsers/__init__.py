@@ -18,16 +18,39 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, MistralToolParser, Llama3JsonToolParser, GraniteToolParser,
                         DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser)}
 DEFAULT_TOOL_PARSER = HermesToolParser.name
+AUTO = "auto"   # --tool-call-parser auto: the format the chat template writes (choose_tool_parser)
+
+# What a chat template writes around tool calls -> the parser of that format (first match wins).
+_TEMPLATE_MARKERS = (
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("<｜tool▁sep｜>", "deepseek"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|tool_call|>", "granite"),
+    ("<|python_tag|>", "llama3_json"),
+    ("<tool_call>", "hermes"),
+)
+
+
+def choose_tool_parser(chat_template: str | None) -> tuple[str, str]:
+    """(the parser, why) for a model whose chat template is ``chat_template``: the format whose
+    markers the template writes (DeepSeek's: V3's fenced JSON arguments, else V3.1's); Hermes
+    when it writes none of them."""
+    for marker, name in _TEMPLATE_MARKERS:
+        if chat_template and marker in chat_template:
+            if name == "deepseek":
+                name = "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+            return name, f"the chat template writes {marker!r}"
+    return DEFAULT_TOOL_PARSER, "the chat template writes no known tool-call marker"
 
 
 def get_tool_parser(name: str) -> ToolParser:
     try:
         return TOOL_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; choose from {sorted(TOOL_PARSERS)}") from None
+        raise ValueError(f"unknown tool call parser {name!r}; choose from {sorted(TOOL_PARSERS)} or {AUTO!r}") from None
 
 
 __all__ = [
-    "DEFAULT_TOOL_PARSER", "ExtractedToolCalls", "ParsedToolCall", "StreamDelta", "TOOL_PARSERS",
+    "AUTO", "DEFAULT_TOOL_PARSER", "choose_tool_parser", "ExtractedToolCalls", "ParsedToolCall", "StreamDelta", "TOOL_PARSERS",
     "ToolCallDelta", "ToolCallStreamer", "ToolParser", "get_tool_parser",
 ]  # fmt: skip
