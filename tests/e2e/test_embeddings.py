@@ -213,3 +213,35 @@ def test_ollama_embed_routes_give_the_same_vectors(real_server, client):
         oc.embed(model="nope", input="x")
     assert err.value.status_code == 404
     _wait_all_blocks_free(running)
+
+
+def test_score_and_rerank_are_the_embeddings_cosines(real_server, client):
+    """/v1/score (vLLM's shape) and /rerank (Jina's / Cohere's): each pair's cosine of the
+    vectors /v1/embeddings gives, a paraphrase ranked first, top_n and return_documents
+    honoured; a generating server answers them with a 400 (no cross-encoder yet)."""
+    _, running = real_server
+    vectors = torch.tensor([d.embedding for d in client.embeddings.create(model=MODEL, input=SENTENCES).data])
+    vectors = vectors / vectors.norm(dim=1, keepdim=True)
+    r = httpx.post(f"{running.base_url}/v1/score", json={"model": MODEL, "text_1": SENTENCES[0],
+                                                         "text_2": SENTENCES[1:]}, timeout=60).json()
+    got = [d["score"] for d in r["data"]]
+    want = (vectors[1:] @ vectors[0]).tolist()
+    assert [d["index"] for d in r["data"]] == list(range(5)) and r["usage"]["prompt_tokens"] > 0
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    for path in ("/rerank", "/v1/rerank"):
+        r = httpx.post(f"{running.base_url}{path}", json={"model": MODEL, "query": SENTENCES[2],
+                                                         "documents": SENTENCES[3:] + SENTENCES[:2], "top_n": 2},
+                       timeout=60).json()
+        assert [x["index"] for x in r["results"]][0] == 0   # its paraphrase, SENTENCES[3]
+        assert len(r["results"]) == 2 and r["results"][0]["document"]["text"] == SENTENCES[3]
+        assert r["results"][0]["relevance_score"] >= r["results"][1]["relevance_score"]
+    r = httpx.post(f"{running.base_url}/rerank", json={"query": "q", "documents": ["a"], "return_documents": False},
+                   timeout=60).json()
+    assert "document" not in r["results"][0]
+    status, err = _error(running, {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "/v1/score")
+    assert status == 400 and err["param"] == "text_1"
+    from tests.e2e.fake_engine import FakeEngine
+
+    with running_server(FakeEngine()) as generating:
+        status, err = _error(generating, {"text_1": "a", "text_2": "b"}, "/v1/score")
+        assert status == 400 and err["code"] == "wrong_task"

@@ -55,6 +55,13 @@ from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.serving_embedding import EmbeddingServing
+from pagoda.entrypoints.openai.serving_score import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreServing,
+)
 from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
 from pagoda.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
 from pagoda.entrypoints.openai.tools import plan_tools
@@ -389,6 +396,19 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **_ERRORS})
     async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
         return await embeddings.create(body, raw_request)
+
+    scores = ScoreServing(embeddings)
+
+    @app.post("/v1/score", responses={200: {"model": ScoreResponse}, **_ERRORS})
+    @app.post("/score", responses={200: {"model": ScoreResponse}, **_ERRORS})
+    async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
+        return await scores.score(body, raw_request)
+
+    @app.post("/v1/rerank", responses={200: {"model": RerankResponse}, **_ERRORS})
+    @app.post("/rerank", responses={200: {"model": RerankResponse}, **_ERRORS})
+    @app.post("/v2/rerank", responses={200: {"model": RerankResponse}, **_ERRORS})
+    async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
+        return await scores.rerank(body, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
