@@ -213,7 +213,8 @@ def _add_server_args(serve: argparse.ArgumentParser, groups: dict[str, argparse.
                           "(hermes: Hermes / Qwen's <tool_call>{...}</tool_call>; mistral: [TOOL_CALLS][{...}]; "
                           "llama3_json: Llama 3's {\"name\": ..., \"parameters\": ...}; granite: "
                           "<|tool_call|>[{...}]; deepseek_v3, deepseek_v31: DeepSeek's tool-call tokens; kimi_k2: "
-                          "Kimi K2's; auto: the format the chat template writes, named in the log)")
+                          "Kimi K2's; qwen3_coder: Qwen3-Coder / Qwen3.5's <function=...><parameter=...>; auto: the "
+                          "format the chat template writes, named in the log)")
     from pagoda.reasoning import REASONING_PARSERS
 
     api.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),

@@ -23,6 +23,10 @@ def _section(fmt: str, begin: str, end: str, calls: list[tuple[str, str]]) -> st
     return begin + "".join(fmt.format(name=n, args=a, i=i) for i, (n, a) in enumerate(calls)) + end
 
 
+QC = ("Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+      "<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n"
+      '<parameter=q>\na <b> "c"\n</parameter>\n<parameter=filters>\n{{"x": [1]}}\n</parameter>\n</function>\n'
+      "</tool_call>")
 DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 TWO = [("get_weather", json.dumps(WEATHER)), ("search", '{"q": "<｜tool▁call▁end｜>", "n": 3}')]
@@ -36,6 +40,11 @@ CASES = [
     ("kimi_k2", "Sure. " + _section(KIMI_CALL, *KIMI, TWO), "Sure.", TWO),
     ("kimi_k2", _section(KIMI_CALL, *KIMI, [("f", "{}")]), None, [("f", "{}")]),
     ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": [1, 2]}}]', None, [("f", '{"a": [1, 2]}')]),
+    ("qwen3_coder", QC.format(city="Paris", days="3"), "Let me see.",
+     [("get_weather", '{"city": "Paris", "days": 3}'), ("search", '{"q": "a <b> \\"c\\"", "filters": {"x": [1]}}')]),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n</function>\n</tool_call>", None, [("f", "{}")]),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>", None, [("f", '{"x": 1}')]),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=x>\n1\n</function>\n</tool_call>", None, None),
     ("mistral", "Hello there, no tools here.", "Hello there, no tools here.", []),
     ("mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {json.dumps(WEATHER)}}}]', None,
      [("get_weather", json.dumps(WEATHER))]),
@@ -111,12 +120,12 @@ def test_cut_short_keeps_the_complete_calls() -> None:
 
 def test_calls_render_as_the_parser_reads_them() -> None:
     call = [{"function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]
-    for name in ("mistral", "llama3_json", "granite", "deepseek_v3", "deepseek_v31", "kimi_k2"):
+    for name in ("mistral", "llama3_json", "granite", "deepseek_v3", "deepseek_v31", "kimi_k2", "qwen3_coder"):
         parser = get_tool_parser(name)
         out = parser.extract(parser.render_calls(None, call))
         assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Oslo"})]
     assert set(TOOL_PARSERS) >= {"hermes", "mistral", "llama3_json", "granite", "deepseek_v3", "deepseek_v31",
-                                 "kimi_k2"}
+                                 "kimi_k2", "qwen3_coder"}
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +199,39 @@ def test_auto_picks_the_parser_the_template_writes(template, want) -> None:
 
     name, why = choose_tool_parser(template)
     assert name == want and why
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"]}}}
+
+
+def test_qwen3_coder_types_values_by_the_tools_schema() -> None:
+    """A string parameter stays text even when it reads as JSON; a number is a number."""
+    parser = get_tool_parser("qwen3_coder").for_tools([WEATHER_TOOL])
+    out = parser.extract(QC.format(city="1234", days="3"))
+    assert json.loads(out.calls[0].arguments) == {"city": "1234", "days": 3}
+    untyped = get_tool_parser("qwen3_coder").extract(QC.format(city="1234", days="3"))
+    assert json.loads(untyped.calls[0].arguments) == {"city": 1234, "days": 3}
+    streamer = parser.streamer()
+    text, args = QC.format(city="1234", days="3"), ""
+    for i in range(0, len(text), 3):
+        for d in streamer.feed(text[i:i + 3], final=i + 3 >= len(text)).calls:
+            if d.index == 0:
+                args += d.arguments
+    assert args == out.calls[0].arguments
+
+
+def test_qwen3_coder_constraint_admits_only_valid_calls(matcher_factory) -> None:
+    from pagoda.entrypoints.openai.tools import ChatTool, call_schema
+
+    schema = call_schema(ChatTool.model_validate(WEATHER_TOOL))
+    parser = get_tool_parser("qwen3_coder")
+    good = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    grammar = parser.constraint(schema, multiple=False).grammar
+    assert matcher_factory(grammar, good)
+    assert matcher_factory(grammar, good.replace("<parameter=days>\n3\n</parameter>\n", ""))
+    assert not matcher_factory(grammar, good.replace("3", "three"))
+    assert not matcher_factory(grammar, good.replace("<parameter=city>\nParis\n</parameter>\n", ""))
+    assert [c.name for c in parser.extract(good).calls] == ["get_weather"]

@@ -145,7 +145,8 @@ class MessagesServing:
             content.append(ThinkingOut(thinking="" if omitted else reasoning))
         calls = []
         if plan.active and c is not None:
-            extracted = self.chat.tool_parser.extract(text or "", truncated=c.finish_reason == "length")
+            parser = self.chat.tool_parser.for_tools(plan.tool_dicts())
+            extracted = parser.extract(text or "", truncated=c.finish_reason == "length")
             text, calls = extracted.content, extracted.calls[: body.max_tool_calls]
         if text:
             content.append(TextOut(text=text))
@@ -204,7 +205,7 @@ class _MessageStream:
                  sub: SubRequest) -> None:  # fmt: skip
         self.chat, self.body, self.request_id, self.sub = chat, body, request_id, sub
         self.reasoner = chat.reasoning_parser.streamer() if chat.reasoning_parser is not None else None
-        self.tools = chat.tool_parser.streamer() if plan.active else None
+        self.tools = chat.tool_parser.for_tools(plan.tool_dicts()).streamer() if plan.active else None
         self.show_thinking = body.thinking_on
         self.omit_thinking = body.thinking is not None and body.thinking.display == "omitted"
         self.blocks = _Blocks()

@@ -277,7 +277,7 @@ class OllamaServing(OpenAIServing):
     def _message(self, plan: ToolPlan | None, text: str, truncated: bool) -> ChatMessageOut:
         if plan is None or not plan.active:
             return ChatMessageOut(content=text)
-        extracted = self.chat.tool_parser.extract(text, truncated=truncated)
+        extracted = self.chat.tool_parser.for_tools(plan.tool_dicts()).extract(text, truncated=truncated)
         arguments = [_object(call.arguments) for call in extracted.calls]
         if any(a is None for a in arguments):  # Ollama's calls carry objects; anything else stays text
             return ChatMessageOut(content=text)
@@ -292,7 +292,8 @@ class OllamaServing(OpenAIServing):
     async def _lines(self, body: GenerationRequest, sub: SubRequest, group: RequestGroup,
                      first: list[tuple[int, RequestOutput]], clock: _Clock, plan: ToolPlan | None,
                      ) -> AsyncIterator[str]:  # fmt: skip
-        tools = _ToolStream(self.chat.tool_parser.streamer()) if plan is not None and plan.active else None
+        tools = (_ToolStream(self.chat.tool_parser.for_tools(plan.tool_dicts()).streamer())
+                 if plan is not None and plan.active else None)
         reasoner = self.chat.reasoning_parser.streamer() if self._thinking(body) else None
 
         def lines(out: RequestOutput) -> list[str]:

@@ -239,9 +239,10 @@ class ChatServing(OpenAIServing):
         if plan.forced and c.finish_reason == "length":
             # A forced call cut by max_tokens is still a call: as vLLM, its arguments are the
             # (unfinished) JSON text generated so far, and finish_reason stays "length".
-            extracted = self.tool_parser.extract_cut(content or "")
+            extracted = self.tool_parser.for_tools(plan.tool_dicts()).extract_cut(content or "")
         else:
-            extracted = self.tool_parser.extract(content or "", truncated=c.finish_reason == "length")
+            extracted = self.tool_parser.for_tools(plan.tool_dicts()).extract(
+                content or "", truncated=c.finish_reason == "length")
         calls = [
             ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in extracted.calls
@@ -266,7 +267,7 @@ class ChatServing(OpenAIServing):
         model = self.response_model(body.model)
         include_usage, continuous_usage = body.stream_usage(self.force_include_usage)
         streamers: dict[int, ToolCallStreamer] = (
-            {i: self.tool_parser.streamer() for i in range(body.n)} if plan.active else {}
+            {i: self.tool_parser.for_tools(plan.tool_dicts()).streamer() for i in range(body.n)} if plan.active else {}
         )
         reasoners: dict[int, ReasoningStreamer] = (
             {i: self.reasoning_parser.streamer() for i in range(body.n)} if self.reasoning_parser else {}

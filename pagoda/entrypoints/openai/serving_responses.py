@@ -135,7 +135,8 @@ class ResponsesServing(OpenAIServing):
             reasoning, content = self.chat.split_reasoning(c.text)
             builder.reasoning(reasoning or "")
             if run.plan.active:
-                extracted = self.chat.tool_parser.extract(content or "", truncated=c.finish_reason == "length")
+                extracted = self.chat.tool_parser.for_tools(run.plan.tool_dicts()).extract(
+                    content or "", truncated=c.finish_reason == "length")
                 builder.text(extracted.content or "")
                 for call in extracted.calls:
                     builder.start_call(call.name)
@@ -266,7 +267,7 @@ class ResponsesServing(OpenAIServing):
         started = self._response(run, "in_progress", builder).model_dump(mode="json")
         yield writer({"type": "response.created", "response": started})
         yield writer({"type": "response.in_progress", "response": started})
-        streamer = self.chat.tool_parser.streamer() if run.plan.active else None
+        streamer = self.chat.tool_parser.for_tools(run.plan.tool_dicts()).streamer() if run.plan.active else None
         parser = self.chat.reasoning_parser
         reasoner = parser.streamer() if parser is not None else None
         for _, out in first:

@@ -13,10 +13,11 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_parsers.delimited import DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser
 from pagoda.entrypoints.openai.tool_parsers.json_calls import GraniteToolParser, Llama3JsonToolParser, MistralToolParser
+from pagoda.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, MistralToolParser, Llama3JsonToolParser, GraniteToolParser,
-                        DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser)}
+                        DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser, Qwen3CoderToolParser)}
 DEFAULT_TOOL_PARSER = HermesToolParser.name
 AUTO = "auto"   # --tool-call-parser auto: the format the chat template writes (choose_tool_parser)
 
@@ -27,6 +28,7 @@ _TEMPLATE_MARKERS = (
     ("[TOOL_CALLS]", "mistral"),
     ("<|tool_call|>", "granite"),
     ("<|python_tag|>", "llama3_json"),
+    ("<function=", "qwen3_coder"),
     ("<tool_call>", "hermes"),
 )
 

@@ -74,6 +74,12 @@ class ToolParser(ABC):
     @abstractmethod
     def streamer(self) -> ToolCallStreamer: ...
 
+    def for_tools(self, tools: list[dict[str, Any]] | None) -> ToolParser:
+        """The parser for one request offering ``tools`` (OpenAI tool objects): a format that
+        types the values it reads by the tools' schemas (Qwen3-Coder's) binds them; the others
+        are the same parser."""
+        return self
+
     @abstractmethod
     def constraint(self, call_schema: dict[str, Any], multiple: bool) -> StructuredOutputsParams:
         """A grammar admitting one call (``multiple``: one or more) whose JSON
