@@ -128,23 +128,6 @@ def test_calls_render_as_the_parser_reads_them() -> None:
                                  "kimi_k2", "qwen3_coder"}
 
 
-@pytest.fixture(scope="module")
-def matcher_factory():
-    llguidance = pytest.importorskip("llguidance")
-    from pagoda.config import EngineConfig
-    from pagoda.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(EngineConfig())
-    ll_tok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids))
-
-    def accepts(grammar: str, text: str) -> bool:
-        m = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
-        assert not m.is_error(), m.get_error()
-        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
-
-    return accepts
-
-
 def test_constraints_admit_only_valid_calls(matcher_factory) -> None:
     from pagoda.entrypoints.openai.tools import ChatTool, call_schema
 

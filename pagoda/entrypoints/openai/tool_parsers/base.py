@@ -9,6 +9,7 @@ It also says how to constrain generation so that only valid calls can come out
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -54,6 +55,40 @@ class ToolCallStreamer(ABC):
     @abstractmethod
     def num_calls(self) -> int:
         """How many calls have been started (had their name sent) so far."""
+
+
+def call_function(call: dict[str, Any]) -> tuple[Any, Any]:
+    """An OpenAI tool call's (function name, arguments): the arguments as the value their JSON
+    string holds, or the string itself where it holds none."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass   # written as the string it is
+    return function.get("name"), arguments
+
+
+class RereadingStreamer(ToolCallStreamer):
+    """A streamer that re-reads the whole text at each step (outputs are short) and sends
+    what is new: the text so far, the content sent, each call's name and arguments sent."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._content_sent = 0  # characters of the stable content already sent
+        self._names_sent: list[str] = []
+        self._args_sent: list[int] = []
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._names_sent)
+
+    def _content(self, stable: str) -> str:
+        """What of ``stable`` (the content known not to change) has not been sent yet."""
+        new = stable[self._content_sent:]
+        self._content_sent = max(self._content_sent, len(stable))
+        return new
 
 
 class ToolParser(ABC):

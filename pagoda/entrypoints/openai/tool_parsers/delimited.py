@@ -24,9 +24,10 @@ from typing import Any, ClassVar
 from pagoda.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedToolCall,
+    RereadingStreamer,
     StreamDelta,
-    ToolCallStreamer,
     ToolParser,
+    call_function,
 )
 from pagoda.entrypoints.openai.tool_parsers.json_calls import call_deltas, partial_suffix
 from pagoda.entrypoints.openai.tool_parsers.partial_json import InvalidJSON, PartialCall, value_end
@@ -155,12 +156,9 @@ class DelimitedCallsParser(ToolParser):
     def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
         parts = []
         for index, call in enumerate(tool_calls):
-            function = call.get("function") or {}
-            arguments = function.get("arguments", "{}")
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            parts.append(self.call_begin + self.header(function.get("name", ""), index) + self.head_end + arguments
-                         + self.args_close + self.call_end)
+            name, arguments = call_function(call)
+            parts.append(self.call_begin + self.header(name or "", index) + self.head_end
+                         + json.dumps(arguments, ensure_ascii=False) + self.args_close + self.call_end)
         return (content or "") + self.section_begin + "".join(parts) + self.section_end
 
     def render_results(self, results: list[str]) -> str:
@@ -173,17 +171,10 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
-class DelimitedStreamer(ToolCallStreamer):
+class DelimitedStreamer(RereadingStreamer):
     def __init__(self, parser: DelimitedCallsParser) -> None:
+        super().__init__()
         self.parser = parser
-        self._text = ""
-        self._content_sent = 0
-        self._names_sent: list[str] = []
-        self._args_sent: list[int] = []
-
-    @property
-    def num_calls(self) -> int:
-        return len(self._names_sent)
 
     def feed(self, delta_text: str, final: bool = False) -> StreamDelta:
         self._text += delta_text
@@ -197,11 +188,6 @@ class DelimitedStreamer(ToolCallStreamer):
         out = StreamDelta(content=self._content(before.rstrip(_WS)))
         out.calls = call_deltas(calls, self._names_sent, self._args_sent)
         return out
-
-    def _content(self, stable: str) -> str:
-        new = stable[self._content_sent:]
-        self._content_sent = max(self._content_sent, len(stable))
-        return new
 
 
 class DeepSeekV3ToolParser(DelimitedCallsParser):

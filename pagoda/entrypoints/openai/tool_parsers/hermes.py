@@ -14,9 +14,10 @@ from typing import Any
 from pagoda.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedToolCall,
+    RereadingStreamer,
     StreamDelta,
-    ToolCallStreamer,
     ToolParser,
+    call_function,
 )
 from pagoda.entrypoints.openai.tool_parsers.json_calls import call_deltas, partial_suffix
 from pagoda.entrypoints.openai.tool_parsers.partial_json import PartialCall, scan_calls
@@ -145,14 +146,8 @@ class HermesToolParser(ToolParser):
     def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
         parts = [content] if content else []
         for call in tool_calls:
-            function = call.get("function") or {}
-            arguments = function.get("arguments", {})
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    pass  # written as the string it is
-            body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+            name, arguments = call_function(call)
+            body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
             parts.append(f"{OPEN}\n{body}\n{CLOSE}")
         return "\n".join(parts)
 
@@ -168,21 +163,11 @@ def _valid_json(text: str) -> bool:
     return True
 
 
-class HermesStreamer(ToolCallStreamer):
+class HermesStreamer(RereadingStreamer):
     """Re-reads the whole text at each step (outputs are short) and sends what is new:
     content outside blocks, each call's name once it is complete, then its arguments as
     they grow. Whitespace that may turn out to touch a block, and what may be the start
     of ``<tool_call>``, are held back until the next step tells."""
-
-    def __init__(self) -> None:
-        self._text = ""
-        self._content_sent = 0  # characters of _stable_content() already sent
-        self._names_sent: list[str] = []
-        self._args_sent: list[int] = []
-
-    @property
-    def num_calls(self) -> int:
-        return len(self._names_sent)
 
     def feed(self, delta_text: str, final: bool = False) -> StreamDelta:
         self._text += delta_text
@@ -206,6 +191,4 @@ class HermesStreamer(ToolCallStreamer):
         if stable and last:
             stable += " "
         stable += last
-        new = stable[self._content_sent:]
-        self._content_sent = max(self._content_sent, len(stable))
-        return new
+        return self._content(stable)

@@ -22,10 +22,11 @@ from typing import Any, ClassVar
 from pagoda.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedToolCall,
+    RereadingStreamer,
     StreamDelta,
     ToolCallDelta,
-    ToolCallStreamer,
     ToolParser,
+    call_function,
 )
 from pagoda.entrypoints.openai.tool_parsers.partial_json import InvalidJSON, PartialCall, scan_calls, scan_object
 from pagoda.sampling_params import StructuredOutputsParams
@@ -148,14 +149,8 @@ class JsonCallsParser(ToolParser):
         raise NotImplementedError
 
     def call_json(self, call: dict[str, Any]) -> str:
-        function = call.get("function") or {}
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass   # written as the string it is
-        return json.dumps({"name": function.get("name"), self.arguments_key: arguments}, ensure_ascii=False)
+        name, arguments = call_function(call)
+        return json.dumps({"name": name, self.arguments_key: arguments}, ensure_ascii=False)
 
 
 def _renamed_arguments(schema: dict[str, Any], key: str) -> dict[str, Any]:
@@ -175,17 +170,10 @@ def _renamed_arguments(schema: dict[str, Any], key: str) -> dict[str, Any]:
     return {"anyOf": [rename(c) for c in out["anyOf"]]} if "anyOf" in out else rename(out)
 
 
-class JsonCallsStreamer(ToolCallStreamer):
+class JsonCallsStreamer(RereadingStreamer):
     def __init__(self, parser: JsonCallsParser) -> None:
+        super().__init__()
         self.parser = parser
-        self._text = ""
-        self._content_sent = 0
-        self._names_sent: list[str] = []
-        self._args_sent: list[int] = []
-
-    @property
-    def num_calls(self) -> int:
-        return len(self._names_sent)
 
     def feed(self, delta_text: str, final: bool = False) -> StreamDelta:
         self._text += delta_text
@@ -203,26 +191,24 @@ class JsonCallsStreamer(ToolCallStreamer):
         out.calls = call_deltas(calls, self._names_sent, self._args_sent)
         return out
 
-    def _content(self, stable: str) -> str:
-        new = stable[self._content_sent:]
-        self._content_sent = max(self._content_sent, len(stable))
-        return new
 
-
-class MistralToolParser(JsonCallsParser):
-    name = "mistral"
-    marker = "[TOOL_CALLS]"
+class ArrayCallsParser(JsonCallsParser):
+    """The calls as one JSON array after the marker (Mistral's, Granite's)."""
 
     def grammar(self, multiple: bool) -> str:
         more = ' (", " call_json)*' if multiple else ""
         return f'start: "{self.marker}[" call_json{more} "]"\n'
 
+    def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
+        return (content or "") + self.marker + "[" + ", ".join(self.call_json(c) for c in tool_calls) + "]"
+
+
+class MistralToolParser(ArrayCallsParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         return f"[AVAILABLE_TOOLS]{json.dumps(tools, ensure_ascii=False)}[/AVAILABLE_TOOLS]"
-
-    def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
-        calls = "[" + ", ".join(self.call_json(c) for c in tool_calls) + "]"
-        return (content or "") + self.marker + calls
 
     def render_results(self, results: list[str]) -> str:
         return "".join(f'[TOOL_RESULTS]{{"content": {json.dumps(r, ensure_ascii=False)}}}[/TOOL_RESULTS]'
@@ -255,24 +241,17 @@ class Llama3JsonToolParser(JsonCallsParser):
         return "\n".join(results)
 
 
-class GraniteToolParser(JsonCallsParser):
+class GraniteToolParser(ArrayCallsParser):
     """Granite 3.x: ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]``."""
 
     name = "granite"
     marker = "<|tool_call|>"
-
-    def grammar(self, multiple: bool) -> str:
-        more = ' (", " call_json)*' if multiple else ""
-        return f'start: "{self.marker}[" call_json{more} "]"\n'
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         return ("You are a helpful assistant with access to the following function calls. Your task is to produce "
                 "a list of function calls necessary to generate response to the user utterance. Use the following "
                 f"function calls as required.\n{listing}")
-
-    def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
-        return (content or "") + self.marker + "[" + ", ".join(self.call_json(c) for c in tool_calls) + "]"
 
     def render_results(self, results: list[str]) -> str:
         return "\n".join(results)

@@ -30,11 +30,13 @@ from typing import Any
 from pagoda.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedToolCall,
+    RereadingStreamer,
     StreamDelta,
     ToolCallDelta,
-    ToolCallStreamer,
     ToolParser,
+    call_function,
 )
+from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_parsers.json_calls import partial_suffix
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -179,20 +181,14 @@ class Qwen3CoderToolParser(ToolParser):
     def render_calls(self, content: str | None, tool_calls: list[dict[str, Any]]) -> str:
         parts = [content] if content else []
         for call in tool_calls:
-            function = call.get("function") or {}
-            arguments = function.get("arguments", {})
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    arguments = {}
+            name, arguments = call_function(call)
+            items = arguments.items() if isinstance(arguments, dict) else ()
             params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
-                             "</parameter>\n" for k, v in (arguments or {}).items())
-            parts.append(f"{OPEN}\n<function={function.get('name')}>\n{params}</function>\n{CLOSE}")
+                             "</parameter>\n" for k, v in items)
+            parts.append(f"{OPEN}\n<function={name}>\n{params}</function>\n{CLOSE}")
         return "\n".join(parts)
 
-    def render_results(self, results: list[str]) -> str:
-        return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+    render_results = HermesToolParser.render_results   # (the same <tool_response> blocks)
 
 
 def _json_literal(raw: str) -> bool:
@@ -203,11 +199,10 @@ def _json_literal(raw: str) -> bool:
     return True
 
 
-class Qwen3CoderStreamer(ToolCallStreamer):
+class Qwen3CoderStreamer(RereadingStreamer):
     def __init__(self, parser: Qwen3CoderToolParser) -> None:
+        super().__init__()
         self.parser = parser
-        self._text = ""
-        self._content_sent = 0
         self._sent: list[tuple[int, bool]] = []   # per call: parameters sent, closed
 
     @property
@@ -246,8 +241,3 @@ class Qwen3CoderStreamer(ToolCallStreamer):
                     out.calls.append(ToolCallDelta(index=index, arguments=text))
             self._sent[index] = (len(call.params), call.done)
         return out
-
-    def _content(self, stable: str) -> str:
-        new = stable[self._content_sent:]
-        self._content_sent = max(self._content_sent, len(stable))
-        return new
