@@ -144,6 +144,12 @@ def _mmproj_processor(mmproj: str) -> ImageProcessor:
 _MMPROJ_QWEN = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
 
 
+def _require_rgb(settings: dict[str, Any], family: str) -> None:
+    """Every family's processor reads RGB: a config turning the conversion off is refused."""
+    if settings.get("do_convert_rgb") is False:
+        raise ImageError(f"{family} image processors with do_convert_rgb false are not supported")
+
+
 def _normalization(settings: dict[str, Any], mean: list[float], std: list[float]) -> tuple:
     """(rescale factor, mean, std) from a processor config (None where it turns one off);
     ``mean`` / ``std``: the family's defaults."""
@@ -215,8 +221,7 @@ class Idefics3ImageProcessor:
         self.do_split = bool(settings.get("do_image_splitting", True))
         self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.LANCZOS)))
         self.rescale, self.mean, self.std = _normalization(settings, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
-        if settings.get("do_convert_rgb") is False:
-            raise ImageError("an Idefics3 processor with do_convert_rgb false is not supported")
+        _require_rgb(settings, "Idefics3")
         keys = dict(seq=self.image_seq_len, resize=self.do_resize, size=self.size, tile=self.tile,
                     split=self.do_split, resample=int(self.resample), rescale=self.rescale, mean=self.mean,
                     std=self.std)
@@ -296,8 +301,7 @@ class LlavaImageProcessor:
         self.resample = Image.Resampling(int(settings.get("resample", Image.Resampling.BICUBIC)))
         self.rescale, self.mean, self.std = _normalization(settings, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
         self.pad = bool(settings.get("do_pad", False))
-        if settings.get("do_convert_rgb") is False:
-            raise ImageError("a LLaVA processor with do_convert_rgb false is not supported")
+        _require_rgb(settings, "LLaVA")
         out_h, out_w = self.crop or self.fixed or (self.shortest, self.shortest)
         extra = int(settings.get("num_additional_image_tokens", 0))
         self.num_tokens = (out_h // patch) * (out_w // patch) + extra - (1 if strategy == "default" else 0)
@@ -353,8 +357,7 @@ class Gemma3ImageProcessor:
     def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
         if settings.get("do_pan_and_scan"):
             raise ImageError("a Gemma 3 processor with do_pan_and_scan is not supported")
-        if settings.get("do_convert_rgb") is False:
-            raise ImageError("a Gemma 3 processor with do_convert_rgb false is not supported")
+        _require_rgb(settings, "Gemma 3")
         size = settings.get("size") or {"height": 224, "width": 224}
         self.size = (int(size["height"]), int(size["width"]))
         self.do_resize = bool(settings.get("do_resize", True))
@@ -408,8 +411,7 @@ class Qwen2VLImageProcessor:
     LOW_DETAIL_CELLS = 256
 
     def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
-        if settings.get("do_convert_rgb") is False:
-            raise ImageError("a Qwen2-VL processor with do_convert_rgb false is not supported")
+        _require_rgb(settings, "Qwen2-VL")
         size = settings.get("size") or {}
         self.min_pixels = int(settings.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
         self.max_pixels = int(settings.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
@@ -457,8 +459,7 @@ class PixtralImageProcessor:
     LOW_DETAIL_EDGE = 512
 
     def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
-        if settings.get("do_convert_rgb") is False:
-            raise ImageError("a Pixtral processor with do_convert_rgb false is not supported")
+        _require_rgb(settings, "Pixtral")
         vision = model_config.get("vision_config") or {}
         patch = settings.get("patch_size") or vision.get("patch_size", 16)
         patch = int(patch["height"] if isinstance(patch, dict) else patch)
@@ -509,8 +510,7 @@ class Gemma4ImageProcessor:
     BUDGETS = (70, 140, 280, 560, 1120)
 
     def __init__(self, settings: dict[str, Any], model_config: dict[str, Any]) -> None:
-        if settings.get("do_convert_rgb") is False:
-            raise ImageError("a Gemma 4 processor with do_convert_rgb false is not supported")
+        _require_rgb(settings, "Gemma 4")
         self.patch = int(settings.get("patch_size", 16))
         self.kernel = int(settings.get("pooling_kernel_size", 3))
         self.max_tokens = int(settings.get("max_soft_tokens") or settings.get("image_seq_length") or 280)

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from tests.unit.tool_streams import stream
 
 WEATHER = {"city": "Paris", "days": [1, 2], "x": {"y": "}{\\\"[TOOL_CALLS]"}}
 
@@ -75,20 +76,7 @@ def test_extract(name, text, content, calls) -> None:
 
 
 def _stream(name: str, text: str, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
-    streamer = get_tool_parser(name).streamer()
-    content, calls = "", {}
-    i = 0
-    while i < len(text):
-        step = rng.randint(1, 5)
-        piece, i = text[i:i + step], i + step
-        delta = streamer.feed(piece, final=i >= len(text))
-        content += delta.content
-        for d in delta.calls:
-            if d.name is not None:
-                assert d.index not in calls and d.index == len(calls), "names come once, in order"
-                calls[d.index] = [d.name, ""]
-            calls[d.index][1] += d.arguments
-    return content, [tuple(c) for c in calls.values()]
+    return stream(get_tool_parser(name).streamer(), text, rng, max_step=5)
 
 
 @pytest.mark.parametrize("name, text, content, calls", [c for c in CASES if c[3] is not None])

@@ -10,6 +10,7 @@ import pytest
 
 from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall, get_tool_parser
 from pagoda.entrypoints.openai.tool_parsers.partial_json import scan_calls
+from tests.unit.tool_streams import stream
 
 PARSER = get_tool_parser("hermes")
 
@@ -94,24 +95,7 @@ def test_truncated_output_keeps_the_complete_calls() -> None:
 
 
 def _stream(text: str, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
-    streamer = PARSER.streamer()
-    content = ""
-    calls: dict[int, list] = {}
-    i = 0
-    while i < len(text):
-        step = rng.randint(1, 6)
-        piece, i = text[i:i + step], i + step
-        delta = streamer.feed(piece, final=i >= len(text))
-        content += delta.content
-        for d in delta.calls:
-            if d.name is not None:
-                assert d.index not in calls and d.index == len(calls), "names come once, in order"
-                calls[d.index] = [d.name, ""]
-            else:
-                assert d.index in calls, "arguments only after the name"
-            calls[d.index][1] += d.arguments
-    assert streamer.num_calls == len(calls)
-    return content, [tuple(calls[k]) for k in sorted(calls)]  # type: ignore[misc]
+    return stream(PARSER.streamer(), text, rng)
 
 
 @pytest.mark.parametrize("text", OUTPUTS)

@@ -8,6 +8,7 @@ that does not embed answers these routes with a 400 saying so.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from typing import Any, Literal
 
@@ -131,7 +132,7 @@ class ScoreServing:
             return client_gone_response()
         vectors, tokens = got
         data = [ScoreData(index=i, score=cosine(vectors[2 * i], vectors[2 * i + 1])) for i in range(len(pairs))]
-        response = ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=_now(),
+        response = ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()),
                                  model=self.embeddings.response_model(body.model), data=data,
                                  usage=Usage(prompt_tokens=tokens, total_tokens=tokens))
         return Response(response.model_dump_json(), media_type="application/json")
@@ -149,9 +150,3 @@ class ScoreServing:
         response = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=self.embeddings.response_model(body.model),
                                   usage=RerankUsage(total_tokens=tokens), results=results)
         return Response(response.model_dump_json(exclude_none=True), media_type="application/json")
-
-
-def _now() -> int:
-    import time
-
-    return int(time.time())

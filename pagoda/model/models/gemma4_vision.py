@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
+from pagoda.model.layers.rotary import apply_rope
 from pagoda.model.layers.vision import VisionLanguage, activation
 from pagoda.model.models.gemma4 import Gemma4ForCausalLM
 
@@ -102,12 +103,7 @@ def _rope_2d(x: torch.Tensor, cos_x: torch.Tensor, sin_x: torch.Tensor, cos_y: t
              sin_y: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Rotate-half RoPE on each half of the head: the first by the column, the second by the row."""
     half = x.shape[-1] // 2
-    return torch.cat((_rotate(x[..., :half], cos_x, sin_x), _rotate(x[..., half:], cos_y, sin_y)), dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return torch.cat((apply_rope(x[..., :half], cos_x, sin_x), apply_rope(x[..., half:], cos_y, sin_y)), dim=-1)
 
 
 class VisionMLP(nn.Module):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
+from pagoda.model.layers.rotary import apply_rope
 from pagoda.model.layers.vision import VisionLanguage, activation
 from pagoda.model.models.llama import LlamaForCausalLM
 from pagoda.model.models.qwen2_vl import RMSNorm
@@ -45,7 +46,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = (p(x).view(n, self.heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = (t * cos + torch.cat((-t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]), -1) * sin for t in (q, k))
+        q, k = (apply_rope(t, cos, sin) for t in (q, k))
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 

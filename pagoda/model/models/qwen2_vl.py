@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError, renamed, text_config
+from pagoda.model.layers.rotary import apply_rope
 from pagoda.model.layers.vision import VisionLanguage, activation
 from pagoda.model.models.qwen2 import Qwen2ForCausalLM
 
@@ -92,9 +93,7 @@ class VisionAttention(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE in float32 (as the checkpoint's code), back in x's dtype."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    return (xf * cos + torch.cat((-xf[..., half:], xf[..., :half]), dim=-1) * sin).to(x.dtype)
+    return apply_rope(x.float(), cos, sin).to(x.dtype)
 
 
 class VisionMLP(nn.Module):

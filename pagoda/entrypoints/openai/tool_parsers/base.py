@@ -17,6 +17,11 @@ from typing import Any, ClassVar
 from pagoda.sampling_params import StructuredOutputsParams
 
 
+# How the formats' forcing grammars lay out constrained JSON: one line, with the separators
+# json.dumps writes (so a forced call reads as the same text an unforced one would).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 @dataclass
 class ParsedToolCall:
     name: str

@@ -22,6 +22,7 @@ import re
 from typing import Any, ClassVar
 
 from pagoda.entrypoints.openai.tool_parsers.base import (
+    JSON_LAYOUT,
     ExtractedToolCalls,
     ParsedToolCall,
     RereadingStreamer,
@@ -30,11 +31,8 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
     call_function,
 )
 from pagoda.entrypoints.openai.tool_parsers.json_calls import call_deltas, partial_suffix
-from pagoda.entrypoints.openai.tool_parsers.partial_json import InvalidJSON, PartialCall, value_end
+from pagoda.entrypoints.openai.tool_parsers.partial_json import WS, InvalidJSON, PartialCall, value_end
 from pagoda.sampling_params import StructuredOutputsParams
-
-_WS = " \t\r\n"
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class DelimitedCallsParser(ToolParser):
@@ -64,7 +62,7 @@ class DelimitedCallsParser(ToolParser):
             while True:
                 i = _skip(text, i)
                 if text.startswith(self.section_end, i):
-                    return text[:start], calls, bool(calls) and not text[i + len(self.section_end):].strip(_WS)
+                    return text[:start], calls, bool(calls) and not text[i + len(self.section_end):].strip(WS)
                 if i >= n:   # (stopped at EOS before the section's end: complete if its calls are)
                     return text[:start], calls, final and bool(calls) and all(c.done for c in calls)
                 if not text.startswith(self.call_begin, i):
@@ -94,7 +92,7 @@ class DelimitedCallsParser(ToolParser):
             return call, None
         call.arguments, call.arguments_done = text[j:end], True
         k = end
-        for tag in (self.args_close.strip(_WS), self.call_end):   # (whitespace around them free)
+        for tag in (self.args_close.strip(WS), self.call_end):   # (whitespace around them free)
             if not tag:
                 continue
             k = _skip(text, k)
@@ -117,7 +115,7 @@ class DelimitedCallsParser(ToolParser):
                 return ExtractedToolCalls(content=text)
         if not complete or any(not c.done for c in calls):
             return ExtractedToolCalls(content=text)
-        content = before.strip(_WS)
+        content = before.strip(WS)
         return ExtractedToolCalls(content=content or None,
                                   calls=[ParsedToolCall(c.name, c.final_arguments()) for c in calls])  # type: ignore[arg-type]
 
@@ -141,7 +139,7 @@ class DelimitedCallsParser(ToolParser):
             head = json.dumps(self.call_begin + self.header(name, 0) + self.head_end)
             tail = json.dumps(self.args_close + self.call_end)
             rules.append(f"call_{k}: {head} args_{k} {tail}\n"
-                         f"args_{k}: %json {json.dumps({**args, 'x-guidance': _JSON_LAYOUT})}\n")
+                         f"args_{k}: %json {json.dumps({**args, 'x-guidance': JSON_LAYOUT})}\n")
         calls = "call call*" if multiple else "call"
         grammar = (f"start: {json.dumps(self.section_begin)} {calls} {json.dumps(self.section_end)}\n"
                    f"call: {' | '.join(f'call_{k}' for k in range(len(alternatives)))}\n" + "".join(rules))
@@ -166,7 +164,7 @@ class DelimitedCallsParser(ToolParser):
 
 
 def _skip(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
+    while i < len(text) and text[i] in WS:
         i += 1
     return i
 
@@ -185,7 +183,7 @@ class DelimitedStreamer(RereadingStreamer):
                 stable = stable[:len(stable) - partial_suffix(stable, self.parser.section_begin)]
             return StreamDelta(content=self._content(stable))
         before, calls, _ = scanned
-        out = StreamDelta(content=self._content(before.rstrip(_WS)))
+        out = StreamDelta(content=self._content(before.rstrip(WS)))
         out.calls = call_deltas(calls, self._names_sent, self._args_sent)
         return out
 
@@ -199,7 +197,7 @@ class DeepSeekV3ToolParser(DelimitedCallsParser):
 
     def name_of(self, header: str) -> str | None:
         kind, sep, name = header.partition(self.SEP)
-        return name.strip(_WS) or None if sep and kind.strip(_WS) == "function" else None
+        return name.strip(WS) or None if sep and kind.strip(WS) == "function" else None
 
     def header(self, name: str, index: int) -> str:
         return f"function{self.SEP}{name}"
@@ -210,7 +208,7 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
     head_end, args_close = DeepSeekV3ToolParser.SEP, ""
 
     def name_of(self, header: str) -> str | None:
-        return header.strip(_WS) or None
+        return header.strip(WS) or None
 
     def header(self, name: str, index: int) -> str:
         return name

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from pagoda.entrypoints.openai.tool_parsers.base import (
+    JSON_LAYOUT,
     ExtractedToolCalls,
     ParsedToolCall,
     RereadingStreamer,
@@ -20,14 +21,10 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
     call_function,
 )
 from pagoda.entrypoints.openai.tool_parsers.json_calls import call_deltas, partial_suffix
-from pagoda.entrypoints.openai.tool_parsers.partial_json import PartialCall, scan_calls
+from pagoda.entrypoints.openai.tool_parsers.partial_json import WS, PartialCall, scan_calls
 from pagoda.sampling_params import StructuredOutputsParams
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_WS = " \t\r\n"
-
-# How the constrained JSON is laid out: single-line, with the separators json.dumps writes.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _find_close(text: str, start: int) -> int:
@@ -77,7 +74,7 @@ def _parts(segments: list[str]) -> list[str]:
     if len(segments) == 1:
         return segments
     last = len(segments) - 1
-    return [s.rstrip(_WS) if i == 0 else s.lstrip(_WS) if i == last else s.strip(_WS)
+    return [s.rstrip(WS) if i == 0 else s.lstrip(WS) if i == last else s.strip(WS)
             for i, s in enumerate(segments)]  # fmt: skip
 
 
@@ -108,7 +105,7 @@ class HermesToolParser(ToolParser):
                 return ExtractedToolCalls(content=text)
             calls.extend(ParsedToolCall(c.name, c.final_arguments()) for c in scanned)  # type: ignore[arg-type]
         content = _content(segments)
-        return ExtractedToolCalls(content=content if content.strip(_WS) else None, calls=calls)
+        return ExtractedToolCalls(content=content if content.strip(WS) else None, calls=calls)
 
     def extract_cut(self, text: str) -> ExtractedToolCalls:
         _, blocks = split_blocks(text)
@@ -123,7 +120,7 @@ class HermesToolParser(ToolParser):
         return HermesStreamer()
 
     def constraint(self, call_schema: dict[str, Any], multiple: bool) -> StructuredOutputsParams:
-        schema = {**call_schema, "x-guidance": _JSON_LAYOUT}
+        schema = {**call_schema, "x-guidance": JSON_LAYOUT}
         start = 'start: call ("\\n" call)*' if multiple else "start: call"
         grammar = (
             f"{start}\n"
@@ -157,7 +154,7 @@ class HermesToolParser(ToolParser):
 
 def _valid_json(text: str) -> bool:
     try:
-        json.JSONDecoder(strict=False).decode(text.strip(_WS))
+        json.JSONDecoder(strict=False).decode(text.strip(WS))
     except ValueError:
         return False
     return True
@@ -183,10 +180,10 @@ class HermesStreamer(RereadingStreamer):
     def _new_content(self, segments: list[str], has_blocks: bool, final: bool) -> str:
         last = segments[-1]
         if has_blocks:
-            last = last.lstrip(_WS)
+            last = last.lstrip(WS)
         if not final:
             last = last[: len(last) - partial_suffix(last, OPEN)]
-            last = last.rstrip(_WS)  # it stays if text follows, goes if a block does
+            last = last.rstrip(WS)  # it stays if text follows, goes if a block does
         stable = " ".join(p for p in _parts(segments)[:-1] if p) if has_blocks else ""
         if stable and last:
             stable += " "

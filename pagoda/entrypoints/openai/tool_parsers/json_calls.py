@@ -20,6 +20,7 @@ import re
 from typing import Any, ClassVar
 
 from pagoda.entrypoints.openai.tool_parsers.base import (
+    JSON_LAYOUT,
     ExtractedToolCalls,
     ParsedToolCall,
     RereadingStreamer,
@@ -28,11 +29,8 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     call_function,
 )
-from pagoda.entrypoints.openai.tool_parsers.partial_json import InvalidJSON, PartialCall, scan_calls, scan_object
+from pagoda.entrypoints.openai.tool_parsers.partial_json import WS, InvalidJSON, PartialCall, scan_calls, scan_object
 from pagoda.sampling_params import StructuredOutputsParams
-
-_WS = " \t\r\n"
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -47,13 +45,13 @@ def scan_body(body: str, separator: str, final: bool) -> tuple[list[PartialCall]
     """The calls after the marker: an array of call objects, or call objects one after
     another (``separator`` between them, when the format has one); and whether the body is
     complete and valid."""
-    i, n = len(body) - len(body.lstrip(_WS)), len(body)
+    i, n = len(body) - len(body.lstrip(WS)), len(body)
     if i < n and body[i] == "[":
         return scan_calls(body, final)
     calls: list[PartialCall] = []
     try:
         while True:
-            while i < n and body[i] in _WS:
+            while i < n and body[i] in WS:
                 i += 1
             if i >= n or body[i] != "{":
                 return calls, False
@@ -62,7 +60,7 @@ def scan_body(body: str, separator: str, final: bool) -> tuple[list[PartialCall]
             if end is None:
                 return calls, False
             i = end
-            while i < n and body[i] in _WS:
+            while i < n and body[i] in WS:
                 i += 1
             if i == n:
                 return calls, True
@@ -107,7 +105,7 @@ class JsonCallsParser(ToolParser):
         at = text.find(self.marker)
         if at >= 0:
             return text[:at], text[at + len(self.marker):]
-        if self.bare and text.lstrip(_WS).startswith("{"):
+        if self.bare and text.lstrip(WS).startswith("{"):
             return "", text
         return None
 
@@ -124,7 +122,7 @@ class JsonCallsParser(ToolParser):
             calls, complete = done, True
         if not complete or any(c.name is None or not c.done for c in calls):
             return ExtractedToolCalls(content=text)
-        content = before.strip(_WS)
+        content = before.strip(WS)
         return ExtractedToolCalls(content=content or None,
                                   calls=[ParsedToolCall(c.name, c.final_arguments()) for c in calls])  # type: ignore[arg-type]
 
@@ -140,7 +138,7 @@ class JsonCallsParser(ToolParser):
         return JsonCallsStreamer(self)
 
     def constraint(self, call_schema: dict[str, Any], multiple: bool) -> StructuredOutputsParams:
-        schema = {**_renamed_arguments(call_schema, self.arguments_key), "x-guidance": _JSON_LAYOUT}
+        schema = {**_renamed_arguments(call_schema, self.arguments_key), "x-guidance": JSON_LAYOUT}
         grammar = self.grammar(multiple) + f"call_json: %json {json.dumps(schema)}\n"
         return StructuredOutputsParams(grammar=grammar)
 
@@ -182,11 +180,11 @@ class JsonCallsStreamer(RereadingStreamer):
             stable = self._text
             if not final:
                 stable = stable[:len(stable) - partial_suffix(stable, self.parser.marker)]
-                if self.parser.bare and not stable.strip(_WS):
+                if self.parser.bare and not stable.strip(WS):
                     stable = ""   # only whitespace yet: the calls may still open the output
             return StreamDelta(content=self._content(stable))
         before, body = parts
-        out = StreamDelta(content=self._content(before.rstrip(_WS)))
+        out = StreamDelta(content=self._content(before.rstrip(WS)))
         calls, _ = scan_body(body, self.parser.separator, final)
         out.calls = call_deltas(calls, self._names_sent, self._args_sent)
         return out

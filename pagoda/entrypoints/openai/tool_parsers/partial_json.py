@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 _DECODER = json.JSONDecoder(strict=False)  # tolerate raw control characters inside strings
-_WS = " \t\r\n"
+WS = " \t\r\n"   # JSON's whitespace
 _PARTIAL_NUMBER = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][+-]?[0-9]*)?")
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -40,7 +40,7 @@ class PartialCall:
 
 def _skip_ws(s: str, i: int) -> int:
     n = len(s)
-    while i < n and s[i] in _WS:
+    while i < n and s[i] in WS:
         i += 1
     return i
 

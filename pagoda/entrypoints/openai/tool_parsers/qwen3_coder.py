@@ -38,6 +38,7 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
 )
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_parsers.json_calls import partial_suffix
+from pagoda.entrypoints.openai.tool_parsers.partial_json import WS
 from pagoda.sampling_params import StructuredOutputsParams
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -45,7 +46,6 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?")
 _PARAMETER_END = "</parameter>"
 _FUNCTION_END = "</function>"
-_WS = " \t\r\n"
 
 
 class _Call:
@@ -79,18 +79,18 @@ def _scan(body: str) -> tuple[list[_Call], bool]:
             value = body[p.end():end]
             call.params.append((p.group(1).strip(), value[:-1] if value.endswith("\n") else value))
             i = end + len(_PARAMETER_END)
-        j = i + len(body[i:]) - len(body[i:].lstrip(_WS))
+        j = i + len(body[i:]) - len(body[i:].lstrip(WS))
         if not body.startswith(_FUNCTION_END, j):
             return calls, False
         call.done = True
         i = j + len(_FUNCTION_END)
-        rest = body[i:].lstrip(_WS)
+        rest = body[i:].lstrip(WS)
         if not rest:
             return calls, True   # (stopped at EOS before </tool_call>)
         if not rest.startswith(CLOSE):
             return calls, False
         i = len(body) - len(rest) + len(CLOSE)
-        rest = body[i:].lstrip(_WS)
+        rest = body[i:].lstrip(WS)
         if not rest:
             return calls, True
         if not rest.startswith(OPEN):
@@ -135,7 +135,7 @@ class Qwen3CoderToolParser(ToolParser):
                 return ExtractedToolCalls(content=text)
         if not complete or not calls:
             return ExtractedToolCalls(content=text)
-        content = text[:at].strip(_WS)
+        content = text[:at].strip(WS)
         return ExtractedToolCalls(content=content or None,
                                   calls=[ParsedToolCall(c.name or "", self.arguments(c)) for c in calls])
 
@@ -215,7 +215,7 @@ class Qwen3CoderStreamer(RereadingStreamer):
         if at < 0:
             stable = self._text if final else self._text[:len(self._text) - partial_suffix(self._text, OPEN)]
             return StreamDelta(content=self._content(stable))
-        out = StreamDelta(content=self._content(self._text[:at].rstrip(_WS)))
+        out = StreamDelta(content=self._content(self._text[:at].rstrip(WS)))
         calls, _ = _scan(self._text[at + len(OPEN):])
         for index, call in enumerate(calls):
             if call.name is None:
