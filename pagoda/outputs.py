@@ -41,6 +41,20 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a one-sequence request (n = 1, no best_of) went through the engine, vLLM's
+    ``RequestOutput.metrics``: time.monotonic() values (the front end's arrival, the engine's
+    first scheduling and the steps that produced its first and last tokens; 0.0: not yet, or
+    not known) and the tokens generated. Set on a finished request's last output."""
+
+    arrival_time: float
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    num_generation_tokens: int = 0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -49,6 +63,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None   # when SamplingParams.prompt_logprobs is set
+    metrics: RequestMetrics | None = None           # a finished one-sequence request's timings
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

@@ -34,6 +34,8 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_BAD_WORDS = 256
+MAX_EXTRA_ARGS = 64
+MAX_EXTRA_ARG_CHARS = 16384
 
 # Below this temperature sampling is greedy: dividing logits by something this
 # small only amplifies noise, and temperature 0 would divide by zero.
@@ -183,6 +185,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: arguments for the engine's logits processors (pagoda/sample/logits_processor.py;
+    # ``vllm_xargs`` on the OpenAI routes): str keys, str / int / float / bool values.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -212,6 +217,32 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
         self._validate_kv_transfer()
         self._validate_word_lists()
+        self._validate_extra_args()
+
+    def _validate_extra_args(self) -> None:
+        if self.extra_args is None:
+            return
+        if not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be an object of names to values, got {self.extra_args!r}")
+        if len(self.extra_args) > MAX_EXTRA_ARGS:
+            raise ValueError(f"extra_args may hold at most {MAX_EXTRA_ARGS} entries, got {len(self.extra_args)}")
+        args: dict[str, Any] = {}
+        for key, value in self.extra_args.items():
+            if not isinstance(key, str) or not key or len(key) > MAX_EXTRA_ARG_CHARS:
+                raise ValueError(f"extra_args keys must be non-empty strings of at most {MAX_EXTRA_ARG_CHARS} "
+                                 f"characters, got {key!r:.100}")
+            # (Every message starts with the field's name: the HTTP layer names it in its 400.)
+            if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(f"extra_args integers must fit a signed 64-bit integer, got {value} for {key!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"extra_args numbers must be finite, got {value} for {key!r}")
+            if isinstance(value, str) and len(value) > MAX_EXTRA_ARG_CHARS:
+                raise ValueError(f"extra_args strings may be at most {MAX_EXTRA_ARG_CHARS} characters, got "
+                                 f"{len(value)} for {key!r}")
+            if not isinstance(value, (bool, int, float, str)):
+                raise ValueError(f"extra_args values must be strings, numbers or booleans, got {value!r} for {key!r}")
+            args[key] = value
+        self.extra_args = args   # a copy: a clone never shares the caller's dict
 
     def _validate_word_lists(self) -> None:
         if self.allowed_token_ids is not None:

@@ -164,6 +164,18 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], int | None]:
+        """A cross-encoder's (query, document) as transformers' ``tokenizer(text, pair)`` makes
+        it: the tokenizer's pair template (BERT: [CLS] text [SEP] pair [SEP]; without one the
+        two are joined), and where the second part begins, its first token of type 1 (BERT's
+        token type ids; None where the template makes none)."""
+        enc = self.backend.encode(text, pair, add_special_tokens=True)
+        ids: list[int] = enc.ids
+        types: list[int] = enc.type_ids
+        if self.add_bos_token and not self._backend_adds_bos and self.bos_token_id is not None:
+            ids, types = [self.bos_token_id, *ids], [0, *types]
+        return ids, types.index(1) if 1 in types else None
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
@@ -288,6 +300,10 @@ class Tokenizer:
 
         special_ids = {i for i, t in enumerate(types) if t == _CONTROL} | eog_ids
         special_ids |= {i for i in (bos_id, eos_id) if i is not None}
+        if "<|return|>" in tokens and "<|call|>" in tokens:
+            # GPT-OSS's Harmony vocabulary: <|end|> ends one message of an output, <|return|> and <|call|>
+            # end the output (llama.cpp's rule too). It stays a special token.
+            eog_ids -= {i for i, text in enumerate(tokens) if text == "<|end|>"}
         # Control tokens are special (matched whole in text, dropped by decode(skip_special_tokens=True));
         # user-defined ones are matched whole but, as in llama.cpp, always rendered by decode.
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special_ids)])

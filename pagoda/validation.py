@@ -31,6 +31,7 @@ __all__ = [
     "RequestLimits",
     "WrongTaskError",
     "admission_check",
+    "check_extra_args",
     "check_logprobs",
     "check_priority",
     "validate_pooling_request",
@@ -66,6 +67,7 @@ class RequestLimits:
     enable_lora: bool = False
     max_logprobs: int = MAX_LOGPROBS    # --max-logprobs; -1: up to the whole vocabulary
     pooler: PoolerConfig | None = None  # an embedding engine's pooling (None: the engine generates)
+    logits_processors: tuple[str, ...] = ()   # --logits-processors: the classes' names
 
 
 def check_priority(priority: object, policy: str) -> None:
@@ -115,6 +117,26 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int | 
                 f"{name} must be at most {max_logprobs} (this server's --max-logprobs), got {asked}",
                 name, "invalid_value",
             )  # fmt: skip
+
+
+def check_extra_args(params: SamplingParams, logits_processors: tuple[str, ...]) -> None:
+    """``extra_args`` (``vllm_xargs`` on the OpenAI routes) are arguments for the logits
+    processors: refused where the engine loads none, else checked by each one's
+    ``validate_params`` (its ValueError is the request's)."""
+    if not logits_processors:
+        if params.extra_args:
+            raise InvalidRequestError(
+                "extra_args (vllm_xargs) are arguments for logits processors, and this engine loads none "
+                "(start it with --logits-processors)", "extra_args", "invalid_value",
+            )  # fmt: skip
+        return
+    from pagoda.sample.logits_processor import load_processor_class
+
+    for name in logits_processors:
+        try:
+            load_processor_class(name).validate_params(params)
+        except ValueError as e:
+            raise InvalidRequestError(f"extra_args (vllm_xargs): {e}", "extra_args", "invalid_value") from None
 
 
 def _check_prompt_length(num_prompt_tokens: int, max_model_len: int, pooling: bool = False) -> None:
@@ -175,8 +197,11 @@ def validate_request(
 
     In order: an empty prompt; token ids outside the vocabulary (the prompt's, logit_bias's,
     stop_token_ids'); a prompt that leaves no room to generate; prompt plus max_tokens
-    beyond the context length; the priority; a LoRA adapter with LoRA off; then the
-    grammar, the one costly check, last."""
+    beyond the context length; the priority; a LoRA adapter with LoRA off; extra_args
+    (``check_extra_args``); then the grammar, the one costly check, last."""
+    if limits.pooler is not None and limits.pooler.classifier is not None:
+        raise WrongTaskError("This model is a classifier (task 'classify'), not a text generator; use /classify, "
+                             "/score or /rerank.")
     if limits.pooler is not None:
         raise WrongTaskError("This model serves embeddings (task 'embed'), not text generation; use "
                              "/v1/embeddings (LLM.embed), or start the engine with --task generate on a "
@@ -185,6 +210,7 @@ def validate_request(
         raise InvalidRequestError("The decoder prompt cannot be empty")  # vLLM's message
     admission_check(prompt_token_ids, params, limits, priority, lora_request)
     check_logprobs(params, limits.max_logprobs, limits.vocab_size)
+    check_extra_args(params, limits.logits_processors)
     n, max_tokens, max_len = len(prompt_token_ids), params.max_tokens, limits.max_model_len
     if max_tokens is not None and n + max_tokens > max_len:
         raise InvalidRequestError(
@@ -212,10 +238,19 @@ def validate_pooling_request(
     if limits.pooler is None:
         raise WrongTaskError("This model generates text (task 'generate'); it does not serve embeddings. Start "
                              "the engine with --task embed for /v1/embeddings (LLM.embed).")
+    if pooling_params.task != limits.pooler.task:
+        wants = "an embedding" if pooling_params.task == "embed" else "a classification"
+        serves = "serves embeddings (task 'embed')" if limits.pooler.task == "embed" else \
+            "is a classifier (task 'classify': /classify, /score, /rerank)"
+        raise WrongTaskError(f"This request wants {wants}, but this model {serves}.")
     if not prompt_token_ids:
         raise InvalidRequestError("the input is empty", "prompt", "invalid_value")
     try:
         limits.pooler.check_dimensions(pooling_params.dimensions)
     except ValueError as e:
         raise InvalidRequestError(str(e), "dimensions", "invalid_value") from None
+    try:
+        limits.pooler.check_pair(pooling_params.pair_start, len(prompt_token_ids))
+    except ValueError as e:
+        raise InvalidRequestError(str(e), "pair_start", "invalid_value") from None
     admission_check(prompt_token_ids, placeholder_sampling_params(), limits, priority, lora_request, pooling=True)

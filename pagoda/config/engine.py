@@ -14,7 +14,7 @@ from typing import Any
 
 from pagoda.config.kv_transfer import KV_ROLES, KVTransferConfig
 from pagoda.config.options import OptionGroup, option
-from pagoda.config.pooling import TASKS, PoolerOverrides
+from pagoda.config.pooling import TASKS, PoolerOverrides, parse_token_list
 from pagoda.config.speculative import SpeculativeConfig
 from pagoda.config.units import parse_size, positive_float
 from pagoda.host import require_ray, torchrun_rank
@@ -79,7 +79,7 @@ class ModelOptions(OptionGroup):
               "(org/name[:QUANT]) or Ollama's store (name[:tag]), as `pagoda list` shows them",
         default_text="the bundled SmolLM2-135M-Instruct")
     served_model_name: str | None = option(None, "the model's name in the API (default: the model's)",
-                                           commands=("serve",))
+                                           commands=("serve", "run-batch"))
     dtype: str = option(
         "auto", "auto|float32|bfloat16|float16 (auto = float32 on CPU); bfloat16 on the CPU is the bf16 mode "
                 "(same as --quantization bf16): bfloat16 weights and GEMM inputs on oneDNN (AMX / AVX512_BF16 "
@@ -104,9 +104,17 @@ class ModelOptions(OptionGroup):
                                        default_text="the model's own")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (requests give token ids)", cli=False)
     task: str = option(
-        "auto", "generate text, or embed (POST /v1/embeddings: the final hidden states pooled); auto: embed "
-                "for an embedding checkpoint (no LM head, or a sentence-transformers layout)",
+        "auto", "generate text, embed (POST /v1/embeddings: the final hidden states pooled), or classify (a "
+                "sequence-classification head: /classify, and /score and /rerank as a cross-encoder; score is "
+                "vLLM's older name for it); auto: classify for a *ForSequenceClassification checkpoint or with "
+                "--classifier-from-token, embed for an embedding checkpoint (no LM head, or a "
+                "sentence-transformers layout), else generate",
         choices=TASKS)
+    classifier_from_token: tuple[str, ...] | str | None = option(
+        None, "serve a causal LM as a classifier whose logits are its LM head's logits of these tokens at the "
+              "last position (vLLM's hf_overrides key): two tokens (no,yes: Qwen3-Reranker, mxbai-rerank-v2) "
+              "give one score, the second token's probability of the two (vLLM's from_2_way_softmax); other "
+              "counts give one label per token", metavar="TOKENS")
     # An embedding engine's pooling over the checkpoint's: a PoolerOverrides, or a dict / JSON
     # string of its fields (pooling_type, normalize, is_matryoshka, matryoshka_dimensions).
     override_pooler_config: PoolerOverrides | dict[str, Any] | str | None = option(
@@ -124,6 +132,9 @@ class ModelOptions(OptionGroup):
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _one_of("task", self.task, TASKS)
+        if self.task == "score":
+            _set(self, "task", "classify")
+        _set(self, "classifier_from_token", parse_token_list("classifier_from_token", self.classifier_from_token))
         _set(self, "override_pooler_config", PoolerOverrides.parse(self.override_pooler_config))
 
 
@@ -430,14 +441,33 @@ class MultiModalOptions(OptionGroup):
         return self.limit_mm_per_prompt.get("image", 8)
 
 
+@dataclass(frozen=True)
+class SamplingOptions(OptionGroup):
+    TITLE = "sampling"
+    DESCRIPTION = "Plug-ins in the sampler (docs/serving.md#logits-processors)."
+
+    # Class names, or (from Python) LogitsProcessor subclasses; kept as names ("module:Class"),
+    # each loaded once here to check it: the engine core loads them again in its own process.
+    logits_processors: tuple[str, ...] | list[Any] | None = option(
+        None, "logits processor classes (vLLM's flag), module:Class or module.Class, each a subclass of "
+              "pagoda.sample.logits_processor.LogitsProcessor built with (EngineConfig, device, is_pin_memory); "
+              "per-request arguments in SamplingParams.extra_args (vllm_xargs on the OpenAI routes)",
+        nargs="+", metavar="CLASS")
+
+    def check(self) -> None:
+        from pagoda.config.plugins import resolve_processor_names
+
+        _set(self, "logits_processors", resolve_processor_names(self.logits_processors) or None)
+
+
 GROUPS: tuple[type[OptionGroup], ...] = (
     ModelOptions, LoadOptions, DeviceOptions, CacheOptions, SchedulerOptions, ParallelOptions,
-    SpeculativeOptions, LoRAOptions, DisaggregationOptions, MultiModalOptions)
+    SpeculativeOptions, LoRAOptions, DisaggregationOptions, MultiModalOptions, SamplingOptions)
 
 
 @dataclass(frozen=True)
-class EngineConfig(MultiModalOptions, DisaggregationOptions, LoRAOptions, SpeculativeOptions, ParallelOptions,
-                   SchedulerOptions, CacheOptions, DeviceOptions, LoadOptions, ModelOptions):
+class EngineConfig(SamplingOptions, MultiModalOptions, DisaggregationOptions, LoRAOptions, SpeculativeOptions,
+                   ParallelOptions, SchedulerOptions, CacheOptions, DeviceOptions, LoadOptions, ModelOptions):
     """Every engine option, flat (``config.max_num_seqs``), each group checked by itself, then
     ``RULES`` over them. ``config.group(CacheOptions)`` is one group's view."""
 
@@ -580,6 +610,7 @@ KV_8BIT = Setting(lambda c: f"--kv-cache-dtype {c.kv_cache_dtype}", lambda c: c.
 SWAP = Setting(lambda c: f"--preemption-mode {c.preemption_mode}", lambda c: c.preemption_mode != "recompute")
 SWAP_SPACE = Setting("--swap-space (host memory for KV)", lambda c: c.swap_space > 0)
 EMBED = Setting("--task embed", lambda c: c.task == "embed")
+LOGITS_PROCESSORS = Setting("--logits-processors", lambda c: bool(c.logits_processors))
 KV_ROLE = Setting(lambda c: f"--kv-role {c.kv_role}", lambda c: c.kv_role is not None)
 
 _ONE_CORE = "one engine core per instance, its whole KV cache in one process, one sequence per request (not yet)"
@@ -611,6 +642,10 @@ RULES: tuple[Incompatible | Requires, ...] = (
     Incompatible(PP, SPEC), Incompatible(PP, LORA), Incompatible(PP, KV_8BIT), Incompatible(PP, SWAP),
     Incompatible(PP, DP), Incompatible(PP, EMBED), Incompatible(PP, TP_RAY),
     Incompatible(SPEC, LORA), Incompatible(SPEC, KV_8BIT), Incompatible(SPEC, SWAP),
+    # Logits processors (pagoda/sample/logits_processor.py).
+    Incompatible(LOGITS_PROCESSORS, SPEC, "a verifying step scores each draft position, which plug-ins written "
+                                          "for one row per request cannot follow (vLLM refuses it too)"),
+    Incompatible(LOGITS_PROCESSORS, EMBED, "an embedding engine samples nothing"),
     # Prefill-decode disaggregation.
     Incompatible(KV_ROLE, TP, _ONE_CORE), Incompatible(KV_ROLE, PP, _ONE_CORE), Incompatible(KV_ROLE, DP, _ONE_CORE),
     Incompatible(KV_ROLE, SPEC, _ONE_CORE), Incompatible(KV_ROLE, LORA, _ONE_CORE),

@@ -1,5 +1,6 @@
-"""The embedding options of an engine: its task and the user's overrides of the checkpoint's
-pooler config (pagoda/pooling.py applies them)."""
+"""The pooling options of an engine: its task, the user's overrides of the checkpoint's
+pooler config, and the tokens a causal LM scores with when served as a classifier
+(pagoda/pooling.py applies them)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 from pagoda.json_options import json_object
 
-TASKS = ("auto", "generate", "embed")
+# "score" is vLLM's older name of a cross-encoder's task: here the same engine as "classify".
+TASKS = ("auto", "generate", "embed", "classify", "score")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 def _is_int(value: Any) -> bool:
@@ -27,6 +29,28 @@ def _dimensions_tuple(name: str, value: Any) -> tuple[int, ...] | None:
     if not isinstance(value, (list, tuple)) or not value or not all(_is_int(v) and v > 0 for v in value):
         raise ValueError(f"{name} must be a non-empty list of positive integers, got {value!r}")
     return tuple(sorted(set(value)))
+
+
+def parse_token_list(name: str, value: Any) -> tuple[str, ...] | None:
+    """``classifier_from_token``: a list of token strings, a JSON list, or "no,yes"."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name} is not a valid JSON list: {e}") from None
+        else:
+            value = [t.strip() for t in text.split(",")]
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(t, str) and t for t in value):
+        raise ValueError(f"{name} must be a non-empty list of token strings (e.g. no,yes), got {value!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{name} names a token twice: {list(value)}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,12 @@ class Request:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         mm_inputs: Sequence[ImageInput] = (),
+        background: bool = False,
     ) -> None:
         """``pooling_params``: an embedding request, which computes its prompt, has it
-        pooled, and finishes (its ``sampling_params`` are then a placeholder)."""
+        pooled, and finishes (its ``sampling_params`` are then a placeholder). ``background``:
+        work that yields to every other request (a batch's lines, OpenAI's flex tier): it waits
+        behind them, is preempted for them, and its prompt chunks leave them the budget."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -74,6 +77,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.background = background
         self.cache_salt = cache_salt
         self.tenant = tenant
         # Leading prompt tokens of an operator-declared shared prefix: their blocks are

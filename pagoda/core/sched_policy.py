@@ -22,8 +22,18 @@ from typing import ClassVar, Iterable
 from pagoda.core.request import Request
 from pagoda.tenants import DEFAULT_TENANT, TenantSpec
 
-def queue_key(request: Request) -> tuple[int, float]:
-    return (request.priority, request.arrival_time)
+def queue_key(request: Request) -> tuple[bool, int, float]:
+    """The waiting order of the priority and fair policies: background requests after all
+    others, then (priority, arrival)."""
+    return (request.background, request.priority, request.arrival_time)
+
+
+def first_background(waiting: deque[Request]) -> int:
+    """Where the background requests begin in a waiting queue (they are all at its end)."""
+    i = len(waiting)
+    while i > 0 and waiting[i - 1].background:
+        i -= 1
+    return i
 
 
 class SchedulingPolicy:
@@ -43,7 +53,11 @@ class SchedulingPolicy:
         bisect.insort_right(waiting, request, key=queue_key)
 
     def victim(self, running: list[Request]) -> Request:
-        """The running request to preempt: the most recently admitted one."""
+        """The running request to preempt: the most recently admitted background one, else
+        the most recently admitted one."""
+        for request in reversed(running):
+            if request.background:
+                return request
         return running[-1]
 
 
@@ -53,8 +67,17 @@ class Fcfs(SchedulingPolicy):
     name = "fcfs"
 
     def enqueue(self, waiting: deque[Request], request: Request, front: bool = False) -> None:
-        if front:
+        # Background requests keep to the queue's end: a request goes to the front or the
+        # back of its own class.
+        if request.background:
+            if front:
+                waiting.insert(first_background(waiting), request)
+            else:
+                waiting.append(request)
+        elif front:
             waiting.appendleft(request)
+        elif waiting and waiting[-1].background:
+            waiting.insert(first_background(waiting), request)
         else:
             waiting.append(request)
 

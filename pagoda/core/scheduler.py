@@ -87,6 +87,9 @@ class SchedulerConfig:
     # A model whose images attend in both directions (Gemma 3): a prompt chunk never ends
     # inside an image's span (its first tokens would miss the later ones).
     whole_images: bool = False
+    # An encoder (BERT: every token attends to its whole prompt): a prompt is computed in one
+    # step or waits for a step with room for all of it.
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -350,6 +353,10 @@ class Scheduler:
                     demand[t] = demand.get(t, 0) + r.num_tokens - r.num_computed_tokens
             step.quota = self.fair.quotas(step.budget, demand)
 
+        # A step that has other requests' prompts waiting runs no background work: the step that
+        # computes a live prompt (its time to first token) carries none of a batch's rows.
+        yield_step = any(not r.background for r in self.waiting)
+
         # 1. Running requests, oldest first: decodes and unfinished prompt chunks.
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -358,6 +365,9 @@ class Scheduler:
             if request.num_pending and (request.num_output_tokens + request.num_pending >= request.max_output_tokens
                                         or not overlap):
                 want = 0   # the pending token ends it (or steps are not overlapped now)
+            if request.background and yield_step:
+                i += 1
+                continue
             num_new = self._cap(request, min(want, step.budget), step, request.num_computed_tokens)
             if num_new == 0:
                 # All scheduled already (its sampled token has not arrived yet), or
@@ -477,7 +487,8 @@ class Scheduler:
         """Hold back a long prefill's chunk at the threshold and a tenant at its share
         (the top-up pass gives back what nobody else used); ``start``: the chunk's first
         position. With ``whole_images``, a chunk that would end inside an image ends before
-        it, or, starting in or at one, runs to its end where the budget allows that much."""
+        it, or, starting in or at one, runs to its end where the budget allows that much; with
+        ``whole_prompts``, a prompt runs whole or not at all."""
         allowed = num_new
         threshold = self.config.long_prefill_threshold
         if threshold is not None and request.long_prefill_end and num_new > threshold:
@@ -486,6 +497,9 @@ class Scheduler:
             num_new = min(num_new, step.quota.get(tenant_of(request), 0))
         if self.config.whole_images and request.mm_inputs:
             num_new = self._whole_images(request, start, num_new, allowed)
+        if self.config.whole_prompts and start + num_new < request.num_tokens:
+            # The rest of the prompt past the other caps where the budget holds it, else nothing.
+            num_new = request.num_tokens - start if start + allowed >= request.num_tokens else 0
         return num_new
 
     @staticmethod
@@ -551,8 +565,9 @@ class Scheduler:
     def _try_admit(self, request: Request, step: _Step) -> bool:
         """Admit ``request`` (just taken off the waiting queue) if a seat, budget and
         blocks allow; under the priority policy, preempting lower-priority running
-        requests for them. False, changing nothing for it, if it cannot run now."""
-        priority = self.policy.preempts_for_waiting
+        requests for them, and under any policy background ones for a request that is not.
+        False, changing nothing for it, if it cannot run now."""
+        priority = self.policy.preempts_for_waiting or not request.background
         while len(self.running) >= self.config.max_num_seqs:
             if not (priority and self._preempt_lower(request, step)):
                 return False
@@ -661,12 +676,15 @@ class Scheduler:
 
     def _preempt_lower(self, request: Request, step: _Step) -> bool:
         """Preempt the lowest-priority running request if its priority is strictly
-        lower than ``request``'s (requests admitted in this step are never victims)."""
-        candidates = [r for r in self.running if r.request_id not in step.new]
+        lower than ``request``'s, a background one counting below every other (requests
+        admitted in this step are never victims). Policies that do not preempt for waiting
+        requests preempt background ones only."""
+        candidates = [r for r in self.running if r.request_id not in step.new
+                      and (r.background or self.policy.preempts_for_waiting)]
         if not candidates:
             return False
         victim = max(candidates, key=queue_key)
-        if victim.priority <= request.priority:
+        if (victim.background, victim.priority) <= (request.background, request.priority):
             return False
         self._evict(victim, step)
         return True

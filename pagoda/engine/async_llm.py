@@ -17,7 +17,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -29,8 +30,11 @@ from pagoda.engine.core_proc import CoreProcess, run_engine_core, start_core_pro
 from pagoda.engine.frontend import EngineFrontEnd
 from pagoda.engine.messages import Dead, EngineCoreRequest, MessageError, Ready, Shutdown, ToCore, decode, encode
 from pagoda.metrics.log import StatLogger, log_request
-from pagoda.metrics.stats import EngineMetrics
+from pagoda.metrics.stats import EngineMetrics, RequestTrace
 from pagoda.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagoda.metrics.tracing import RequestTracer
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "LoRAExistsError", "LoRANotFoundError"]
 
@@ -49,6 +53,20 @@ def _tokenizer_for(config: EngineConfig) -> Tokenizer:
     return load_tokenizer(config)
 
 
+def _on_request_end(log_requests: bool, tracer: RequestTracer | None) -> Callable[[RequestTrace], None] | None:
+    """What runs as each request ends: its log line, its span, both or neither."""
+    if tracer is None:
+        return log_request if log_requests else None
+    if not log_requests:
+        return tracer.record
+
+    def log_and_trace(trace: RequestTrace) -> None:
+        log_request(trace)
+        tracer.record(trace)
+
+    return log_and_trace
+
+
 class AsyncLLM(EngineFrontEnd):
     ep_link: Any = None   # see __init__
 
@@ -60,11 +78,14 @@ class AsyncLLM(EngineFrontEnd):
         log_stats: bool = True,
         log_stats_interval: float = 10.0,
         log_requests: bool = True,
+        tracer: RequestTracer | None = None,
         stall_timeout: float = STALL_TIMEOUT_S,
         core: CoreProcess | None = None,
     ) -> None:
         """``log_stats``: log a throughput / queue / KV line every ``log_stats_interval``
         seconds while busy. ``log_requests``: log one line per finished request.
+        ``tracer``: make an OpenTelemetry span of each finished request (--otlp-traces-endpoint,
+        pagoda/metrics/tracing.py; the caller shuts it down, after the engine).
         ``stall_timeout``: busy with no engine output for this long = unhealthy.
         ``core``: an engine-core process already started for ``config``
         (``start_core_process``); by default one is started here."""
@@ -108,7 +129,7 @@ class AsyncLLM(EngineFrontEnd):
         self.info: Ready = self._wait_ready()
         metrics = EngineMetrics(
             self.info.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-            on_request_end=log_request if log_requests else None,
+            on_request_end=_on_request_end(log_requests, tracer),
         )  # fmt: skip
         super().__init__(
             config, tokenizer, self.info.max_model_len, self.info.vocab_size, metrics,

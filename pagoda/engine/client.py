@@ -45,6 +45,9 @@ class GenerateCall:
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
     mm_inputs: Sequence[ImageInput] = ()    # its images, processed (pagoda/multimodal)
+    background: bool = False                # yields to every other request (a batch's lines)
+    # The HTTP request's W3C trace context (traceparent, tracestate), for its span (pagoda/metrics/tracing.py).
+    trace_headers: Mapping[str, str] | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -177,7 +180,8 @@ class EngineClientBase(EngineClient):
         """Read at each check: a test may change the fake engine's limits between requests."""
         config = self.config
         return RequestLimits(self.max_model_len, self.vocab_size, config.scheduling_policy, config.enable_lora,
-                             max_logprobs=config.max_logprobs, pooler=self.pooler_config)
+                             max_logprobs=config.max_logprobs, pooler=self.pooler_config,
+                             logits_processors=tuple(config.logits_processors or ()))
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                          lora_request: LoRARequest | None = None) -> None:  # fmt: skip

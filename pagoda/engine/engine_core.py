@@ -33,7 +33,14 @@ from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
 from pagoda.model.models import model_class
-from pagoda.pooling import PoolerConfig, resolve_pooler_config, resolve_task
+from pagoda.pooling import (
+    PoolerConfig,
+    classifier_from_config,
+    read_hf_config,
+    resolve_classifier_pooler,
+    resolve_pooler_config,
+    resolve_task,
+)
 from pagoda.validation import InvalidRequestError, WrongTaskError
 from pagoda.worker.cuda_setup import cuda_defaults
 from pagoda.worker.kv_sizing import kv_blocks_for
@@ -218,7 +225,9 @@ class EngineCore:
                "speculative decoding" if config.speculative_config is not None else
                "prefill-decode disaggregation" if self.kv_transfer is not None else
                "expert parallelism across replicas" if self.ep_group is not None else
-               "an embedding engine" if self.pooler_config is not None else None)
+               "an embedding engine" if self.pooler_config is not None else
+               "logits processors (they read each request's output tokens on the host, before the step "
+               "samples)" if config.logits_processors else None)
         if why is not None:
             if config.async_scheduling:
                 raise ValueError(f"--async-scheduling does not combine with {why}")
@@ -229,12 +238,24 @@ class EngineCore:
 
     @staticmethod
     def _pooler_config(config: EngineConfig, loaded: LoadedModel) -> PoolerConfig | None:
-        """An embedding engine's pooling (pagoda/pooling.py); None for a generating one."""
-        task = resolve_task(config.task, loaded.path, loaded.arch.has_lm_head)
+        """An embedding or classifying engine's pooling (pagoda/pooling.py); None for a
+        generating one."""
+        arch, from_tokens = loaded.arch, config.classifier_from_token
+        if from_tokens is not None and (arch.num_labels or not arch.has_lm_head):
+            raise ValueError(f"--classifier-from-token reads a causal LM's LM head; {loaded.path} has none "
+                             f"({'a score head of its own' if arch.num_labels else 'no LM head'})")
+        task = resolve_task(config.task, loaded.path, arch.has_lm_head,
+                            classifier=bool(arch.num_labels) or from_tokens is not None)
         overrides = config.override_pooler_config
-        if task == "embed" and config.pipeline_parallel_size > 1:
-            raise ValueError(f"{loaded.path} is an embedding model (--task embed), which is not supported with "
+        if task in ("embed", "classify") and config.pipeline_parallel_size > 1:
+            raise ValueError(f"{loaded.path} is served with --task {task}, which is not supported with "
                              f"--pipeline-parallel-size > 1 yet")
+        if from_tokens is not None and task != "classify":
+            raise ValueError(f"--classifier-from-token applies to --task classify, not {task}")
+        if arch.encoder is not None and task != "classify":
+            raise ValueError(f"{arch.architecture} is served as a classifier only (--task classify), not {task}")
+        if task == "classify":
+            return EngineCore._classifier_pooler(config, loaded)
         if task != "embed":
             if overrides is not None and not overrides.is_empty:
                 raise ValueError("pooler options (--pooling-type, --no-normalize, --matryoshka-dimensions) apply "
@@ -245,6 +266,36 @@ class EngineCore:
         pooler = resolve_pooler_config(loaded.path, loaded.arch.hidden_size, overrides)
         logger.info("task embed: %s pooling, %snormalized, %d dimensions", pooler.pooling_type,
                     "" if pooler.normalize else "not ", pooler.hidden_size)
+        return pooler
+
+    @staticmethod
+    def _classifier_pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerConfig:
+        """A classifying engine's pooling and head (pagoda/pooling.py ClassifierConfig):
+        LAST for a decoder, CLS for an encoder, the labels and activations from config.json."""
+        arch, from_tokens = loaded.arch, config.classifier_from_token
+        for setting, on in (("--speculative-config", config.speculative_config is not None),
+                            ("tensor parallelism", config.world_size > 1),
+                            ("LoRA", config.enable_lora and arch.encoder is not None)):
+            if on:
+                raise ValueError(f"{setting} is not supported with --task classify ({loaded.path}) yet")
+        token_ids = None
+        if from_tokens is not None:
+            from pagoda.tokenizer import build_tokenizer
+
+            tokenizer = build_tokenizer(loaded, config.chat_template)
+            token_ids = tuple(tokenizer.token_to_id(t) for t in from_tokens)
+            missing = [t for t, i in zip(from_tokens, token_ids) if i is None]
+            if missing or any(i >= arch.vocab_size for i in token_ids if i is not None):
+                raise ValueError(f"--classifier-from-token: {missing or list(from_tokens)} are not tokens of the "
+                                 f"model's vocabulary (give them as the vocabulary spells them)")
+        classifier = classifier_from_config(read_hf_config(loaded.path), arch.num_labels, from_tokens, token_ids,
+                                            token_types=arch.encoder is not None)
+        pooler = resolve_classifier_pooler(arch.hidden_size, classifier, "LAST" if arch.encoder is None else "CLS",
+                                           config.override_pooler_config)
+        logger.info("task classify: %s pooling, labels %s%s; /classify applies %s, /score and /rerank %s",
+                    pooler.pooling_type, list(classifier.labels),
+                    f" (the LM head's logits of {list(from_tokens)})" if from_tokens else "",
+                    classifier.classify_activation, classifier.score_activation)
         return pooler
 
     def _load_draft(self, config: EngineConfig, loaded: LoadedModel, device: torch.device,
@@ -411,6 +462,15 @@ class EngineCore:
         # an embedding engine with them never looks prefixes up (LAST pooling does: a hit
         # always leaves the last position to compute).
         caching = config.enable_prefix_caching and not (self.pooler_config and self.pooler_config.needs_every_position)
+        encoder = self.loaded.arch.encoder is not None
+        if encoder:
+            # An encoder's prompt runs whole in one step (its tokens attend both ways): none is
+            # continued from cached blocks, and each must fit a step's budget.
+            caching = False
+            if config.max_num_batched_tokens < plan.max_model_len:
+                raise ValueError(f"{self.loaded.arch.architecture} computes each prompt in one step: "
+                                 f"--max-num-batched-tokens ({config.max_num_batched_tokens}) must be at least "
+                                 f"max_model_len ({plan.max_model_len}); raise it or lower --max-model-len")
         if self.loaded.arch.is_hybrid:
             caching = self.num_state_checkpoints > 0
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, caching,
@@ -434,6 +494,7 @@ class EngineCore:
                 num_state_checkpoints=self.num_state_checkpoints,
                 state_checkpoint_interval=self.state_checkpoint_interval,
                 whole_images=bool((self.loaded.arch.vision or {}).get("bidirectional")),
+                whole_prompts=encoder,
             ),
             self.kv_manager,
         )
@@ -454,11 +515,18 @@ class EngineCore:
                                   num_host_state_slots=self.num_host_state_slots,
                                   num_spec_state_rows=self.num_spec_state_rows,
                                   encoder_cache_budget=config.encoder_cache_budget)
+        if config.logits_processors:   # (rank 0 samples: tensor-parallel workers load none)
+            from pagoda.sample.processor_batch import ProcessorBatch
+
+            if self.pooler_config is not None:
+                raise ValueError("--logits-processors applies to an engine that generates text, not to one that "
+                                 "embeds or classifies (--task)")
+            self.runner.logits_processors = ProcessorBatch.build(config, device)
         if config.enforce_eager:
             logger.info("decode steps run eagerly (--enforce-eager%s)",
                         "" if device.type == "cuda" else ": on the CPU they always do")
         elif device.type == "cuda" and self.tp_driver is None and config.speculative_config is None \
-                and not loaded.arch.is_hybrid:
+                and not loaded.arch.is_hybrid and loaded.arch.encoder is None:
             from pagoda.worker.cuda_graphs import CudaGraphCapture
 
             why = self.runner.capture_graphs(CudaGraphCapture(), min(config.max_num_seqs, 256), plan.max_model_len)
@@ -512,10 +580,11 @@ class EngineCore:
         """Queue a request. The front ends validated it (pagoda/validation.py); the scheduler
         re-checks what would break its invariants or the model's (InvalidRequestError)."""
         params = req.sampling_params
-        if (req.pooling_params is None) != (self.pooler_config is None):
-            raise WrongTaskError(
-                f"request {req.request_id!r} wants {'text generation' if req.pooling_params is None else 'an embedding'}"
-                f", but this engine {'serves embeddings' if self.pooler_config else 'generates text'} (--task)")
+        if (req.pooling_params is None) != (self.pooler_config is None) or (
+                req.pooling_params is not None and req.pooling_params.task != self.pooler_config.task):
+            wants = "text generation" if req.pooling_params is None else f"task {req.pooling_params.task}"
+            raise WrongTaskError(f"request {req.request_id!r} wants {wants}, but this engine runs task "
+                                 f"{self.pooler_config.task if self.pooler_config else 'generate'} (--task)")
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         if req.mm_inputs:
@@ -533,6 +602,7 @@ class EngineCore:
             lora_request=req.lora_request,
             pooling_params=req.pooling_params,
             mm_inputs=req.mm_inputs,
+            background=req.background,
         )
         if req.cache_salt and self.shared_prefixes is not None:
             request.num_shared_prefix_tokens = self.shared_prefixes.shared_len(req.prompt_token_ids)

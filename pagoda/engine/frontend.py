@@ -148,7 +148,8 @@ class EngineFrontEnd(EngineClientBase):
             if self._pooling and core_outputs:
                 core_outputs = self._deliver_pooled(core_outputs)
             if core_outputs:
-                outputs, to_stop = self.processor.process_outputs(core_outputs)
+                # The step's own time (the core's clock, also CLOCK_MONOTONIC) for RequestMetrics.
+                outputs, to_stop = self.processor.process_outputs(core_outputs, msg.timestamp)
                 if metrics is not None:
                     metrics.on_request_outputs(outputs, now)
                 if to_stop:
@@ -239,11 +240,12 @@ class EngineFrontEnd(EngineClientBase):
             for req in make_core_requests(
                 request_id, prompt_token_ids, sampling_params, self.eos_token_ids,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt, tenant=tenant,
-                lora_request=lora_request, mm_inputs=call.mm_inputs,
+                lora_request=lora_request, mm_inputs=call.mm_inputs, background=call.background,
             ):
                 if self.metrics is not None:
                     self.metrics.add_request(req.request_id, arrival, len(prompt_token_ids),
-                                             tenant=tenant, priority=priority)
+                                             tenant=tenant, priority=priority, sampling_params=sampling_params,
+                                             trace_headers=call.trace_headers)  # fmt: skip
                 await self._send(req)
             lora_counts = None
             if lora_request is not None:
@@ -290,12 +292,12 @@ class EngineFrontEnd(EngineClientBase):
             self._pooling[request_id] = list(call.prompt_token_ids)
             if self.metrics is not None:
                 self.metrics.add_request(request_id, arrival, len(call.prompt_token_ids), tenant=call.tenant,
-                                         priority=call.priority)
+                                         priority=call.priority, trace_headers=call.trace_headers)
             await self._send(EngineCoreRequest(
                 request_id=request_id, prompt_token_ids=call.prompt_token_ids,
                 sampling_params=placeholder_sampling_params(), arrival_time=arrival, priority=call.priority,
                 cache_salt=call.cache_salt, tenant=call.tenant, lora_request=call.lora_request,
-                pooling_params=call.pooling_params,
+                pooling_params=call.pooling_params, background=call.background,
             ))  # fmt: skip
             item = await queue.get()
             finished = True

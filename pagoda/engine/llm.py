@@ -24,7 +24,6 @@ from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.inputs import MultiModalLimits
 from pagoda.multimodal.processors import load_image_processor
 from pagoda.multimodal.prompts import has_image_parts, image_prompt, take_images
-from pagoda.outputs import RequestOutput
 from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.pooling import PoolingParams, placeholder_sampling_params, truncate_prompt
 from pagoda.sampling_params import SamplingParams
@@ -65,7 +64,8 @@ class LLM:
         self.mm_limits = MultiModalLimits(max_images=self.config.max_images)
         self.limits = RequestLimits(self.engine.max_model_len, self.engine.vocab_size,
                                     self.config.scheduling_policy, self.config.enable_lora,
-                                    max_logprobs=self.config.max_logprobs, pooler=self.engine.pooler_config)
+                                    max_logprobs=self.config.max_logprobs, pooler=self.engine.pooler_config,
+                                    logits_processors=tuple(self.config.logits_processors or ()))
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (a no-op for one process)."""

@@ -75,6 +75,8 @@ class EngineCoreRequest(Message, tag="add"):
     ep_seq: int = 0
     # Images in: each image's pixels and the prompt span its embeddings fill (pagoda/multimodal).
     mm_inputs: list[ImageInput] = []
+    # Yields to every other request (a batch's lines, the flex tier): pagoda/core/scheduler.py.
+    background: bool = False
 
 
 class Abort(Message, tag="abort"):

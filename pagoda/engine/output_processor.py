@@ -10,6 +10,7 @@ KV blocks through the prefix cache).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,6 +23,7 @@ from pagoda.outputs import (
     CompletionOutput,
     Logprob,
     PromptLogprobs,
+    RequestMetrics,
     RequestOutput,
     SampleLogprobs,
     child_request_id,
@@ -41,6 +43,7 @@ def make_core_requests(
     tenant: str | None = None,
     lora_request: LoRARequest | None = None,
     mm_inputs: Sequence[ImageInput] = (),
+    background: bool = False,
 ) -> list[EngineCoreRequest]:
     """One core request per sample (best_of of them when set, else n). With a seed, sample
     i uses seed + i, so the samples differ yet the whole request is reproducible. Only
@@ -66,6 +69,7 @@ def make_core_requests(
                 tenant=tenant,
                 lora_request=lora_request,
                 mm_inputs=list(mm_inputs),
+                background=background,
             )
         )
     return reqs
@@ -77,6 +81,11 @@ class _ChildState:
     index: int
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
+    # Timings (time.monotonic()): the engine's first scheduling, the steps of the first and
+    # last tokens. Reported as RequestMetrics for a request of one sequence.
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
 
 
 @dataclass
@@ -88,6 +97,7 @@ class _ParentState:
     children: list[_ChildState]
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    arrival_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -107,12 +117,23 @@ class _ParentState:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            metrics=self._metrics(),
         )
+
+    def _metrics(self) -> RequestMetrics | None:
+        """A finished request's timings, when it ran as one sequence (with several, whose
+        timings would they be?)."""
+        if len(self.children) != 1 or not self.finished:
+            return None
+        c = self.children[0]
+        return RequestMetrics(self.arrival_time, c.scheduled_time, c.first_token_time, c.last_token_time,
+                              len(c.output.token_ids))
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         self._children: dict[str, _ChildState] = {}
         self._parents: dict[str, _ParentState] = {}
         self._token_text: dict[int, str] = {}
@@ -131,7 +152,7 @@ class OutputProcessor:
                              "skip_tokenizer_init)")
         if params.bad_words and params.bad_words_token_ids is None:
             params.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        parent = _ParentState(request_id, prompt, prompt_token_ids, params, [])
+        parent = _ParentState(request_id, prompt, prompt_token_ids, params, [], arrival_time=time.monotonic())
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         num = params.num_samples
@@ -210,10 +231,12 @@ class OutputProcessor:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns the RequestOutputs of every parent
-        request that changed, and the child ids the engine core must stop
-        because a stop string matched."""
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        timestamp: float | None = None) -> tuple[list[RequestOutput], list[str]]:  # fmt: skip
+        """Apply one step's outputs (``timestamp``: the step's, time.monotonic(); None or 0: now).
+        Returns the RequestOutputs of every parent request that changed, and the child ids
+        the engine core must stop because a stop string matched."""
+        now = timestamp or time.monotonic()
         touched: dict[str, _ParentState] = {}
         to_stop: list[str] = []
         for parent in self._parents.values():
@@ -233,7 +256,11 @@ class OutputProcessor:
             new_ids = core_out.new_token_ids
             finish_reason = core_out.finish_reason
             stop_reason = core_out.stop_reason
+            if core_out.scheduled_time and not child.scheduled_time:
+                child.scheduled_time = core_out.scheduled_time
             if new_ids:
+                child.first_token_time = child.first_token_time or now
+                child.last_token_time = now
                 out.token_ids.extend(new_ids)
                 out.delta_token_ids = list(new_ids)
                 if core_out.new_logprobs is not None and out.logprobs is not None:
@@ -242,8 +269,15 @@ class OutputProcessor:
                     out.delta_logprobs = lps
                 if core_out.new_logprobs is not None and out.cumulative_logprob is not None:
                     out.cumulative_logprob += sum(e.logprob for e in core_out.new_logprobs)
-                if child.detokenizer is not None:
-                    matched = child.detokenizer.update(new_ids)
+                text_ids = new_ids
+                if finish_reason == "stop" and not parent.params.include_stop_str_in_output and (
+                        new_ids[-1] == stop_reason or (new_ids[-1] in self.eos_token_ids and not parent.params.ignore_eos)):
+                    # Ended by EOS or a stop token id: its text is not part of the output (as in
+                    # vLLM), which matters when special tokens are decoded (skip_special_tokens=False).
+                    # (A grammar that completes also ends a request with "stop", on a token of its own.)
+                    text_ids = new_ids[:-1]
+                if child.detokenizer is not None and text_ids:
+                    matched = child.detokenizer.update(text_ids)
                     if matched is not None:
                         if finish_reason is None:
                             to_stop.append(core_out.request_id)  # the core knows only token ids

@@ -16,7 +16,7 @@ from pagoda.config.options import (
     option_values,
 )
 from pagoda.config.pooling import POOLING_TYPES
-from pagoda.config.units import positive_float
+from pagoda.config.units import parse_size, positive_float
 
 def _lora_module(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
@@ -124,6 +124,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from pagoda.entrypoints.openai.batch.offline import BatchFileError, run_batch_file
+    from pagoda.entrypoints.openai.launch import default_served_model_name
+    from pagoda.hub.fetch import localize
+
+    config = localize(config_from_args(args))
+    try:
+        ok, failed = asyncio.run(run_batch_file(config, args.input_file, args.output_file,
+                                                default_served_model_name(config), args.max_concurrency))
+    except BatchFileError as e:
+        print(f"pagoda run-batch: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger("pagoda").info("run-batch: %d requests succeeded, %d failed", ok, failed)
+    print(f"pagoda run-batch: {ok} succeeded, {failed} failed -> {args.output_file}", file=sys.stderr)
+    return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
@@ -213,14 +233,20 @@ def _add_server_args(serve: argparse.ArgumentParser, groups: dict[str, argparse.
                           "(hermes: Hermes / Qwen's <tool_call>{...}</tool_call>; mistral: [TOOL_CALLS][{...}]; "
                           "llama3_json: Llama 3's {\"name\": ..., \"parameters\": ...}; granite: "
                           "<|tool_call|>[{...}]; deepseek_v3, deepseek_v31: DeepSeek's tool-call tokens; kimi_k2: "
-                          "Kimi K2's; qwen3_coder: Qwen3-Coder / Qwen3.5's <function=...><parameter=...>; auto: the "
-                          "format the chat template writes, named in the log)")
+                          "Kimi K2's; qwen3_coder: Qwen3-Coder / Qwen3.5's <function=...><parameter=...>; glm45, "
+                          "glm47: GLM-4.5 / 4.6's and GLM-4.7's <tool_call>NAME<arg_key>...<arg_value>...; "
+                          "minimax_m2: MiniMax-M2's <minimax:tool_call><invoke name=...><parameter name=...>; "
+                          "openai: GPT-OSS's Harmony messages to=functions.NAME, always used for GPT-OSS; auto: "
+                          "the format the chat template writes, named in the log)")
     from pagoda.reasoning import REASONING_PARSERS
 
     api.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                      help="split the model's reasoning (<think>...</think>) from its answer: reasoning_content "
-                          "in chat completions, thinking blocks in /v1/messages (deepseek_r1: the template opens "
-                          "<think>; qwen3: both tags in the output)")
+                          "in chat completions, thinking blocks in /v1/messages (the template opens <think>: "
+                          "deepseek_r1, glm47, minimax_m2, ernie45; both tags in the output: qwen3, glm45, "
+                          "hunyuan_a13b, mistral's [THINK], seed_oss' <seed:think>, granite's 'Here is my thought "
+                          "process:'; minimax_m2_append_think: all content, after <think>; openai_gptoss: GPT-OSS's "
+                          "Harmony analysis channel, always used for GPT-OSS)")
     api.add_argument("--responses-store-max-entries", type=int, default=1024,
                      help="/v1/responses with store (OpenAI's default): keep at most this many responses in "
                           "memory, least recently used evicted first (0: store nothing)")
@@ -228,6 +254,32 @@ def _add_server_args(serve: argparse.ArgumentParser, groups: dict[str, argparse.
                      help="... and at most this many bytes of them (their JSON size)")
     api.add_argument("--enable-force-include-usage", action="store_true",
                      help="end every stream with a usage chunk, even without stream_options.include_usage")
+    api.add_argument("--enable-per-request-metrics", action="store_true",
+                     help="vLLM's per-request timings: a 'metrics' object (time_to_first_token_ms, "
+                          "generation_time_ms, queue_time_ms, mean_itl_ms, tokens_per_second) on chat, completions "
+                          "and responses of one sequence (streams: on the usage chunk / response.completed)")
+    api.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="vLLM's flag for usage.prompt_tokens_details.cached_tokens, which pagoda always reports "
+                          "(as OpenAI does); accepted so that vLLM command lines run unchanged")
+    from pagoda.entrypoints.openai.batch import (
+        DEFAULT_BATCH_MAX_CONCURRENCY,
+        DEFAULT_BATCH_MAX_LINES,
+        DEFAULT_FILE_MAX_BYTES,
+    )
+
+    batch = serve.add_argument_group("files and batches", "OpenAI's Files API (/v1/files) and Batch API "
+                                     "(/v1/batches), kept on disk; batches run behind live traffic and resume "
+                                     "after a restart (docs/serving.md).")
+    batch.add_argument("--file-storage-path", default=None, metavar="DIR",
+                       help="keep uploaded files and batches in DIR and serve the Files and Batch APIs (off "
+                            "without it); clients name files only by id, never by path")
+    batch.add_argument("--file-max-bytes", type=parse_size, default=DEFAULT_FILE_MAX_BYTES, metavar="SIZE",
+                       help="the largest file an upload may be (e.g. 200MB)")
+    batch.add_argument("--batch-max-lines", type=int, default=DEFAULT_BATCH_MAX_LINES, metavar="N",
+                       help="the most requests one batch may hold")
+    batch.add_argument("--batch-max-concurrency", type=int, default=DEFAULT_BATCH_MAX_CONCURRENCY, metavar="N",
+                       help="a batch's requests running at once (they also wait while a live request waits "
+                            "for its first token)")
     lora = groups["LoRAOptions"]
     lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                       help="LoRA adapters to load at start (needs --enable-lora), each served as model NAME")
@@ -257,6 +309,11 @@ def _add_server_args(serve: argparse.ArgumentParser, groups: dict[str, argparse.
                       help="do not log the periodic throughput / queue / KV cache line")
     logs.add_argument("--log-stats-interval", type=positive_float, default=10.0,
                       help="seconds between two periodic stats lines while busy")
+    logs.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                      help="send an OpenTelemetry span per finished request (gen_ai.* attributes; a child of the "
+                           "request's traceparent) to this OTLP collector: host:port or http(s)://host:port over "
+                           "gRPC, a URL ending in /v1/traces over HTTP/protobuf, or as OTEL_EXPORTER_OTLP_TRACES_"
+                           "PROTOCOL says (docs/deploy.md); needs pip install 'pagoda[otel]'")
 
 
 def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
@@ -294,6 +351,17 @@ def build_parser(with_bench_commands: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    batch = sub.add_parser("run-batch", help="run a batch file (OpenAI's batch format) offline: one result "
+                                             "line per request, errors included (vLLM's run-batch)")
+    add_engine_args(batch, command="run-batch")
+    batch.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl",
+                       help="the requests, a JSON line each: {custom_id, method: POST, url, body} ('-': stdin)")
+    batch.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
+                       help="the results, in the input's order ('-': stdout)")
+    batch.add_argument("--max-concurrency", type=int, default=256, metavar="N",
+                       help="requests in flight at once")
+    batch.set_defaults(func=cmd_run_batch)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     add_engine_args(chat, command="chat")

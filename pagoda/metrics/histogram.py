@@ -13,16 +13,29 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
-# Latencies from 1 ms (a GPU decode step) to ~20 minutes (a long CPU generation).
-LATENCY_BUCKETS: tuple[float, ...] = (
+# vLLM V1's bounds (vllm/v1/metrics/loggers.py), all of them among ours below, so that a vLLM
+# dashboard's or alert's le="..." selector finds its bucket: time to first token; the request
+# phases (end to end, queue, prefill, decode, inference); inter-token and per-request
+# time per output token.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+VLLM_INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                            10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+# Latencies from 1 ms (a GPU decode step) to ~2 hours (a long CPU generation), vLLM's bounds included.
+LATENCY_BUCKETS: tuple[float, ...] = tuple(sorted({
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0,
-)
+    *VLLM_TTFT_BUCKETS, *VLLM_REQUEST_LATENCY_BUCKETS,
+}))
 # Gaps between tokens: finer at the fast end, up to a minute (a long stall or preemption).
-INTER_TOKEN_BUCKETS: tuple[float, ...] = (
+INTER_TOKEN_BUCKETS: tuple[float, ...] = tuple(sorted({
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-)
+    *VLLM_INTER_TOKEN_BUCKETS,
+}))
 
 
 def buckets_1_2_5(limit: int) -> tuple[float, ...]:

@@ -60,14 +60,22 @@ _HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
 
 
 # pagoda:X exported again as vllm:X: the vLLM V1 metrics a vLLM dashboard reads, where pagoda
-# has the same quantity with the same meaning and labels.
+# has the same quantity with the same meaning and labels (vllm/v1/metrics/loggers.py and
+# stats.py): prompt_tokens counts a request's whole prompt, cached part included, once, when
+# its first token comes out (each of n samples: each is an engine request, as in vLLM);
+# generation_tokens every generated token; request_success finished requests by
+# finished_reason (stop, length; aborted requests are pagoda:request_aborted, not a third
+# reason); the histograms' buckets include every bound of vLLM's (histogram.py).
 VLLM_ALIASES: frozenset[str] = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
     "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos", "lora_requests_info",
-    # Every histogram but iteration_batch_size, which vLLM has not.
-    *(name for _, name, _ in _HISTOGRAMS if name != "iteration_batch_size"),
+    # Every histogram but iteration_batch_size, which vLLM has not, and iteration_tokens_total:
+    # vLLM's observes per step the whole prompts of the requests whose first token came out plus
+    # the tokens generated, pagoda's the tokens the step computed (a chunk of a prompt, no cached
+    # tokens), another quantity under the same name.
+    *(name for _, name, _ in _HISTOGRAMS if name not in ("iteration_batch_size", "iteration_tokens_total")),
 })  # fmt: skip
 
 

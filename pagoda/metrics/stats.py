@@ -17,8 +17,9 @@ once per sample, as each is scheduled, computed and finished on its own.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, StepRecord
 from pagoda.metrics.histogram import (
@@ -30,6 +31,9 @@ from pagoda.metrics.histogram import (
     buckets_pow2,
 )
 from pagoda.outputs import RequestOutput, child_request_id
+
+if TYPE_CHECKING:
+    from pagoda.sampling_params import SamplingParams
 
 
 class EngineOutputs(Protocol):
@@ -52,7 +56,7 @@ FINISH_REASONS = ("stop", "length")
 
 @dataclass(slots=True)
 class RequestTrace:
-    """What the request log line says when a request ends."""
+    """What the request log line and the request's span (pagoda/metrics/tracing.py) say when a request ends."""
 
     request_id: str
     finish_reason: str
@@ -64,6 +68,12 @@ class RequestTrace:
     num_cached_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    # For the span: the phases on the engine's clock (None: no token, or never scheduled),
+    # the request's sampling parameters (None: an embedding) and its W3C trace context.
+    prefill_time: float | None = None   # scheduled -> first token
+    decode_time: float | None = None    # first token -> last token
+    sampling_params: SamplingParams | None = None
+    trace_headers: Mapping[str, str] | None = None
 
 
 class ClassStats:
@@ -113,6 +123,8 @@ class _RequestState:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    sampling_params: SamplingParams | None = None      # what tracing reports of the request
+    trace_headers: Mapping[str, str] | None = None
 
 
 class EngineMetrics:
@@ -169,14 +181,18 @@ class EngineMetrics:
     # ---- inputs ---------------------------------------------------------------------
 
     def add_request(self, request_id: str, arrival: float, num_prompt_tokens: int,
-                    tenant: str | None = None, priority: int = 0) -> None:  # fmt: skip
+                    tenant: str | None = None, priority: int = 0, sampling_params: SamplingParams | None = None,
+                    trace_headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        """``sampling_params`` and ``trace_headers`` (the request's W3C trace context) are only
+        handed on to ``on_request_end``, for the request's span."""
         from pagoda.tenants import DEFAULT_TENANT
 
         by_tenant = self.by_tenant.get(tenant or DEFAULT_TENANT)
         by_priority = self.by_priority.get(str(priority))
         by_tenant.requests += 1
         by_priority.requests += 1
-        self._requests[request_id] = _RequestState(arrival, num_prompt_tokens, by_tenant, by_priority)
+        self._requests[request_id] = _RequestState(arrival, num_prompt_tokens, by_tenant, by_priority,
+                                                   sampling_params=sampling_params, trace_headers=trace_headers)
 
     def on_engine_outputs(self, msg: EngineOutputs, now: float) -> None:
         """One message from the engine core: a step's outputs, a heartbeat, or aborts."""
@@ -285,6 +301,9 @@ class EngineMetrics:
             tokens_after_first = state.num_generation_tokens - 1
             self.time_per_output_token.observe(decode / tokens_after_first if tokens_after_first > 0 else 0.0)
         if self.on_request_end is not None:
+            # As the histograms above measure them, for a request that produced a token.
+            scheduled = state.scheduled or state.first_engine
+            produced = state.first_engine > 0.0
             self.on_request_end(RequestTrace(
                 request_id=request_id,
                 finish_reason=reason,
@@ -296,4 +315,8 @@ class EngineMetrics:
                 num_cached_tokens=state.num_cached_tokens,
                 num_generation_tokens=state.num_generation_tokens,
                 num_preemptions=state.num_preemptions,
+                prefill_time=max(0.0, state.first_engine - scheduled) if produced else None,
+                decode_time=max(0.0, state.last_engine - state.first_engine) if produced else None,
+                sampling_params=state.sampling_params,
+                trace_headers=state.trace_headers,
             ))

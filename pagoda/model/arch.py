@@ -26,6 +26,22 @@ def base_model_family(architecture: str) -> str | None:
     return family if family in hf_architectures() else None
 
 
+def classifier_family(architecture: str) -> str | None:
+    """The causal-LM family of a transformers sequence-classification name
+    ("Qwen3ForSequenceClassification" -> "Qwen3ForCausalLM"), if pagoda serves that family as
+    a decoder with a score head over its last hidden state; else None."""
+    if not architecture.endswith("ForSequenceClassification"):
+        return None
+    family = architecture[: -len("ForSequenceClassification")] + "ForCausalLM"
+    return family if family in hf_architectures() else None
+
+
+def hf_num_labels(config: dict[str, Any]) -> int:
+    """A classification config's labels: its id2label's, else num_labels (transformers' default 2)."""
+    id2label = config.get("id2label")
+    return len(id2label) if isinstance(id2label, dict) and id2label else int(config.get("num_labels", 2))
+
+
 def periodic_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
     """Windowed layers with every period-th one global: period 2 alternates, the first
     windowed (Gemma 2, GPT-OSS); 6 is Gemma 3's five local to one global."""
@@ -187,6 +203,13 @@ class ModelArchConfig:
     # False: an embedding checkpoint with no LM head (transformers' base model, e.g. Qwen3Model);
     # its head is tied to the embedding, never used (pagoda/pooling.py).
     has_lm_head: bool = True
+    # A sequence-classification checkpoint (Qwen3ForSequenceClassification; BERT's): the rows
+    # of its score head over the pooled hidden state, one per label (0: none).
+    num_labels: int = 0
+    # An encoder-only model (BERT): its own geometry (type_vocab_size, layer_norm_eps,
+    # hidden_act: pagoda/model/models/bert.py); every token attends to its whole prompt, so
+    # the scheduler computes a prompt in one step. None: a decoder.
+    encoder: dict[str, Any] | None = field(default=None, hash=False)
     # Hybrid models (LFM2): per layer whether it is a gated short convolution (a fixed-size
     # state per request, no KV cache) instead of attention; its kernel width and bias.
     conv_layers: tuple[bool, ...] | None = None
@@ -385,6 +408,12 @@ class ModelArchConfig:
             # A base model (no LM head): an embedding checkpoint of a family we serve.
             parsed = model_class(base_model_family(base)).arch_from_hf(config, base_model_family(base))
             return parsed.without_lm_head()
+        classifier = next((a for a in archs if classifier_family(a) is not None), None) if arch is None else None
+        if classifier is not None:
+            # A decoder with a score head instead of an LM head (pagoda/pooling.py: task classify).
+            family = classifier_family(classifier)
+            parsed = model_class(family).arch_from_hf(config, family).without_lm_head()
+            return dataclasses.replace(parsed, num_labels=hf_num_labels(config))
         if arch is None:
             raise UnsupportedModelError(
                 f"architecture {archs or config.get('model_type')!r} is not supported; "

@@ -9,11 +9,28 @@ from pagoda.reasoning.base import (
     ReasoningStreamer,
     count_reasoning_tokens,
 )
-from pagoda.reasoning.think_tags import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from pagoda.reasoning.gpt_oss import GptOssReasoningParser
+from pagoda.reasoning.think_tags import (
+    DeepSeekR1ReasoningParser,
+    Ernie45ReasoningParser,
+    Glm45ReasoningParser,
+    Glm47ReasoningParser,
+    GraniteReasoningParser,
+    HunyuanA13BReasoningParser,
+    MiniMaxM2AppendThinkReasoningParser,
+    MiniMaxM2ReasoningParser,
+    MistralReasoningParser,
+    Qwen3ReasoningParser,
+    SeedOssReasoningParser,
+)
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
-}
+    cls.name: cls for cls in (
+        DeepSeekR1ReasoningParser, Qwen3ReasoningParser, Glm45ReasoningParser, Glm47ReasoningParser,
+        MiniMaxM2ReasoningParser, MiniMaxM2AppendThinkReasoningParser, MistralReasoningParser, SeedOssReasoningParser,
+        Ernie45ReasoningParser, HunyuanA13BReasoningParser, GraniteReasoningParser, GptOssReasoningParser,
+    )
+}  # fmt: skip
 
 
 def get_reasoning_parser(name: str | None) -> ReasoningParser | None:

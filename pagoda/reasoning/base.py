@@ -64,6 +64,17 @@ class ReasoningParser(ABC):
     @abstractmethod
     def streamer(self) -> ReasoningStreamer: ...
 
+    def tags(self) -> tuple[str, ...]:
+        """The strings the parser looks for in the text (its tags): where the vocabulary makes
+        them special tokens, the server keeps special tokens in the decoded text."""
+        return ()
+
+    def for_tools(self, active: bool) -> ReasoningParser:
+        """The parser for one request; ``active``: a tool parser reads calls out of the content.
+        A format whose calls are messages of their own (GPT-OSS's Harmony) leaves them in the
+        content only then (see pagoda/reasoning/gpt_oss.py); for the others it changes nothing."""
+        return self
+
     @abstractmethod
     def constrain(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
         """A grammar for "the reasoning section, then text matching ``constraint``"."""

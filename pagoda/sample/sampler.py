@@ -11,6 +11,11 @@ processes every row in this order:
 2. ``min_tokens``: while a row has fewer than ``min_tokens`` outputs, its
    ``stop_token_ids`` and (unless ``ignore_eos``) the model's EOS ids get -inf; so does
    the last token of each of its bad words whose other tokens end the output.
+2b. Logits processors (plug-ins, pagoda/sample/logits_processor.py) that may change the
+   argmax, in the order loaded, over the whole batch in their own row order (vLLM's place
+   for them: after min_tokens and logit_bias, before penalties); then the masks and bans of
+   steps 0 and 2 again, so that no plug-in lets through a token a grammar,
+   ``allowed_token_ids``, a bad word or ``min_tokens`` bans.
 3. Penalties, as vLLM/OpenAI define them:
    repetition (over prompt + output tokens): ``l / rp if l > 0 else l * rp``;
    then ``l -= frequency_penalty * count_in_output``;
@@ -21,6 +26,10 @@ processes every row in this order:
    bias, penalties and temperature but before any truncation, so a token cut
    by top-k/top-p/min-p still has a finite logprob. With them come the rank of
    the sampled token and the logprobs (and ranks) of the row's ``logprob_token_ids``.
+   They include the plug-ins of step 2b, not those of step 5b.
+5b. Argmax-invariant logits processors (vLLM's place for them: after temperature, beside
+   min-p), skipped in a step whose rows are all greedy (they could not change its tokens);
+   the masks and bans again.
 6. Truncation of random rows: min-p, then top-k, then top-p (each on what the
    previous one left).
 7. Random rows sample with an exponential race: ``argmax(probs / q)`` with
@@ -34,12 +43,13 @@ processes every row in this order:
    preempted request redraws exactly what it drew.
 
 Work no row needs is skipped: a batch of greedy rows without a grammar, bias,
-penalties or logprobs is a bare argmax. ``forward`` never modifies the logits it is given.
+penalties, logprobs or logits processors is a bare argmax. ``forward`` never modifies the logits it is given.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -137,6 +147,9 @@ class SamplingMetadata:
     random_rows: torch.Tensor | None = None     # [R] int64, indices of the random rows
     random_seeds: torch.Tensor | None = None    # [R] int64
     random_offsets: torch.Tensor | None = None  # [R] int64
+    # Plug-in logits processors and their view of the batch (pagoda/sample/processor_batch.py),
+    # set by the model runner; None: none loaded.
+    logits_processors: Any = None   # a ProcessorStep (not imported here: it imports this module)
 
     @classmethod
     def from_rows(
@@ -297,6 +310,8 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # a no-op for float32 input; never written in place
         logits = _apply_grammar_bias_and_bans(logits, metadata)
+        if metadata.logits_processors is not None:
+            logits = _apply_processors(logits, metadata, metadata.logits_processors.non_argmax_invariant)
         logits = _apply_penalties(logits, metadata)
 
         greedy_ids = None if metadata.all_random else _argmax_rows(logits)
@@ -313,6 +328,8 @@ class Sampler(torch.nn.Module):
             assert greedy_ids is not None
             sampled = greedy_ids
         else:
+            if metadata.logits_processors is not None:
+                logits = _apply_processors(logits, metadata, metadata.logits_processors.argmax_invariant)
             probs = torch.softmax(_truncate(logits, metadata), dim=-1)
             sampled = _exponential_race(probs, metadata)
             if greedy_ids is not None:
@@ -344,6 +361,9 @@ class Sampler(torch.nn.Module):
         masks, bias, bans and penalties [B]; the final distribution of random rows after
         temperature and truncation [B, V], None when every row is greedy). Speculative
         decoding verifies drafts against these."""
+        if metadata.logits_processors is not None:
+            # (The engine refuses plug-ins with speculative decoding: see EngineConfig's RULES.)
+            raise RuntimeError("logits processors do not verify speculative drafts")
         logits = _apply_penalties(_apply_grammar_bias_and_bans(logits.float(), metadata), metadata)
         greedy_ids = _argmax_rows(logits)
         if metadata.all_greedy:
@@ -373,6 +393,19 @@ def _apply_grammar_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> 
     if md.bias_rows is not None:
         # (row, token) pairs are unique (dict keys), so accumulate only adds once.
         logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
+    if md.ban_rows is not None:
+        logits[md.ban_rows, md.ban_tokens] = float("-inf")
+    return logits
+
+
+def _apply_processors(logits: torch.Tensor, md: SamplingMetadata, processors: list) -> torch.Tensor:
+    """Steps 2b and 5b: ``processors`` over the batch, then what steps 0 and 2 banned banned again."""
+    if not processors:
+        return logits
+    assert md.logits_processors is not None
+    logits = md.logits_processors.run(processors, logits)
+    if md.grammar_rows is not None:
+        logits[md.grammar_rows] = logits[md.grammar_rows].masked_fill(md.grammar_banned, float("-inf"))
     if md.ban_rows is not None:
         logits[md.ban_rows, md.ban_tokens] = float("-inf")
     return logits

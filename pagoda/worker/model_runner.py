@@ -31,11 +31,12 @@ from pagoda.model.layers import decode_stack
 from pagoda.model.layers.decoder import CausalLM
 from pagoda.multimodal.encoder_cache import EncoderCache
 from pagoda.pooling import PoolerConfig, PoolingParams
+from pagoda.sample.processor_batch import ProcessorBatch, ProcessorRow
 from pagoda.sample.rejection_sampler import rejection_sample, verify_greedy
 from pagoda.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, device_tensor
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.proposer import DraftRequest, Proposer
-from pagoda.worker.pooler import Pooler
+from pagoda.worker.pooler import Pooler, pair_token_types
 from pagoda.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:   # (imported when graphs are captured: it imports triton)
@@ -339,7 +340,10 @@ class ModelRunner:
         self.step_inputs = StepInputs(device) if self.attn_backend.name == "triton" else None
         self.graphs: DecodeGraphs | None = None   # decode steps from captured graphs (capture_graphs)
         self.sampler = Sampler()
-        self.pooler = Pooler(pooler_config) if pooler_config is not None and samples else None
+        # Plug-in logits processors (--logits-processors), set by the engine where this runner
+        # samples; their stable view of the batch (pagoda/sample/processor_batch.py).
+        self.logits_processors: ProcessorBatch | None = None
+        self.pooler = Pooler.for_model(pooler_config, model) if pooler_config is not None and samples else None
         self.requests: dict[str, CachedRequestState] = {}
         # Generators outlive preemption, so a seeded request draws the same
         # numbers whether or not it was preempted and recomputed.
@@ -551,6 +555,7 @@ class ModelRunner:
         splices: list[tuple[int, int, int, CachedRequestState, Any]] = []
         open_spans: dict[int, list[tuple[int, int]]] = {}   # request -> its images' spans, if open
         image_positions: list[tuple[int, np.ndarray]] = []   # M-RoPE: (first row, [3, n]) of image tokens
+        pairs: list[tuple[int, int, int, int]] = []   # cross-encoder pairs with token types (pair_token_types)
         offset = 0
         for i, (rid, state) in enumerate(zip(order, b.states)):
             n = num_tokens[rid]
@@ -585,6 +590,8 @@ class ModelRunner:
             # request pools every chunk of its prompt instead.
             if state.pooling_params is not None:
                 b.pool_rows.append((i, offset - n))
+                if state.pooling_params.pair_start is not None:
+                    pairs.append((offset - n, start, n, state.pooling_params.pair_start))
             elif draft:
                 b.spec_rows.append(i)
                 b.spec_indices.extend(range(offset - len(draft) - 1, offset))
@@ -641,6 +648,8 @@ class ModelRunner:
             at_t, rows_t = device_tensor([at, rows], torch.long, self.device)
             ids_t[at_t] = self._previous[1][rows_t]
         embeds = self._image_embeds(ids_t, splices) if splices else None
+        if pairs:   # a BERT-style cross-encoder's pairs: their second texts' tokens are of type 1
+            embeds = self.model.embed(ids_t, pair_token_types(len(input_ids), pairs, self.device))
         if self.graphs is not None and not drafts and embeds is None and len(input_ids) == len(order):
             b.hidden = self.graphs.run(ids_t, pos_t, metas)   # None: not a step a graph runs
         if b.hidden is None:
@@ -709,7 +718,7 @@ class ModelRunner:
         if b.spec_rows or b.prompt_spans or b.pool_rows:
             raise RuntimeError("a step with drafts, prompt logprobs or pooling is not sampled ahead")
         logits = self.model.compute_logits(self._rows(b.hidden, b.logits_indices))
-        out = self.sampler(logits, SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], self.device))
+        out = self.sampler(logits, self._sampling_metadata(b, logits.shape[-1]))
         self._previous = ({b.order[i]: j for j, i in enumerate(b.sample_rows)}, out.sampled_token_ids)
         if self.device.type == "cuda":
             # Back to the host now, behind this step's kernels but ahead of the next step's:
@@ -740,7 +749,7 @@ class ModelRunner:
         if b.sample_rows and self.samples:
             out = b.sampler_out
             if out is None:
-                out = self.sampler(logits, SamplingMetadata.from_rows(b.sampling_rows, logits.shape[-1], self.device))
+                out = self.sampler(logits, self._sampling_metadata(b, logits.shape[-1]))
             token_ids = out.sampled_token_ids.tolist()
             entries = _sampled_logprobs(out, [r.params for r in b.sampling_rows])
             for j, i in enumerate(b.sample_rows):
@@ -773,6 +782,17 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
         )
+
+    def _sampling_metadata(self, b: _Batch, vocab_size: int) -> SamplingMetadata:
+        """The sampler's metadata for the batch's sampling rows; with logits processors, their
+        state brought up to these rows (once per sampling step, just before it samples)."""
+        md = SamplingMetadata.from_rows(b.sampling_rows, vocab_size, self.device)
+        if self.logits_processors is not None:
+            md.logits_processors = self.logits_processors.step([
+                ProcessorRow(b.order[i], b.states[i].sampling_params, b.states[i].prompt_token_ids,
+                             b.states[i].output_token_ids)
+                for i in b.sample_rows])
+        return md
 
     def _rows(self, hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
         """hidden[indices] (strictly increasing rows): a slice where they are the first n rows

@@ -68,6 +68,7 @@ class FakeCall:
     priority: int = 0
     cache_salt: str | None = None
     tenant: str | None = None
+    background: bool = False
 
 
 @dataclass
@@ -78,6 +79,7 @@ class _Scripted:
     generated: dict[str, int] = field(default_factory=dict)
     num_cached_tokens: int = 0
     step: int = 0
+    scheduled_time: float = field(default_factory=time.monotonic)   # "admitted" when it arrives
 
 
 class FakeEngine(EngineFrontEnd):
@@ -115,7 +117,7 @@ class FakeEngine(EngineFrontEnd):
         if self.overloaded:
             raise EngineOverloadedError("the waiting queue is full", retry_after=2.5)
         self.calls.append(FakeCall(call.request_id, call.prompt, list(call.prompt_token_ids), call.sampling_params,
-                                   call.priority, call.cache_salt, call.tenant))  # fmt: skip
+                                   call.priority, call.cache_salt, call.tenant, call.background))  # fmt: skip
         self._running += 1
         try:
             stream = super()._generate(call)
@@ -226,8 +228,10 @@ class FakeEngine(EngineFrontEnd):
         logprobs = None
         if params.logprobs is not None:
             logprobs = [self._logprobs(token, scripted.step, params.logprobs)]
+        first = scripted.generated[core_id] == 1
         return EngineCoreOutput(core_id, [token], logprobs, finish_reason, stop_reason,
-                                num_cached_tokens=scripted.num_cached_tokens)  # fmt: skip
+                                num_cached_tokens=scripted.num_cached_tokens,
+                                scheduled_time=scripted.scheduled_time if first else 0.0)  # fmt: skip
 
     @staticmethod
     def _logprobs(token: int, step: int, k: int) -> TokenLogprobs:

@@ -218,7 +218,8 @@ def test_ollama_embed_routes_give_the_same_vectors(real_server, client):
 def test_score_and_rerank_are_the_embeddings_cosines(real_server, client):
     """/v1/score (vLLM's shape) and /rerank (Jina's / Cohere's): each pair's cosine of the
     vectors /v1/embeddings gives, a paraphrase ranked first, top_n and return_documents
-    honoured; a generating server answers them with a 400 (no cross-encoder yet)."""
+    honoured; a generating server answers them with a 400, and /classify (a classifier's) is a 400
+    here (cross-encoders: tests/e2e/test_cross_encoders.py)."""
     _, running = real_server
     vectors = torch.tensor([d.embedding for d in client.embeddings.create(model=MODEL, input=SENTENCES).data])
     vectors = vectors / vectors.norm(dim=1, keepdim=True)
@@ -240,6 +241,8 @@ def test_score_and_rerank_are_the_embeddings_cosines(real_server, client):
     assert "document" not in r["results"][0]
     status, err = _error(running, {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "/v1/score")
     assert status == 400 and err["param"] == "text_1"
+    status, err = _error(running, {"input": "a sentence"}, "/classify")
+    assert status == 400 and err["code"] == "wrong_task" and "this server embeds" in err["message"]
     from tests.e2e.fake_engine import FakeEngine
 
     with running_server(FakeEngine()) as generating:

@@ -211,8 +211,8 @@ def test_store_bound_and_tenants() -> None:
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without include ["message.output_text.logprobs"]
+    ({"include": ["file_search_call.results"]}, "include"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"text": {"format": {"type": "json_object"}}, "tools": TOOLS, "tool_choice": "required"}, "text.format"),

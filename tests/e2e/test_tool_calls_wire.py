@@ -101,7 +101,7 @@ def test_forced_call_is_constrained(client: openai.OpenAI, engine: FakeEngine) -
     assert grammar.startswith("start: call\n") and "<tool_call>" in grammar
 
 
-def test_auto_parser_reads_the_format_the_template_writes(caplog) -> None:
+def test_auto_parser_reads_the_format_the_template_writes(caplog, monkeypatch) -> None:
     """--tool-call-parser auto on a model whose template writes Mistral's [TOOL_CALLS]: the
     server logs the parser it chose and reads the model's calls in that format."""
     import logging
@@ -109,9 +109,10 @@ def test_auto_parser_reads_the_format_the_template_writes(caplog) -> None:
     from tests.e2e.server_utils import running_server
 
     engine = FakeEngine()
-    engine.tokenizer.chat_template = (
+    # (The fake engines share one tokenizer: the template goes back after the test.)
+    monkeypatch.setattr(engine.tokenizer, "chat_template", (
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}"
-        "[/AVAILABLE_TOOLS]{% endif %}{# calls: [TOOL_CALLS][...] #}")
+        "[/AVAILABLE_TOOLS]{% endif %}{# calls: [TOOL_CALLS][...] #}"))
     with caplog.at_level(logging.INFO), running_server(engine, tool_call_parser="auto") as running:
         assert any("tool-call parser: mistral" in r.getMessage() for r in caplog.records)
         text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
@@ -123,3 +124,17 @@ def test_auto_parser_reads_the_format_the_template_writes(caplog) -> None:
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_requests_decode_special_tokens(client: openai.OpenAI, engine: FakeEngine) -> None:
+    """A parser reads its markers from the text, and some formats' markers are special tokens
+    (Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>): with tools, the text keeps special tokens
+    unless the request says otherwise; the EOS that ends the output is still not in it."""
+    kwargs = script(engine, CALL)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **kwargs)
+    assert r.choices[0].message.content is None and r.choices[0].message.tool_calls
+    client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                   **{**kwargs, "extra_body": {**kwargs.get("extra_body", {}),
+                                                               "skip_special_tokens": True}})
+    client.chat.completions.create(model=MODEL, messages=ASK, **kwargs)
+    assert [c.params.skip_special_tokens for c in engine.calls] == [False, True, True]

@@ -53,7 +53,9 @@ def exact():
     return LLM(show_progress=False, num_kv_blocks=256, max_model_len=1024)
 
 
-@pytest.fixture(scope="module", params=sorted(BOUNDS))
+# bf16 is slow (CI time): oneDNN's bf16 products on a CPU without AMX are the slowest mode here.
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.slow) if m == "bf16" else m
+                                        for m in sorted(BOUNDS)])
 def quantized(request):
     llm = LLM(show_progress=False, num_kv_blocks=256, max_model_len=1024, quantization=request.param)
     yield request.param, llm

@@ -124,6 +124,7 @@ def test_ray_dp2_equals_one_engine_and_survives_a_killed_replica(tiny_llama_tok_
     _all_cpus_free(ray)
 
 
+@pytest.mark.slow   # (CI time: the Ray DP test below also kills a replica)
 def test_killed_ray_worker_ends_the_request_with_an_error(tiny_llama_tok_dir, ray_cluster):
     """The engine core runs in its own process (it connects to the cluster by address);
     rank 1's actor is killed while a long request decodes."""

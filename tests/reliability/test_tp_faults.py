@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from pagoda.config import EngineConfig
 from tests.e2e.server_utils import running_server
@@ -27,6 +28,7 @@ def _children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
+@pytest.mark.slow   # (CI time)
 def test_tp_worker_killed_mid_load():
     kill_worker_mid_load(tensor_parallel_size=2)
 

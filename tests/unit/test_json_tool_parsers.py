@@ -162,6 +162,11 @@ def test_delimited_constraints_admit_only_valid_calls(matcher_factory) -> None:
     ("{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n'}}", "deepseek_v3"),
     ("{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments}}", "deepseek_v31"),
     ("<|tool_calls_section_begin|>{{ calls }}", "kimi_k2"),
+    # GLM's templates write "<tool_call>" too: their argument tags must win over Hermes'.
+    ("{{ '\\n<tool_call>' + tc.name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>\n</tool_call>",
+     "glm45"),
+    ("{{- '<tool_call>' ~ tc.name -}}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value></tool_call>", "glm47"),
+    ("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}<invoke name=\"{{ name }}\">", "minimax_m2"),
     ("{{ messages }}", "hermes"),
     (None, "hermes"),
 ])

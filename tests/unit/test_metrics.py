@@ -12,7 +12,15 @@ from pagoda.core.outputs import EngineCoreOutput, SchedulerStats, StepRecord
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.metrics.dashboard import dashboard_data
-from pagoda.metrics.histogram import Histogram, WindowedSamples, buckets_1_2_5, buckets_pow2
+from pagoda.metrics.histogram import (
+    VLLM_INTER_TOKEN_BUCKETS,
+    VLLM_REQUEST_LATENCY_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    Histogram,
+    WindowedSamples,
+    buckets_1_2_5,
+    buckets_pow2,
+)
 from pagoda.metrics.log import StatLogger, log_request
 from pagoda.metrics.prometheus import make_registry, render
 from pagoda.metrics.stats import EngineMetrics, RequestTrace
@@ -169,6 +177,31 @@ def test_spec_decode_counters_are_exported() -> None:
     assert f["pagoda:spec_decode_num_accepted_tokens_per_pos_total"] == {
         (("position", "0"),): 5, (("position", "1"),): 3, (("position", "2"),): 1,
     }
+
+
+def test_vllm_names_count_what_vllms_count() -> None:
+    """The vllm: aliases: the same values under vLLM's names, every bucket bound of vLLM's
+    histograms among ours (a dashboard's le="0.25" selector finds its series), and none for
+    iteration_tokens_total, which counts other tokens than vLLM's under that name."""
+    m = EngineMetrics(64, 8, 32)
+    _run_two_requests(m, [])
+    f = _families(render(make_registry(_FakeEngine(m, SchedulerStats()), "m")).decode())
+    for name in ("prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                 "time_to_first_token_seconds_count", "e2e_request_latency_seconds_sum"):  # fmt: skip
+        assert f[f"vllm:{name}"] == f[f"pagoda:{name}"], name
+    assert f["vllm:request_success_total"] == {(("finished_reason", "length"),): 1, (("finished_reason", "stop"),): 0}
+    assert "pagoda:iteration_tokens_total_count" in f and "vllm:iteration_tokens_total_count" not in f
+
+    def bounds(name: str) -> set[float]:
+        return {float(dict(labels)["le"]) for labels in f[f"vllm:{name}_bucket"]}
+
+    phases = ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds", "request_inference_time_seconds")  # fmt: skip
+    for name, theirs in (("time_to_first_token_seconds", VLLM_TTFT_BUCKETS),
+                         *((n, VLLM_REQUEST_LATENCY_BUCKETS) for n in phases),
+                         ("inter_token_latency_seconds", VLLM_INTER_TOKEN_BUCKETS),
+                         ("request_time_per_output_token_seconds", VLLM_INTER_TOKEN_BUCKETS)):  # fmt: skip
+        assert set(theirs) <= bounds(name), name
 
 
 def test_registries_are_per_app_and_work_without_a_recorder() -> None:

@@ -139,7 +139,6 @@ def test_message_roles_and_fields() -> None:
     [
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"top_logprobs": 2}, "top_logprobs"),

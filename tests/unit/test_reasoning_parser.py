@@ -1,5 +1,6 @@
 """Reasoning parsers: the split of a finished text, the same split from a stream cut at every
-offset, and the grammar that lets a constrained request think first."""
+offset, and the grammar that lets a constrained request think first. The cases are written in
+``<think>`` tags and run for every parser, its own tags put in."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from pagoda.reasoning import (
     REASONING_PARSERS,
     ReasoningParser,
+    ReasoningSplit,
     count_reasoning_tokens,
     get_reasoning_parser,
 )
@@ -16,6 +18,29 @@ from pagoda.sampling_params import StructuredOutputsParams
 
 R1 = get_reasoning_parser("deepseek_r1")
 QWEN3 = get_reasoning_parser("qwen3")
+
+# The parsers that read as deepseek_r1 does (the template opened the reasoning) and as qwen3 does
+# (the model opens it), by their tags. An answer wrapper changes nothing where the content does
+# not open with it, as in CASES and SECTIONS.
+OPENED = ["deepseek_r1", "glm47", "minimax_m2", "ernie45"]
+EXPLICIT = ["qwen3", "glm45", "mistral", "seed_oss", "hunyuan_a13b", "granite"]
+SPLITTING = OPENED + EXPLICIT   # (minimax_m2_append_think splits nothing: its own test)
+
+
+def tags(parser: ReasoningParser) -> tuple[str, str]:
+    return parser.start_tags[0], parser.end_tags[0]  # type: ignore[attr-defined]
+
+
+def translate(parser: ReasoningParser, text: str | None) -> str | None:
+    """``text`` written in ``parser``'s tags instead of <think> and </think>."""
+    start, end = tags(parser)
+    return None if text is None else text.replace("</think>", "\0").replace("<think>", start).replace("\0", end)
+
+
+def as_written(name: str, text: str, r1: tuple, qwen3: tuple) -> tuple[ReasoningParser, str, tuple]:
+    parser = get_reasoning_parser(name)
+    expected = r1 if name in OPENED else qwen3
+    return parser, translate(parser, text), tuple(translate(parser, x) if isinstance(x, str) else x for x in expected)
 
 # (text, deepseek_r1's (reasoning, content), qwen3's (reasoning, content))
 CASES = [
@@ -43,13 +68,19 @@ SECTIONS = [
 ]
 
 
+@pytest.mark.parametrize("name", SPLITTING)
 @pytest.mark.parametrize("text,r1,qwen3", SECTIONS)
-def test_where_the_reasoning_ends(text: str, r1: tuple[bool, int | None], qwen3: tuple[bool, int | None]) -> None:
-    for parser, (open_, end) in ((R1, r1), (QWEN3, qwen3)):
-        assert (parser.in_reasoning(text), parser.reasoning_end(text)) == (open_, end), parser.name
-        if end is not None:
-            assert text[:end].endswith("</think>")
-            assert parser.extract(text[:end]).reasoning == parser.extract(text).reasoning
+def test_where_the_reasoning_ends(name: str, text: str, r1: tuple[bool, int | None],
+                                  qwen3: tuple[bool, int | None]) -> None:  # fmt: skip
+    parser = get_reasoning_parser(name)
+    open_, end = r1 if name in OPENED else qwen3
+    written = translate(parser, text)
+    if end is not None:   # the same place, in this parser's tags
+        end = len(translate(parser, text[:end]))
+    assert (parser.in_reasoning(written), parser.reasoning_end(written)) == (open_, end)
+    if end is not None:
+        assert written[:end].endswith(tags(parser)[1])
+        assert parser.extract(written[:end]).reasoning == parser.extract(written).reasoning
 
 
 @pytest.mark.parametrize(("pieces", "r1", "qwen3"), [
@@ -66,22 +97,61 @@ def test_count_reasoning_tokens(pieces: list[str], r1: int, qwen3: int) -> None:
     def decode(token_ids: list[int]) -> str:
         return "".join(pieces[i] for i in token_ids)
 
-    assert count_reasoning_tokens(R1, ids, decode) == r1
-    assert count_reasoning_tokens(QWEN3, ids, decode) == qwen3
+    for name in ("deepseek_r1", "glm47", "minimax_m2", "minimax_m2_append_think", "ernie45"):
+        assert count_reasoning_tokens(get_reasoning_parser(name), ids, decode) == r1, name
+    for name in ("qwen3", "glm45", "hunyuan_a13b"):
+        assert count_reasoning_tokens(get_reasoning_parser(name), ids, decode) == qwen3, name
 
 
 def test_registry_and_unknown_name() -> None:
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    # (openai_gptoss, Harmony's: tests/unit/test_harmony.py)
+    assert set(REASONING_PARSERS) == {*SPLITTING, "minimax_m2_append_think", "openai_gptoss"}
     assert get_reasoning_parser(None) is None
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("nope")
 
 
+@pytest.mark.parametrize("name", SPLITTING)
 @pytest.mark.parametrize("text,r1,qwen3", CASES)
-def test_extract(text: str, r1: tuple[str | None, str | None], qwen3: tuple[str | None, str | None]) -> None:
-    for parser, expected in ((R1, r1), (QWEN3, qwen3)):
-        split = parser.extract(text)
-        assert (split.reasoning, split.content) == expected, parser.name
+def test_extract(name: str, text: str, r1: tuple[str | None, str | None], qwen3: tuple[str | None, str | None]) -> None:
+    parser, written, expected = as_written(name, text, r1, qwen3)
+    split = parser.extract(written)
+    assert (split.reasoning, split.content) == expected
+
+
+# (parser, text, (reasoning, content)): the answer wrappers, Granite's other spelling, a stray tag.
+WRAPPED = [
+    ("ernie45", "Hm.\n</think>\n\n<response>\nIt is 4.\n</response>\n", ("Hm.\n", "It is 4.")),
+    ("ernie45", "Hm.</think>\nIt is 4.\n", ("Hm.", "\nIt is 4.\n")),   # the answer bare
+    ("ernie45", "Hm.</think><response>It is 4.", ("Hm.", "It is 4.")),    # cut short inside the answer
+    ("ernie45", "Hm.</think>See <response>x</response>", ("Hm.", "See <response>x</response>")),
+    ("hunyuan_a13b", "<think>\nHm.\n</think>\n<answer>\nIt is 4.\n</answer>", ("\nHm.\n", "It is 4.")),
+    ("hunyuan_a13b", "<think>\n\n</think>\n<answer>\n\n</answer>", ("\n\n", None)),
+    ("hunyuan_a13b", "<answer>4</answer> and </answer>", (None, "4</answer> and")),
+    ("granite", "Here's my thought process:\nHm.\n\nHere's my response:\nIt is 4.", ("\nHm.\n\n", "\nIt is 4.")),
+    ("granite", "Here is my thought process: a\nHere's my response: b", (" a\n", " b")),
+    ("mistral", "[THINK]Hm.[/THINK]It is 4.", ("Hm.", "It is 4.")),
+    ("mistral", "<think>Hm.</think>It is 4.", (None, "<think>Hm.</think>It is 4.")),   # not Magistral's tags
+    ("seed_oss", "<seed:think>Hm.</seed:think>\nIt is 4.", ("Hm.", "\nIt is 4.")),
+    ("glm45", "\n<think>Hm.</think>\nIt is 4.", ("Hm.", "\n\nIt is 4.")),
+]
+
+
+@pytest.mark.parametrize("name,text,expected", WRAPPED)
+def test_extract_family_formats(name: str, text: str, expected: tuple[str | None, str | None]) -> None:
+    split = get_reasoning_parser(name).extract(text)
+    assert (split.reasoning, split.content) == expected
+    _check_every_offset(get_reasoning_parser(name), text)
+
+
+def test_append_think_returns_everything_as_content() -> None:
+    parser = get_reasoning_parser("minimax_m2_append_think")
+    text = "Let me see.\n</think>\n\nIt is 4."
+    assert parser.extract(text) == ReasoningSplit(reasoning=None, content="<think>" + text)
+    for i in range(len(text) + 1):
+        assert _streamed(parser, ["", text[:i], text[i:]]) == ("", "<think>" + text)
+    # What the budget and the token count read is still where the reasoning ends.
+    assert parser.in_reasoning("Let me") and parser.reasoning_end(text) == len("Let me see.\n</think>")
 
 
 def _streamed(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
@@ -94,9 +164,14 @@ def _streamed(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
     return reasoning, content
 
 
-@pytest.mark.parametrize("parser", [R1, QWEN3], ids=lambda p: p.name)
+@pytest.mark.parametrize("name", SPLITTING)
 @pytest.mark.parametrize("text", [c[0] for c in CASES])
-def test_stream_split_at_every_offset_matches_extract(parser: ReasoningParser, text: str) -> None:
+def test_stream_split_at_every_offset_matches_extract(name: str, text: str) -> None:
+    parser = get_reasoning_parser(name)
+    _check_every_offset(parser, translate(parser, text))
+
+
+def _check_every_offset(parser: ReasoningParser, text: str) -> None:
     split = parser.extract(text)
     expected = (split.reasoning or "", split.content or "")
     # One cut anywhere, two cuts anywhere, and one character at a time.
@@ -116,6 +191,37 @@ def test_stream_never_sends_a_partial_tag() -> None:
     assert step.reasoning == " "
     step = streamer.feed("nk>done")
     assert (step.reasoning, step.content) == ("", "done")
+
+
+@pytest.mark.parametrize("name", SPLITTING)
+def test_stream_holds_back_a_partial_tag(name: str) -> None:
+    parser = get_reasoning_parser(name)
+    start, end = tags(parser)
+    streamer = parser.streamer()
+    if name in OPENED:
+        assert streamer.feed("hm," + end[:-1]).reasoning == "hm,"   # the end tag may be coming
+        assert streamer.feed(end[-1] + "4").content == "4"
+        return
+    assert streamer.feed("Hi," + start[:-1]).content == "Hi,"   # the start tag may be coming
+    step = streamer.feed(start[-1:] + "deep." + end[:3])
+    assert (step.reasoning, step.content) == ("deep.", "")
+    step = streamer.feed(end[3:] + "done")
+    assert (step.reasoning, step.content) == ("", "done")
+
+
+@pytest.mark.parametrize("name,opening,closing", [("ernie45", "<response>", "</response>"),
+                                                  ("hunyuan_a13b", "<answer>", "</answer>")])
+def test_stream_holds_back_what_the_answer_wrapper_may_take(name: str, opening: str, closing: str) -> None:
+    streamer = get_reasoning_parser(name).streamer()
+    thinking = "" if name == "ernie45" else "<think>"
+    assert streamer.feed(f"{thinking}hm</think>\n{opening[:4]}").reasoning == "hm"
+    assert streamer.feed(opening[4:] + "\n").content == ""   # the wrapper and its whitespace go
+    assert streamer.feed("It is 4.\n" + closing[:3]).content == "It is 4."
+    assert streamer.feed(closing[3:] + "\n").content == ""
+    assert streamer.feed("", final=True).content == ""   # the wrapper closed at the end: gone
+    streamer = get_reasoning_parser(name).streamer()
+    streamer.feed(f"{thinking}hm</think>{opening}It is 4.\n{closing}")
+    assert streamer.feed(" more", final=True).content == f"\n{closing} more"   # not at the end: kept
 
 
 def test_regex_literal_escapes_slashes_once() -> None:
@@ -164,3 +270,39 @@ def test_constrain_lets_the_model_think_first(backend, constraint, good, bad) ->
     assert _accepts(backend, qwen3, good)  # thinking switched off
     assert not _accepts(backend, qwen3, f"hmm</think>{good}")
     assert not _accepts(backend, qwen3, f"<think>hmm</think>{bad}")
+
+
+@pytest.mark.parametrize("name", SPLITTING)
+def test_each_parsers_grammar_and_budget_close_its_own_tags(backend, name: str) -> None:
+    parser = get_reasoning_parser(name)
+    start, end = tags(parser)
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    good, bad = '{"n": 4}', '{"n": "4"}'
+    grammar = parser.constrain(constraint)
+    thought = f"{start}What is {{ it?{end}\n\n"
+    assert _accepts(backend, grammar, thought + good)
+    assert not _accepts(backend, grammar, thought + bad)
+    if name in OPENED:
+        assert _accepts(backend, grammar, f"hmm{end}{good}")
+        assert not _accepts(backend, grammar, good)
+    else:
+        assert _accepts(backend, grammar, good)
+        assert not _accepts(backend, grammar, f"hmm{end}{good}")
+    if parser.answer_tags:  # type: ignore[attr-defined]
+        opening, closing = parser.answer_tags  # type: ignore[attr-defined]
+        wrapped = f"{thought}{opening}\n{good}\n{closing}"
+        assert _accepts(backend, grammar, wrapped)
+        assert parser.extract(wrapped).content == good
+    # A thinking budget spent: the reasoning so far, then end_of_reasoning, reads as closed, and the
+    # grammar goes on to the answer after it.
+    cut = ("" if name in OPENED else start) + "Let me think about"
+    assert parser.in_reasoning(cut)
+    closed = cut + parser.end_of_reasoning
+    assert not parser.in_reasoning(closed) and parser.reasoning_end(closed) is not None
+    assert parser.extract(closed + good).content.strip() == good
+    assert parser.extract(closed + good).reasoning.strip() == "Let me think about"
+    answer = closed + good
+    wrapper = parser.answer_tags  # type: ignore[attr-defined]
+    if wrapper and wrapper[0] in parser.end_of_reasoning:   # (Hunyuan's opens its wrapper: the model closes it)
+        answer += "\n" + wrapper[1]
+    assert _accepts(backend, grammar, answer)

@@ -28,10 +28,11 @@ _arrival = iter(range(1, 10**9))
 
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0,
-        tenant: str | None = None) -> Request:  # fmt: skip
+        tenant: str | None = None, background: bool = False) -> Request:  # fmt: skip
     base = 1000 * (zlib.crc32(rid.encode()) % 100_000 + 1)
     req = Request(rid, list(range(base, base + prompt_len)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                  max_model_len=512, arrival_time=float(next(_arrival)), priority=priority, tenant=tenant)
+                  max_model_len=512, arrival_time=float(next(_arrival)), priority=priority, tenant=tenant,
+                  background=background)
     sched.add_request(req)
     return req
 
@@ -131,6 +132,96 @@ def test_virtual_time_lift_on_activation() -> None:
     fair.on_finish("light")
     fair.on_finish("heavy")
     assert "light" not in fair.vtime and fair.vtime["heavy"] == 50.0
+
+
+# ---------------------------------------------------------------- background requests
+@pytest.mark.parametrize("policy", POLICIES)
+def test_background_requests_wait_behind_every_other(policy: str) -> None:
+    sched = make_sched(policy, max_seqs=1)
+    add(sched, "run", 4, max_tokens=3)
+    step(sched)
+    add(sched, "bg0", 4, background=True)
+    add(sched, "live0", 4)
+    add(sched, "bg1", 4, background=True)
+    add(sched, "live1", 4)
+    assert [r.request_id for r in sched.waiting] == ["live0", "live1", "bg0", "bg1"]
+    finished = []
+    for _ in range(60):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+        finished += [r for r in ("run", "live0", "live1", "bg0", "bg1")
+                     if r not in finished and r not in sched.requests]  # fmt: skip
+    assert finished == ["run", "live0", "live1", "bg0", "bg1"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_live_request_preempts_a_background_one_for_a_seat(policy: str) -> None:
+    sched = make_sched(policy, max_seqs=2)
+    live = add(sched, "live", 8, max_tokens=8)
+    bg = add(sched, "bg", 8, max_tokens=8, background=True)
+    step(sched)
+    step(sched)
+    assert {r.request_id for r in sched.running} == {"live", "bg"}
+    add(sched, "bg2", 8, background=True)   # background never preempts (not even background)
+    so, _ = step(sched)
+    assert not so.preempted_req_ids
+    add(sched, "new", 8, max_tokens=2)
+    so, _ = step(sched)
+    assert so.preempted_req_ids == {"bg"}
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["new"] and "live" in so.num_scheduled_tokens
+    # Back at the front of the background requests, ahead of bg2.
+    assert [r.request_id for r in sched.waiting] == ["bg", "bg2"]
+    drain(sched)
+    assert live.is_finished and bg.is_finished and bg.num_preemptions == 1 and len(bg.output_token_ids) == 8
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_a_live_request_preempts_a_background_one_for_blocks_under_fcfs() -> None:
+    sched = make_sched("fcfs", num_blocks=8, max_seqs=8)
+    bg = add(sched, "bg", 12, max_tokens=8, background=True)
+    add(sched, "live", 12, max_tokens=8)
+    step(sched)
+    assert bg.status == RequestStatus.RUNNING
+    add(sched, "late", 12, max_tokens=2)
+    so, _ = step(sched)
+    assert so.preempted_req_ids == {"bg"} and "late" in so.num_scheduled_tokens
+    drain(sched)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_blocks_running_out_take_a_background_victim_first() -> None:
+    sched = make_sched("fcfs", num_blocks=6, budget=64)
+    add(sched, "bg", 8, max_tokens=12, background=True)   # admitted first
+    add(sched, "live", 8, max_tokens=12)
+    preempted = set()
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        so, _ = step(sched)
+        preempted |= so.preempted_req_ids
+    assert preempted == {"bg"}
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_step_admitting_live_prompts_runs_no_background_work(policy: str) -> None:
+    sched = make_sched(policy, budget=32)
+    bg = add(sched, "bg", 60, max_tokens=4, background=True)
+    bg_decoding = add(sched, "bg-dec", 4, max_tokens=20, background=True)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"bg": 32}   # alone, it takes the whole budget
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"bg": 28, "bg-dec": 4}
+    add(sched, "live", 20, max_tokens=3)
+    so, _ = step(sched)
+    # The live prompt's step: no background prompt chunk, no background decode.
+    assert so.num_scheduled_tokens == {"live": 20}
+    so, _ = step(sched)
+    # Nobody waits: the background work goes on beside the live decode.
+    assert so.num_scheduled_tokens == {"bg": 1, "bg-dec": 1, "live": 1}
+    drain(sched)
+    assert bg.is_finished and bg_decoding.is_finished and sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
 # ---------------------------------------------------------------- priority

@@ -14,7 +14,8 @@ parsers; only the shapes differ: content blocks (``thinking``, ``text``, ``tool_
 With ``--reasoning-parser``, the reasoning becomes a ``thinking`` block when the request
 enables thinking; otherwise it is left out (it is not the answer). ``thinking.budget_tokens``
 caps the reasoning: ``thinking_budget.BudgetedGroup`` runs the request in two phases when
-the budget is spent, ending the reasoning with ``</think>`` itself.
+the budget is spent, ending the reasoning with ``</think>`` itself. On GPT-OSS the prompt is
+Harmony's and the parsers are its own (see serving_chat.py): the analysis channel is the thinking.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ class MessagesServing:
         plan, text, ids, images = await asyncio.to_thread(self._encode, body)
         structured = self.chat.with_reasoning(plan.constraint(self.chat.tool_parser)) if plan.forced else None
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
-        sub = self.chat.prepare(request_id, text, ids, lambda _: body.to_sampling_params(structured, self.chat.model_defaults.sampling), "messages",
+        sub = self.chat.prepare(request_id, text, ids, lambda _: self.chat.keep_markers(
+                                    body.to_sampling_params(structured, self.chat.model_defaults.sampling), plan),
+                                "messages",
                                 "max_tokens", "tool_choice", lora_request=lora, mm_inputs=images)  # fmt: skip
         group = self._group(body, raw_request, sub)
         if body.stream:
@@ -139,7 +142,7 @@ class MessagesServing:
                  out: RequestOutput | None) -> MessageOut:  # fmt: skip
         c = out.outputs[0] if out is not None and out.outputs else None
         content: list[ThinkingOut | TextOut | ToolUseOut] = []
-        reasoning, text = self.chat.split_reasoning(c.text if c is not None else "")
+        reasoning, text = self.chat.split_reasoning(c.text if c is not None else "", plan)
         if reasoning is not None and body.thinking_on:
             omitted = body.thinking is not None and body.thinking.display == "omitted"
             content.append(ThinkingOut(thinking="" if omitted else reasoning))
@@ -204,7 +207,7 @@ class _MessageStream:
     def __init__(self, chat: ChatServing, body: MessagesRequest, plan: ToolPlan, request_id: str,
                  sub: SubRequest) -> None:  # fmt: skip
         self.chat, self.body, self.request_id, self.sub = chat, body, request_id, sub
-        self.reasoner = chat.reasoning_parser.streamer() if chat.reasoning_parser is not None else None
+        self.reasoner = chat.reasoning_streamer(plan)
         self.tools = chat.tool_parser.for_tools(plan.tool_dicts()).streamer() if plan.active else None
         self.show_thinking = body.thinking_on
         self.omit_thinking = body.thinking is not None and body.thinking.display == "omitted"

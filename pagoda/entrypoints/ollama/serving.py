@@ -204,7 +204,7 @@ class OllamaServing(OpenAIServing):
         plan = plan_tools(body.tools, None, None)
         text, ids, images = await asyncio.to_thread(self.chat.encode_chat_images, body.template_messages(),
                                                     plan=plan, template_kwargs=body.template_kwargs())  # fmt: skip
-        sub = self._prepare(body, text, ids, lora, "messages", images)
+        sub = self._prepare(body, text, ids, lora, "messages", images, plan)
         return await self._respond(body, raw_request, sub, clock, plan)
 
     # ---- running ---------------------------------------------------------------------
@@ -219,11 +219,12 @@ class OllamaServing(OpenAIServing):
         return True
 
     def _prepare(self, body: GenerationRequest, text: str | None, ids: list[int], lora: LoRARequest | None,
-                 prompt_param: str, images: list | None = None) -> SubRequest:  # fmt: skip
+                 prompt_param: str, images: list | None = None, plan: ToolPlan | None = None) -> SubRequest:  # fmt: skip
         structured = body.structured_output()
         if self._thinking(body):
             structured = self.chat.with_reasoning(structured)  # the format applies after the reasoning
-        params = body.to_sampling_params(len(ids), self.engine.max_model_len, structured, self.model_defaults.sampling)
+        params = self.chat.keep_markers(body.to_sampling_params(len(ids), self.engine.max_model_len, structured,
+                                                                self.model_defaults.sampling), plan)  # fmt: skip
         prefix = "chat" if isinstance(body, ChatRequest) else "generate"
         return self.prepare(f"ollama-{prefix}-{uuid.uuid4().hex}", text, ids, lambda _: params, prompt_param,
                             "options.num_predict", "format", lora_request=lora, mm_inputs=images or ())  # fmt: skip
@@ -264,9 +265,10 @@ class OllamaServing(OpenAIServing):
         if whole and c is not None:
             fields["logprobs"] = self._logprobs(body, c.token_ids, c.logprobs)
         thinking, text = None, c.text if whole and c is not None else ""
-        if text and self._thinking(body):
-            thinking, content = self.chat.split_reasoning(text)
-            text = content or ""
+        # (GPT-OSS's output is always split: its Harmony markup is no answer; the thinking shows with think.)
+        if text and (self._thinking(body) or self.chat.harmony):
+            thinking, content = self.chat.split_reasoning(text, plan)
+            text, thinking = content or "", thinking if self._thinking(body) else None
         if isinstance(body, ChatRequest):
             message = self._message(plan, text, reason == "length") if whole else ChatMessageOut(content="")
             message.thinking = thinking
@@ -294,7 +296,8 @@ class OllamaServing(OpenAIServing):
                      ) -> AsyncIterator[str]:  # fmt: skip
         tools = (_ToolStream(self.chat.tool_parser.for_tools(plan.tool_dicts()).streamer())
                  if plan is not None and plan.active else None)
-        reasoner = self.chat.reasoning_parser.streamer() if self._thinking(body) else None
+        show_thinking = self._thinking(body)
+        reasoner = self.chat.reasoning_streamer(plan) if show_thinking or self.chat.harmony else None
 
         def lines(out: RequestOutput) -> list[str]:
             c = out.outputs[0]
@@ -302,7 +305,7 @@ class OllamaServing(OpenAIServing):
             text, thinking = c.delta_text, None
             if reasoner is not None:
                 split = reasoner.feed(text, final=c.just_finished)
-                text, thinking = split.content, split.reasoning or None
+                text, thinking = split.content, (split.reasoning or None) if show_thinking else None
             if isinstance(body, ChatRequest):
                 content, calls = tools.feed(c, text) if tools is not None else (text, [])
                 if not (content or calls or thinking or logprobs):

@@ -31,6 +31,7 @@ from pagoda.entrypoints.openai.errors import (
     service_unavailable,
 )
 from pagoda.entrypoints.openai.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -53,7 +54,9 @@ from pagoda.entrypoints.openai.responses import (
 from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagoda.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, ResponseStore
 from pagoda.entrypoints.openai.serving_chat import ChatServing
+from pagoda.entrypoints.openai.serving_chat_batch import create_batch
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.serving_classify import ClassificationResponse, ClassifyRequest
 from pagoda.entrypoints.openai.serving_embedding import EmbeddingServing
 from pagoda.entrypoints.openai.serving_score import (
     RerankRequest,
@@ -62,7 +65,15 @@ from pagoda.entrypoints.openai.serving_score import (
     ScoreResponse,
     ScoreServing,
 )
-from pagoda.entrypoints.openai.serving_engine import TENANT_SCOPE_KEY
+from pagoda.entrypoints.openai.batch import (
+    DEFAULT_BATCH_MAX_CONCURRENCY,
+    DEFAULT_BATCH_MAX_LINES,
+    DEFAULT_FILE_MAX_BYTES,
+)
+from pagoda.entrypoints.openai.batch.files import FileStore
+from pagoda.entrypoints.openai.batch.routes import add_batch_routes
+from pagoda.entrypoints.openai.batch.service import BatchService
+from pagoda.entrypoints.openai.serving_engine import BACKGROUND_SCOPE_KEY, TENANT_SCOPE_KEY
 from pagoda.entrypoints.openai.serving_responses import ResponsesServing, add_responses_routes
 from pagoda.entrypoints.openai.tools import plan_tools
 from pagoda.hub.stores import NO_DEFAULTS, ModelDefaults
@@ -86,6 +97,7 @@ from pagoda.metrics.prometheus import render as render_metrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+_UPLOAD_OVERHEAD = 1 << 20   # room for a multipart body's other fields around an upload
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 429, 500, 503)
@@ -111,8 +123,10 @@ class ServerMiddleware:
 
     def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body_bytes: int,
                  protect_internal: bool = False, api_keys: dict[str, TenantSpec] | None = None,
-                 load_report: Callable[[], dict[str, float]] | None = None) -> None:
+                 load_report: Callable[[], dict[str, float]] | None = None, max_upload_bytes: int | None = None) -> None:
         self.app = app
+        # POST /v1/files takes bodies up to this size instead (the Files API's uploads; None: off).
+        self.max_upload_bytes = max_upload_bytes
         # The engine's load, for ORCA's endpoint-load-metrics response header.
         self.load_report = load_report
         # Tenants' keys (--api-keys-file); with them, a key is required and names the tenant.
@@ -124,7 +138,8 @@ class ServerMiddleware:
         self.protect_internal = protect_internal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get(BACKGROUND_SCOPE_KEY):
+            # (A batch's line: a request the server makes to itself, never one from a socket.)
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
@@ -226,8 +241,11 @@ class ServerMiddleware:
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | APIError | None:
+        limit = self.max_body_bytes
+        if self.max_upload_bytes is not None and scope["path"] == "/v1/files" and scope["method"] == "POST":
+            limit = max(limit, self.max_upload_bytes)
         too_large = APIError(
-            413, f"The request body is larger than the limit of {self.max_body_bytes} bytes.",
+            413, f"The request body is larger than the limit of {limit} bytes.",
             code="request_too_large", headers={"Connection": "close"},
         )  # fmt: skip
         length = dict(scope["headers"]).get(b"content-length")
@@ -236,7 +254,7 @@ class ServerMiddleware:
                 declared = int(length)
             except ValueError:
                 return bad_request("Invalid Content-Length header.")
-            if declared > self.max_body_bytes:
+            if declared > limit:
                 return too_large
         chunks: list[bytes] = []
         size = 0
@@ -246,7 +264,7 @@ class ServerMiddleware:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
+            if size > limit:
                 return too_large
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -283,10 +301,14 @@ class ServerConfig:
     seconds a SIGTERM drain waits for running requests. ``responses_store_max_entries`` /
     ``responses_store_max_bytes``: bounds of the in-memory store of /v1/responses (``store: true``;
     least recently used evicted first; 0 entries: nothing is stored). ``enable_force_include_usage``: every
-    stream ends with a usage chunk, asked for or not. ``allow_runtime_lora``: POST
+    stream ends with a usage chunk, asked for or not. ``enable_per_request_metrics``: chat, completions and
+    responses of one sequence carry vLLM's per-request ``metrics`` (timings). ``allow_runtime_lora``: POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter work (off: adapters are only those of
     --lora-modules); ``lora_roots``: the only folders runtime adapters may be loaded from. ``model_defaults``: the model's own
     sampling defaults and system prompt (an Ollama model's layers, pagoda/hub/stores.py).
+    ``file_storage_path``: the folder of the Files and Batch APIs (None: those APIs are off);
+    ``file_max_bytes``: the largest upload; ``batch_max_lines``: the most requests in a batch;
+    ``batch_max_concurrency``: a batch's lines running at once (pagoda/entrypoints/openai/batch).
     """
 
     served_model_name: str
@@ -306,9 +328,14 @@ class ServerConfig:
     responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
     responses_store_max_bytes: int = DEFAULT_MAX_BYTES
     enable_force_include_usage: bool = False
+    enable_per_request_metrics: bool = False
     allow_runtime_lora: bool = False
     lora_roots: tuple[str, ...] = ()
     model_defaults: ModelDefaults = NO_DEFAULTS
+    file_storage_path: str | None = None
+    file_max_bytes: int = DEFAULT_FILE_MAX_BYTES
+    batch_max_lines: int = DEFAULT_BATCH_MAX_LINES
+    batch_max_concurrency: int = DEFAULT_BATCH_MAX_CONCURRENCY
 
     def __post_init__(self) -> None:
         if self.allow_runtime_lora and not self.lora_roots:
@@ -323,18 +350,22 @@ class ServerConfig:
         get_reasoning_parser(self.reasoning_parser)  # an unknown name fails at startup, not per request
         if self.responses_store_max_entries < 0 or self.responses_store_max_bytes < 0:
             raise ValueError("responses_store_max_entries and responses_store_max_bytes must be >= 0")
+        for name in ("file_max_bytes", "batch_max_lines", "batch_max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
 
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model id ``config.served_model_name``."""
     served_model_name, api_keys, request_timeout = config.served_model_name, config.api_keys, config.request_timeout
     state = ServerState(config.max_num_queued_requests, tenants_of(api_keys) if api_keys else None)
-    force_usage = config.enable_force_include_usage
+    force_usage, per_request_metrics = config.enable_force_include_usage, config.enable_per_request_metrics
     completions = CompletionServing(engine, state, served_model_name, request_timeout,
-                                   model_defaults=config.model_defaults, force_include_usage=force_usage)
+                                   model_defaults=config.model_defaults, force_include_usage=force_usage,
+                                   per_request_metrics=per_request_metrics)  # fmt: skip
     chat = ChatServing(engine, state, served_model_name, request_timeout, config.tool_call_parser,
                        config.reasoning_parser, model_defaults=config.model_defaults,
-                       force_include_usage=force_usage)  # fmt: skip
+                       force_include_usage=force_usage, per_request_metrics=per_request_metrics)  # fmt: skip
     store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
     responses = ResponsesServing(chat, store)
     embeddings = EmbeddingServing(engine, state, served_model_name, request_timeout)
@@ -343,9 +374,16 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagoda", version=pagoda.__version__, description="OpenAI-compatible LLM server")
     app.state.pagoda = state
     install_error_handlers(app)
+    files = batches = None
+    if config.file_storage_path is not None:
+        files = FileStore(config.file_storage_path, config.file_max_bytes)
+        batches = BatchService(config.file_storage_path, files, state, config.batch_max_lines,
+                               config.batch_max_concurrency)  # fmt: skip
+    app.state.batches = batches   # started by the server once its loop runs (server.py)
     app.add_middleware(ServerMiddleware, state=state, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        protect_internal=config.api_key_on_internal_endpoints, api_keys=api_keys,
-                       load_report=lambda: engine_load(engine))  # fmt: skip
+                       load_report=lambda: engine_load(engine),
+                       max_upload_bytes=config.file_max_bytes + _UPLOAD_OVERHEAD if files is not None else None)
 
     def model_card(model: str | None = None) -> ModelCard:
         lora = completions.check_model(model)
@@ -378,6 +416,11 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(body, raw_request)
 
+    @app.post("/v1/chat/completions/batch", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
+    async def create_batch_chat_completion(body: BatchChatCompletionRequest, raw_request: Request) -> Response:
+        """vLLM's: ``messages`` a list of conversations, choice i conversation i's reply."""
+        return await create_batch(chat, body, raw_request)
+
     add_messages_routes(app, chat)  # Anthropic's Messages API, over the same chat serving
     add_responses_routes(app, responses, _ERRORS)
     invocation_ok = {"description": "A chat completion or a completion, as the body's shape asks (JSON or SSE)."}
@@ -409,6 +452,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @app.post("/v2/rerank", responses={200: {"model": RerankResponse}, **_ERRORS})
     async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
         return await scores.rerank(body, raw_request)
+
+    @app.post("/classify", responses={200: {"model": ClassificationResponse}, **_ERRORS})
+    async def create_classification(body: ClassifyRequest, raw_request: Request) -> Response:
+        return await scores.cross_encoder.classify(body, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -469,6 +516,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return stats
 
     _add_observability_routes(app, engine, served_model_name)
+    add_batch_routes(app, files, batches)
     if engine.config.kv_role is not None:
         from pagoda.entrypoints.kv_transfer.api import add_kv_transfer_routes
 

@@ -2,7 +2,8 @@
 
 As the other routes' models, the request forbids unknown fields. ``user`` is accepted and
 ignored (it does not change the vector); ``truncate_prompt_tokens`` is vLLM's extension
-(keep each input's last k tokens; -1: the context length).
+(keep k tokens of each input; -1: the context length), with ``truncation_side`` (vLLM's: "left",
+the default, keeps the last k; "right" the first k).
 """
 
 from __future__ import annotations
@@ -11,12 +12,20 @@ import base64
 import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, PlainValidator
+from pydantic import BaseModel, PlainValidator, ValidationInfo, field_validator
 
 from pagoda.entrypoints.openai.protocol import _is_token_list, _Strict
 
 # OpenAI's bound on inputs per request: each is an engine request of its own.
 MAX_EMBEDDING_INPUTS = 2048
+
+
+def check_truncation_side(value: str | None, info: ValidationInfo) -> str | None:
+    """A field validator of ``truncation_side`` (declared after ``truncate_prompt_tokens``): it
+    says which side a truncation cuts, so without one it would be ignored; a 400 instead."""
+    if value is not None and info.data.get("truncate_prompt_tokens") is None:
+        raise ValueError("applies only with 'truncate_prompt_tokens' (which side of an input a truncation cuts)")
+    return value
 
 
 def _check_input(value: Any) -> str | list[str] | list[int] | list[list[int]]:
@@ -58,6 +67,8 @@ class EmbeddingRequest(_Strict):
     dimensions: int | None = None
     user: str | None = None  # accepted and ignored: it does not change the vector
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    _check_side = field_validator("truncation_side")(check_truncation_side)
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per embedding: a text or a token id list."""

@@ -11,6 +11,7 @@ from pagoda.config import EngineConfig
 
 if TYPE_CHECKING:
     from pagoda.engine.core_proc import CoreProcess
+    from pagoda.metrics.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,8 @@ def default_served_model_name(config: EngineConfig) -> str:
     return resolve_model(config.model).name
 
 
-async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None) -> None:
+async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProcess | None = None,
+                tracer: RequestTracer | None = None) -> None:  # fmt: skip
     from pagoda.engine.client import EngineClient
     from pagoda.entrypoints.openai.server import serve
 
@@ -38,6 +40,7 @@ async def _main(args: argparse.Namespace, config: EngineConfig, core: CoreProces
         log_stats=not getattr(args, "disable_log_stats", False),
         log_stats_interval=getattr(args, "log_stats_interval", 10.0),
         log_requests=not getattr(args, "disable_log_requests", False),
+        tracer=tracer,   # one for all data-parallel replicas
     )
     engine: EngineClient
     if config.data_parallel_size > 1:
@@ -78,9 +81,17 @@ def server_config(args: argparse.Namespace, config: EngineConfig, served_model_n
         api_keys=load_api_keys_file(config.api_keys_file) if config.api_keys_file else None,
         model_defaults=model_defaults(config.model),
         enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
+        enable_per_request_metrics=getattr(args, "enable_per_request_metrics", False),
         allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
         lora_roots=tuple(getattr(args, "lora_root", None) or ()),
+        **_batch_settings(args),
     )  # fmt: skip
+
+
+def _batch_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The Files and Batch APIs' flags that were given (the rest keep ServerConfig's defaults)."""
+    names = ("file_storage_path", "file_max_bytes", "batch_max_lines", "batch_max_concurrency")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def multi_model(args: argparse.Namespace, config: EngineConfig) -> bool:
@@ -96,7 +107,9 @@ def _check_multi_model(args: argparse.Namespace, config: EngineConfig) -> None:
                (config.data_parallel_size > 1, "--data-parallel-size > 1"),
                (config.kv_role is not None, "--kv-role"),
                (config.enable_lora or bool(getattr(args, "lora_modules", None)), "--enable-lora / --lora-modules"),
-               (config.node_rank > 0 or config.nnodes > 1, "--nnodes / --node-rank")]
+               (config.node_rank > 0 or config.nnodes > 1, "--nnodes / --node-rank"),
+               (getattr(args, "otlp_traces_endpoint", None) is not None, "--otlp-traces-endpoint"),
+               (getattr(args, "file_storage_path", None) is not None, "--file-storage-path (the Batch API)")]
     names = [name for bad, name in refused if bad]
     if names:
         raise ValueError(f"serving several models (--models-dir / --models-max) cannot be combined with "
@@ -158,12 +171,28 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         from pagoda.executor.worker import run_worker
 
         return run_worker(config, launched[0], launched[2], config.distributed_init_method or "env://")
-    core = None
-    if config.data_parallel_size == 1:
-        # Start the engine core first: its imports and weight loading overlap this
-        # process's imports of the API stack.
-        from pagoda.engine.core_proc import start_core_process
+    # Before the engine core starts, so that a missing OpenTelemetry SDK is refused at once.
+    tracer = _request_tracer(args, config)
+    try:
+        core = None
+        if config.data_parallel_size == 1:
+            # Start the engine core first: its imports and weight loading overlap this
+            # process's imports of the API stack.
+            from pagoda.engine.core_proc import start_core_process
 
-        core = start_core_process(config)
-    asyncio.run(_main(args, config, core))
+            core = start_core_process(config)
+        asyncio.run(_main(args, config, core, tracer))
+    finally:
+        if tracer is not None:
+            tracer.shutdown()   # exports the spans still queued
     return 0
+
+
+def _request_tracer(args: argparse.Namespace, config: EngineConfig) -> RequestTracer | None:
+    """--otlp-traces-endpoint's tracer (ValueError with the install hint when the extra is missing)."""
+    endpoint = getattr(args, "otlp_traces_endpoint", None)
+    if endpoint is None:
+        return None
+    from pagoda.metrics.tracing import RequestTracer
+
+    return RequestTracer(endpoint, args.served_model_name or default_served_model_name(config))

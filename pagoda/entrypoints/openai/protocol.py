@@ -14,7 +14,7 @@ is not an integer, as with OpenAI.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
@@ -125,7 +125,7 @@ _NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_pena
                   "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens", "response_format",
                   "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                   "prompt_logprobs", "logprob_token_ids", "kv_transfer_params", "bad_words",
-                  "allowed_token_ids")  # fmt: skip
+                  "allowed_token_ids", "vllm_xargs")  # fmt: skip
 
 
 class _SamplingRequest(_Strict):
@@ -160,13 +160,17 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: arguments for the server's logits processors (--logits-processors), SamplingParams.extra_args.
+    vllm_xargs: dict[str, str | int | float | bool] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # vLLM's response extras: the prompt's and each choice's token ids; logprob tokens as "token_id:N".
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
-    # vLLM's: keep only the last N prompt tokens (-1: as many as max_model_len allows).
+    # vLLM's: keep only N prompt tokens (-1: as many as max_model_len allows), the last N
+    # (truncation_side "left", the default) or the first N ("right").
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -208,6 +212,9 @@ class _SamplingRequest(_Strict):
             raise bad_request("Invalid value for 'truncate_prompt_tokens': it must be -1 (up to max_model_len) or "
                               f"a positive number of tokens, got {self.truncate_prompt_tokens}.",
                               param="truncate_prompt_tokens", code="invalid_value")  # fmt: skip
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            raise bad_request("'truncation_side' applies only with 'truncate_prompt_tokens' (which side of the "
+                              "prompt a truncation cuts).", param="truncation_side")  # fmt: skip
         if self.use_beam_search:
             self._check_beam_search()
         else:
@@ -273,7 +280,7 @@ class _SamplingRequest(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "prompt_logprobs": self.prompt_logprobs, "logprob_token_ids": self.logprob_token_ids,
             "kv_transfer_params": self.kv_transfer_params, "bad_words": self.bad_words,
-            "allowed_token_ids": self.allowed_token_ids,
+            "allowed_token_ids": self.allowed_token_ids, "extra_args": self.vllm_xargs,
         }  # fmt: skip
         # Leave absent ones out so the model's or SamplingParams' own defaults apply.
         base = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
@@ -354,7 +361,7 @@ class CompletionRequest(_SamplingRequest):
                 kwargs["prompt_logprobs"] = self.logprobs
         if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
             kwargs["best_of"] = self.best_of
-        return make_sampling_params(kwargs)
+        return make_sampling_params(kwargs, {"extra_args": "vllm_xargs"})
 
 
 # ---------------------------------------------------------------------- /v1/chat/completions
@@ -402,6 +409,9 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None  # with tool_choice "required": whether several calls may come
     # vLLM's: at most this many tokens of reasoning (with --reasoning-parser; thinking_budget.py).
     thinking_token_budget: int | None = Field(default=None, ge=1)
+    # GPT-OSS's reasoning level (low, medium, high), or a chat template's reasoning_effort variable
+    # (serving_chat.py ChatServing.effort_kwargs; a 400 for a model that has neither).
+    reasoning_effort: str | None = None
     prompt_cache_key: str | None = None  # ignored: a routing hint; prefix caching is automatic
     safety_identifier: str | None = None  # ignored
     # OpenAI fields that would change the output and are not implemented: rejected unless unset.
@@ -410,7 +420,6 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
-    reasoning_effort: str | None = None
     web_search_options: Any = None
     verbosity: str | None = None
     # vLLM's chat template controls.
@@ -437,8 +446,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def check_supported(self) -> None:
         super().check_supported()
         check_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
-        for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
-                     "web_search_options", "verbosity"):  # fmt: skip
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "verbosity"):
             if getattr(self, name) is not None:
                 raise unsupported(name, "is not supported by this server")
         if self.modalities is not None and self.modalities != ["text"]:
@@ -486,7 +494,7 @@ class ChatCompletionRequest(_SamplingRequest):
     ) -> SamplingParams:
         kwargs = self._sampling_kwargs(defaults)
         kwargs["structured_outputs"] = structured_outputs
-        names: dict[str, str] = {"logprobs": "top_logprobs"}
+        names: dict[str, str] = {"logprobs": "top_logprobs", "extra_args": "vllm_xargs"}
         if self.max_completion_tokens is not None:
             kwargs["max_tokens"] = self.max_completion_tokens
             names["max_tokens"] = "max_completion_tokens"
@@ -497,6 +505,46 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
         return make_sampling_params(kwargs, names)
+
+
+# ---------------------------------------------------------------------- /v1/chat/completions/batch
+ConversationField = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): a chat request whose ``messages`` is a list of
+    conversations. Each runs as its own engine request under the request's other fields, and
+    the answer is one chat completion whose choice i is conversation i's reply (its
+    ``token_ids``, ``prompt_token_ids`` and ``prompt_logprobs`` on the choice), usage summed.
+    As vLLM's route it answers in one JSON body and with one reply per conversation: ``stream``,
+    ``n`` > 1, beam search and tools are 400s, and so are a thinking budget (it runs a request
+    as two engine requests) and ``kv_transfer_params`` (a transfer is one sequence's blocks)."""
+
+    messages: list[ConversationField] = Field(min_length=1)  # type: ignore[assignment]
+
+    def check_supported(self) -> None:
+        route = "/v1/chat/completions/batch"
+        refused = {
+            "stream": (bool(self.stream), f"is not supported by {route}: the replies come in one JSON response"),
+            "n": (self.n != 1, f"must be 1 on {route}: choice i is conversation i's one reply"),
+            "use_beam_search": (self.use_beam_search, f"is not supported by {route}"),
+            "tools": (self.tools is not None, f"are not supported by {route}"),
+            "tool_choice": (self.tool_choice not in (None, "none"), f"must be 'none' on {route} (it takes no tools)"),
+            "thinking_token_budget": (self.thinking_token_budget is not None, f"is not supported by {route}"),
+            "kv_transfer_params": (self.kv_transfer_params is not None,
+                                   f"is not supported by {route}: one transfer cannot serve several conversations"),
+        }  # fmt: skip
+        for name, (refuse, why) in refused.items():
+            if refuse:
+                raise unsupported(name, why)
+        super().check_supported()
+
+    def conversation(self, index: int) -> ChatCompletionRequest:
+        """Conversation ``index`` as a chat request of its own, every other field shared (all
+        of them were checked when this request was)."""
+        fields = {name: getattr(self, name) for name in ChatCompletionRequest.model_fields}
+        fields["messages"] = self.messages[index]
+        return ChatCompletionRequest.model_construct(self.model_fields_set, **fields)
 
 
 # ---------------------------------------------------------------------- /tokenize, /detokenize
@@ -552,7 +600,8 @@ class DetokenizeRequest(_Strict):
 
 
 __all__ = [
-    "APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
+    "APIError", "BatchChatCompletionRequest", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+    "DetokenizeRequest",
     "StreamOptions", "TokenizeRequest", "make_sampling_params",
 ]  # fmt: skip
 

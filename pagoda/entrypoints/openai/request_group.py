@@ -24,6 +24,7 @@ from pagoda.multimodal.inputs import ImageInput
 from pagoda.engine.client import EngineClient, EngineDeadError, EngineOverloadedError, GenerateCall, KVTransferError
 from pagoda.entrypoints.openai.errors import APIError, bad_request, service_unavailable, too_many_requests
 from pagoda.lora.request import LoRARequest
+from pagoda.metrics.tracing import trace_headers
 from pagoda.outputs import RequestOutput
 from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -149,8 +150,10 @@ class RequestGroup:
         priority: int = 0,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        background: bool = False,
     ) -> None:
         self.priority = priority
+        self.background = background
         self.cache_salt = cache_salt
         self.tenant = tenant
         self.engine = engine
@@ -175,17 +178,23 @@ class RequestGroup:
 
     # ---- lifetime ------------------------------------------------------------------
     def start(self) -> None:
-        """Admit and submit every subrequest (raises APIError 429/503 when it cannot be admitted)."""
-        self.state.admit(len(self.subrequests), self.tenant)
+        """Admit and submit every subrequest (raises APIError 429/503 when it cannot be admitted).
+        Background requests (a batch's lines) are not counted against --max-num-queued-requests:
+        they wait in the engine without keeping live requests out."""
+        if not self.background:
+            self.state.admit(len(self.subrequests), self.tenant)
+            self._waiting = set(range(len(self.subrequests)))
         self._started = True
-        self._waiting = set(range(len(self.subrequests)))
         self._live = len(self.subrequests)
         loop = asyncio.get_running_loop()
         self.state.groups.add(self)
+        # A W3C traceparent header makes the requests' spans children of the caller's (--otlp-traces-endpoint).
+        traced = trace_headers(self.raw_request.headers) if self.raw_request is not None else None
         for i, sub in enumerate(self.subrequests):
             # OpenAIServing.prepare had the engine check each prompt: run it as it is.
             call = GenerateCall(sub.request_id, sub.prompt, sub.prompt_token_ids, sub.params, self.priority,
-                                self.cache_salt, self.tenant, sub.lora_request, sub.pooling_params, sub.mm_inputs)
+                                self.cache_salt, self.tenant, sub.lora_request, sub.pooling_params, sub.mm_inputs,
+                                self.background, trace_headers=traced)
             stream = (self.engine.run_request(call) if sub.beam is None else
                       run_beam_search(self.engine, call, sub.beam, self.engine.tokenizer.eos_token_ids))
             self._pumps.append(loop.create_task(self._pump(i, stream)))

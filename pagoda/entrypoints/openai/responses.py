@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 import pagoda
+from pagoda.outputs import RequestMetrics
 
 SYSTEM_FINGERPRINT = f"pagoda-{pagoda.__version__}"
 
@@ -28,10 +29,37 @@ class _TokenIdsOut(BaseModel):
     @model_serializer(mode="wrap")
     def _drop_absent_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for key in ("prompt_token_ids", "token_ids", "prompt_logprobs"):
+        for key in ("prompt_token_ids", "token_ids", "prompt_logprobs", "metrics"):
             if key in data and data[key] is None:
                 del data[key]
         return data
+
+
+class PerRequestMetrics(BaseModel):
+    """vLLM's per-request ``metrics`` (``--enable-per-request-metrics``), from the engine's
+    timings of a request of one sequence; a field is null where its timing is not known.
+    ``time_to_first_token_ms`` counts from the engine's first scheduling of the request (vLLM's
+    definition; the Prometheus TTFT counts from arrival); ``tokens_per_second`` is every
+    generated token over scheduling -> last token, prefill included."""
+
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None   # first token -> last token
+    queue_time_ms: float | None = None        # arrival -> first scheduled
+    mean_itl_ms: float | None = None          # generation_time_ms / (tokens - 1); null for one token
+    tokens_per_second: float | None = None
+
+    @classmethod
+    def of(cls, m: RequestMetrics) -> PerRequestMetrics:
+        ms = 1000.0
+        scheduled, first, last, n = m.scheduled_time, m.first_token_time, m.last_token_time, m.num_generation_tokens
+        generation = (last - first) * ms if first else None
+        return cls(
+            time_to_first_token_ms=(first - scheduled) * ms if first and scheduled else None,
+            generation_time_ms=generation,
+            queue_time_ms=max(0.0, scheduled - m.arrival_time) * ms if scheduled else None,
+            mean_itl_ms=generation / (n - 1) if generation is not None and n > 1 else None,
+            tokens_per_second=n / (last - scheduled) if scheduled and last > scheduled else None,
+        )  # fmt: skip
 
 
 class PromptTokensDetails(BaseModel):
@@ -85,7 +113,7 @@ class CompletionChoice(_TokenIdsOut):
     token_ids: list[int] | None = None         # return_token_ids (streaming: this chunk's tokens)
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_TokenIdsOut):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -93,6 +121,7 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: PerRequestMetrics | None = None  # --enable-per-request-metrics; left out when null
 
 
 # ---------------------------------------------------------------------- /v1/chat/completions
@@ -145,6 +174,9 @@ class ChatChoice(_TokenIdsOut):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # return_token_ids
+    # /v1/chat/completions/batch: each choice is a conversation, with its own prompt's extras.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class ChatCompletionResponse(_TokenIdsOut):
@@ -157,6 +189,7 @@ class ChatCompletionResponse(_TokenIdsOut):
     usage: Usage
     prompt_logprobs: PromptLogprobsOut | None = None  # left out of the JSON unless asked for
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    metrics: PerRequestMetrics | None = None   # --enable-per-request-metrics
 
 
 class ChatStreamChoice(_TokenIdsOut):
@@ -177,6 +210,7 @@ class ChatCompletionChunk(_TokenIdsOut):
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
+    metrics: PerRequestMetrics | None = None   # --enable-per-request-metrics: on the usage chunk
 
 
 # ---------------------------------------------------------------------- misc endpoints

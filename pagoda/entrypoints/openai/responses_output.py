@@ -25,7 +25,9 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+
+from pagoda.entrypoints.openai.responses import PerRequestMetrics
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ResponseStatus = Literal["completed", "failed", "in_progress", "incomplete"]
@@ -41,6 +43,8 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list[Any] = Field(default_factory=list)
+    # With include ["message.output_text.logprobs"]: per generated token {token, logprob, bytes,
+    # top_logprobs: [{token, logprob, bytes}]}, chat's logprobs.content entries.
     logprobs: list[Any] = Field(default_factory=list)
 
 
@@ -155,6 +159,20 @@ class ResponseObject(BaseModel):
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
+    # vLLM's extensions, left out of the JSON unless asked for: enable_response_messages' prompt
+    # and output ([{"type": "raw_message_tokens", "message": text, "tokens": ids}]), and
+    # --enable-per-request-metrics' timings.
+    input_messages: list[dict[str, Any]] | None = None
+    output_messages: list[dict[str, Any]] | None = None
+    metrics: PerRequestMetrics | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_extensions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("input_messages", "output_messages", "metrics"):
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
 
 
 class ResponseDeleted(BaseModel):
@@ -178,6 +196,13 @@ class OutputBuilder:
     def __init__(self) -> None:
         self.items: list[Item] = []
         self._open: Item | None = None
+        self._logprobs: list[dict[str, Any]] = []   # tokens' logprobs no text delta has carried yet
+
+    def logprobs(self, entries: list[dict[str, Any]]) -> None:
+        """Generated tokens' logprobs (OutputText.logprobs entries). They ride on the next
+        output text delta, whatever part of the output the tokens were (reasoning, a call's
+        markup, an end token), and all of them end up in the message's ``output_text``."""
+        self._logprobs += entries
 
     def text(self, delta: str) -> list[Event]:
         """Text for the assistant message (opened if another item, or none, is open)."""
@@ -186,8 +211,12 @@ class OutputBuilder:
         events = [] if isinstance(self._open, OutputMessage) else self._close("completed") + self._open_message()
         message = self._open
         assert isinstance(message, OutputMessage)
-        message.content[0].text += delta
-        events.append(self._at(message, type="response.output_text.delta", content_index=0, delta=delta, logprobs=[]))
+        part = message.content[0]
+        part.text += delta
+        logprobs, self._logprobs = self._logprobs, []
+        part.logprobs += logprobs
+        events.append(self._at(message, type="response.output_text.delta", content_index=0, delta=delta,
+                               logprobs=_event_logprobs(logprobs)))  # fmt: skip
         return events
 
     def reasoning(self, delta: str) -> list[Event]:
@@ -220,6 +249,11 @@ class OutputBuilder:
         """Close the last item with ``status`` ("incomplete" when the output was cut short).
         An output with no item at all gets an empty message: a response always says something."""
         events = [] if self.items else self._open_message()
+        messages = [item for item in self.items if isinstance(item, OutputMessage)]
+        if self._logprobs and messages:
+            # Tokens after the last text (an end token, a call): still the output's logprobs.
+            messages[-1].content[0].logprobs += self._logprobs
+            self._logprobs = []
         return events + self._close(status)
 
     # ---- internals ---------------------------------------------------------------------
@@ -251,7 +285,7 @@ class OutputBuilder:
         if isinstance(item, OutputMessage):
             part = item.content[0]
             events.append(self._at(item, type="response.output_text.done", content_index=0, text=part.text,
-                                   logprobs=[]))  # fmt: skip
+                                   logprobs=_event_logprobs(part.logprobs)))  # fmt: skip
             events.append(self._at(item, type="response.content_part.done", content_index=0, part=part.model_dump()))
         elif isinstance(item, ReasoningItem):
             reasoning = item.content[0]
@@ -266,6 +300,13 @@ class OutputBuilder:
     def _at(self, item: Item, **event: Any) -> Event:
         # Only the open item, always the last one, gets events.
         return {"type": event.pop("type"), "item_id": item.id, "output_index": len(self.items) - 1, **event}
+
+
+def _event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprobs as the text delta and done events carry them (OpenAI's event types): no bytes."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]  # fmt: skip
 
 
 class EventWriter:

@@ -7,14 +7,17 @@ Field for field after the ``openai`` package's ``types/responses/response_create
 As in ``protocol.py``, unknown fields are a 400 naming them, and fields that would change the
 output but are not implemented are rejected unless unset: ``reasoning`` without a reasoning
 parser (and, with one, what it cannot do: see ``ReasoningConfig``), ``truncation: "auto"``,
-``top_logprobs``, ``include`` entries other than ``reasoning.encrypted_content`` (reasoning
-comes in the clear, never encrypted), built-in tools (web_search, file_search, ...), image,
+``include`` entries other than ``reasoning.encrypted_content`` (reasoning comes in the clear,
+never encrypted) and ``message.output_text.logprobs`` (with ``top_logprobs``, the output
+text's logprobs), built-in tools (web_search, file_search, ...), image,
 file and audio content, ``background``. Reasoning items sent back as input are accepted and
 left out of the prompt, as the reasoning models' chat templates leave out earlier turns'
-reasoning.
+reasoning (but on GPT-OSS, whose Harmony format keeps the reasoning of the turn being continued:
+there they go with the assistant message or calls that follow them, ``to_chat_messages``).
 Fields that cannot change the text (``metadata``, ``user``, ``safety_identifier``,
 ``prompt_cache_key``, ``service_tier``, ``max_tool_calls``, which counts built-in tool calls)
-are accepted and echoed.
+are accepted and echoed. vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty`` and
+``enable_response_messages`` (the prompt and the output as raw text and token ids).
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ from pagoda.entrypoints.openai.tools import (
 )
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+# ``include`` values: reasoning is returned in the clear anyway (never encrypted); the output
+# text's logprobs are computed when asked for.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+INCLUDE_VALUES = ("reasoning.encrypted_content", LOGPROBS_INCLUDE)
 
 
 class _Strict(BaseModel):
@@ -247,22 +255,32 @@ InputField = Annotated[
 ]
 
 
-def to_chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+def to_chat_messages(items: list[InputItem], keep_reasoning: bool = False) -> list[dict[str, Any]]:
     """Input items as chat messages. A run of ``function_call`` items joins the assistant
     message before it (a response's output is [message, function_call, function_call]),
-    so that a turn with several calls is one assistant message with several ``tool_calls``."""
+    so that a turn with several calls is one assistant message with several ``tool_calls``.
+    ``keep_reasoning``: a reasoning item's text becomes the ``reasoning_content`` of the
+    assistant message it comes before (a response's output is [reasoning, function_call]);
+    otherwise reasoning items are left out (see ReasoningInputItem)."""
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []   # reasoning items waiting for their assistant message
     for item in items:
         if isinstance(item, ReasoningInputItem):
-            continue  # not rendered (see ReasoningInputItem)
+            parts = item.content or item.summary
+            reasoning += [p.text for p in parts] if keep_reasoning else []
+            continue
+        last = messages[-1] if messages else None
         if isinstance(item, FunctionCallItem):
-            last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant":
+            if last is None or last["role"] != "assistant" or reasoning:
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
             last.setdefault("tool_calls", []).append(item.to_tool_call())
         else:
-            messages.append(item.to_chat())
+            last = item.to_chat()
+            messages.append(last)
+        if reasoning and last["role"] == "assistant":
+            last["reasoning_content"] = "\n".join(reasoning)
+        reasoning = [] if last["role"] == "assistant" else reasoning
     return messages
 
 
@@ -364,9 +382,9 @@ class ReasoningConfig(_Strict):
     no reasoning is accepted. With one, the model's reasoning is returned as a ``reasoning``
     item, and:
 
-    - ``effort`` (any of OpenAI's values) is accepted and echoed, but does not change what is
-      generated: how long a model thinks is its own (its template has no effort setting here,
-      and no token budget is derived from it).
+    - ``effort``: GPT-OSS's reasoning level (low, medium, high: the Harmony system message's
+      ``Reasoning:`` line), or the value of a chat template's ``reasoning_effort`` variable; a
+      400 for a model that has neither (serving_chat.py ``ChatServing.effort_kwargs``).
     - ``summary`` / ``generate_summary``: only ``auto`` (which lets the server return no
       summary); there is no summarizer, so ``concise`` and ``detailed`` are a 400.
     - ``context``: ``auto`` or ``current_turn`` (earlier turns' reasoning is not rendered);
@@ -442,8 +460,14 @@ class ResponsesRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # with include ["message.output_text.logprobs"]; -1: the whole vocabulary
     background: bool | None = None
+    # vLLM's extensions: sampling, and the prompt and output as raw text and token ids in the
+    # Response (input_messages / output_messages).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    enable_response_messages: bool | None = None
     # Accepted and echoed: they do not change what is generated.
     user: str | None = None
     safety_identifier: str | None = None
@@ -456,6 +480,11 @@ class ResponsesRequest(_Strict):
     def stored(self) -> bool:
         return self.store is not False
 
+    @property
+    def output_logprobs(self) -> bool:
+        """Whether the output text comes with its tokens' logprobs."""
+        return LOGPROBS_INCLUDE in (self.include or ())
+
     def check_supported(self, reasoning_parser: bool = False) -> None:
         """400 for what is not implemented; ``reasoning_parser``: the server reads reasoning."""
         if self.reasoning is not None and reasoning_parser:
@@ -466,13 +495,15 @@ class ResponsesRequest(_Strict):
         if self.truncation == "auto":
             raise unsupported("truncation", "value 'auto' is not supported; only 'disabled' (an input longer than "
                                             "the context is a 400)")  # fmt: skip
-        if self.top_logprobs is not None:
-            raise unsupported("top_logprobs", "is not supported by this server")
+        if self.top_logprobs is not None and not self.output_logprobs:
+            raise bad_request(f"'top_logprobs' needs 'include': ['{LOGPROBS_INCLUDE}'] (the output text's "
+                              "logprobs, which it sets the alternatives of).", param="top_logprobs")  # fmt: skip
         if self.background:
             raise unsupported("background", "mode is not supported by this server")
-        extra = [i for i in self.include or [] if i != "reasoning.encrypted_content"]
+        extra = [i for i in self.include or [] if i not in INCLUDE_VALUES]
         if extra:
-            raise unsupported("include", f"values other than 'reasoning.encrypted_content' are not supported: {extra}")
+            raise unsupported("include", f"values other than {' and '.join(map(repr, INCLUDE_VALUES))} are not "
+                                         f"supported: {extra}")  # fmt: skip
         if self.stream_options is not None and not self.stream:
             raise unsupported("stream_options", "is only allowed when 'stream' is true")
 

@@ -21,6 +21,7 @@ import uvicorn
 
 from pagoda.engine.client import EngineClient
 from pagoda.entrypoints.openai.api_server import ServerConfig, build_app
+from pagoda.entrypoints.openai.batch.service import BatchService
 from pagoda.entrypoints.openai.request_group import ServerState
 
 logger = logging.getLogger(__name__)
@@ -31,16 +32,26 @@ _POLL_S = 0.05
 
 
 class PagodaServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float,
+                 batches: BatchService | None = None) -> None:  # fmt: skip
         super().__init__(config)
         self.state = state
+        # The Batch API's worker (--file-storage-path): started with the server, resuming
+        # unfinished batches; stopped after the drain (what is in flight then runs again later).
+        self.batches = batches
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        if self.batches is not None:
+            self.batches.start(self.config.app)
+        try:
+            await super().serve(sockets)
+        finally:
+            if self.batches is not None:
+                await self.batches.stop()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as the signal handler, between two bytecodes of the main thread: only hand over.
@@ -84,7 +95,7 @@ def create_server(engine: EngineClient, config: ServerConfig) -> PagodaServer:
         # Our drain already waited for requests; this only bounds uvicorn's final connection wait.
         timeout_graceful_shutdown=int(_ABORT_GRACE_S),
     )  # fmt: skip
-    return PagodaServer(uv, app.state.pagoda, config.shutdown_timeout)
+    return PagodaServer(uv, app.state.pagoda, config.shutdown_timeout, app.state.batches)
 
 
 async def serve(

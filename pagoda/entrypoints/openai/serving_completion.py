@@ -35,7 +35,7 @@ class CompletionServing(OpenAIServing):
                 ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             else:
                 text, ids = None, list(prompt)
-            kept = self.truncate(ids, body.truncate_prompt_tokens)
+            kept = self.truncate(ids, body.truncate_prompt_tokens, body.truncation_side)
             if len(kept) < len(ids):
                 ids, text = kept, None  # the kept tokens are the prompt now
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -105,8 +105,9 @@ class CompletionServing(OpenAIServing):
                     )
                 )
         return CompletionResponse(
-            id=request_id, model=self.response_model(body.model), choices=choices, usage=self.usage(subrequests, outputs)
-        )
+            id=request_id, model=self.response_model(body.model), choices=choices,
+            usage=self.usage(subrequests, outputs), metrics=self.request_metrics(outputs),
+        )  # fmt: skip
 
     # ---- streaming ---------------------------------------------------------------------
     async def _stream(self, body: CompletionRequest, request_id: str, group: RequestGroup) -> Response:
@@ -193,6 +194,7 @@ class CompletionServing(OpenAIServing):
         if include_usage:
             usage = self.usage(group.subrequests, group.last)
             chunk = CompletionResponse(
-                id=request_id, created=created, model=self.response_model(body.model), choices=[], usage=usage
-            )
+                id=request_id, created=created, model=self.response_model(body.model), choices=[], usage=usage,
+                metrics=self.request_metrics(group.last),
+            )  # fmt: skip
             yield sse(chunk)

@@ -1,4 +1,5 @@
 """POST /v1/embeddings: each input runs as its own engine request (prefill only, pooled).
+(/classify and the cross-encoders' /score and /rerank run their inputs through ``pooled`` too.)
 
 A thin translation onto what the other routes use: the engine's check of each input
 (``validate_pooling_request``: task, length, width), one RequestGroup for all inputs
@@ -51,6 +52,10 @@ class EmbeddingServing(OpenAIServing):
         if self.engine.pooler_config is None:
             raise bad_request("This model does not serve embeddings: the server generates text (task 'generate'). "
                               "Start it with --task embed for /v1/embeddings.", code="wrong_task")
+        if self.engine.pooler_config.classifier is not None:
+            raise bad_request("This model does not serve embeddings: it is a classifier (task 'classify': "
+                              "/classify, /score, /rerank). Start an embedding model with --task embed for "
+                              "/v1/embeddings.", code="wrong_task")
         lora = self.check_model(body.model)
         try:
             params = PoolingParams(dimensions=body.dimensions)
@@ -58,8 +63,13 @@ class EmbeddingServing(OpenAIServing):
             raise bad_request(str(e), param="dimensions", code="invalid_value") from None
         request_id = f"embd-{uuid.uuid4().hex}"
         inputs = body.inputs()
-        subrequests = [self._prepare(request_id, i, len(inputs), item, params, body, lora)
-                       for i, item in enumerate(inputs)]  # fmt: skip
+        subrequests = [self.prepare_input(request_id, i, len(inputs), item, params, body.truncate_prompt_tokens, lora,
+                                          body.truncation_side) for i, item in enumerate(inputs)]  # fmt: skip
+        return await self.pooled(subrequests, raw_request)
+
+    async def pooled(self, subrequests: list[SubRequest], raw_request: Request) -> tuple[list[list[float]], int] | None:
+        """Run pooling requests as one group: each one's output (a vector, or a classifier's
+        logits) in order, and their number of tokens (None: the client left)."""
         group = self.group(raw_request, subrequests)
         try:
             outputs = await self.run_to_end(group)
@@ -72,21 +82,31 @@ class EmbeddingServing(OpenAIServing):
             vectors.append(out.outputs.embedding)
         return vectors, sum(len(s.prompt_token_ids) for s in subrequests)
 
-    def _prepare(self, request_id: str, index: int, count: int, item: str | list[int], params: PoolingParams,
-                 body: EmbeddingRequest, lora: LoRARequest | None) -> SubRequest:  # fmt: skip
-        """One input's engine request, checked by the engine; 400 naming the input otherwise."""
-        where = "input" if count == 1 else f"input[{index}]"
+    def prepare_input(self, request_id: str, index: int, count: int, item: str | list[int], params: PoolingParams,
+                      truncate_prompt_tokens: int | None, lora: LoRARequest | None,
+                      truncation_side: str | None = None) -> SubRequest:  # fmt: skip
+        """One input's engine request (a text tokenized alone, or token ids), checked by the
+        engine; 400 naming the input otherwise. ``truncation_side`` "right": a truncation keeps
+        the first tokens rather than the last."""
         text = item if isinstance(item, str) else None
         ids = self.tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         try:
-            ids = truncate_prompt(ids, body.truncate_prompt_tokens, self.engine.max_model_len)
+            kept = truncate_prompt(ids, truncate_prompt_tokens, self.engine.max_model_len)
         except ValueError as e:
             raise bad_request(str(e), param="truncate_prompt_tokens", code="invalid_value") from None
+        ids = ids[:len(kept)] if truncation_side == "right" else kept
+        where = "input" if count == 1 else f"input[{index}]"
+        return self.checked(request_id if count == 1 else f"{request_id}-{index}", text, ids, params, lora,
+                            where, "input")
+
+    def checked(self, sub_id: str, text: str | None, ids: list[int], params: PoolingParams,
+                lora: LoRARequest | None, where: str, param: str) -> SubRequest:  # fmt: skip
+        """A pooling engine request the engine accepts; else a 400 whose message names the
+        input (``where``, e.g. "input[2]") and whose param is ``param`` for a prompt's fault."""
         try:
             self.engine.validate_pooling_request(ids, params, 0, lora)
         except InvalidRequestError as e:
-            param = {"prompt": "input"}.get(e.param or "", e.param)
-            message = f"{where}: {e}" if param == "input" and count > 1 else str(e)
-            raise bad_request(message, param=param, code=e.code) from None
-        sub_id = request_id if count == 1 else f"{request_id}-{index}"
+            named = param if e.param == "prompt" else e.param
+            message = f"{where}: {e}" if named == param and where != param else str(e)
+            raise bad_request(message, param=named, code=e.code) from None
         return SubRequest(sub_id, text, ids, placeholder_sampling_params(), lora, pooling_params=params)

@@ -26,7 +26,7 @@ from pagoda.entrypoints.openai.request_group import (
     ServerState,
     SubRequest,
 )
-from pagoda.entrypoints.openai.responses import SSE_DONE, Usage
+from pagoda.entrypoints.openai.responses import SSE_DONE, PerRequestMetrics, Usage
 from pagoda.hub.stores import NO_DEFAULTS, ModelDefaults
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.inputs import ImageInput
@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 # Set by the server middleware: the tenant a request belongs to.
 TENANT_SCOPE_KEY = "pagoda.tenant"
+# Set on the requests the server makes to itself for a batch's lines (pagoda/entrypoints/openai/batch):
+# they run in the background, yielding to live traffic (pagoda/core/scheduler.py).
+BACKGROUND_SCOPE_KEY = "pagoda.background"
 
 # Sent for a request whose client disconnected: nobody reads it (nginx's "client closed request").
 CLIENT_GONE = 499
@@ -93,7 +96,7 @@ class OpenAIServing:
     def __init__(
         self, engine: EngineClient, state: ServerState, served_model_name: str, request_timeout: float | None,
         model_defaults: ModelDefaults = NO_DEFAULTS,
-        *, force_include_usage: bool = False,
+        *, force_include_usage: bool = False, per_request_metrics: bool = False,
     ) -> None:
         """``model_defaults``: what the model brings (an Ollama model's sampling defaults and
         system prompt, pagoda/hub/stores.py), applied where a request sets nothing."""
@@ -101,6 +104,8 @@ class OpenAIServing:
         self.model_defaults = model_defaults
         # --enable-force-include-usage: streams end with a usage chunk even without stream_options.
         self.force_include_usage = force_include_usage
+        # --enable-per-request-metrics: responses carry vLLM's per-request ``metrics`` (request_metrics).
+        self.per_request_metrics = per_request_metrics
         self.state = state
         self.served_model_name = served_model_name
         self.request_timeout = request_timeout
@@ -116,9 +121,11 @@ class OpenAIServing:
             raise model_not_found(model)
         return lora
 
-    def truncate(self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: keep the last N tokens of the prompt (-1: max_model_len);
-        a value beyond max_model_len is a 400, as there."""
+    def truncate(self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
+                 truncation_side: str | None = None) -> list[int]:  # fmt: skip
+        """vLLM's truncate_prompt_tokens: keep N tokens of the prompt (-1: max_model_len), the
+        last N (``truncation_side`` "left", the default: the start is cut) or the first N
+        ("right"); a value beyond max_model_len is a 400, as there."""
         if truncate_prompt_tokens is None:
             return prompt_token_ids
         max_len = self.engine.max_model_len
@@ -128,7 +135,7 @@ class OpenAIServing:
                 f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_len}). "
                 "Please, select a smaller truncation size.", param="truncate_prompt_tokens", code="invalid_value",
             )  # fmt: skip
-        return prompt_token_ids[-keep:]
+        return prompt_token_ids[:keep] if truncation_side == "right" else prompt_token_ids[-keep:]
 
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response names: the adapter's name when one was asked for."""
@@ -186,8 +193,8 @@ class OpenAIServing:
         """The engine requests of one HTTP request (checked by ``prepare``); the tenant comes
         from the middleware (the API key's tenant, or the X-Tenant header when there are no keys)."""
         return RequestGroup(self.engine, self.state, subrequests, raw_request, self.request_timeout,
-                            priority=priority, cache_salt=cache_salt,
-                            tenant=raw_request.scope.get(TENANT_SCOPE_KEY))  # fmt: skip
+                            priority=priority, cache_salt=cache_salt, tenant=raw_request.scope.get(TENANT_SCOPE_KEY),
+                            background=bool(raw_request.scope.get(BACKGROUND_SCOPE_KEY)))  # fmt: skip
 
     # ---- running ---------------------------------------------------------------------
     @staticmethod
@@ -217,6 +224,14 @@ class OpenAIServing:
         """``on_error``: the event(s) that report an error after the 200 went out; ``done``: the
         last event of a stream the client did not cut (None: none, as in the Responses API)."""
         return SSEResponse(_guarded(events, on_error, done), on_close=group.close)
+
+    def request_metrics(self, outputs: Sequence[RequestOutput | None]) -> PerRequestMetrics | None:
+        """vLLM's per-request ``metrics`` with --enable-per-request-metrics: only for a request
+        that ran as one engine sequence (one prompt, n = 1, no best_of: RequestOutput.metrics
+        is set only then), as vLLM, which reports none where the timings are not one stream's."""
+        if not self.per_request_metrics or len(outputs) != 1 or outputs[0] is None or outputs[0].metrics is None:
+            return None
+        return PerRequestMetrics.of(outputs[0].metrics)
 
     @staticmethod
     def usage(subrequests: Sequence[SubRequest], outputs: Sequence[RequestOutput | None]) -> Usage:

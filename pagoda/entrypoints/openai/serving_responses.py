@@ -5,18 +5,21 @@ that ``previous_response_id`` names) become chat messages rendered by ``ChatServ
 template; function tools and ``tool_choice`` become a chat ``ToolPlan``; ``text.format``
 becomes the structured output constraint. With a reasoning parser, the output is split as chat
 splits it: the reasoning becomes a ``reasoning`` item before the message, tool calls are read
-from the rest, and a constraint applies after the (free) reasoning. The engine request is then prepared, admitted and
-run by ``OpenAIServing`` exactly as a chat completion is, so greedy output is the same text
-/v1/chat/completions gives for the same messages. What differs is the answer's shape: output
-items (``responses_output.OutputBuilder``) and, when streaming, the Responses event types with
-their ``sequence_number`` and ``event:`` lines, and no ``[DONE]``. Stored responses:
-``responses_store.py``.
+from the rest, and a constraint applies after the (free) reasoning. ``reasoning.effort`` is
+honoured as chat's ``reasoning_effort`` is (GPT-OSS's ``Reasoning:`` level, or the template's
+variable; a 400 elsewhere), and on GPT-OSS (Harmony) the reasoning items sent back are rendered
+as analysis before the calls they preceded, as Harmony keeps the current turn's reasoning. The
+engine request is then prepared, admitted and run by ``OpenAIServing`` exactly as a chat
+completion is, so greedy output is the same text /v1/chat/completions gives for the same
+messages. What differs is the answer's shape: output items (``responses_output.OutputBuilder``)
+and, when streaming, the Responses event types with their ``sequence_number`` and ``event:``
+lines, and no ``[DONE]``. Stored responses: ``responses_store.py``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query
@@ -26,7 +29,6 @@ from starlette.responses import JSONResponse, Response
 from pagoda.entrypoints.openai.errors import APIError, bad_request, unsupported
 from pagoda.entrypoints.openai.protocol import make_sampling_params
 from pagoda.entrypoints.openai.request_group import RequestGroup, SubRequest
-from pagoda.entrypoints.openai.responses import Usage
 from pagoda.entrypoints.openai.responses_output import (
     Event,
     EventWriter,
@@ -64,6 +66,11 @@ from pagoda.entrypoints.openai.tools import ToolPlan
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.reasoning import ReasoningStreamer, count_reasoning_tokens
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def _raw_message(text: str, token_ids: list[int]) -> dict[str, Any]:
+    """One of enable_response_messages' entries (vLLM's ResponseRawMessageAndToken)."""
+    return {"type": "raw_message_tokens", "message": text, "tokens": list(token_ids)}
 
 
 def response_not_found(response_id: str) -> APIError:
@@ -106,7 +113,8 @@ class _Run:
 
 class ResponsesServing(OpenAIServing):
     def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
-        super().__init__(chat.engine, chat.state, chat.served_model_name, chat.request_timeout, chat.model_defaults)
+        super().__init__(chat.engine, chat.state, chat.served_model_name, chat.request_timeout, chat.model_defaults,
+                         per_request_metrics=chat.per_request_metrics)
         self.chat = chat
         self.store = store
 
@@ -132,7 +140,8 @@ class ResponsesServing(OpenAIServing):
         c = out.outputs[0] if out is not None and out.outputs else None
         builder = OutputBuilder()
         if c is not None:
-            reasoning, content = self.chat.split_reasoning(c.text)
+            self._add_logprobs(run, builder, c.token_ids, c.logprobs)
+            reasoning, content = self.chat.split_reasoning(c.text, run.plan)
             builder.reasoning(reasoning or "")
             if run.plan.active:
                 extracted = self.chat.tool_parser.for_tools(run.plan.tool_dicts()).extract(
@@ -143,8 +152,14 @@ class ResponsesServing(OpenAIServing):
                     builder.call_arguments(call.arguments)
             else:
                 builder.text(content or "")
-        response, _ = self._finish(run, builder, c, self.usage([run.sub], outputs))
+        response, _ = self._finish(run, builder, c, outputs)
         return Response(response.model_dump_json(), media_type="application/json")
+
+    def _add_logprobs(self, run: _Run, builder: OutputBuilder, token_ids: list[int], logprobs: Any) -> None:
+        """With include ["message.output_text.logprobs"]: these tokens' logprobs, chat's entries."""
+        if run.body.output_logprobs and logprobs:
+            entries = self.logprobs.chat(token_ids, logprobs, run.body.top_logprobs or 0)
+            builder.logprobs([e.model_dump() for e in entries])
 
     def _resolve(self, body: ResponsesRequest, raw_request: Request) -> _Run:
         """Check the request and prepare its engine request (every 400 and 404 comes from here)."""
@@ -162,11 +177,13 @@ class ResponsesServing(OpenAIServing):
             history = previous.conversation()
         items = body.input_items()
         messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-        messages += to_chat_messages([parse_item(h) for h in history] + items)
+        messages += to_chat_messages([parse_item(h) for h in history] + items, keep_reasoning=self.chat.harmony)
         plan = body.tool_plan()
         structured, structured_param = self._structured(body, plan)
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        template_kwargs = self.chat.effort_kwargs(effort, "reasoning.effort")
         try:
-            text, ids, images = self.chat.encode_chat_images(messages, plan=plan)
+            text, ids, images = self.chat.encode_chat_images(messages, plan=plan, template_kwargs=template_kwargs)
         except APIError as e:
             # The chat messages' places are not the input's (instructions, earlier turns): "input".
             e.param = "input" if e.param is not None and e.param.startswith("messages") else e.param
@@ -182,12 +199,16 @@ class ResponsesServing(OpenAIServing):
                 kwargs["max_tokens"] = body.max_output_tokens
             if body.temperature is not None:
                 kwargs["temperature"] = body.temperature
-            if body.top_p is not None:
-                kwargs["top_p"] = body.top_p
-            return make_sampling_params(kwargs, {"max_tokens": "max_output_tokens"})
+            for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+                if getattr(body, name) is not None:
+                    kwargs[name] = getattr(body, name)
+            if body.output_logprobs:
+                kwargs["logprobs"] = body.top_logprobs or 0
+            names = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
+            return self.chat.keep_markers(make_sampling_params(kwargs, names), plan)
 
         sub = self.prepare(response_id, text, ids, to_params, "input", "max_output_tokens", structured_param,
-                           lora_request=lora, mm_inputs=images)  # fmt: skip
+                           lora_request=lora, mm_inputs=images, logprobs_param="top_logprobs")  # fmt: skip
         return _Run(body, response_id, tenant, plan, sub, items, history)
 
     def _structured(self, body: ResponsesRequest, plan: ToolPlan) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -224,7 +245,7 @@ class ResponsesServing(OpenAIServing):
             prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention,
             reasoning=self._reasoning_echo(body),
             safety_identifier=body.safety_identifier, service_tier=body.service_tier, store=body.stored,
-            temperature=params.temperature, top_p=params.top_p, text=text,
+            temperature=params.temperature, top_p=params.top_p, top_logprobs=params.logprobs, text=text,
             tool_choice=choice.model_dump() if choice is not None and not isinstance(choice, str) else choice or "auto",
             tools=[t.model_dump() for t in body.tools or []], user=body.user, **fields,
         )  # fmt: skip
@@ -236,24 +257,34 @@ class ResponsesServing(OpenAIServing):
             return ReasoningEcho()
         return ReasoningEcho(effort=r.effort, summary=r.summary or r.generate_summary, context=r.context, mode=r.mode)
 
-    def _reasoning_tokens(self, c: CompletionOutput | None) -> int:
+    def _reasoning_tokens(self, run: _Run, c: CompletionOutput | None) -> int:
         parser = self.chat.reasoning_parser
         if parser is None or c is None:
             return 0
-        return count_reasoning_tokens(parser, c.token_ids, self.tokenizer.decode)
+        # Decoded as the output text was: with the special tokens a parser's tags may be (Harmony's markers).
+        skip = run.sub.params.skip_special_tokens
+        return count_reasoning_tokens(parser, c.token_ids, lambda ids: self.tokenizer.decode(ids, skip))
 
     def _finish(self, run: _Run, builder: OutputBuilder, c: CompletionOutput | None,
-                usage: Usage) -> tuple[ResponseObject, list[Event]]:  # fmt: skip
+                outputs: Sequence[RequestOutput | None]) -> tuple[ResponseObject, list[Event]]:  # fmt: skip
         """Close the output, make the final Response object and store it if asked to; the
         events that closed the last item."""
         status, incomplete, error = _status(c)
         events = builder.finish("incomplete" if status == "incomplete" else "completed")
+        usage = self.usage([run.sub], outputs)
         details = usage.prompt_tokens_details
+        messages: dict[str, Any] = {}
+        if run.body.enable_response_messages:
+            # vLLM's raw messages: the prompt as rendered, the output as generated (reasoning and markup included).
+            sub = run.sub
+            messages["input_messages"] = [_raw_message(sub.prompt or "", sub.prompt_token_ids)]
+            messages["output_messages"] = [_raw_message(c.text, c.token_ids)] if c is not None and c.token_ids else []
         response = self._response(
             run, status, builder, incomplete_details=incomplete, error=error,
             completed_at=int(time.time()) if status == "completed" else None,
             usage=ResponseUsage.of(usage.prompt_tokens, usage.completion_tokens, details.cached_tokens,
-                                   self._reasoning_tokens(c)),
+                                   self._reasoning_tokens(run, c)),
+            metrics=self.request_metrics(outputs), **messages,
         )  # fmt: skip
         if run.body.stored and self.store.enabled:
             entry = StoredResponse(response.model_dump(mode="json"), [_stored_item(i) for i in run.items],
@@ -268,28 +299,27 @@ class ResponsesServing(OpenAIServing):
         yield writer({"type": "response.created", "response": started})
         yield writer({"type": "response.in_progress", "response": started})
         streamer = self.chat.tool_parser.for_tools(run.plan.tool_dicts()).streamer() if run.plan.active else None
-        parser = self.chat.reasoning_parser
-        reasoner = parser.streamer() if parser is not None else None
+        reasoner = self.chat.reasoning_streamer(run.plan)
         for _, out in first:
-            for event in self._step(out, builder, streamer, reasoner):
+            for event in self._step(run, out, builder, streamer, reasoner):
                 yield writer(event)
         while (item := await group.next()) is not None:
-            for event in self._step(item[1], builder, streamer, reasoner):
+            for event in self._step(run, item[1], builder, streamer, reasoner):
                 yield writer(event)
         last = group.last[0]
         c = last.outputs[0] if last is not None and last.outputs else None
-        response, events = self._finish(run, builder, c, self.usage(group.subrequests, group.last))
+        response, events = self._finish(run, builder, c, group.last)
         for event in events:
             yield writer(event)
         yield writer({"type": f"response.{response.status}", "response": response.model_dump(mode="json")})
 
-    @staticmethod
-    def _step(out: RequestOutput, builder: OutputBuilder, streamer: ToolCallStreamer | None,
+    def _step(self, run: _Run, out: RequestOutput, builder: OutputBuilder, streamer: ToolCallStreamer | None,
               reasoner: ReasoningStreamer | None) -> list[Event]:  # fmt: skip
         events: list[Event] = []
         for c in out.outputs:
             if c.finished and not c.just_finished:
                 continue  # finished in an earlier update
+            self._add_logprobs(run, builder, c.delta_token_ids, c.delta_logprobs)
             text = c.delta_text
             if reasoner is not None:
                 split = reasoner.feed(text, final=c.just_finished)

@@ -148,7 +148,8 @@ class BudgetedGroup:
             if timeout <= 0:
                 raise RequestStopped("timeout", first.timeout)
         return RequestGroup(self.serving.engine, self.serving.state, [continued], first.raw_request, timeout,
-                            priority=first.priority, cache_salt=first.cache_salt, tenant=first.tenant)  # fmt: skip
+                            priority=first.priority, cache_salt=first.cache_salt, tenant=first.tenant,
+                            background=first.background)  # fmt: skip
 
     def _joined(self, raw: RequestOutput) -> RequestOutput:
         """A phase-2 output as part of the whole generation (phase 1's are that already)."""

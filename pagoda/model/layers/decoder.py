@@ -511,6 +511,10 @@ class CausalLM(nn.Module):
                 if isinstance(m, Attention):
                     m.kv_share = share
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.num_labels:
+            # A sequence-classification checkpoint (Qwen3ForSequenceClassification): a score head
+            # over the pooled (last) hidden state, read by ``classify``.
+            self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.init_rope(torch.device("cpu"))
         # Pipeline parallelism (pagoda/model/layers/pipeline.py, StagePlan.apply): this
         # stage's part of the forward and of the logits.
@@ -741,6 +745,10 @@ class CausalLM(nn.Module):
         if self.stage is not None:   # the last pipeline stage computes them, rank 0 receives them
             return self.stage.compute_logits(self, hidden)
         return self.head_logits(hidden)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] pooled states -> [n, num_labels] float32 logits of the score head."""
+        return self.score(pooled).float()
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

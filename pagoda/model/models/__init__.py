@@ -62,6 +62,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Mistral3ForConditionalGeneration": ("mistral3", "Mistral3ForConditionalGeneration"),
+    # An encoder served as a classifier only (cross-encoders: task classify).
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }
 
 # GGUF `general.architecture` -> HF architecture name.

@@ -10,24 +10,33 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
     ToolCallStreamer,
     ToolParser,
 )
+from pagoda.entrypoints.openai.tool_parsers.harmony_calls import OpenAIToolParser
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_parsers.delimited import DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser
 from pagoda.entrypoints.openai.tool_parsers.json_calls import GraniteToolParser, Llama3JsonToolParser, MistralToolParser
 from pagoda.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from pagoda.entrypoints.openai.tool_parsers.xml_calls import Glm45ToolParser, Glm47ToolParser, MiniMaxM2ToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, MistralToolParser, Llama3JsonToolParser, GraniteToolParser,
-                        DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser, Qwen3CoderToolParser)}
+                        DeepSeekV3ToolParser, DeepSeekV31ToolParser, KimiK2ToolParser, Qwen3CoderToolParser,
+                        Glm45ToolParser, Glm47ToolParser, MiniMaxM2ToolParser, OpenAIToolParser)}
 DEFAULT_TOOL_PARSER = HermesToolParser.name
 AUTO = "auto"   # --tool-call-parser auto: the format the chat template writes (choose_tool_parser)
 
-# What a chat template writes around tool calls -> the parser of that format (first match wins).
+# What a chat template writes around tool calls -> the parser of that format (first match wins: GLM's
+# templates also write "<tool_call>", so their "<arg_key>" comes before Hermes' marker, GLM-4.7's
+# compact pairs before GLM-4.5's). GPT-OSS's Harmony template writes channels, and its calls as messages.
 _TEMPLATE_MARKERS = (
+    ("<|channel|>", "openai"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
     ("<｜tool▁sep｜>", "deepseek"),
+    ("<minimax:tool_call>", "minimax_m2"),
     ("[TOOL_CALLS]", "mistral"),
     ("<|tool_call|>", "granite"),
     ("<|python_tag|>", "llama3_json"),
+    ("</arg_key><arg_value>", "glm47"),
+    ("<arg_key>", "glm45"),
     ("<function=", "qwen3_coder"),
     ("<tool_call>", "hermes"),
 )
