@@ -5,6 +5,14 @@
 //   copy). Each (sequence, query head) has a fixed summation order, so a
 //   sequence's result does not depend on its batch.
 //
+// Split-K: a sequence's positions are cut into chunks of kChunk (a fixed length, so the
+//   cut depends on the sequence alone, never on its batch); each chunk is a work unit that
+//   leaves its partial softmax (the maximum score m, the sum l of e^(s - m) and the
+//   unnormalised sum of the weighted V rows), and a merge combines a sequence's chunks in
+//   order: out = sum_i e^(m_i - M) o_i / (sum_i e^(m_i - M) l_i [+ e^(sink - M)]), M the
+//   largest m (and sink). A long lone sequence so keeps every core reading its KV, where one
+//   unit per sequence (or per KV head) left them idle or unevenly loaded.
+//
 // float32, float16 or int8 caches; an AVX2 kernel (no AVX-512 version).
 
 #include <ATen/Parallel.h>
@@ -87,10 +95,13 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   for (int64_t p = 0; p < n; ++p) s[p] = cap * std::tanh(s[p] / cap);
 }
 
+// The positions are one chunk (rows[0..len)); the output is the chunk's partial softmax:
+// per query head h of the KV heads [kv0, kv1), ob[h * D..] the sum of e^(s_p - m_h) V_p,
+// mo[h] = m_h (the chunk's largest score), lo[h] the sum of e^(s_p - m_h).
 template <int G, typename KV>
 void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len, int64_t D,
-                  int64_t kv0, int64_t kv1, float sc, float* scores, float* ob, const float* ks,
-                  const float* vs, const int64_t* srows, float* buf, float softcap, const float* sinks) {
+                  int64_t kv0, int64_t kv1, float sc, float* scores, float* ob, float* mo, float* lo,
+                  const float* ks, const float* vs, const int64_t* srows, float* buf, float softcap) {
   const int64_t padded = (len + 7) / 8 * 8;
   // Eight positions' K (then V) rows, heads kv0..kv1, copied as float32 into buf (room for
   // 8 x (kv1 - kv0) x D) one row after another: read in address order, the cache streams
@@ -135,9 +146,7 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
     for (int64_t p0 = 8; p0 < padded; p0 += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + p0));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, vmx);
-    // A sink (GPT-OSS) is one more logit in the softmax, with no value.
-    const float mx = sinks ? std::max(*std::max_element(lanes, lanes + 8), sinks[h])
-                           : *std::max_element(lanes, lanes + 8);
+    const float mx = *std::max_element(lanes, lanes + 8);
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 tot = _mm256_setzero_ps();
     for (int64_t p0 = 0; p0 < padded; p0 += 8) {
@@ -150,8 +159,8 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
       _mm256_storeu_ps(sg + p0, e);
       tot = _mm256_add_ps(tot, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.f / (hsum256(tot) + (sinks ? std::exp(sinks[h] - mx) : 0.f)));
-    for (int64_t p0 = 0; p0 < padded; p0 += 8) _mm256_storeu_ps(sg + p0, _mm256_mul_ps(_mm256_loadu_ps(sg + p0), inv));
+    mo[h] = mx;
+    lo[h] = hsum256(tot);
     if (vs) {
       const int64_t kvh = h / G;
       for (int64_t p = 0; p < len; ++p) sg[p] *= vs[srows[p] + kvh];
@@ -234,6 +243,12 @@ void decode_head_generic(const float* qh, const KV* kp, const KV* vp, const int6
 
 namespace {
 
+// Positions per split-K chunk: a fixed length, so that how a sequence is cut (and so its
+// summation order) depends on the sequence alone. 256 positions of a small model's K and V
+// (3 KV heads of 64, float16) are 192 KiB: a chunk's rows stay in L2 between its K and V
+// passes, and a 1k-token context already gives each of two cores two chunks.
+constexpr int64_t kChunk = 256;
+
 template <typename KV>
 void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t* tp, const int32_t* lp,
                       float* op, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
@@ -241,44 +256,58 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
                       const float* sinks) {
   const int64_t G = H / KVH;
   const bool vec = D % 8 == 0 && G >= 1 && G <= 8;
-  // Work units: whole sequences (their K/V rows, all KV heads, are adjacent in the
-  // cache: streamed in order), or (sequence, KV head) when there are fewer sequences
-  // than threads. Each head's arithmetic is the same either way, so a sequence's result
-  // does not depend on its batch.
-  const int64_t split = vec && B >= at::get_num_threads() ? 1 : KVH;
-  at::parallel_for(0, B * split, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores, buf(8 * KVH * D);  // buf: decode_heads' rows as float32
-    std::vector<int64_t> rows, srows;  // srows[p]: position p's slot x KVH (an int8 cache's scales)
+  auto first_of = [&](int64_t b) {  // a windowed layer reads positions [first, seq_len): the last `window`
+    return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t{0};
+  };
+  if (!vec) {
+    // Any other shape: one unit per (sequence, KV head), the whole context at once.
+    at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
+      std::vector<float> scores;
+      std::vector<int64_t> rows, srows;
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t b = w / KVH, kvh = w % KVH, first = first_of(b), len = lp[b] - first;
+        scores.resize(G * len);
+        rows.resize(len);
+        srows.resize(len);
+        const int32_t* table = tp + b * max_blocks;
+        for (int64_t i = 0; i < len; ++i) {
+          const int64_t p = first + i;
+          srows[i] = (table[p / bs] * bs + p % bs) * KVH + kvh;
+          rows[i] = srows[i] * D;
+        }
+        decode_head_generic<KV>(qp + (b * H + kvh * G) * D, kp, vp, rows.data(), len, D, G, sc, scores.data(),
+                                op + (b * H + kvh * G) * D, ks, vs, srows.data(), softcap,
+                                sinks ? sinks + kvh * G : nullptr);
+      }
+    });
+    return;
+  }
+  // Chunks: sequence b's are [start[b], start[b + 1]).
+  std::vector<int64_t> start(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) start[b + 1] = start[b] + (lp[b] - first_of(b) + kChunk - 1) / kChunk;
+  const int64_t chunks = start[B];
+  // Work units: chunks (their K/V rows, all KV heads, adjacent in the cache: streamed in
+  // order), or (chunk, KV head) when there are fewer chunks than threads. A head's
+  // arithmetic is the same either way.
+  const int64_t split = chunks >= at::get_num_threads() ? 1 : KVH;
+  std::vector<float> part_o(chunks * H * D), part_m(chunks * H), part_l(chunks * H);
+  at::parallel_for(0, chunks * split, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(H * kChunk), buf(8 * KVH * D);  // buf: decode_heads' rows as float32
+    std::vector<int64_t> rows(kChunk), srows(kChunk);  // srows[p]: position p's slot x KVH (int8 scales)
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / split;
-      // A windowed layer reads positions [first, seq_len): the last `window` ones.
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0, len = lp[b] - first;
+      const int64_t c = w / split;
+      const int64_t b = std::upper_bound(start.begin(), start.end(), c) - start.begin() - 1;
+      const int64_t p0 = first_of(b) + (c - start[b]) * kChunk, len = std::min<int64_t>(kChunk, lp[b] - p0);
       const int64_t kv0 = split == 1 ? 0 : w % split, kv1 = split == 1 ? KVH : kv0 + 1;
-      const int64_t padded = (len + 7) / 8 * 8;
-      scores.resize(H * padded);
-      rows.resize(len);
-      srows.resize(len);
       const int32_t* table = tp + b * max_blocks;
       for (int64_t i = 0; i < len; ++i) {
-        const int64_t p = first + i;
+        const int64_t p = p0 + i;
         srows[i] = (table[p / bs] * bs + p % bs) * KVH;
         rows[i] = srows[i] * D;
       }
       const float* qb = qp + b * H * D;
-      float* ob = op + b * H * D;
-      if (!vec) {
-        for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
-          for (int64_t i = 0; i < len; ++i) {
-            const int64_t p = first + i;
-            srows[i] = (table[p / bs] * bs + p % bs) * KVH + kvh;
-            rows[i] = srows[i] * D;
-          }
-          decode_head_generic<KV>(qb + kvh * G * D, kp, vp, rows.data(), len, D, G, sc, scores.data(),
-                                  ob + kvh * G * D, ks, vs, srows.data(), softcap, sinks ? sinks + kvh * G : nullptr);
-        }
-        continue;
-      }
-#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, ks, vs, srows.data(), buf.data(), softcap, sinks); break;
+      float *ob = part_o.data() + c * H * D, *mo = part_m.data() + c * H, *lo = part_l.data() + c * H;
+#define PAGODA_HEADS(NG) decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, mo, lo, ks, vs, srows.data(), buf.data(), softcap); break;
       switch (G) {
         case 1: PAGODA_HEADS(1)
         case 2: PAGODA_HEADS(2)
@@ -290,6 +319,26 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
         default: PAGODA_HEADS(8)
       }
 #undef PAGODA_HEADS
+    }
+  });
+  // The merge, per (sequence, query head), its chunks in order. A sink (GPT-OSS) is one
+  // more logit in the softmax, with no value.
+  at::parallel_for(0, B * H, 16, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / H, h = w % H;
+      float M = sinks ? sinks[h] : -INFINITY;
+      for (int64_t c = start[b]; c < start[b + 1]; ++c) M = std::max(M, part_m[c * H + h]);
+      float denom = sinks ? std::exp(sinks[h] - M) : 0.f;
+      float* o = op + (b * H + h) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t c = start[b]; c < start[b + 1]; ++c) {
+        const float f = std::exp(part_m[c * H + h] - M);
+        denom += f * part_l[c * H + h];
+        const float* oc = part_o.data() + (c * H + h) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] += f * oc[i];
+      }
+      const float inv = 1.f / denom;
+      for (int64_t i = 0; i < D; ++i) o[i] *= inv;
     }
   });
 }

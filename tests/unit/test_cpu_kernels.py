@@ -180,6 +180,39 @@ def test_paged_decode_attention_softcap(heads, kv_heads, head_dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["float32", "float16", "int8"])
+def test_paged_decode_attention_split_over_long_contexts(kind):
+    """Contexts longer than a split-K chunk (256 positions): a sequence's chunks run as units
+    of their own and their partial softmaxes merge; lengths around the chunk edges, with
+    windows and sinks, each cache dtype; the result of a sequence alone equals its result in
+    the batch (the cut depends on the sequence alone)."""
+    torch.manual_seed(11)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    lens = torch.tensor([1, 255, 256, 257, 700, 1030], dtype=torch.int32)
+    per_seq = 65
+    values = torch.randn(2, per_seq * 6, bs, kv_heads, head_dim) * 3
+    scales = None
+    if kind == "int8":
+        scales = values.abs().amax(-1) / 127
+        cache = torch.round(values / scales[..., None]).to(torch.int8)
+        dense = cache.float() * scales[..., None]
+    else:
+        cache = values.to(getattr(torch, kind))
+        dense = cache.float()
+    tables = torch.randperm(per_seq * 6).view(6, per_seq).int()
+    q = torch.randn(6, heads, head_dim)
+    sinks = torch.randn(heads) * 3
+    for window, sink in ((0, None), (300, None), (0, sinks), (200, sinks)):
+        out = ops.paged_decode_attention(q, cache, tables, lens, 0.125, scales, window, 0.0, sink)
+        want = _reference_decode(q, dense, tables, lens, 0.125, window, sinks=sink)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        for b in (0, 3, 5):
+            alone = ops.paged_decode_attention(q[b:b + 1], cache, tables[b:b + 1], lens[b:b + 1], 0.125, scales,
+                                               window, 0.0, sink)
+            assert torch.equal(alone[0], out[b])
+
+
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (10, 1, 16)])
 def test_paged_decode_attention_sinks(heads, kv_heads, head_dim):
     """GPT-OSS's sinks (a logit per query head joining the softmax) on the vector and
