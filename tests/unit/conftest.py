@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 
-@pytest.fixture(scope="module")
-def matcher_factory():
+def grammar_acceptor(tok: Any) -> Callable[[str, str], bool]:
     """accepts(grammar, text): whether a Lark grammar (llguidance) accepts ``text``, tokenized
-    by the bundled model's tokenizer."""
+    by the pagoda Tokenizer ``tok`` (special tokens matched whole)."""
     llguidance = pytest.importorskip("llguidance")
-    from pagoda.config import EngineConfig
-    from pagoda.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(EngineConfig())
     ll_tok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids))
 
     def accepts(grammar: str, text: str) -> bool:
@@ -22,3 +20,12 @@ def matcher_factory():
         return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
 
     return accepts
+
+
+@pytest.fixture(scope="module")
+def matcher_factory():
+    """accepts(grammar, text) over the bundled model's tokenizer (``grammar_acceptor``)."""
+    from pagoda.config import EngineConfig
+    from pagoda.tokenizer import load_tokenizer
+
+    return grammar_acceptor(load_tokenizer(EngineConfig()))

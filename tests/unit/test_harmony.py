@@ -32,6 +32,7 @@ from pagoda.entrypoints.openai.tool_parsers import choose_tool_parser, get_tool_
 from pagoda.reasoning import count_reasoning_tokens, get_reasoning_parser
 from pagoda.sampling_params import StructuredOutputsParams
 from tests.harmony_tokenizer import harmony_tokenizer
+from tests.unit.conftest import grammar_acceptor
 from tests.unit.tool_streams import stream
 
 REASONING = get_reasoning_parser("openai_gptoss")
@@ -351,16 +352,7 @@ def test_reasoning_section_and_thinking_budget() -> None:
 @pytest.fixture(scope="module")
 def accepts():
     """accepts(grammar, text): whether a grammar admits ``text`` as the Harmony markers' special tokens."""
-    llguidance = pytest.importorskip("llguidance")
-    tok = harmony_tokenizer()
-    ll_tok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids))
-
-    def accepts(grammar: str, text: str) -> bool:
-        m = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
-        assert not m.is_error(), m.get_error()
-        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
-
-    return accepts
+    return grammar_acceptor(harmony_tokenizer())
 
 
 def test_the_forcing_grammar_admits_calls_as_written_and_rendered(accepts) -> None:
