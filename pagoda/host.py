@@ -64,32 +64,6 @@ def keep_freed_memory() -> bool:
                ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 256 << 20), (_M_TOP_PAD, 64 << 20)))
 
 
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-def advise_huge_pages(address: int, length: int) -> bool:
-    """Ask Linux to back the whole 2 MiB pages of [address, address + length) with
-    transparent huge pages (``madvise(MADV_HUGEPAGE)``; machines whose THP setting is
-    ``madvise`` give none otherwise). For the KV pool: a long context's decode reads blocks
-    scattered over the pool, and with 4 KiB pages every block is a TLB miss or two; measured
-    here (decode attention, 16k-32k tokens x 16-64 sequences, a 0.5-1.6 GB pool) ~1.15x
-    faster. Untouched pages still cost nothing; touched memory is committed 2 MiB at a time.
-    Returns whether it applied (Linux with glibc; elsewhere, or where refused, a no-op)."""
-    import ctypes
-
-    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
-    end = (address + length) // _HUGE_PAGE * _HUGE_PAGE
-    if end <= start:
-        return False
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise(start, end - start, _MADV_HUGEPAGE) == 0
-
-
 def release_freed_memory() -> bool:
     """Hand malloc's free heap back to the kernel (glibc's malloc_trim), after a one-off
     burst of allocations such as converting a model's weights at load. Returns whether

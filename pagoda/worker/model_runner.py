@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pagoda.host import advise_huge_pages
 from pagoda.attention import AttentionMetadata, select_backend
 from pagoda.attention.cpu import CpuBackend
 from pagoda.attention.kv_quant import QuantizedKVCache, storage_dtype
@@ -162,15 +161,8 @@ def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int, kv_dtyp
     kvh, hd = shapes[min(shapes) if buffer is None else buffer]
     quantized = storage_dtype(kv_cache_dtype)
     if quantized is not None:
-        cache = QuantizedKVCache(num_blocks, block_size, kvh, hd, quantized, device, pin)
-        tensors = [cache.data, cache.scales]
-    else:
-        cache = torch.empty(2, num_blocks, block_size, kvh, hd, dtype=kv_dtype, device=device, pin_memory=pin)
-        tensors = [cache]
-    if torch.device(device).type == "cpu" and not pin:
-        for t in tensors:   # (huge pages: pagoda/host.py advise_huge_pages)
-            advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
-    return cache
+        return QuantizedKVCache(num_blocks, block_size, kvh, hd, quantized, device, pin)
+    return torch.empty(2, num_blocks, block_size, kvh, hd, dtype=kv_dtype, device=device, pin_memory=pin)
 
 
 def _copy_blocks(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:

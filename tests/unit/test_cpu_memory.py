@@ -1,12 +1,10 @@
 """keep_freed_memory: a step's large temporaries reuse heap pages instead of being
-mapped afresh (and faulted in page by page) on every step; and the KV pool advised as huge pages."""
+mapped afresh (and faulted in page by page) on every step."""
 
-import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 SCRIPT = r"""
 import resource, sys, torch
@@ -47,16 +45,3 @@ def test_keep_freed_memory_stops_page_faults_on_reused_temporaries():
     # quantization beside the test).
     assert tuned < 3000
     assert tuned * 4 < default
-
-
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
-                    reason="no transparent huge pages on this kernel")
-def test_the_kv_pool_asks_for_huge_pages() -> None:
-    """The KV pool's whole 2 MiB pages are advised as huge pages (a long context's scattered
-    blocks then miss the TLB less); a range holding no whole huge page is left alone."""
-    from pagoda.host import advise_huge_pages
-
-    buffer = torch.empty(16 << 20, dtype=torch.uint8)
-    assert advise_huge_pages(buffer.data_ptr(), buffer.numel())
-    assert not advise_huge_pages(buffer.data_ptr(), 1 << 20)
-    assert not advise_huge_pages((2 << 20) + 4096, (2 << 20) - 8192)
