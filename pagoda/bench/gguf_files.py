@@ -300,13 +300,16 @@ def _gemma4_layer(shape: ModelShape, b: str, i: int) -> list[tuple[str, tuple[in
 
 def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_M", tokenizer_from: str | None = None,
                 seed: int = 0, show_progress: bool = True,
-                overrides: dict[str, GGMLQuantizationType] | None = None, quantized: bool = False) -> str:
+                overrides: dict[str, GGMLQuantizationType] | None = None, quantized: bool = False,
+                context_length: int = 8192) -> str:
     """Write a random-weight GGUF file of a named shape (or any ``ModelShape``), tensor by
     tensor (peak memory: one tensor), with the bundled model's tokenizer and chat
     template. ``overrides``: tensor name -> type, for tests (a type this module has no
     random blocks for is written as zeros). ``quantized``: weights quantized from random
     normal floats where the gguf library or ``quantize_q4_k`` can (slower; a model whose
-    numbers behave like a real one's, for tests that compare outputs), else random blocks."""
+    numbers behave like a real one's, for tests that compare outputs), else random blocks.
+    ``context_length``: the context the file says it was trained for (what an engine's
+    longest --max-model-len is checked against; plain RoPE, no scaling)."""
     import gguf
     from tqdm import tqdm
 
@@ -326,7 +329,7 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     w = gguf.GGUFWriter(path, a)
     w.add_name(f"random {shape_name if isinstance(shape_name, str) else 'custom'} {file_type}")
     w.add_uint32(f"{a}.block_count", shape.layers)
-    w.add_uint32(f"{a}.context_length", 8192)
+    w.add_uint32(f"{a}.context_length", context_length)
     w.add_uint32(f"{a}.embedding_length", shape.hidden)
     w.add_uint32(f"{a}.feed_forward_length", shape.ffn)
     w.add_uint32(f"{a}.attention.head_count", shape.heads)
@@ -433,8 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", default="Q4_K_M", choices=FILE_TYPES,
                     help="F16 (e.g. for llama-quantize) or a mix written directly as random blocks")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--context-length", type=int, default=8192,
+                    help="the context the file says it was trained for (e.g. 131072 for long-context runs)")
     args = ap.parse_args(argv)
-    write_model(args.out, args.shape, args.type, seed=args.seed)
+    write_model(args.out, args.shape, args.type, seed=args.seed, context_length=args.context_length)
     print(args.out)
     return 0
 

@@ -8,7 +8,10 @@ A request's ``kv_transfer_params`` (vLLM's field name, our own keys) is one of:
   instance fetches them (or the router releases them, or ``timeout_s`` passes);
 - ``{"do_remote_prefill": true, "transfer_id": "X", "remote_address": "tcp://host:port"}`` to
   a decode instance: fetch X's blocks and first token from the prefill instance's KV endpoint,
-  then decode on.
+  then decode on. ``"prompt_token_ids": [...]`` (optional, vLLM's key) are the prompt's tokens as
+  the prefill instance computed them: the decode instance takes them as the prompt instead of
+  rendering the request's own (the router passes them on), so another tokenizer or template
+  there cannot disagree.
 
 An instance's ``--kv-transfer-config`` (JSON) sets its KV endpoint and limits; see
 ``KVTransferConfig``.
@@ -46,6 +49,7 @@ class KVTransferParams:
     do_remote_prefill: bool = False
     transfer_id: str | None = None
     remote_address: str | None = None
+    prompt_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("do_remote_decode", "do_remote_prefill"):
@@ -62,6 +66,15 @@ class KVTransferParams:
         elif self.remote_address is not None:
             raise ValueError("kv_transfer_params.remote_address is the prefill instance's KV endpoint, given to "
                              "a decode instance (do_remote_prefill); a prefill instance takes none")
+        ids = self.prompt_token_ids
+        if ids is not None:
+            if not self.do_remote_prefill:
+                raise ValueError("kv_transfer_params.prompt_token_ids are the prefill instance's prompt, given to a "
+                                 "decode instance (do_remote_prefill); a prefill instance computes its own")
+            if (not isinstance(ids, list) or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise ValueError("kv_transfer_params.prompt_token_ids must be a non-empty list of token ids "
+                                 "(non-negative integers)")
 
     @classmethod
     def parse(cls, value: Any) -> KVTransferParams | None:

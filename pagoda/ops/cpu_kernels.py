@@ -254,6 +254,18 @@ def onednn_units(kind: str) -> str:
 if __name__ == "__main__":
     import argparse
 
+    # Also run as a plain script (`python pagoda/ops/cpu_kernels.py --build`, which needs torch
+    # and ninja alone, not the package's other dependencies): `make install` compiles the
+    # kernels so while the rest of the dev environment installs.
     parser = argparse.ArgumentParser(description="build pagoda's CPU kernels ahead of use")
-    parser.add_argument("--install", metavar="DIR", required=True, help="copy the built module into DIR")
-    print(install(parser.parse_args().install))
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--install", metavar="DIR", help="copy the built module into DIR")
+    what.add_argument("--build", action="store_true",
+                      help="build them into torch's extension cache (what the first start would do)")
+    args = parser.parse_args()
+    if args.build:
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        built = kernels()
+        print(built.__file__ if built is not None else f"no CPU kernels here: {error()}")
+    else:
+        print(install(args.install))

@@ -267,3 +267,18 @@ def test_minus_one_logprobs_under_max_logprobs_minus_one(http: httpx.Client, eng
 
 def test_version_is_vllms_shape(http: httpx.Client) -> None:
     assert http.get("/version").json() == {"version": __version__}
+
+
+# ---------------------------------------------------------------------- kv_transfer_params.prompt_token_ids
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "Hello there"}),
+                                        ("/v1/chat/completions", {"messages": HI})])
+def test_a_decode_instance_takes_the_prefill_instances_prompt(http: httpx.Client, engine: FakeEngine,
+                                                              path: str, body: dict) -> None:  # fmt: skip
+    ids = [1001, 1002, 1003, 1004, 1005, 1006, 1007]
+    transfer = {"do_remote_prefill": True, "transfer_id": "t1", "remote_address": "tcp://127.0.0.1:9",
+                "prompt_token_ids": ids}
+    r = http.post(path, json={**body, "max_tokens": 2, "return_token_ids": True, "kv_transfer_params": transfer})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1].prompt_token_ids == ids and r.json()["usage"]["prompt_tokens"] == len(ids)
+    err = error_of(http.post(path, json={**body, "kv_transfer_params": {**transfer, "prompt_token_ids": []}}))
+    assert "prompt_token_ids must be a non-empty list" in err["message"]

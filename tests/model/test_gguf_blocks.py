@@ -94,6 +94,16 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         load_model(path, show_progress=False)
 
 
+
+def test_a_random_file_says_the_context_it_was_given(tmp_path):
+    """--context-length: the context the file says it was trained for (a real Llama 3.2's
+    131072 for long-context runs), as the loader reads it."""
+    path = str(tmp_path / "long.gguf")
+    write_model(path, LLAMA, "Q4_K_M", show_progress=False, context_length=65536)
+    assert GGUFFile(path).metadata["llama.context_length"] == 65536
+    assert load_model(path, show_progress=False).arch.max_position_embeddings == 65536
+
+
 RSS_SCRIPT = r"""
 import gc, os, sys, torch
 from pagoda.ops import cpu_kernels

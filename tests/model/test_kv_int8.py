@@ -113,3 +113,21 @@ def test_int8_kv_engine_capacity_and_swap(tiny_llama_dir):
         assert cmp.equal, cmp.excused
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_a_long_float32_cache_gets_a_start_up_hint(tiny_llama_dir, caplog):
+    """The exact mode keeps float32 KV (transformers' numbers); with a long context the log
+    says what float16 KV would trade, and says nothing where the choice was made already."""
+    import logging
+
+    from pagoda.engine.engine_core import LONG_CONTEXT_HINT
+
+    base = dict(model=tiny_llama_dir, show_progress=False, max_model_len=LONG_CONTEXT_HINT,
+                kv_cache_memory=4 << 20)  # fmt: skip
+    first = None
+    for kv, said in (("auto", True), ("float16", False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pagoda.engine.engine_core"):
+            first = EngineCore(EngineConfig(**base, kv_cache_dtype=kv), loaded=first.loaded if first else None,
+                               collect_stats=False)  # fmt: skip
+        assert ("--kv-cache-dtype float16 halves that" in caplog.text) is said, kv

@@ -582,6 +582,19 @@ def test_kernels_build_on_a_cpu_that_has_what_they_need():
     assert ops is not None, cpu_kernels.error()
 
 
+
+@needs_kernels
+def test_the_module_builds_as_a_plain_script():
+    """`make install` compiles the kernels by running this file as a script (torch and ninja
+    alone, beside the rest of the install): it must not import the package, and it finds the
+    build the package uses."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-I", cpu_kernels.__file__, "--build"], capture_output=True, text=True,
+                         timeout=600, check=True).stdout.strip()
+    assert out == ops.__file__
+
 @needs_kernels
 def test_float16_cache_decode_and_write():
     """A float16 cache: rope_qkv stores K/V rounded as torch's .half() does, and decode

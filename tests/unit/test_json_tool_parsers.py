@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
-from tests.unit.tool_streams import stream
+from tests.unit.tool_streams import check_extract, stream
 
 WEATHER = {"city": "Paris", "days": [1, 2], "x": {"y": "}{\\\"[TOOL_CALLS]"}}
 
@@ -65,14 +65,7 @@ CASES = [
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_extract(name, text, content, calls) -> None:
-    out = get_tool_parser(name).extract(text)
-    if calls is None:   # not valid calls: the whole output is the content
-        assert out.content == text and out.calls == []
-        return
-    assert out.content == content
-    assert [(c.name, c.arguments) for c in out.calls] == calls
-    for _, arguments in calls:
-        json.loads(arguments)
+    check_extract(get_tool_parser(name), text, content, calls)
 
 
 def _stream(name: str, text: str, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:

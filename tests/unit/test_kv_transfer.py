@@ -189,6 +189,13 @@ def test_params_and_config_are_checked():
         KVTransferParams.parse({"do_remote_decode": True, "transfer_id": "x", "bogus": 1})
     with pytest.raises(ValueError, match="remote_address"):
         KVTransferParams.parse({"do_remote_prefill": True, "transfer_id": "x", "remote_address": "http://h:1"})
+    decode = {"do_remote_prefill": True, "transfer_id": "x", "remote_address": "tcp://h:5"}
+    assert KVTransferParams.parse({**decode, "prompt_token_ids": [3, 0, 9]}).prompt_token_ids == [3, 0, 9]
+    for bad in ([], [1, -2], [1, "2"], "1 2", [True]):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list"):
+            KVTransferParams.parse({**decode, "prompt_token_ids": bad})
+    with pytest.raises(ValueError, match="given to a decode instance"):
+        KVTransferParams.parse({"do_remote_decode": True, "transfer_id": "x", "prompt_token_ids": [1]})
     assert KVTransferConfig.parse("decode", '{"transport": "tcp"}').transport == "tcp"
     with pytest.raises(ValueError, match="does not apply to a decode"):
         KVTransferConfig.parse("decode", {"port": 5})

@@ -41,6 +41,8 @@ class Instances:
         if body.get("stream"):
             return httpx.Response(200, content=b'data: {"choices": [{"text": "hi"}]}\n\ndata: [DONE]\n\n',
                                   headers={"content-type": "text/event-stream"})
+        if base.startswith("http://p") and body.get("return_token_ids"):
+            return httpx.Response(200, json={"choices": [{"text": "h", "prompt_token_ids": [5, 6, 7]}]})
         return httpx.Response(200, json={"choices": [{"text": "hi" if base.startswith("http://d") else "h"}]})
 
 
@@ -82,9 +84,12 @@ def test_the_prefill_half_is_one_token_unstreamed_and_the_decode_half_the_reques
     assert "stream_options" not in p_body
     tid = p_body["kv_transfer_params"]["transfer_id"]
     assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+    assert p_body["return_token_ids"] is True
     assert d_body["max_tokens"] == 9 and d_body["stream"] is True and d_body["min_tokens"] == 3
+    assert "return_token_ids" not in d_body
+    # The decode half takes the prompt as the prefill instance computed it.
     assert d_body["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": tid,
-                                            "remote_address": "tcp://p1:9"}
+                                            "remote_address": "tcp://p1:9", "prompt_token_ids": [5, 6, 7]}
     assert released == [] and router.counts["succeeded"] == 1
 
 
@@ -166,3 +171,13 @@ def test_start_refuses_a_role_mismatch_and_a_missing_role(setup):
     inst.down.add(D1)
     with pytest.raises(ValueError, match="no decode instance"):
         make()
+
+
+@pytest.mark.parametrize("answer, ids", [
+    ({"prompt_token_ids": [1, 2], "choices": [{"message": {}}]}, [1, 2]),      # chat: at the top
+    ({"choices": [{"text": "h", "prompt_token_ids": [3]}]}, [3]),              # completions: in the choice
+    ({"choices": [{"text": "h"}]}, None),                                      # an answer without them
+    ({"choices": [{"text": "h", "prompt_token_ids": ["x"]}]}, None),
+])
+def test_the_prefill_answers_prompt_ids_are_read_from_either_shape(answer, ids):
+    assert router_mod._prompt_token_ids(json.dumps(answer).encode()) == ids

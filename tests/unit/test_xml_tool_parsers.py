@@ -11,7 +11,7 @@ import random
 import pytest
 
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
-from tests.unit.tool_streams import stream
+from tests.unit.tool_streams import check_extract, stream
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -94,14 +94,7 @@ def _parser(name: str):
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_extract(name, text, content, calls) -> None:
-    out = _parser(name).extract(text)
-    if calls is None:   # not valid calls: the whole output is the content
-        assert out.content == text and out.calls == []
-        return
-    assert out.content == content
-    assert [(c.name, c.arguments) for c in out.calls] == calls
-    for _, arguments in calls:
-        assert isinstance(json.loads(arguments), dict)
+    check_extract(_parser(name), text, content, calls)
 
 
 def _chunkings(text: str):

@@ -1,10 +1,26 @@
-"""Feeding a tool-call streamer piece by piece, as the tool-parser tests do."""
+"""Feeding a tool-call streamer piece by piece, and checking a whole output's extraction,
+as the tool-parser tests do."""
 
 from __future__ import annotations
 
+import json
 import random
 
 from pagoda.entrypoints.openai.tool_parsers import ToolCallStreamer
+
+
+def check_extract(parser, text: str, content: str | None, calls: list[tuple[str, str]] | None) -> None:
+    """``parser.extract(text)`` gives ``content`` and ``calls`` (name, arguments), each
+    call's arguments a JSON object; ``calls`` None: not valid calls, so the whole output is
+    the content and there are no calls."""
+    out = parser.extract(text)
+    if calls is None:
+        assert out.content == text and out.calls == []
+        return
+    assert out.content == content
+    assert [(c.name, c.arguments) for c in out.calls] == calls
+    for _, arguments in calls:
+        assert isinstance(json.loads(arguments), dict)
 
 
 def stream(streamer: ToolCallStreamer, text: str, rng: random.Random,

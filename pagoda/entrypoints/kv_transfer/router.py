@@ -9,10 +9,12 @@ busy prefill and decode instances and a fresh transfer id X, then
 
 1. sends the request to the prefill instance as ``max_tokens: 1``, not streamed, with
    ``kv_transfer_params: {"do_remote_decode": true, "transfer_id": X}``: it computes the
-   prompt, samples the first token and parks the KV blocks under X;
+   prompt, samples the first token and parks the KV blocks under X (and, asked for
+   ``return_token_ids``, answers with the prompt's token ids);
 2. sends the original request to the decode instance with ``{"do_remote_prefill": true,
-   "transfer_id": X, "remote_address": <the prefill instance's KV endpoint>}``: it fetches
-   the blocks and the first token, emits that token, and decodes on;
+   "transfer_id": X, "remote_address": <the prefill instance's KV endpoint>,
+   "prompt_token_ids": <those ids>}``: it takes those ids as the prompt (no rendering of its
+   own), fetches the blocks and the first token, emits that token, and decodes on;
 
 and answers with the decode instance's response, streamed or not, as it comes: one ordinary
 response, its usage that of one request. The first token was sampled on the prefill
@@ -191,15 +193,15 @@ class PDRouter:
             if prefill is None or decode is None:
                 break
             tid = uuid.uuid4().hex
-            outcome = await self._prefill(prefill, path, body, headers, tid)
-            if isinstance(outcome, Response):
-                return outcome        # the request's own fault (4xx): as the prefill instance said
-            if outcome is not None:
-                last = outcome
+            parked = await self._prefill(prefill, path, body, headers, tid)
+            if isinstance(parked, Response):
+                return parked         # the request's own fault (4xx): as the prefill instance said
+            if isinstance(parked, str):
+                last = parked
                 tried_p.add(prefill.url)
                 continue
             try:
-                outcome = await self._decode(prefill, decode, path, body, headers, tid)
+                outcome = await self._decode(prefill, decode, path, body, headers, tid, parked)
             except BaseException:
                 self._release(prefill, tid)
                 raise
@@ -216,8 +218,9 @@ class PDRouter:
                            "no_instance_pair").response()
 
     async def _prefill(self, inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str],
-                       tid: str) -> Response | str | None:  # fmt: skip
-        """None when the blocks are parked; a Response to pass on (4xx); a message to retry on."""
+                       tid: str) -> Response | str | list[int] | None:  # fmt: skip
+        """The prompt's token ids when the blocks are parked (None if the answer lacks them); a
+        Response to pass on (4xx); a message to retry on."""
         inst.in_flight += 1
         try:
             r = await self.client.post(inst.url + path, json=_prefill_body(path, body, tid), headers=headers)
@@ -231,13 +234,17 @@ class PDRouter:
             return f"prefill instance {inst.url} answered {r.status_code}: {_error_message(r.content)}"
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-        return None
+        return _prompt_token_ids(r.content)
 
     async def _decode(self, prefill: Instance, inst: Instance, path: str, body: dict[str, Any],
-                      headers: dict[str, str], tid: str) -> Response | str:  # fmt: skip
-        """The response to return, or a message to retry on (nothing reached the client)."""
-        payload = dict(body, kv_transfer_params={"do_remote_prefill": True, "transfer_id": tid,
-                                                 "remote_address": prefill.kv_address})
+                      headers: dict[str, str], tid: str, prompt_token_ids: list[int] | None) -> Response | str:  # fmt: skip
+        """The response to return, or a message to retry on (nothing reached the client).
+        ``prompt_token_ids``: the prompt as the prefill instance computed it, which the decode
+        instance takes instead of rendering the request again."""
+        transfer: dict[str, Any] = {"do_remote_prefill": True, "transfer_id": tid, "remote_address": prefill.kv_address}
+        if prompt_token_ids is not None:
+            transfer["prompt_token_ids"] = prompt_token_ids
+        payload = dict(body, kv_transfer_params=transfer)
         inst.in_flight += 1
         counted = True
         try:
@@ -386,7 +393,8 @@ def _check_routable(path: str, body: Any) -> None:
 
 def _prefill_body(path: str, body: dict[str, Any], tid: str) -> dict[str, Any]:
     """The request a prefill instance runs: the first token only, not streamed."""
-    out = dict(body, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
+    out = dict(body, stream=False, return_token_ids=True,
+               kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
     out.pop("stream_options", None)
     if path == "/v1/chat/completions" and body.get("max_completion_tokens") is not None:
         out["max_completion_tokens"] = 1
@@ -395,6 +403,17 @@ def _prefill_body(path: str, body: dict[str, Any], tid: str) -> dict[str, Any]:
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:
         out["min_tokens"] = 1
     return out
+
+
+def _prompt_token_ids(content: bytes) -> list[int] | None:
+    """The prompt's token ids in a prefill instance's answer (return_token_ids: chat has them
+    at the top, completions in the choice); None where it has none."""
+    try:
+        answer = json.loads(content)
+        ids = answer.get("prompt_token_ids") or answer["choices"][0].get("prompt_token_ids")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return ids if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids) else None
 
 
 def _error_message(content: bytes) -> str:

@@ -168,6 +168,15 @@ class OpenAIServing:
         # Absent max_tokens: whatever room the context leaves, as vLLM does (at least one
         # token, so that a prompt with no room gets the engine's context length error).
         params = to_params(max(self.engine.max_model_len - len(prompt_token_ids), 1))
+        transfer = params.kv_transfer_params
+        if transfer is not None and transfer.prompt_token_ids is not None:
+            # A decode instance given the prefill instance's prompt takes it as is (vLLM's
+            # kv_transfer_params.prompt_token_ids): the KV it fetches was computed for those tokens.
+            if mm_inputs:
+                raise bad_request("kv_transfer_params.prompt_token_ids cannot be given with images: their spans "
+                                  "are placed in the prompt this instance renders.", param="kv_transfer_params")
+            prompt, prompt_token_ids = None, list(transfer.prompt_token_ids)
+            params = to_params(max(self.engine.max_model_len - len(prompt_token_ids), 1))
         try:
             self.engine.validate_request(prompt_token_ids, params, priority, lora_request)
         except GrammarError as e:

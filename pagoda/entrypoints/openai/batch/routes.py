@@ -44,8 +44,14 @@ class BatchCreateRequest(BaseModel):
     output_expires_after: _Expiry | None = None
 
 
-def _not_found(what: str, ident: str, param: str) -> APIError:
-    return APIError(404, f"No {what} with id {ident!r} was found.", param=param, code="not_found")
+def _owned(store: FileStore | BatchService, ident: str, tenant: str | None, param: str) -> dict[str, Any]:
+    """The file or batch ``ident`` of ``tenant`` in ``store``; a 404 where there is none
+    (another tenant's object is not found either)."""
+    found = store.get(ident, tenant)
+    if found is None:
+        what = "file" if isinstance(store, FileStore) else "batch"
+        raise APIError(404, f"No {what} with id {ident!r} was found.", param=param, code="not_found")
+    return found
 
 
 def _page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
@@ -116,25 +122,18 @@ def add_batch_routes(app: FastAPI, files: FileStore | None, batches: BatchServic
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(raw: Request, file_id: str) -> dict[str, Any]:
         store, _, tenant = stores(raw)
-        meta = store.get(file_id, tenant)
-        if meta is None:
-            raise _not_found("file", file_id, "file_id")
-        return public_file(meta)
+        return public_file(_owned(store, file_id, tenant, "file_id"))
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(raw: Request, file_id: str) -> FileResponse:
         store, _, tenant = stores(raw)
-        meta = store.get(file_id, tenant)
-        if meta is None:
-            raise _not_found("file", file_id, "file_id")
+        _owned(store, file_id, tenant, "file_id")
         return FileResponse(store.data_path(file_id), media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(raw: Request, file_id: str) -> dict[str, Any]:
         store, service, tenant = stores(raw)
-        meta = store.get(file_id, tenant)
-        if meta is None:
-            raise _not_found("file", file_id, "file_id")
+        _owned(store, file_id, tenant, "file_id")
         if any(b["input_file_id"] == file_id and b["status"] in ("validating", "in_progress")
                for b in service.list(tenant)):  # fmt: skip
             raise bad_request(f"The file {file_id!r} is the input of a batch in progress; cancel the batch first.",
@@ -153,9 +152,7 @@ def add_batch_routes(app: FastAPI, files: FileStore | None, batches: BatchServic
             raise bad_request(f"completion_window must be '24h', got {body.completion_window!r}.",
                               param="completion_window")  # fmt: skip
         _check_metadata(body.metadata)
-        meta = store.get(body.input_file_id, tenant)
-        if meta is None:
-            raise _not_found("file", body.input_file_id, "input_file_id")
+        meta = _owned(store, body.input_file_id, tenant, "input_file_id")
         if meta["purpose"] != "batch":
             raise bad_request(f"The file {body.input_file_id!r} has purpose {meta['purpose']!r}; a batch reads "
                               "files uploaded with purpose 'batch'.", param="input_file_id")  # fmt: skip
@@ -170,17 +167,13 @@ def add_batch_routes(app: FastAPI, files: FileStore | None, batches: BatchServic
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(raw: Request, batch_id: str) -> dict[str, Any]:
         _, service, tenant = stores(raw)
-        batch = service.get(batch_id, tenant)
-        if batch is None:
-            raise _not_found("batch", batch_id, "batch_id")
+        batch = _owned(service, batch_id, tenant, "batch_id")
         return public_batch(batch)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(raw: Request, batch_id: str) -> dict[str, Any]:
         _, service, tenant = stores(raw)
-        batch = service.get(batch_id, tenant)
-        if batch is None:
-            raise _not_found("batch", batch_id, "batch_id")
+        batch = _owned(service, batch_id, tenant, "batch_id")
         if batch["status"] not in ("validating", "in_progress", "cancelling"):
             raise APIError(409, f"The batch {batch_id!r} is {batch['status']}: it cannot be cancelled.",
                            param="batch_id", code="batch_not_cancellable")  # fmt: skip
