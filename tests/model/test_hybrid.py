@@ -241,7 +241,7 @@ _TP = {"qwen35": ("hf",), "qwen35moe": ("hf",), "qwen3next": ("hf", "gguf"), "qw
 _TP_REFUSED = {"qwen35": ("gguf", "tiles its value heads"),
                "granite4h": ("hf", "cannot be served with tensor parallelism")}
 # Cases that repeat another's split (run under make test-all: slow).
-_TP_SLOW = {("qwen3nextmixed", "hf"), ("lfm2moe", "hf"), ("lfm2", "gguf"), ("qwen35moe", "hf")}
+_TP_SLOW = {("qwen3nextmixed", "hf"), ("lfm2moe", "hf"), ("lfm2", "gguf"), ("qwen35moe", "hf"), ("qwen3next", "gguf")}
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])

@@ -202,6 +202,7 @@ def test_micro_batches_share_the_work(tiny_llama_dir):
     assert [n for n in in_flight.sizes if n] == [4] * 16, in_flight.sizes
 
 
+@pytest.mark.slow   # (CI time: TP=2 and PP=2 each match one process in the default run)
 def test_tp2_pp2_matches_one_process(tiny_llama3_dir):
     """Four ranks: two stages, each a tensor-parallel pair (half of its layers' heads)."""
     base, base_again, one = _run(tiny_llama3_dir)
@@ -291,7 +292,7 @@ def _expert_load_run(path: str, tp: int = 1, pp: int = 1) -> tuple[list, list[li
     return [o.outputs[0] for o in outs], metrics.expert_load, computed, on_the_way
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_expert_load_covers_every_stage(tiny_qwen3moe4_dir, tp, pp, monkeypatch):
     """PP=2 and TP=2 x PP=2: the load the engine reports has a row per MoE layer of the whole
     model (stage 0's first), each equal to one process's for the same requests, each adding

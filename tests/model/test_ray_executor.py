@@ -74,6 +74,7 @@ def _offline(path: str, **kw):
         llm.shutdown()
 
 
+@pytest.mark.slow   # (CI time: the Ray DP test below runs ranks as Ray actors too)
 def test_ray_tp2_equals_the_mp_launch(tiny_llama_dir, ray_cluster):
     import ray
 

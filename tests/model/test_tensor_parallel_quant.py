@@ -104,7 +104,8 @@ MOE = ModelShape("qwen3moe", 512, 2, 8, 4, 1024, False, 1000000.0, head_dim=64, 
                  experts_used=2, expert_ffn=512)
 
 
-@pytest.mark.parametrize(("mode", "expert_parallel"), [("int8", False), ("gguf", True)])
+@pytest.mark.parametrize(("mode", "expert_parallel"), [pytest.param("int8", False, marks=pytest.mark.slow),
+                                                      ("gguf", True)])
 def test_tp2_moe_matches_tp1_of_the_same_mode(tmp_path, mode, expert_parallel):
     """Experts split by rows in int8 (each expert's down a row-parallel layer: its float
     channels and scales over both ranks, a collective per active expert) and whole experts

@@ -85,6 +85,7 @@ def test_decode_graphs_replay_the_eager_tokens(model, request):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
+@pytest.mark.slow   # (CI time: graphs and overlapped steps each have their own test in the default run)
 def test_graphs_and_overlapped_steps_together(tiny_llama_dir):
     """The GPU's configuration (Triton backend, decode graphs, overlapped steps): the tokens
     of the CPU backend's synchronous steps."""

@@ -124,11 +124,15 @@ def _reference_decode(q, cache, tables, lens, scale, window=0, softcap=0.0, sink
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ["avx2", "native"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 32), (4, 4, 64), (8, 1, 32), (10, 1, 16), (6, 2, 12)])
-def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim):
-    """Query heads per KV head 1-8 with head_dim a multiple of 8 take the vector path,
-    the others (10 per KV head; head_dim 12) the generic one; lengths cover partial
-    8-position tails and block boundaries."""
+def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, isa, monkeypatch):
+    """Query heads per KV head 1-8 with head_dim a multiple of 8 take the vector path (16:
+    the AVX-512 one where the CPU has it, unless PAGODA_CPU_ISA=avx2), the others (10 per KV
+    head; head_dim 12) the generic one; lengths cover partial 8-position tails and block
+    boundaries."""
+    if isa == "avx2":
+        monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
     torch.manual_seed(heads)
     cache = torch.randn(2, 40, 16, kv_heads, head_dim) * 3  # wide scores: softmax far from uniform
     lens = torch.tensor([1, 16, 17, 100, 5, 8, 9], dtype=torch.int32)
@@ -180,12 +184,16 @@ def test_paged_decode_attention_softcap(heads, kv_heads, head_dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ["avx2", "native"])
 @pytest.mark.parametrize("kind", ["float32", "float16", "int8"])
-def test_paged_decode_attention_split_over_long_contexts(kind):
+def test_paged_decode_attention_split_over_long_contexts(kind, isa, monkeypatch):
     """Contexts longer than a split-K chunk (256 positions): a sequence's chunks run as units
     of their own and their partial softmaxes merge; lengths around the chunk edges, with
     windows and sinks, each cache dtype; the result of a sequence alone equals its result in
-    the batch (the cut depends on the sequence alone)."""
+    the batch (the cut depends on the sequence alone); the AVX2 kernel and, where the CPU has
+    it, the AVX-512 one (64-wide heads)."""
+    if isa == "avx2":
+        monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
     torch.manual_seed(11)
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
     lens = torch.tensor([1, 255, 256, 257, 700, 1030], dtype=torch.int32)
@@ -682,3 +690,22 @@ def test_int8_cache_kernel_path_equals_gather_path():
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(results[0][1].data, results[1][1].data)
     assert torch.equal(results[0][1].scales, results[1][1].scales)
+
+
+@needs_kernels
+@pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (9, 3, 64), (16, 2, 128)])
+def test_paged_decode_attention_avx512_agrees_with_avx2(heads, kv_heads, head_dim, monkeypatch):
+    """The 16-lane kernel sums each head in another order than the 8-lane one: the same
+    results but for the last bits (a machine runs one of them, so each is batch invariant on
+    its own, tested above)."""
+    torch.manual_seed(5)
+    cache = torch.randn(2, 200, 16, kv_heads, head_dim).half()
+    lens = torch.tensor([3, 300, 1000], dtype=torch.int32)
+    tables = torch.randperm(200)[:192].view(3, 64).int()
+    q = torch.randn(3, heads, head_dim)
+    wide = ops.paged_decode_attention(q, cache, tables, lens, 0.125)
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
+    narrow = ops.paged_decode_attention(q, cache, tables, lens, 0.125)
+    torch.testing.assert_close(wide, narrow, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(wide, narrow)   # the 16-lane kernel did run
