@@ -14,8 +14,9 @@
 //   unit per sequence (or per KV head) left them idle or unevenly loaded.
 //
 // float32, float16 or int8 caches; an AVX2 kernel, and for head sizes a multiple of 16 on a CPU
-// with AVX-512 (unless PAGODA_CPU_ISA=avx2) one with 16-lane passes and software prefetch of the
-// rows ahead (decode_heads512: the same order of arithmetic per head, other last bits).
+// with AVX-512 (unless PAGODA_CPU_ISA=avx2) one with 16-lane passes that reads the K/V rows in
+// place, converting in registers, with software prefetch of the rows ahead (decode_heads512:
+// a fixed order of arithmetic per head too, other last bits).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -86,8 +87,8 @@ inline __m256 hsum8x8(const __m256 a[8]) {
 //    the FMA latency at every position), kept in the output between blocks; each sums
 //    the positions in order.
 // Passes 1 and 3 first copy the block's rows into a float32 buffer, row after row (see
-// below): measured B=64, context 192, 30 layers, one thread: float32 cache 69 -> 38 ms,
-// float16 47 -> 29 ms.
+// below; the AVX-512 version reads them in place): measured B=64, context 192, 30 layers,
+// one thread: float32 cache 69 -> 38 ms, float16 47 -> 29 ms.
 // rows[p]: offset of position p's K (and V) row, all KV heads, in the cache.
 // An int8 cache (ks, vs non-null): K of position p and KV head h is ks[srows[p] + h] times
 // its int8 values (V likewise with vs); the K scale multiplies the score, the V scale
@@ -242,29 +243,99 @@ PAGODA_AVX512 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Eight 16-lane vectors -> one 8-lane vector of their eight horizontal sums, by halving
+// (128-bit lanes, then within lanes): 24 instructions where two 8-lane halves and hsum8x8
+// took 37.
+PAGODA_AVX512 inline __m256 hsum8x16(const __m512 a[8]) {
+  __m512 b[4];
+  for (int k = 0; k < 4; ++k)  // [a_2k: 8 partial sums, a_2k+1: 8]
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44), _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
+  __m512 c[2];
+  for (int k = 0; k < 2; ++k)  // four positions, four partial sums each (one per 128-bit lane)
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88), _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  // lane k: [x0, x1, x2, x3] of position k (c[0]) and of position k + 4 (c[1])
+  const __m512 s = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 u = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));  // lane k: [p_k, p_k+4, p_k, p_k+4]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, u));
+}
+
+// exp_neg with 16 lanes (the same steps).
+PAGODA_AVX512 inline __m512 exp_neg512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(bits));
+}
+
+// chunk_softmax with 16 lanes (padded is a multiple of 8: the last vector may be half).
+PAGODA_AVX512 inline void chunk_softmax512(float* scores, int64_t padded, int64_t len, int64_t G, int64_t kv0,
+                                           int64_t kv1, float* mo, float* lo, const float* vs,
+                                           const int64_t* srows, float softcap) {
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
+    float* sg = scores + h * padded;
+    if (softcap > 0.f) soft_cap(sg, padded, softcap);
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (int64_t p0 = 0; p0 < padded; p0 += 16) {
+      const __mmask16 in = padded - p0 >= 16 ? 0xFFFF : 0x00FF;
+      vmx = _mm512_max_ps(vmx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), in, sg + p0));
+    }
+    const float mx = _mm512_reduce_max_ps(vmx);
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512 tot = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < padded; p0 += 16) {
+      const __mmask16 in = padded - p0 >= 16 ? 0xFFFF : 0x00FF;
+      const __mmask16 real = len - p0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p0)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(real, exp_neg512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, sg + p0), mv)));
+      _mm512_mask_storeu_ps(sg + p0, in, e);
+      tot = _mm512_add_ps(tot, e);
+    }
+    mo[h] = mx;
+    lo[h] = _mm512_reduce_add_ps(tot);
+    if (vs) {
+      const int64_t kvh = h / G;
+      for (int64_t p = 0; p < len; ++p) sg[p] *= vs[srows[p] + kvh];
+    }
+  }
+}
+
 // decode_heads with 16-lane vectors, for D % 16 == 0: half the instructions in the two passes
-// over the rows (the float32 copies, the products, the weighted sums), and for G <= 4 the
-// whole of a 64-wide head's V slices in one pass (G x 4 accumulators of AVX-512's 32
-// registers). Each head's arithmetic still in a fixed order, so a sequence's result does not
-// depend on its batch (it differs from the AVX2 version's in the last bits).
+// over the rows (the products, the weighted sums), and for G <= 4 the whole of a 64-wide
+// head's V slices in one pass (G x 4 accumulators of AVX-512's 32 registers). The rows are
+// read in place, each K or V slice converted to float32 in a register once for the G query
+// heads (no float32 copy of the rows: with 32 registers the K pass holds G x J position
+// accumulators, and the prefetch keeps the reads streaming); the scores' horizontal sums by
+// halving (hsum8x16), the softmax 16 lanes wide. Measured against the copying version with
+// the pools swept out of the L3 (float16 cache, 16k and 4k contexts, 1 and 4 sequences):
+// 1.2-1.43x; a float32 cache at 16k reads 74-80 % of the measured read bandwidth. Each
+// head's arithmetic still in a fixed order, so a sequence's result does not depend on its
+// batch (it differs from the AVX2 version's in the last bits).
 template <int G, typename KV>
 PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                                    int64_t D, int64_t kv0, int64_t kv1, float sc, float* scores, float* ob,
                                    float* mo, float* lo, const float* ks, const float* vs, const int64_t* srows,
-                                   float* buf, float softcap) {
+                                   float softcap) {
   const int64_t padded = (len + 7) / 8 * 8;
   const int64_t width = (kv1 - kv0) * D;
   prefetch_rows(kp, rows, 0, kAhead, len, kv0 * D, width);
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
     prefetch_rows(kp, rows, p0 + kAhead, 8, len, kv0 * D, width);
     if (p0 + 8 >= len) prefetch_rows(vp, rows, 0, kAhead, len, kv0 * D, width);
-    const float* keys[8];
-    for (int j = 0; j < 8; ++j) {
-      const KV* src = kp + rows[std::min(p0 + j, len - 1)] + kv0 * D;
-      float* dst = buf + j * width;
-      for (int64_t i = 0; i < width; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
-      keys[j] = dst;
-    }
+    const KV* keys[8];  // keys[j] + kvh * D: position p0 + j's K for head kvh, read in place
+    for (int j = 0; j < 8; ++j) keys[j] = kp + rows[std::min(p0 + j, len - 1)];
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
       __m256 scale = _mm256_set1_ps(sc);
       if (ks) {
@@ -272,34 +343,36 @@ PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, 
         for (int j = 0; j < 8; ++j) kscale[j] = ks[srows[std::min(p0 + j, len - 1)] + kvh];
         scale = _mm256_mul_ps(scale, _mm256_load_ps(kscale));
       }
-      for (int g = 0; g < G; ++g) {
-        const float* qg = qb + (kvh * G + g) * D;
-        __m512 acc[8];
-        for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+      // J positions at a time, each K slice converted once for the G query heads: G x J
+      // accumulators (at most 24 of the 32 registers).
+      constexpr int J = G <= 3 ? 8 : (G <= 6 ? 4 : 2);
+      __m512 full[G][8];
+      for (int j0 = 0; j0 < 8; j0 += J) {
+        __m512 acc[G][J];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < J; ++j) acc[g][j] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 16) {
-          const __m512 qv = _mm512_loadu_ps(qg + i);
-          for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + (kvh - kv0) * D + i), acc[j]);
+          __m512 qv[G];
+          for (int g = 0; g < G; ++g) qv[g] = _mm512_loadu_ps(qb + (kvh * G + g) * D + i);
+          for (int j = 0; j < J; ++j) {
+            const __m512 kv = load16(keys[j0 + j] + kvh * D + i);
+            for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(qv[g], kv, acc[g][j]);
+          }
         }
-        __m256 half[8];
-        for (int j = 0; j < 8; ++j)
-          half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
-        _mm256_storeu_ps(scores + (kvh * G + g) * padded + p0, _mm256_mul_ps(hsum8x8(half), scale));
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < J; ++j) full[g][j0 + j] = acc[g][j];
       }
+      for (int g = 0; g < G; ++g)
+        _mm256_storeu_ps(scores + (kvh * G + g) * padded + p0, _mm256_mul_ps(hsum8x16(full[g]), scale));
     }
   }
-  chunk_softmax(scores, padded, len, G, kv0, kv1, mo, lo, vs, srows, softcap);
+  chunk_softmax512(scores, padded, len, G, kv0, kv1, mo, lo, vs, srows, softcap);
   constexpr int NCH = G <= 4 ? 4 : 2;  // G x NCH accumulators, at most 24 (of 32 registers)
   std::fill(ob + kv0 * G * D, ob + kv1 * G * D, 0.f);
-  for (int64_t p0 = 0; p0 < len; p0 += 8) {
-    const int64_t p1 = std::min(len, p0 + 8);
-    prefetch_rows(vp, rows, p0 + kAhead, 8, len, kv0 * D, width);
-    const float* vals[8];
-    for (int64_t p = p0; p < p1; ++p) {
-      const KV* src = vp + rows[p] + kv0 * D;
-      float* dst = buf + (p - p0) * width;
-      for (int64_t i = 0; i < width; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
-      vals[p - p0] = dst;
-    }
+  // Positions in groups of 32: the accumulators loaded and stored once a group.
+  for (int64_t p0 = 0; p0 < len; p0 += 32) {
+    const int64_t p1 = std::min<int64_t>(len, p0 + 32);
+    prefetch_rows(vp, rows, p0 + kAhead, 32, len, kv0 * D, width);
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
       const float* sk = scores + kvh * G * padded;
       float* ok = ob + kvh * G * D;
@@ -310,11 +383,11 @@ PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, 
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(ok + g * D + i + 16 * c);
         for (int64_t p = p0; p < p1; ++p) {
-          const float* vrow = vals[p - p0] + (kvh - kv0) * D + i;
+          const KV* vrow = vp + rows[p] + kvh * D + i;
           __m512 s[G];
           for (int g = 0; g < G; ++g) s[g] = _mm512_set1_ps(sk[g * padded + p]);
           for (int c = 0; c < C; ++c) {
-            const __m512 vv = _mm512_loadu_ps(vrow + 16 * c);
+            const __m512 vv = load16(vrow + 16 * c);
             for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(s[g], vv, acc[g][c]);
           }
         }
@@ -412,7 +485,7 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
   const bool wide = D % 16 == 0 && use_avx512();  // decode_heads512 (read once per call)
   std::vector<float> part_o(chunks * H * D), part_m(chunks * H), part_l(chunks * H);
   at::parallel_for(0, chunks * split, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores(H * kChunk), buf(8 * KVH * D);  // buf: decode_heads' rows as float32
+    std::vector<float> scores(H * kChunk), buf(wide ? 0 : 8 * KVH * D);  // buf: decode_heads' rows as float32
     std::vector<int64_t> rows(kChunk), srows(kChunk);  // srows[p]: position p's slot x KVH (int8 scales)
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t c = w / split;
@@ -430,7 +503,7 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
 #define PAGODA_HEADS(NG)                                                                                  \
   if (wide)                                                                                               \
     decode_heads512<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, mo, lo, ks, vs, \
-                            srows.data(), buf.data(), softcap);                                            \
+                            srows.data(), softcap);                                                        \
   else                                                                                                    \
     decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, mo, lo, ks, vs,    \
                          srows.data(), buf.data(), softcap);                                               \

@@ -125,11 +125,13 @@ def _reference_decode(q, cache, tables, lens, scale, window=0, softcap=0.0, sink
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ["avx2", "native"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 32), (4, 4, 64), (8, 1, 32), (10, 1, 16), (6, 2, 12)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 32), (4, 4, 64), (8, 1, 32), (12, 2, 16), (10, 1, 16),
+                                                    (6, 2, 12)])
 def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, isa, monkeypatch):
     """Query heads per KV head 1-8 with head_dim a multiple of 8 take the vector path (16:
-    the AVX-512 one where the CPU has it, unless PAGODA_CPU_ISA=avx2), the others (10 per KV
-    head; head_dim 12) the generic one; lengths cover partial 8-position tails and block
+    the AVX-512 one where the CPU has it, unless PAGODA_CPU_ISA=avx2; 3, 1, 6 and 8 query
+    heads per KV head cover its 8-, 4- and 2-position K groups), the others (10 per KV head;
+    head_dim 12) the generic one; lengths cover partial 8-position tails and block
     boundaries."""
     if isa == "avx2":
         monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
