@@ -317,12 +317,13 @@ PAGODA_AVX512 inline void chunk_softmax512(float* scores, int64_t padded, int64_
 // head's V slices in one pass (G x 4 accumulators of AVX-512's 32 registers). The rows are
 // read in place, each K or V slice converted to float32 in a register once for the G query
 // heads (no float32 copy of the rows: with 32 registers the K pass holds G x J position
-// accumulators, and the prefetch keeps the reads streaming); the scores' horizontal sums by
-// halving (hsum8x16), the softmax 16 lanes wide. Measured against the copying version with
-// the pools swept out of the L3 (float16 cache, 16k and 4k contexts, 1 and 4 sequences):
-// 1.2-1.43x; a float32 cache at 16k reads 74-80 % of the measured read bandwidth. Each
-// head's arithmetic still in a fixed order, so a sequence's result does not depend on its
-// batch (it differs from the AVX2 version's in the last bits).
+// accumulators); the scores' horizontal sums by halving (hsum8x16), the softmax 16 lanes wide.
+// Measured against the copying version with the pools swept out of the L3 (float16 cache, 16k
+// and 4k contexts, 1 and 4 sequences): 1.2-1.43x (a float32 cache 1.14-1.28x;
+// docs/benchmarks.md). With the rows read in place the prefetch (64, 128, 256 positions ahead,
+// or none) measures within noise. Each head's arithmetic still in a fixed order, so a
+// sequence's result does not depend on its batch (it differs from the AVX2 version's in the
+// last bits).
 template <int G, typename KV>
 PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                                    int64_t D, int64_t kv0, int64_t kv1, float sc, float* scores, float* ob,
