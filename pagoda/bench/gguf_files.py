@@ -309,7 +309,8 @@ def write_model(path: str, shape_name: str | ModelShape, file_type: str = "Q4_K_
     normal floats where the gguf library or ``quantize_q4_k`` can (slower; a model whose
     numbers behave like a real one's, for tests that compare outputs), else random blocks.
     ``context_length``: the context the file says it was trained for (an engine's default
-    --max-model-len; plain RoPE, no scaling)."""
+    --max-model-len and the longest it serves without PAGODA_ALLOW_LONG_MAX_MODEL_LEN=1;
+    plain RoPE, no scaling)."""
     import gguf
     from tqdm import tqdm
 

@@ -94,8 +94,11 @@ class ModelOptions(OptionGroup):
                 "4-bit groups of 32 (GGUF Q4_1 scheme) with activations int8 per group of 32, the smallest "
                 "weights; bf16: see --dtype bfloat16. int8, q4, gguf and bf16 use a float16 KV cache by default",
         choices=("auto",) + QUANTIZATION_MODES + ("int4",))
-    max_model_len: int | None = option(None, "the longest sequence (prompt + output) in tokens",
-                                       default_text="the model's context length")
+    max_model_len: int | None = option(
+        None, "the longest sequence (prompt + output) in tokens; past the context the model was trained for "
+              "(its max_position_embeddings or GGUF context_length, with its RoPE scaling) it is refused unless "
+              "PAGODA_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) is set",
+        default_text="the model's context length")
     max_logprobs: int = option(
         20, "the most logprobs / prompt_logprobs a request may ask for (vLLM's flag); -1: no bound, so that "
             "a request may ask for the whole vocabulary with -1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,6 +60,26 @@ def _tenant_specs(config: EngineConfig) -> tuple:
 
     return tuple(tenants_of(load_api_keys_file(config.api_keys_file)).values())
 
+
+ALLOW_LONG_ENV = ("PAGODA_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def check_trained_context(max_model_len: int, arch) -> None:
+    """A --max-model-len past the context the checkpoint was trained for is refused, as vLLM
+    refuses it (positions past it were never seen and the outputs can turn to noise), unless
+    PAGODA_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) says to
+    serve it anyway: then a warning."""
+    trained = arch.trained_context
+    if max_model_len <= trained:
+        return
+    what = (f"max_model_len {max_model_len} is past {trained}, the context {arch.architecture} was trained for "
+            f"(max_position_embeddings, a GGUF file's context_length, with its RoPE scaling)")
+    for name in ALLOW_LONG_ENV:
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            logger.warning("%s: serving it as %s=1 asks; positions past it may give wrong outputs", what, name)
+            return
+    raise ValueError(f"{what}; positions past it may give wrong outputs. Set {ALLOW_LONG_ENV[0]}=1 to serve "
+                     f"it anyway")
 
 
 @dataclass(frozen=True)
@@ -336,6 +357,8 @@ class EngineCore:
         default_len = model_defaults(config.model).max_model_len
         max_model_len = config.max_model_len or min(default_len or loaded.arch.max_position_embeddings,
                                                     loaded.arch.max_position_embeddings)
+        if config.max_model_len:
+            check_trained_context(config.max_model_len, loaded.arch)
         limit = loaded.arch.context_limit
         if limit is not None and max_model_len > limit:
             if config.max_model_len:

@@ -323,6 +323,20 @@ class ModelArchConfig:
         return self.is_conv_layer(layer) or self.is_mamba_layer(layer) or self.is_linear_attn_layer(layer)
 
     @property
+    def trained_context(self) -> int:
+        """The longest context the checkpoint's positions cover, as vLLM derives it:
+        max_position_embeddings (a GGUF file's context_length), or what a RoPE scaling
+        stretches to where that is longer (linear: it times the factor; YaRN: the original
+        length times the factor: Qwen3's 32,768 x 4); Llama 3's and LongRoPE's configs give the
+        stretched length already."""
+        n, kind = self.max_position_embeddings, rope_kind(self.rope_scaling)
+        if kind == "linear":
+            return max(n, int(n * self.rope_scaling["factor"]))
+        if kind == "yarn":
+            return max(n, int(self.rope_scaling["original_max_position_embeddings"] * self.rope_scaling["factor"]))
+        return n
+
+    @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state per request instead of a KV cache."""
         return any(self.is_state_layer(i) for i in range(self.num_hidden_layers))
