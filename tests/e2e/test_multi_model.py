@@ -7,8 +7,6 @@ request's keep_alive runs out."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -65,7 +63,9 @@ def server(tmp_path):
         yield running
 
 
-def test_two_models_alternate_evict_and_unload(server):
+def test_two_models_alternate_evict_and_unload(server, capsys):
+    from pagoda.entrypoints.cli import main
+
     proc, base = server
     with httpx.Client(base_url=base, timeout=180) as http, \
             openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=180) as client:
@@ -85,10 +85,11 @@ def test_two_models_alternate_evict_and_unload(server):
         client.chat.completions.create(model="b", messages=QUESTION, max_tokens=2)   # b the most recent again
         assert _loaded(http) == {"a:latest", "b:latest"}
         port = base.rsplit(":", 1)[1]
-        out = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "ps", "--port", port],
-                             capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
-        rows = [line.split() for line in out.stdout.splitlines()]
-        assert out.returncode == 0 and rows[0] == ["NAME", "CONTEXT", "UNTIL", "STATUS"]
+        # `pagoda ps`, the CLI's main in this process (a Python of its own costs a second here)
+        capsys.readouterr()
+        returncode = main(["ps", "--port", port])
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        assert returncode == 0 and rows[0] == ["NAME", "CONTEXT", "UNTIL", "STATUS"]
         assert {r[0] for r in rows[1:]} == {"a:latest", "b:latest"} and all(r[1] == "512" for r in rows[1:])
         # A third model: the least recently used idle one (a) makes room.
         r = http.post("/api/generate", json={"model": "c", "prompt": "hi", "stream": False,
@@ -110,8 +111,8 @@ def test_two_models_alternate_evict_and_unload(server):
         while _tree_rss(proc.pid) > after * 1.1 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _tree_rss(proc.pid) <= after * 1.1, (_tree_rss(proc.pid), after, before_b)   # ... given back
-        # A request's keep_alive: c goes once its 1 s runs out.
-        http.post("/api/chat", json={"model": "c", "messages": QUESTION, "stream": False, "keep_alive": "1s",
+        # A request's keep_alive: c goes once its 300 ms run out.
+        http.post("/api/chat", json={"model": "c", "messages": QUESTION, "stream": False, "keep_alive": "300ms",
                                      "options": {"num_predict": 2}})
         deadline = time.monotonic() + 10
         while _loaded(http) and time.monotonic() < deadline:

@@ -16,6 +16,10 @@ pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the stack
 LLAMA = ModelShape("llama", 256, 2, 4, 2, 512, True, 10000.0)
 QWEN2 = ModelShape("qwen2", 320, 2, 5, 1, 768, False, 1000000.0, qkv_bias=True)
 PROMPTS = [[1, 504, 231, 17, 9, 400, 123], [5, 6, 7], list(range(100, 141)), [77] * 12, [300, 1, 2, 3, 4]]   # vocab 512
+# A fixed KV pool: sized from the memory budget, these small models' pools hold millions of blocks of 4,
+# whose bookkeeping alone takes seconds to build. The prompts need 32 of them; 256 blocks also
+# give the Qwen3.5-shaped file 8 state slots, so every prompt is still admitted at once.
+NUM_KV_BLOCKS = 256
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,7 @@ def _llm(monkeypatch, model: str, **kwargs) -> LLM:
     # count: the thread governor would move it with the machine's load between the two runs,
     # and bit-for-bit equality holds for one count.
     return LLM(model, show_progress=False, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
-               num_threads=1, **kwargs)
+               num_threads=1, num_kv_blocks=NUM_KV_BLOCKS, **kwargs)
 
 
 def _generate(llm: LLM, stack) -> tuple[list, int]:
@@ -178,7 +182,10 @@ def test_hybrid_stack_saves_states_for_the_prefix_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGODA_DECODE_STACK", "1")
     results = []
     for use_stack in (True, False):
-        llm = LLM(path, show_progress=False, skip_tokenizer_init=True, block_size=4, num_threads=1)
+        # (2048 blocks: room for 35 saved states, more than the 16 the two passes save, so the
+        # hits and restores are those of a pool sized from memory)
+        llm = LLM(path, show_progress=False, skip_tokenizer_init=True, block_size=4, num_threads=1,
+                  num_kv_blocks=8 * NUM_KV_BLOCKS)
         engine = llm.engine
         if not use_stack:
             engine.runner.model.decode_stack = None

@@ -7,12 +7,15 @@ state slot and KV block back; what a hybrid model cannot combine with yet is ref
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.models import model_class
-from tests.model.helpers import assert_greedy_matches_hf, compare_greedy, hf_greedy, top2_gap
+from tests.model import helpers
+from tests.model.helpers import compare_greedy, logprob_gap, top2_gap
 from tests.model.hf_to_gguf import write_gguf
 from tests.model.hybrid_families import all_families
 
@@ -40,6 +43,37 @@ def hybrid(request, tmp_path_factory):
     elif family.gguf_arch:
         gguf = write_gguf(hf, str(path / "model.gguf"), family.gguf_arch, str(path / "hf"))
     return hf, str(path / "hf"), gguf, family.block, family
+
+
+# transformers' greedy runs, per model and prompt: the tests of a family ask for the same
+# prompts' continuations again (both passes and both sources of the first test, both
+# preemption modes, the speculative test's prompts among the preemption test's, the five
+# turns twice), and a run is deterministic, its first n tokens and logits those of a run of n.
+_HF_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """helpers.hf_greedy, each prompt run once per model (again only for more tokens)."""
+    runs = _HF_RUNS.setdefault(hf, {})
+    key = tuple(prompt_ids)
+    if key not in runs or len(runs[key][0]) < max_new_tokens:
+        runs[key] = helpers.hf_greedy(hf, prompt_ids, max_new_tokens)
+    tokens, logits = runs[key]
+    return tokens[:max_new_tokens], logits[:max_new_tokens]
+
+
+def assert_greedy_matches_hf(hf, prompts: list[list[int]], outputs, max_tokens: int, label: str) -> None:
+    """helpers.assert_greedy_matches_hf on the remembered runs: each output (generated with
+    logprobs=2) equals transformers' greedy tokens, a divergence excused only at a near-tie
+    either side saw."""
+    for i, (ids, out) in enumerate(zip(prompts, outputs)):
+        want, want_logits = hf_greedy(hf, ids, max_tokens)
+        result = compare_greedy(
+            out.outputs[0].token_ids, want,
+            lambda pos: min(top2_gap(want_logits[pos]), logprob_gap(out.outputs[0], pos)),
+            f"{label} prompt {i}",
+        )
+        assert result.equal, result.excused
 
 
 def _prompts() -> list[list[int]]:

@@ -22,9 +22,9 @@ def _interpreted():
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1 and there is no GPU")
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(sizes: tuple[int, ...] = (5, 17, 33, 40, 9)) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 33, 40, 9)]
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in sizes]
 
 
 def _llm(path: str, backend: str, **kw) -> LLM:
@@ -39,11 +39,14 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]):
 
 
 def test_triton_backend_gives_the_cpu_backends_tokens(tiny_llama_dir):
-    """Mixed steps (decodes beside prompt chunks) and prefix-cache hits on the second pass:
-    the same greedy tokens and logprobs (test_families.py runs every family, windowed ones
-    included, through this backend against transformers)."""
+    """Mixed steps (decodes beside prompt chunks), a decode crossing into a new block (the
+    last prompt's) and prefix-cache hits on the second pass: the same greedy tokens and
+    logprobs (test_families.py runs every family, windowed ones included, through this
+    backend against transformers)."""
     path = tiny_llama_dir
-    prompts, lengths = _prompts(), [12, 7, 12, 3, 10]
+    # Steps 2-4 decode 2-3 requests beside prompt chunks; the decodes end soon after the
+    # prompts do (each step is slow in the interpreter), the 14-token prompt's at position 16.
+    prompts, lengths = _prompts((5, 17, 33, 40, 14)), [6, 4, 5, 3, 4]
     want = _generate(_llm(path, "auto"), prompts, lengths)
     llm = _llm(path, "triton")
     assert llm.engine.runner.attn_backend.name == "triton"
@@ -64,7 +67,8 @@ def test_decode_graphs_replay_the_eager_tokens(model, request):
     no cache slot), over buffers that are never reallocated: the eager run's tokens; Gemma 3
     with a windowed KV group beside its global one (static buffers per group)."""
     path = request.getfixturevalue(model)
-    prompts, lengths = _prompts(), [9, 5, 9, 3, 7]
+    # (decode-only steps of 5, 4, 3 and 2 requests: graphs 8, 4, 4, 2)
+    prompts, lengths = _prompts(), [7, 5, 7, 3, 5]
     want = _generate(_llm(path, "auto"), prompts, lengths)   # (the CPU backend's tokens: the Triton backend's)
     llm = _llm(path, "triton", max_model_len=128)
     runner = llm.engine.runner
