@@ -70,11 +70,13 @@ def logprob_gap(output, pos: int) -> float:
     return lps[0] - lps[1] if len(lps) > 1 else float("inf")
 
 
-def assert_greedy_matches_hf(hf, prompts: list[list[int]], outputs, max_tokens: int, label: str) -> None:
+def assert_greedy_matches_hf(hf, prompts: list[list[int]], outputs, max_tokens: int, label: str,
+                             greedy=None) -> None:
     """Each engine output (generated with logprobs=2) equals transformers' greedy tokens,
-    a divergence excused only at a near-tie either side saw."""
+    a divergence excused only at a near-tie either side saw. ``greedy``: what runs
+    transformers (hf_greedy's signature; a caching one, say)."""
     for i, (ids, out) in enumerate(zip(prompts, outputs)):
-        want, want_logits = hf_greedy(hf, ids, max_tokens)
+        want, want_logits = (greedy or hf_greedy)(hf, ids, max_tokens)
         result = compare_greedy(
             out.outputs[0].token_ids, want,
             lambda pos: min(top2_gap(want_logits[pos]), logprob_gap(out.outputs[0], pos)),

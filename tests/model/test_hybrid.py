@@ -15,7 +15,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.model.models import model_class
 from tests.model import helpers
-from tests.model.helpers import compare_greedy, logprob_gap, top2_gap
+from tests.model.helpers import compare_greedy, top2_gap
 from tests.model.hf_to_gguf import write_gguf
 from tests.model.hybrid_families import all_families
 
@@ -63,17 +63,8 @@ def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int]
 
 
 def assert_greedy_matches_hf(hf, prompts: list[list[int]], outputs, max_tokens: int, label: str) -> None:
-    """helpers.assert_greedy_matches_hf on the remembered runs: each output (generated with
-    logprobs=2) equals transformers' greedy tokens, a divergence excused only at a near-tie
-    either side saw."""
-    for i, (ids, out) in enumerate(zip(prompts, outputs)):
-        want, want_logits = hf_greedy(hf, ids, max_tokens)
-        result = compare_greedy(
-            out.outputs[0].token_ids, want,
-            lambda pos: min(top2_gap(want_logits[pos]), logprob_gap(out.outputs[0], pos)),
-            f"{label} prompt {i}",
-        )
-        assert result.equal, result.excused
+    """helpers.assert_greedy_matches_hf on the remembered runs."""
+    helpers.assert_greedy_matches_hf(hf, prompts, outputs, max_tokens, label, greedy=hf_greedy)
 
 
 def _prompts() -> list[list[int]]:
