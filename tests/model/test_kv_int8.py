@@ -115,12 +115,15 @@ def test_int8_kv_engine_capacity_and_swap(tiny_llama_dir):
         EngineConfig(kv_cache_dtype="int4")
 
 
-def test_a_long_float32_cache_gets_a_start_up_hint(tiny_llama_dir, caplog):
+def test_a_long_float32_cache_gets_a_start_up_hint(tiny_llama_dir, caplog, monkeypatch):
     """The exact mode keeps float32 KV (transformers' numbers); with a long context the log
     says what float16 KV would trade, and says nothing where the choice was made already."""
     import logging
 
     from pagoda.engine.engine_core import LONG_CONTEXT_HINT
+
+    # The tiny model was trained for 1,024 positions: a longer max_model_len needs the override.
+    monkeypatch.setenv("PAGODA_ALLOW_LONG_MAX_MODEL_LEN", "1")
 
     base = dict(model=tiny_llama_dir, show_progress=False, max_model_len=LONG_CONTEXT_HINT,
                 kv_cache_memory=4 << 20)  # fmt: skip
