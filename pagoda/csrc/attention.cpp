@@ -84,7 +84,10 @@ inline __m256 hsum8x8(const __m256 a[8]) {
 //    the positions in order.
 // Passes 1 and 3 first copy the block's rows into a float32 buffer, row after row (see
 // below; the AVX-512 version reads them in place): measured B=64, context 192, 30 layers,
-// one thread: float32 cache 69 -> 38 ms, float16 47 -> 29 ms.
+// one thread: float32 cache 69 -> 38 ms, float16 47 -> 29 ms. Reading them in place as the
+// AVX-512 version does (G x J accumulators, at most 12 of the 16 registers) measured 0.75-0.94x
+// of this (a Zen 4 running this kernel, float16 cache, 4k-16k contexts, pools swept out of
+// the L3): the copies stay here.
 // rows[p]: offset of position p's K (and V) row, all KV heads, in the cache.
 // An int8 cache (ks, vs non-null): K of position p and KV head h is ks[srows[p] + h] times
 // its int8 values (V likewise with vs); the K scale multiplies the score, the V scale
@@ -129,6 +132,25 @@ inline void chunk_softmax(float* scores, int64_t padded, int64_t len, int64_t G,
   }
 }
 
+// Positions [p, p + n) of a chunk's K (or V) rows, heads [offset / D, ...) of width floats,
+// asked for ahead of their use, into the L2. A block's rows are adjacent, but
+// blocks lie anywhere in the pool, so the hardware's stream prefetch starts over at every
+// block. Into the L2, not the L1: on a Zen 4 the L1 hint did nothing measurable (as if no
+// prefetch; its few L1 miss buffers were full) and the L2 hint gave 1.3-1.66x with the pools
+// swept out of the L3 (`pagoda bench attention`); on an Emerald Rapids Xeon the hints and
+// distances measured within noise of each other. 32 positions ahead: 64 was within 1-7%,
+// 128 and 256 5-20% slower (a Zen 4).
+template <typename KV>
+inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t p, int64_t n, int64_t len, int64_t offset,
+                          int64_t width) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(KV));
+  for (int64_t q = p; q < std::min(p + n, len); ++q) {
+    const char* row = reinterpret_cast<const char*>(base + rows[q] + offset);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
+  }
+}
+constexpr int64_t kAhead = 32;  // positions ahead
+
 // The positions are one chunk (rows[0..len)); the output is the chunk's partial softmax:
 // per query head h of the KV heads [kv0, kv1), ob[h * D..] the sum of e^(s_p - m_h) V_p,
 // mo[h] = m_h (the chunk's largest score), lo[h] the sum of e^(s_p - m_h).
@@ -142,7 +164,10 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
   // from memory (the passes below jump between rows; reading the cache that way took twice
   // as long), and a float16 or int8 element is converted once, not once per query head.
   const int64_t width = (kv1 - kv0) * D;
+  prefetch_rows(kp, rows, 0, kAhead, len, kv0 * D, width);
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
+    prefetch_rows(kp, rows, p0 + kAhead, 8, len, kv0 * D, width);
+    if (p0 + 8 >= len) prefetch_rows(vp, rows, 0, kAhead, len, kv0 * D, width);
     const float* keys[8];  // keys[j] + (kvh - kv0) * D: position p0 + j's K for head kvh
     for (int j = 0; j < 8; ++j) {
       const KV* src = kp + rows[std::min(p0 + j, len - 1)] + kv0 * D;
@@ -176,6 +201,7 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
   std::fill(ob + kv0 * G * D, ob + kv1 * G * D, 0.f);
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
     const int64_t p1 = std::min(len, p0 + 8);
+    prefetch_rows(vp, rows, p0 + kAhead, 8, len, kv0 * D, width);
     const float* vals[8];  // vals[p - p0] + (kvh - kv0) * D: position p's V for head kvh
     for (int64_t p = p0; p < p1; ++p) {
       const KV* src = vp + rows[p] + kv0 * D;
@@ -214,21 +240,6 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
   }
 }
 
-// Positions [p, p + n) of a chunk's K (or V) rows, heads [offset / D, ...) of width floats,
-// asked for ahead of their use (AVX-512 version). A block's rows are adjacent, but blocks lie
-// anywhere in the pool, so the hardware's stream prefetch starts over at every block. Measured
-// with the pools swept out of the L3 (`pagoda bench attention`): with the 16-lane passes,
-// 1.01-1.28x over the AVX2 kernel, where the 16-lane passes alone gave 0.92-1.38x.
-template <typename KV>
-inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t p, int64_t n, int64_t len, int64_t offset,
-                          int64_t width) {
-  const int64_t bytes = width * static_cast<int64_t>(sizeof(KV));
-  for (int64_t q = p; q < std::min(p + n, len); ++q) {
-    const char* row = reinterpret_cast<const char*>(base + rows[q] + offset);
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T0);
-  }
-}
-constexpr int64_t kAhead = 64;  // positions ahead (16 and 32 were no better)
 
 // K/V elements as 16 float32 lanes (AVX-512).
 PAGODA_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -310,8 +321,7 @@ PAGODA_AVX512 inline void chunk_softmax512(float* scores, int64_t padded, int64_
 // accumulators); the scores' horizontal sums by halving (hsum8x16), the softmax 16 lanes wide.
 // Measured against the copying version with the pools swept out of the L3 (float16 cache, 16k
 // and 4k contexts, 1 and 4 sequences): 1.2-1.43x (a float32 cache 1.14-1.28x;
-// docs/benchmarks.md). With the rows read in place the prefetch (64, 128, 256 positions ahead,
-// or none) measures within noise. Each head's arithmetic still in a fixed order, so a
+// docs/benchmarks.md; an Emerald Rapids Xeon). Each head's arithmetic still in a fixed order, so a
 // sequence's result does not depend on its batch (it differs from the AVX2 version's in the
 // last bits).
 template <int G, typename KV>
