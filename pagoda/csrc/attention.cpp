@@ -139,7 +139,11 @@ inline void chunk_softmax(float* scores, int64_t padded, int64_t len, int64_t G,
 // prefetch; its few L1 miss buffers were full) and the L2 hint gave 1.3-1.66x with the pools
 // swept out of the L3 (`pagoda bench attention`); on an Emerald Rapids Xeon the hints and
 // distances measured within noise of each other. 32 positions ahead: 64 was within 1-7%,
-// 128 and 256 5-20% slower (a Zen 4).
+// 128 and 256 5-20% slower (a Zen 4). The K pass asks for the V rows of the positions it is
+// at as well (the chunk's V rows are in the L2 when its V pass starts, and the memory is busy
+// through the softmax): 1.03-1.20x more in the AVX-512 kernel (float16 and float32 caches; the V
+// pass still asks 32 positions ahead: without it 0.93-1.03x), 0.87-0.93x in the AVX2 one
+// (float16; there the K pass asks for the first V rows at its end only).
 template <typename KV>
 inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t p, int64_t n, int64_t len, int64_t offset,
                           int64_t width) {
@@ -334,7 +338,7 @@ PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, 
   prefetch_rows(kp, rows, 0, kAhead, len, kv0 * D, width);
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
     prefetch_rows(kp, rows, p0 + kAhead, 8, len, kv0 * D, width);
-    if (p0 + 8 >= len) prefetch_rows(vp, rows, 0, kAhead, len, kv0 * D, width);
+    prefetch_rows(vp, rows, p0, 8, len, kv0 * D, width);  // V too, for the pass after the softmax
     const KV* keys[8];  // keys[j] + kvh * D: position p0 + j's K for head kvh, read in place
     for (int j = 0; j < 8; ++j) keys[j] = kp + rows[std::min(p0 + j, len - 1)];
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
