@@ -143,7 +143,9 @@ inline void chunk_softmax(float* scores, int64_t padded, int64_t len, int64_t G,
 // at as well (the chunk's V rows are in the L2 when its V pass starts, and the memory is busy
 // through the softmax): 1.03-1.20x more in the AVX-512 kernel (float16 and float32 caches; the V
 // pass still asks 32 positions ahead: without it 0.93-1.03x), 0.87-0.93x in the AVX2 one
-// (float16; there the K pass asks for the first V rows at its end only).
+// (float16; there the K pass asks for the first V rows at its end only). The AVX-512 V pass asks
+// for the K rows of the thread's next unit of work meanwhile (it reads from the L2, the memory
+// would idle): 1.01-1.17x more.
 template <typename KV>
 inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t p, int64_t n, int64_t len, int64_t offset,
                           int64_t width) {
@@ -332,7 +334,8 @@ template <int G, typename KV>
 PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                                    int64_t D, int64_t kv0, int64_t kv1, float sc, float* scores, float* ob,
                                    float* mo, float* lo, const float* ks, const float* vs, const int64_t* srows,
-                                   float softcap) {
+                                   float softcap, const int64_t* next_rows, int64_t next_len, int64_t next_offset,
+                                   int64_t next_width) {
   const int64_t padded = (len + 7) / 8 * 8;
   const int64_t width = (kv1 - kv0) * D;
   prefetch_rows(kp, rows, 0, kAhead, len, kv0 * D, width);
@@ -378,6 +381,9 @@ PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, 
   for (int64_t p0 = 0; p0 < len; p0 += 32) {
     const int64_t p1 = std::min<int64_t>(len, p0 + 32);
     prefetch_rows(vp, rows, p0 + kAhead, 32, len, kv0 * D, width);
+    // The next unit's K rows (this thread's next chunk), while this pass reads from the L2.
+    if (next_rows) prefetch_rows(kp, next_rows, p0 * next_len / len, 32 * next_len / len + 1, next_len, next_offset,
+                                 next_width);
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
       const float* sk = scores + kvh * G * padded;
       float* ok = ob + kvh * G * D;
@@ -491,8 +497,10 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
   std::vector<float> part_o(chunks * H * D), part_m(chunks * H), part_l(chunks * H);
   at::parallel_for(0, chunks * split, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores(H * kChunk), buf(wide ? 0 : 8 * KVH * D);  // buf: decode_heads' rows as float32
-    std::vector<int64_t> rows(kChunk), srows(kChunk);  // srows[p]: position p's slot x KVH (int8 scales)
-    for (int64_t w = w0; w < w1; ++w) {
+    // rows/srows: this unit's; nrows/nsrows: the next one's, worked out ahead for the prefetch.
+    std::vector<int64_t> rows(kChunk), srows(kChunk), nrows(kChunk), nsrows(kChunk);
+    struct Unit { int64_t b, len, kv0, kv1; };
+    auto unit = [&](int64_t w, int64_t* r, int64_t* sr) {  // srows[p]: position p's slot x KVH (int8 scales)
       const int64_t c = w / split;
       const int64_t b = std::upper_bound(start.begin(), start.end(), c) - start.begin() - 1;
       const int64_t p0 = first_of(b) + (c - start[b]) * kChunk, len = std::min<int64_t>(kChunk, lp[b] - p0);
@@ -500,15 +508,26 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
       const int32_t* table = tp + b * max_blocks;
       for (int64_t i = 0; i < len; ++i) {
         const int64_t p = p0 + i;
-        srows[i] = (table[p / bs] * bs + p % bs) * KVH;
-        rows[i] = srows[i] * D;
+        sr[i] = (table[p / bs] * bs + p % bs) * KVH;
+        r[i] = sr[i] * D;
       }
+      return Unit{b, len, kv0, kv1};
+    };
+    Unit next = unit(w0, nrows.data(), nsrows.data());
+    for (int64_t w = w0; w < w1; ++w) {
+      rows.swap(nrows);
+      srows.swap(nsrows);
+      const Unit u = next;
+      const int64_t c = w / split, b = u.b, len = u.len, kv0 = u.kv0, kv1 = u.kv1;
+      const bool more = w + 1 < w1;
+      if (more) next = unit(w + 1, nrows.data(), nsrows.data());
       const float* qb = qp + b * H * D;
       float *ob = part_o.data() + c * H * D, *mo = part_m.data() + c * H, *lo = part_l.data() + c * H;
 #define PAGODA_HEADS(NG)                                                                                  \
   if (wide)                                                                                               \
     decode_heads512<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, mo, lo, ks, vs, \
-                            srows.data(), softcap);                                                        \
+                            srows.data(), softcap, more ? nrows.data() : nullptr, next.len, next.kv0 * D,   \
+                            (next.kv1 - next.kv0) * D);                                                    \
   else                                                                                                    \
     decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, mo, lo, ks, vs,    \
                          srows.data(), buf.data(), softcap);                                               \

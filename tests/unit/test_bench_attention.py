@@ -36,4 +36,8 @@ def test_the_command_saves_its_points(tmp_path, capsys):
     assert saved["sweep_mib"] == 1 and saved["shape"]["kv_heads"] == 2
     assert [(p["context"], p["batch"]) for p in saved["points"]] == [(32, 1), (32, 2), (80, 1), (80, 2)]
     assert all(p["layers"] > 1 and p["fraction_of_read_bandwidth"] > 0 for p in saved["points"])
+    # The fractions are of the higher of the two bandwidth readings (before and after the points).
+    assert saved["read_bytes_per_s"] == max(saved["read_bytes_per_s_before"], saved["read_bytes_per_s_after"])
+    assert all(p["fraction_of_read_bandwidth"] == pytest.approx(p["bytes_per_s"] / saved["read_bytes_per_s"])
+               for p in saved["points"])
     assert "ms/layer" in capsys.readouterr().out
