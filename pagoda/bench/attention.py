@@ -51,11 +51,15 @@ def add_attention_args(p: argparse.ArgumentParser) -> None:
                         "by one timed call, so the rows come from memory and not from the last-level cache; "
                         "0: one pool, called again and again")
     p.add_argument("--min-time", type=float, default=0.5, help="seconds of repeated calls per point")
+    p.add_argument("--arithmetic-only", action="store_true",
+                   help="every block-table entry on one block (the rows stay in the L1, no sweep): the kernel's "
+                        "arithmetic alone, the time it would take if every read were hidden")
     p.add_argument("--save-result", default=None, metavar="FILE.json")
 
 
 def time_point(ctx: int, batch: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-               block_size: int, min_time: float, seed: int = 0, sweep_bytes: int = 0) -> dict[str, Any]:  # fmt: skip
+               block_size: int, min_time: float, seed: int = 0, sweep_bytes: int = 0,
+               arithmetic_only: bool = False) -> dict[str, Any]:  # fmt: skip
     from pagoda.ops import cpu_kernels
 
     ops = cpu_kernels.kernels()
@@ -70,6 +74,9 @@ def time_point(ctx: int, batch: int, dtype: torch.dtype, heads: int, kv_heads: i
         cache = torch.randn(shape, generator=gen).to(dtype)
         scales = None
     tables = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).int()
+    if arithmetic_only:  # one block's rows, read again and again: the arithmetic alone
+        tables.zero_()
+        sweep_bytes = 0
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=gen)
     scale = head_dim ** -0.5
@@ -110,7 +117,8 @@ def run_attention_bench(args: argparse.Namespace) -> int:
             if ctx * batch > args.max_tokens:
                 continue
             point = time_point(ctx, batch, dtype, args.heads, args.kv_heads, args.head_dim, args.block_size,
-                               args.min_time, sweep_bytes=args.sweep_mib << 20)
+                               args.min_time, sweep_bytes=args.sweep_mib << 20,
+                               arithmetic_only=args.arithmetic_only)
             points.append(point)
             print(f"{ctx:>8} {batch:>6} {point['layers']:>6} {point['seconds'] * 1e3:>9.3f} "
                   f"{point['bytes_per_s'] / 1e9:>7.2f}")
@@ -126,6 +134,7 @@ def run_attention_bench(args: argparse.Namespace) -> int:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(),
                        "read_bytes_per_s": bandwidth, "read_bytes_per_s_before": before,
                        "read_bytes_per_s_after": after, "kv_dtype": args.kv_dtype, "sweep_mib": args.sweep_mib,
+                       "arithmetic_only": args.arithmetic_only,
                        "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                                  "block_size": args.block_size}, "points": points}, f, indent=1)
         print(f"results: {args.save_result}")

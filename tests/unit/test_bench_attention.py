@@ -28,6 +28,13 @@ def test_a_point_sweeps_enough_copies_of_its_pool():
     assert int8["kv_bytes"] == 2 * (64 * 2 * 64 + 64 * 2 * 4) * 2   # rows and their float32 scales
 
 
+def test_arithmetic_only_reads_one_block_and_sweeps_nothing():
+    # Every table entry on block 0: the same bytes counted per call, and no copies swept
+    # whatever --sweep-mib asks (the rows are meant to stay in the cache).
+    point = time_point(64, 2, torch.float16, 4, 2, 64, 16, min_time=0.01, sweep_bytes=1 << 20, arithmetic_only=True)
+    assert point["layers"] == 1 and point["kv_bytes"] == 2 * 2 * 64 * 2 * 64 * 2
+
+
 def test_the_command_saves_its_points(tmp_path, capsys):
     out = tmp_path / "attention.json"
     assert main(["bench", "attention", "--contexts", "32,80", "--batches", "1,2", "--heads", "4", "--kv-heads", "2",
