@@ -105,7 +105,7 @@ def run_attention_bench(args: argparse.Namespace) -> int:
         return 1
     dtype = _DTYPES[args.kv_dtype]
     # The read bandwidth before and after the points; the fractions are of the higher. On a
-    # shared machine it moves (a Zen 4 VM measured 35-57 GB/s within minutes), so one reading
+    # shared machine it moves (a Zen 4 VM measured 28-61 GB/s within minutes), so one reading
     # could flatter the kernel or wrong it.
     before = measure_bandwidth(args.bandwidth_mib << 20)["read_bytes_per_s"]
     print(f"read bandwidth before: {before / 1e9:.2f} GB/s ({torch.get_num_threads()} threads); "

@@ -157,6 +157,12 @@ inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t p, int64_
 }
 constexpr int64_t kAhead = 32;  // positions ahead
 
+// A unit of work's rows as prefetch_rows reads them (decode_heads512's next unit).
+struct RowSpan {
+  const int64_t* rows;
+  int64_t len, offset, width;
+};
+
 // The positions are one chunk (rows[0..len)); the output is the chunk's partial softmax:
 // per query head h of the KV heads [kv0, kv1), ob[h * D..] the sum of e^(s_p - m_h) V_p,
 // mo[h] = m_h (the chunk's largest score), lo[h] the sum of e^(s_p - m_h).
@@ -246,7 +252,6 @@ void decode_heads(const float* qb, const KV* kp, const KV* vp, const int64_t* ro
   }
 }
 
-
 // K/V elements as 16 float32 lanes (AVX-512).
 PAGODA_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 PAGODA_AVX512 inline __m512 load16(const uint16_t* p) {
@@ -334,8 +339,7 @@ template <int G, typename KV>
 PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t len,
                                    int64_t D, int64_t kv0, int64_t kv1, float sc, float* scores, float* ob,
                                    float* mo, float* lo, const float* ks, const float* vs, const int64_t* srows,
-                                   float softcap, const int64_t* next_rows, int64_t next_len, int64_t next_offset,
-                                   int64_t next_width) {
+                                   float softcap, const RowSpan* next) {
   const int64_t padded = (len + 7) / 8 * 8;
   const int64_t width = (kv1 - kv0) * D;
   prefetch_rows(kp, rows, 0, kAhead, len, kv0 * D, width);
@@ -382,8 +386,9 @@ PAGODA_AVX512 void decode_heads512(const float* qb, const KV* kp, const KV* vp, 
     const int64_t p1 = std::min<int64_t>(len, p0 + 32);
     prefetch_rows(vp, rows, p0 + kAhead, 32, len, kv0 * D, width);
     // The next unit's K rows (this thread's next chunk), while this pass reads from the L2.
-    if (next_rows) prefetch_rows(kp, next_rows, p0 * next_len / len, 32 * next_len / len + 1, next_len, next_offset,
-                                 next_width);
+    if (next)
+      prefetch_rows(kp, next->rows, p0 * next->len / len, 32 * next->len / len + 1, next->len, next->offset,
+                    next->width);
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
       const float* sk = scores + kvh * G * padded;
       float* ok = ob + kvh * G * D;
@@ -521,13 +526,13 @@ void decode_attention(const float* qp, const KV* kp, const KV* vp, const int32_t
       const int64_t c = w / split, b = u.b, len = u.len, kv0 = u.kv0, kv1 = u.kv1;
       const bool more = w + 1 < w1;
       if (more) next = unit(w + 1, nrows.data(), nsrows.data());
+      const RowSpan ahead{nrows.data(), next.len, next.kv0 * D, (next.kv1 - next.kv0) * D};
       const float* qb = qp + b * H * D;
       float *ob = part_o.data() + c * H * D, *mo = part_m.data() + c * H, *lo = part_l.data() + c * H;
 #define PAGODA_HEADS(NG)                                                                                  \
   if (wide)                                                                                               \
     decode_heads512<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, mo, lo, ks, vs, \
-                            srows.data(), softcap, more ? nrows.data() : nullptr, next.len, next.kv0 * D,   \
-                            (next.kv1 - next.kv0) * D);                                                    \
+                            srows.data(), softcap, more ? &ahead : nullptr);                               \
   else                                                                                                    \
     decode_heads<NG, KV>(qb, kp, vp, rows.data(), len, D, kv0, kv1, sc, scores.data(), ob, mo, lo, ks, vs,    \
                          srows.data(), buf.data(), softcap);                                               \
