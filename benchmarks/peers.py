@@ -50,6 +50,22 @@ def llama_server_binary(cache: str) -> str | None:
     return hits[-1] if hits else None
 
 
+def _no_amx_flags() -> list[str]:
+    """On a CPU with AMX, llama.cpp is built without its AMX kernels: the AMX weight buffer of
+    llama.cpp 0.3.36's vendored ggml crashed llama-server (SIGSEGV at the first product after
+    the repack, the bundled Q4_1 model, a 2-vCPU Xeon with amx_int8; ggml-org/llama.cpp#20824
+    reports the same in ``ggml_backend_amx_mul_mat``). ``--no-repack`` avoids it too, but also
+    turns off the AVX-512 repacks llama.cpp runs at its best with; an explicit ``-mno-amx-*``
+    outranks ``-march=native`` in GCC whatever their order."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            amx = "amx_int8" in f.read().split()
+    except OSError:
+        amx = False
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if amx else []
+
+
 def install_llama_server(cache: str, jobs: int = 1, version: str | None = None) -> str:
     """Download the llama-cpp-python sdist, build llama-server from its vendored llama.cpp.
 
@@ -73,7 +89,7 @@ def install_llama_server(cache: str, jobs: int = 1, version: str | None = None) 
     log = os.path.join(cache, "llama-server-build.log")
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     _run(nice + ["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
-                 "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], log, cwd=llama)
+                 "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", *_no_amx_flags()], log, cwd=llama)
     # llama-quantize too: it makes K-quant files from F16 ones (pagoda.bench.gguf_files writes those).
     _run(nice + ["cmake", "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(jobs)],
          log, cwd=llama)

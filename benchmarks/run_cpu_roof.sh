@@ -4,10 +4,11 @@
 # CPU has bf16 units, int8 and int4 weight-compressed IRs), served against llama-server at
 # its best thread count here (-t 2), and pagoda's thread policy (its governor against one
 # and two fixed threads). 128-token prompts, 128 output tokens, greedy, ignore_eos.
+# OUT=DIR puts the results under DIR (docs/results by default; an AMX machine's: docs/results/amx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-OUT=docs/results
+OUT=${OUT:-docs/results}
 grep -o -w -E 'avx512_bf16|avx512_vnni|amx_bf16|amx_int8|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 
 $PY benchmarks/compare.py install openvino        # its own venv + the model's IRs; a no-op once done
