@@ -30,6 +30,7 @@ done
 # IRs exported from the same weights (transformers dequantizes the GGUF to an fp32 HF folder)
 # and llama-server.
 M=${MODELS:-/tmp/models}
+mkdir -p "$M"
 QUANTIZE=$(dirname "$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); import peers; print(peers.llama_server_binary(peers.DEFAULT_CACHE))')")/llama-quantize
 [ -f "$M/llama-3.2-1b-f16.gguf" ] || $PY -m pagoda.bench.gguf_files llama-3.2-1b "$M/llama-3.2-1b-f16.gguf" --type F16
 [ -f "$M/llama-3.2-1b-q4_k_m.gguf" ] || "$QUANTIZE" "$M/llama-3.2-1b-f16.gguf" "$M/llama-3.2-1b-q4_k_m.gguf" Q4_K_M 2
