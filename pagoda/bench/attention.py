@@ -8,7 +8,8 @@ dtype, and one query per sequence. A point keeps as many copies of its pool ("la
 make at least ``--sweep-mib``, and one timed call runs the kernel over every copy in turn, as
 a decode step walks its layers: the rows then come from memory, as in a served step, and not
 from a last-level cache that holds a lone layer's pool between repeated calls (this project's
-Xeons have 260 MiB of L3: a 16k-token context of the bundled model is 12 MiB). A point's bytes
+Xeons have 260-480 MiB of L3: a 16k-token context of the bundled model is 12 MiB). Blocks of
+64 tokens by default, as the engine's on the CPU. A point's bytes
 are what the kernel must read: every sequence's K and V rows (and an int8 cache's scales), in
 every copy; its time the fastest of repeated sweeps (the least disturbed on a shared machine,
 as `pagoda bench roofline` takes its roofs).
@@ -42,11 +43,14 @@ def add_attention_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64,
+                   help="tokens per KV block (64: the engine's default on the CPU)")
     p.add_argument("--max-tokens", type=int, default=1 << 21,
                    help="skip points with more context tokens than this in all (their KV pool's memory)")
-    p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the read-bandwidth test")
-    p.add_argument("--sweep-mib", type=int, default=1024,
+    # Both well above the largest L3 seen on these machines (480 MiB, an AMX Xeon), where a
+    # 512 MiB read would partly come from the cache.
+    p.add_argument("--bandwidth-mib", type=int, default=2048, help="buffer size of the read-bandwidth test")
+    p.add_argument("--sweep-mib", type=int, default=2048,
                    help="copies of each point's KV pool (layers) that make at least this many MiB, swept in turn "
                         "by one timed call, so the rows come from memory and not from the last-level cache; "
                         "0: one pool, called again and again")

@@ -41,6 +41,7 @@ def test_the_command_saves_its_points(tmp_path, capsys):
                  "--min-time", "0.01", "--bandwidth-mib", "16", "--sweep-mib", "1", "--save-result", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert saved["sweep_mib"] == 1 and saved["shape"]["kv_heads"] == 2
+    assert saved["shape"]["block_size"] == 64   # the engine's CPU default, unless --block-size says otherwise
     assert [(p["context"], p["batch"]) for p in saved["points"]] == [(32, 1), (32, 2), (80, 1), (80, 2)]
     assert all(p["layers"] > 1 and p["fraction_of_read_bandwidth"] > 0 for p in saved["points"])
     # The fractions are of the higher of the two bandwidth readings (before and after the points).
