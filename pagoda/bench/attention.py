@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pagoda.bench.roofline import _best_time, measure_bandwidth
+from pagoda.config.engine import CPU_BLOCK_SIZE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
@@ -43,8 +44,8 @@ def add_attention_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=64,
-                   help="tokens per KV block (64: the engine's default on the CPU)")
+    p.add_argument("--block-size", type=int, default=CPU_BLOCK_SIZE,
+                   help=f"tokens per KV block ({CPU_BLOCK_SIZE}: the engine's default on the CPU)")
     p.add_argument("--max-tokens", type=int, default=1 << 21,
                    help="skip points with more context tokens than this in all (their KV pool's memory)")
     # Both well above the largest L3 seen on these machines (480 MiB, an AMX Xeon), where a

@@ -69,6 +69,10 @@ def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)
 
 
+# Tokens per KV block on the CPU unless --block-size says otherwise (why: EngineConfig's defaults).
+CPU_BLOCK_SIZE = 64
+
+
 @dataclass(frozen=True)
 class ModelOptions(OptionGroup):
     TITLE = "model"
@@ -497,7 +501,7 @@ class EngineConfig(SamplingOptions, MultiModalOptions, DisaggregationOptions, Lo
             # scattered 6 KiB runs (16 tokens of the default model, float16) at a third of its
             # streaming bandwidth, 24 KiB runs (64 tokens) at half (docs/benchmarks.md). vLLM's
             # CPU backend picks 128 for the same reason; 64 keeps prefix hits finer.
-            _set(self, "block_size", 64 if on_cpu else 16)
+            _set(self, "block_size", CPU_BLOCK_SIZE if on_cpu else 16)
         if on_cpu and self.dtype in ("bfloat16", "bf16") and self.quantization in ("auto", "none", "bf16"):
             # The CPU's bf16 mode: bfloat16 GEMMs on oneDNN, float32 norms, residuals and
             # attention (pagoda/model/layers/quantization.py, Bf16Linear).
