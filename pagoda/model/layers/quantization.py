@@ -328,7 +328,11 @@ def bf16_gemm_path() -> str:
       a 1536 x 576 product at one row 94 -> 45 us, the 49152 x 576 LM head 6.5 -> 3.9 ms);
       a row's numbers are the same in steps of any size from two rows, and its one-row
       product (a matrix-vector kernel) may round a sum's last bfloat16 bit the other way
-      (measured: 6 of 100 random 1536 x 576 cases; padding to two rows would cost ~20 %);
+      (measured: 6 of 100 random 1536 x 576 cases; padding to two rows would cost ~20 %).
+      With AMX tiles it runs steps of up to 32 rows and longer ones on two kernels instead,
+      each the same at every step size, the two a bfloat16 rounding apart in a few elements
+      (an AMX Xeon: 1-3 of 1536 x m); padding small steps to 33 rows cost 1.7x at one row and
+      cutting large ones into 32-row pieces 1.5-2.8x, so neither is done;
     - ``pagoda``: elsewhere, pagoda's kernel for bfloat16 weights (float32 sums; the exact
       mode's: one order for steps of up to 16 rows, BLAS's above). oneDNN without bf16
       units converts, and its one-row product then sums in another order than its 2-15
