@@ -57,13 +57,10 @@ def _no_amx_flags() -> list[str]:
     reports the same in ``ggml_backend_amx_mul_mat``). ``--no-repack`` avoids it too, but also
     turns off the AVX-512 repacks llama.cpp runs at its best with; an explicit ``-mno-amx-*``
     outranks ``-march=native`` in GCC whatever their order."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            amx = "amx_int8" in f.read().split()
-    except OSError:
-        amx = False
+    from pagoda.ops.cpu_kernels import cpu_flags
+
     flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if amx else []
+    return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if "amx_int8" in cpu_flags() else []
 
 
 def install_llama_server(cache: str, jobs: int = 1, version: str | None = None) -> str:
