@@ -1084,6 +1084,8 @@ struct QuantizedX {
   // Whether the AVX-512 versions run for this x (use_avx512() once per call: it reads the
   // environment, too slow for every tile).
   bool avx512 = false;
+  // Whether the AMX kernels run for this x (use_amx(), read once per call the same way).
+  bool amx = false;
 };
 
 // x quantized in groups of `group` inputs (32, or 256 for the K-quant kernels) with one
@@ -1091,6 +1093,7 @@ struct QuantizedX {
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group = 32) {
   QuantizedX out;
   out.avx512 = use_avx512();
+  out.amx = out.avx512 && use_amx();
   out.q.resize(M * K);
   out.d.resize(M * K / group);
   out.s16.resize(M * K / 16);
@@ -1142,6 +1145,7 @@ template <typename Rows>
 QuantizedX gather_quantized(const QuantizedX& xq, const Rows& rows, int64_t K, int64_t group) {
   QuantizedX out;
   out.avx512 = xq.avx512;
+  out.amx = xq.amx;
   const int64_t n = static_cast<int64_t>(rows.size());
   out.q.resize(n * K);
   out.d.resize(n * K / group);
@@ -2342,6 +2346,156 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + col, bias ? _mm512_add_ps(acc[r], bv) : acc[r]);
 }
 
+
+// ---- Q4_K repacked, on AMX int8 tiles ------------------------------------------------
+// A step of many rows (a prompt, an expert's share of one, a dense layer at 16 streams)
+// multiplies each repacked group of 16 channels with tdpbsud: 16 rows of x's int8
+// (signed, A) against unsigned weights (B). A Q4_K scale is per channel and per 32 inputs;
+// folded into the weights (w = scale x nibble, 0 .. 945), a block's integer sum
+// I_b = sum_j scale_j I_j = sum_k w_k x_k needs no per sub-block step: w is split into
+// its low byte and its high bits (0 .. 3), B_lo and B_hi, and a block is four tile
+// products of 64 inputs into each of two sums, I_b = 256 C_hi + C_lo, the very integer
+// x16_rows sums. M_b and the float32 operations per block are x16_rows' own: the same
+// integers, the same float32 operations, the same bits for every row.
+// Per group of 16 channels and block, B_lo and B_hi are made once (4 KiB each: row kk of
+// tile t holds inputs 64 t + 4 kk .. + 3 of the 16 channels, four bytes each) and every
+// 16 rows of the step run over them (the last few rows copied into 16 rows of zeros).
+
+constexpr int kAmxRows = 16;
+// Steps (and experts' shares) of at least this many rows take the AMX kernels.
+constexpr int64_t kAmxMinRows = 16;
+// Rows a unit of gguf_linear_int8 takes when the AMX kernel runs (kRowChunk otherwise).
+constexpr int64_t kAmxRowChunk = 512;
+
+// ldtilecfg's 64 bytes (palette 1): tiles 0-1 C (hi, lo), 2 A, 3-4 B (hi, lo), each 16
+// rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+PAGODA_AMX inline void amx_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Thread scratch of the AMX kernels: a block's B_hi and B_lo, the last rows of x padded
+// to 16, the two sums, the rows' float32 sums.
+struct AmxScratch {
+  alignas(64) uint8_t hi[4096];
+  alignas(64) uint8_t lo[4096];
+  alignas(64) int32_t c[2][kAmxRows * 16];
+  Buffer<int8_t> x;
+  Buffer<float> acc;
+};
+
+// Block p of a repacked group (16 channels, 256 inputs) -> B_hi and B_lo: w = scale x
+// nibble in 16-bit lanes (a byte's value in each), its low byte to lo, its high byte to hi.
+PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), even = _mm512_set1_epi16(0x00FF);
+  // Channel c's 4 bytes of a row lie at 4c: the scale of channel c in each of them (the 16
+  // scales in every 128-bit lane, lane L picking channels 4L .. 4L + 3).
+  const __m512i spread = _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12, 11, 11, 11,
+                                         11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5,
+                                         5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int j = 0; j < 8; ++j) {
+    const __m512i s = _mm512_shuffle_epi8(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kX16Scales + 16 * j))), spread);
+    // The scales of the even bytes alone, of the odd ones alone: vpmaddubsw's pairs then
+    // give one product a 16-bit lane (unsigned nibble x scale, 0 .. 945).
+    const __m512i s_even = _mm512_and_si512(s, even), s_odd = _mm512_andnot_si512(even, s);
+    for (int q = 0; q < 4; ++q) {
+      const __m512i v = _mm512_loadu_si512(p + kX16Nibbles + 256 * j + 64 * q);
+      // Inputs 32j + 8q + (0..3) (low nibbles), then + 4 .. + 7 (high): rows 8j + 2q, 8j + 2q + 1.
+      const __m512i n[2] = {_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)};
+      for (int h = 0; h < 2; ++h) {
+        const __m512i we = _mm512_maddubs_epi16(n[h], s_even), wo = _mm512_maddubs_epi16(n[h], s_odd);
+        const int64_t at = (8 * j + 2 * q + h) * 64;
+        // lo: we's low byte in the even bytes, wo's in the odd; hi: their high bytes
+        // (vpternlogd 0xCA: a ? b : c per bit, a the even bytes' mask).
+        _mm512_store_si512(sc.lo + at, _mm512_ternarylogic_epi32(even, we, _mm512_slli_epi16(wo, 8), 0xCA));
+        _mm512_store_si512(sc.hi + at, _mm512_ternarylogic_epi32(even, _mm512_srli_epi16(we, 8), wo, 0xCA));
+      }
+    }
+  }
+}
+
+// One block (p: the group's repacked block b, its B in sc) for R rows (x0: 16 rows of K
+// int8, those past R ignored; their d / h32 rows from r0 of xq): acc[r] += its terms.
+PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, const int8_t* x0, int64_t K, int64_t b,
+                                                      int64_t r0, int R, const uint8_t* p, float* acc,
+                                                      AmxScratch& sc) {
+  const int64_t nb = K / 256;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int t = 0; t < 4; ++t) {
+    _tile_loadd(2, x0 + b * 256 + 64 * t, K);
+    _tile_loadd(3, sc.hi + 1024 * t, 64);
+    _tile_loadd(4, sc.lo + 1024 * t, 64);
+    _tile_dpbsud(0, 2, 3);
+    _tile_dpbsud(1, 2, 4);
+  }
+  _tile_stored(0, sc.c[0], 64);
+  _tile_stored(1, sc.c[1], 64);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  __m512i mn[4];
+  for (int i = 0; i < 4; ++i)
+    mn[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Mins + 32 * i)));
+  for (int r = 0; r < R; ++r) {
+    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sc.c[0] + 16 * r), 8),
+                                          _mm512_load_si512(sc.c[1] + 16 * r));
+    const int16_t* hr = xq.h32.data() + (r0 + r) * (K / 32) + b * 8;
+    __m512i msum = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) msum = _mm512_dpwssd_epi32(msum, mn[i], bcast32(hr + 2 * i));
+    const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
+    __m512 a = _mm512_loadu_ps(acc + 16 * r);
+    a = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), a);
+    a = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum), a);
+    _mm512_storeu_ps(acc + 16 * r, a);
+  }
+}
+
+// Channels [n0, n1) (multiples of 16) of a repacked Q4_K part for rows [m0, m1) on the
+// tiles.
+PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
+                             int64_t n1, const float* bias, float* y, int64_t N, AmxScratch& sc) {
+  const int64_t nb = K / 256, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
+  amx_config();
+  if (full_end < m1) {  // the last rows, padded with zeros to 16
+    sc.x.resize(kAmxRows * K);
+    std::memcpy(sc.x.data(), xq.q.data() + full_end * K, (m1 - full_end) * K);
+    std::memset(sc.x.data() + (m1 - full_end) * K, 0, (kAmxRows - (m1 - full_end)) * K);
+  }
+  sc.acc.resize(M * 16);
+  for (int64_t n = n0; n < n1; n += 16) {
+    const uint8_t* grp = w.data + n * w.row_bytes;
+    std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = grp + b * kX16Bytes;
+      x16_amx_weights(p, sc);
+      for (int64_t r = m0; r < m1; r += kAmxRows) {
+        const bool full = r < full_end;
+        x16_amx_block(xq, full ? xq.q.data() + r * K : sc.x.data(), K, b, r, full ? kAmxRows : static_cast<int>(m1 - r),
+                      p, sc.acc.data() + (r - m0) * 16, sc);
+      }
+    }
+    const int64_t col = w.col + n;
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < M; ++r) {
+      const __m512 a = _mm512_loadu_ps(sc.acc.data() + 16 * r);
+      _mm512_storeu_ps(y + (m0 + r) * N + col, bias ? _mm512_add_ps(a, bv) : a);
+    }
+  }
+  _tile_release();
+}
+
 inline bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16; }
 
 PartKinds part_kinds(const std::vector<Part>& parts) {
@@ -2385,8 +2539,10 @@ PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int6
 }
 
 void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
-              const float* bias, float* y, int64_t N) {
-  if (w.type == kQ6KX16)
+              const float* bias, float* y, int64_t N, AmxScratch& amx) {
+  if (w.type == kQ4KX16 && xq.amx && m1 - m0 >= kAmxMinRows)
+    x16_amx_tile(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
+  else if (w.type == kQ6KX16)
     x16_tile_t<true>(xq, m0, m1, K, w, n0, n1, bias, y, N);
   else
     x16_tile_t<false>(xq, m0, m1, K, w, n0, n1, bias, y, N);
@@ -2692,6 +2848,7 @@ struct Int8Scratch {
   DecodedRows dr;
   VnniPanel vp;
   K2Panel kp;
+  AmxScratch amx;
 };
 
 // Channels per tile of a Q4_K / Q6_K part in a step of M rows: two panels for the VNNI
@@ -2715,7 +2872,7 @@ void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m
   DecodedRows& dr = sc.dr;
   if (is_x16(w.type)) {
     TORCH_CHECK(cpu_has_avx512_vnni(), "repacked K-quant weights need an AVX-512 VNNI CPU");
-    x16_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N);
+    x16_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.amx);
     return;
   }
   if (has_k_kernel(w.type)) {
@@ -2780,8 +2937,10 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   // kChannels output channels (the VNNI kernels' K-quant parts: 2 panels), decoded once,
   // that every row of the chunk runs over.
   const std::vector<Tile> tiles = tiles_of(parts, kChannels, k_channels_per_tile(M, vnni));
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t m1 = std::min(M, m0 + kRowChunk);
+  // The AMX kernel makes its weights' tiles once per unit: longer chunks share them.
+  const int64_t chunk = xk.amx && M >= kAmxMinRows ? kAmxRowChunk : kRowChunk;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m1 = std::min(M, m0 + chunk);
     for_each_unit<Int8Scratch>(static_cast<int64_t>(tiles.size()), [&](int64_t t, Int8Scratch& sc) {
       int8_tile(xq, xk, m0, m1, K, parts[tiles[t].part], tiles[t], bp, yp, N, sc);
     });

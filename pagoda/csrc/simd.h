@@ -17,6 +17,13 @@
 bool cpu_has_avx512_vnni();
 bool use_avx512();
 
+// AMX int8 tiles (with AVX-512 for the rest of such a kernel): cpu_has_amx_int8 (the CPU
+// has them and the process was granted the tile state), use_amx (that, and
+// PAGODA_CPU_ISA is neither "avx2" nor "avx512").
+#define PAGODA_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
+bool cpu_has_amx_int8();
+bool use_amx();
+
 namespace pagoda {
 
 inline float hsum256(__m256 v) {
