@@ -2426,8 +2426,47 @@ PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
   }
 }
 
+// The same for a repacked Q6_K block: w = scale x stored value (signed scales, values
+// 0 .. 63: -8128 .. 8001), lo its low byte (unsigned), hi its high byte (signed, -32 .. 31),
+// w = 256 hi + lo. The stored values' -32 is x16_q6k_rows' term per block.
+PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), even = _mm512_set1_epi16(0x00FF);
+  // A pair block's 32 bytes (channel c's scales 2j, 2j + 1 at 2c, 2c + 1) with bytes 0-15 in
+  // lanes 0 and 1, 16-31 in lanes 2 and 3; lane L picks channels 4L .. 4L + 3.
+  const __m512i lanes = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+  const __m512i pick = _mm512_set_epi8(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2,
+                                       2, 0, 0, 0, 0, 6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 6, 6, 6, 6, 4, 4,
+                                       4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i pick_lanes = _mm512_add_epi8(pick, _mm512_set_epi64(0x0808080808080808, 0x0808080808080808, 0, 0,
+                                                                    0x0808080808080808, 0x0808080808080808, 0, 0));
+  for (int j = 0; j < 8; ++j) {
+    const __m512i pairs = _mm512_permutexvar_epi64(
+        lanes, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j)))));
+    for (int h = 0; h < 2; ++h) {  // sub-block 2j + h: quads 2h, 2h + 1
+      const __m512i s = _mm512_shuffle_epi8(pairs, _mm512_add_epi8(pick_lanes, _mm512_set1_epi8(static_cast<char>(h))));
+      const __m512i s_even = _mm512_and_si512(s, even), s_odd = _mm512_andnot_si512(even, s);
+      const __m512i hb = _mm512_loadu_si512(p + q6x16_high(j, h));
+      for (int u = 0; u < 2; ++u) {
+        const int q = 2 * h + u;
+        const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
+        const __m512i tl = u ? hb : _mm512_slli_epi16(hb, 4);
+        const __m512i th = u ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+        const __m512i n[2] = {_mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(tl, m30)),
+                              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(th, m30))};
+        for (int e = 0; e < 2; ++e) {
+          const __m512i we = _mm512_maddubs_epi16(n[e], s_even), wo = _mm512_maddubs_epi16(n[e], s_odd);
+          const int64_t at = (8 * j + 2 * q + e) * 64;
+          _mm512_store_si512(sc.lo + at, _mm512_ternarylogic_epi32(even, we, _mm512_slli_epi16(wo, 8), 0xCA));
+          _mm512_store_si512(sc.hi + at, _mm512_ternarylogic_epi32(even, _mm512_srli_epi16(we, 8), wo, 0xCA));
+        }
+      }
+    }
+  }
+}
+
 // One block (p: the group's repacked block b, its B in sc) for R rows (x0: 16 rows of K
 // int8, those past R ignored; their d / h32 rows from r0 of xq): acc[r] += its terms.
+template <bool Q6>
 PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, const int8_t* x0, int64_t K, int64_t b,
                                                       int64_t r0, int R, const uint8_t* p, float* acc,
                                                       AmxScratch& sc) {
@@ -2438,11 +2477,33 @@ PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, co
     _tile_loadd(2, x0 + b * 256 + 64 * t, K);
     _tile_loadd(3, sc.hi + 1024 * t, 64);
     _tile_loadd(4, sc.lo + 1024 * t, 64);
-    _tile_dpbsud(0, 2, 3);
+    if constexpr (Q6) {
+      _tile_dpbssd(0, 2, 3);  // Q6_K's high bytes are signed
+    } else {
+      _tile_dpbsud(0, 2, 3);
+    }
     _tile_dpbsud(1, 2, 4);
   }
   _tile_stored(0, sc.c[0], 64);
   _tile_stored(1, sc.c[1], 64);
+  if constexpr (Q6) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D)));
+    __m512i neg[8];  // -32 x the scales' pairs, as x16_q6k_rows takes them
+    for (int j = 0; j < 8; ++j)
+      neg[j] = _mm512_sub_epi16(_mm512_setzero_si512(),
+                                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                                      reinterpret_cast<const __m256i*>(p + q6x16_pair(j)))), 5));
+    for (int r = 0; r < R; ++r) {
+      __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sc.c[0] + 16 * r), 8),
+                                      _mm512_load_si512(sc.c[1] + 16 * r));
+      const int16_t* hr = xq.h16.data() + (r0 + r) * (K / 16) + b * 16;
+      for (int j = 0; j < 8; ++j) isum = _mm512_dpwssd_epi32(isum, neg[j], bcast32(hr + 2 * j));
+      const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
+      _mm512_storeu_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum),
+                                                     _mm512_loadu_ps(acc + 16 * r)));
+    }
+    return;
+  }
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
   __m512i mn[4];
@@ -2462,8 +2523,9 @@ PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, co
   }
 }
 
-// Channels [n0, n1) (multiples of 16) of a repacked Q4_K part for rows [m0, m1) on the
-// tiles.
+// Channels [n0, n1) (multiples of 16) of a repacked Q4_K or Q6_K part for rows [m0, m1)
+// on the tiles.
+template <bool Q6>
 PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
                              int64_t n1, const float* bias, float* y, int64_t N, AmxScratch& sc) {
   const int64_t nb = K / 256, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
@@ -2478,11 +2540,14 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
     const uint8_t* grp = w.data + n * w.row_bytes;
     std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* p = grp + b * kX16Bytes;
-      x16_amx_weights(p, sc);
+      const uint8_t* p = grp + b * (Q6 ? kX16Q6Bytes : kX16Bytes);
+      if constexpr (Q6)
+        x16_amx_weights_q6k(p, sc);
+      else
+        x16_amx_weights(p, sc);
       for (int64_t r = m0; r < m1; r += kAmxRows) {
         const bool full = r < full_end;
-        x16_amx_block(xq, full ? xq.q.data() + r * K : sc.x.data(), K, b, r, full ? kAmxRows : static_cast<int>(m1 - r),
+        x16_amx_block<Q6>(xq, full ? xq.q.data() + r * K : sc.x.data(), K, b, r, full ? kAmxRows : static_cast<int>(m1 - r),
                       p, sc.acc.data() + (r - m0) * 16, sc);
       }
     }
@@ -2540,12 +2605,16 @@ PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int6
 
 void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
               const float* bias, float* y, int64_t N, AmxScratch& amx) {
-  if (w.type == kQ4KX16 && xq.amx && m1 - m0 >= kAmxMinRows)
-    x16_amx_tile(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
-  else if (w.type == kQ6KX16)
+  if (xq.amx && m1 - m0 >= kAmxMinRows) {
+    if (w.type == kQ6KX16)
+      x16_amx_tile<true>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
+    else
+      x16_amx_tile<false>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
+  } else if (w.type == kQ6KX16) {
     x16_tile_t<true>(xq, m0, m1, K, w, n0, n1, bias, y, N);
-  else
+  } else {
     x16_tile_t<false>(xq, m0, m1, K, w, n0, n1, bias, y, N);
+  }
 }
 
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
