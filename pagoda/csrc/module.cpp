@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vnni_comp") = py::none(), py::arg("token_amax") = py::none());
   m.def("int8_pack_vnni", &int8_pack_vnni, "int8 weights [N, K] -> (AVX-512 VNNI tile layout, -128 x channel sums)");
   m.def("avx512_enabled", &use_avx512, "whether the AVX-512 VNNI kernels run (the CPU has them, PAGODA_CPU_ISA is not avx2)");
+  m.def("amx_enabled", &use_amx, "whether the AMX int8 kernels run (the CPU has the tiles, the process was granted them, "
+        "PAGODA_CPU_ISA is neither avx2 nor avx512)");
   m.def("silu_mul", &silu_mul, "F.silu(gate) * up of the fused [M, 2 x I] gate/up output, bit for bit");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a 2-D float32 tensor");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, optionally of (residual += x)");

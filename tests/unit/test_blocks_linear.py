@@ -406,6 +406,49 @@ def test_repacked_k_quant_kernels_give_the_k_quant_kernels_bits(ggml_type):
         torch.set_num_threads(threads)
 
 
+amx_only = pytest.mark.skipif(ops is None or not hasattr(ops, "amx_enabled") or not ops.amx_enabled(),
+                              reason="needs a CPU with AMX int8 tiles")
+
+
+@amx_only
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
+    """On AMX CPUs steps of 16+ rows multiply the repacked parts on int8 tiles, the scales
+    folded into the weights: the same integers and float32 operations as the VNNI kernels
+    (PAGODA_CPU_ISA=avx512), so the same bits: whole and partial groups of 16 rows, steps
+    past one unit's 512 rows, extreme values, a bias, stacked parts, one thread or two."""
+    threads = torch.get_num_threads()
+    try:
+        rng = np.random.default_rng(70 + ggml_type.value)
+        for rows_w, cols in ((32, 256), (48, 3 * 256)):
+            raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
+            if ggml_type == Q.Q6_K:   # values of -32 / 31 under scales of 127 / -128
+                q6 = raw.view(rows_w, -1, 210)
+                q6[0, :, :192], q6[0, :, 192:208] = 0, 127
+                q6[1, :, :192], q6[1, :, 192:208] = 0xFF, 0x80
+            else:                     # nibbles of 15 under scales and minimums of 63
+                q4 = raw.view(rows_w, -1, 144)
+                q4[0, :, 4:16], q4[0, :, 16:] = 0xFF, 0xFF
+            packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
+            other = torch.from_numpy(random_blocks(Q.Q8_0, 8, cols, rng))
+            bias = torch.randn(rows_w + 8, generator=torch.Generator().manual_seed(cols))
+            x = torch.randn(600, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
+            x[1, :256] = 0.0
+            x[6], x[9] = 2.0, -2.0
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (16, 17, 31, 32, 100, 600):
+                    args = (x[:rows], [packed, other], [X16[ggml_type], Q.Q8_0.value], bias)
+                    monkeypatch.setenv("PAGODA_CPU_ISA", "avx512")
+                    assert not ops.amx_enabled()
+                    vnni = ops.gguf_linear_int8(*args)
+                    monkeypatch.delenv("PAGODA_CPU_ISA")
+                    tiles = ops.gguf_linear_int8(*args)
+                    assert torch.equal(tiles.view(torch.int32), vnni.view(torch.int32)), (cols, rows, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @vnni_only
 def test_blocks_linear_repacks_for_the_gguf_mode_only():
     """repack_for_lanes swaps the Q4_K / Q6_K parts of 16-channel multiples for their
