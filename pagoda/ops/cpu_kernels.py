@@ -9,7 +9,9 @@ the reason is logged once, and callers use their plain-torch path.
 ``PAGODA_DISABLE_CPU_KERNELS=1`` forces the plain-torch paths (for comparisons).
 Some kernels also have an AVX-512 VNNI version, compiled into the same module and
 chosen at run time where the CPU has it (``has_avx512_vnni``);
-``PAGODA_CPU_ISA=avx2`` keeps to the AVX2 versions (for comparisons and tests).
+``PAGODA_CPU_ISA=avx2`` keeps to the AVX2 versions (for comparisons and tests). The gguf
+mode's repacked K-quant products of 16+ rows have an AMX int8 version too, chosen where
+the CPU has the tiles and Linux grants them; ``PAGODA_CPU_ISA=avx512`` keeps to AVX-512 VNNI.
 
 Images without a compiler (the container's runtime stage) ship the module prebuilt:
 ``python -m pagoda.ops.cpu_kernels --install DIR`` builds it and copies it into DIR, and
