@@ -2367,8 +2367,7 @@ constexpr int64_t kAmxMinRows = 16;
 // Rows a unit of gguf_linear_int8 takes when the AMX kernel runs (kRowChunk otherwise).
 constexpr int64_t kAmxRowChunk = 512;
 
-// ldtilecfg's 64 bytes (palette 1): tiles 0-1 C (hi, lo), 2 A, 3-4 B (hi, lo), each 16
-// rows of 64 bytes.
+// ldtilecfg's 64 bytes (palette 1): all eight tiles 16 rows of 64 bytes (x16_amx_block).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -2378,7 +2377,7 @@ struct alignas(64) TileConfig {
 
 PAGODA_AMX inline void amx_config() {
   TileConfig cfg;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kAmxRows;
     cfg.colsb[t] = 64;
   }
@@ -2386,11 +2385,11 @@ PAGODA_AMX inline void amx_config() {
 }
 
 // Thread scratch of the AMX kernels: a block's B_hi and B_lo, the last rows of x padded
-// to 16, the two sums, the rows' float32 sums.
+// to 16, two groups' two sums each, the rows' float32 sums.
 struct AmxScratch {
   alignas(64) uint8_t hi[4096];
   alignas(64) uint8_t lo[4096];
-  alignas(64) int32_t c[2][kAmxRows * 16];
+  alignas(64) int32_t c[4][kAmxRows * 16];
   Buffer<int8_t> x;
   Buffer<float> acc;
 };
@@ -2464,28 +2463,13 @@ PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
   }
 }
 
-// One block (p: the group's repacked block b, its B in sc) for R rows (x0: 16 rows of K
-// int8, those past R ignored; their d / h32 rows from r0 of xq): acc[r] += its terms.
+// The terms of block b (p: the group's repacked block) for R rows from r0 of xq, from the
+// two sums of their tile products (chi, clo: 16 x 16 int32): acc[r] (16 floats a row) +=
+// them, x16_rows' / x16_q6k_rows' integers and float32 operations.
 template <bool Q6>
-PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, const int8_t* x0, int64_t K, int64_t b,
-                                                      int64_t r0, int R, const uint8_t* p, float* acc,
-                                                      AmxScratch& sc) {
+PAGODA_AMX inline void x16_amx_take(const QuantizedX& xq, int64_t K, int64_t b, int64_t r0, int R, const uint8_t* p,
+                                    const int32_t* chi, const int32_t* clo, float* acc) {
   const int64_t nb = K / 256;
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int t = 0; t < 4; ++t) {
-    _tile_loadd(2, x0 + b * 256 + 64 * t, K);
-    _tile_loadd(3, sc.hi + 1024 * t, 64);
-    _tile_loadd(4, sc.lo + 1024 * t, 64);
-    if constexpr (Q6) {
-      _tile_dpbssd(0, 2, 3);  // Q6_K's high bytes are signed
-    } else {
-      _tile_dpbsud(0, 2, 3);
-    }
-    _tile_dpbsud(1, 2, 4);
-  }
-  _tile_stored(0, sc.c[0], 64);
-  _tile_stored(1, sc.c[1], 64);
   if constexpr (Q6) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D)));
     __m512i neg[8];  // -32 x the scales' pairs, as x16_q6k_rows takes them
@@ -2494,33 +2478,76 @@ PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, co
                                 _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
                                                       reinterpret_cast<const __m256i*>(p + q6x16_pair(j)))), 5));
     for (int r = 0; r < R; ++r) {
-      __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sc.c[0] + 16 * r), 8),
-                                      _mm512_load_si512(sc.c[1] + 16 * r));
+      __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * r), 8), _mm512_load_si512(clo + 16 * r));
       const int16_t* hr = xq.h16.data() + (r0 + r) * (K / 16) + b * 16;
       for (int j = 0; j < 8; ++j) isum = _mm512_dpwssd_epi32(isum, neg[j], bcast32(hr + 2 * j));
       const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
       _mm512_storeu_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum),
                                                      _mm512_loadu_ps(acc + 16 * r)));
     }
-    return;
+  } else {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    __m512i mn[4];
+    for (int i = 0; i < 4; ++i)
+      mn[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Mins + 32 * i)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i isum =
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * r), 8), _mm512_load_si512(clo + 16 * r));
+      const int16_t* hr = xq.h32.data() + (r0 + r) * (K / 32) + b * 8;
+      __m512i msum = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) msum = _mm512_dpwssd_epi32(msum, mn[i], bcast32(hr + 2 * i));
+      const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
+      __m512 a = _mm512_loadu_ps(acc + 16 * r);
+      a = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), a);
+      a = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum), a);
+      _mm512_storeu_ps(acc + 16 * r, a);
+    }
   }
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-  __m512i mn[4];
-  for (int i = 0; i < 4; ++i)
-    mn[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Mins + 32 * i)));
-  for (int r = 0; r < R; ++r) {
-    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sc.c[0] + 16 * r), 8),
-                                          _mm512_load_si512(sc.c[1] + 16 * r));
-    const int16_t* hr = xq.h32.data() + (r0 + r) * (K / 32) + b * 8;
-    __m512i msum = _mm512_setzero_si512();
-    for (int i = 0; i < 4; ++i) msum = _mm512_dpwssd_epi32(msum, mn[i], bcast32(hr + 2 * i));
-    const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
-    __m512 a = _mm512_loadu_ps(acc + 16 * r);
-    a = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), a);
-    a = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum), a);
-    _mm512_storeu_ps(acc + 16 * r, a);
+}
+
+// One block (p: the group's repacked block b, its B in sc) for one group of 16 rows (x0:
+// 16 rows of K int8, those past R0 ignored; their d / h32 rows from r0 of xq) or, Two, a
+// second group (x1, R1 rows from r0 + 16) sharing each B tile: acc[r] += the block's terms.
+// Tiles: 0-1 the first group's sums (hi, lo), 2-3 the second's, 4-5 their A, 6-7 B.
+template <bool Q6, bool Two>
+PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, const int8_t* x0, const int8_t* x1,
+                                                      int64_t K, int64_t b, int64_t r0, int R0, int R1,
+                                                      const uint8_t* p, float* acc, AmxScratch& sc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
   }
+  for (int t = 0; t < 4; ++t) {
+    _tile_loadd(6, sc.hi + 1024 * t, 64);
+    _tile_loadd(7, sc.lo + 1024 * t, 64);
+    _tile_loadd(4, x0 + b * 256 + 64 * t, K);
+    if constexpr (Q6) {
+      _tile_dpbssd(0, 4, 6);  // Q6_K's high bytes are signed
+    } else {
+      _tile_dpbsud(0, 4, 6);
+    }
+    _tile_dpbsud(1, 4, 7);
+    if constexpr (Two) {
+      _tile_loadd(5, x1 + b * 256 + 64 * t, K);
+      if constexpr (Q6) {
+        _tile_dpbssd(2, 5, 6);
+      } else {
+        _tile_dpbsud(2, 5, 6);
+      }
+      _tile_dpbsud(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sc.c[0], 64);
+  _tile_stored(1, sc.c[1], 64);
+  if constexpr (Two) {
+    _tile_stored(2, sc.c[2], 64);
+    _tile_stored(3, sc.c[3], 64);
+  }
+  x16_amx_take<Q6>(xq, K, b, r0, R0, p, sc.c[0], sc.c[1], acc);
+  if constexpr (Two) x16_amx_take<Q6>(xq, K, b, r0 + kAmxRows, R1, p, sc.c[2], sc.c[3], acc + kAmxRows * 16);
 }
 
 // Channels [n0, n1) (multiples of 16) of a repacked Q4_K or Q6_K part for rows [m0, m1)
@@ -2540,15 +2567,27 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
     const uint8_t* grp = w.data + n * w.row_bytes;
     std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* p = grp + b * (Q6 ? kX16Q6Bytes : kX16Bytes);
+      constexpr int64_t bytes = Q6 ? kX16Q6Bytes : kX16Bytes;
+      const uint8_t* p = grp + b * bytes;
+      // The next block's weights on their way while this one's rows run (they come from
+      // memory once a step; the prefetchers stopped at the block: a step's rows over it
+      // take longer than they look ahead).
+      if (b + 1 < nb || n + 16 < n1)
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + bytes + o), _MM_HINT_T0);
       if constexpr (Q6)
         x16_amx_weights_q6k(p, sc);
       else
         x16_amx_weights(p, sc);
-      for (int64_t r = m0; r < m1; r += kAmxRows) {
-        const bool full = r < full_end;
-        x16_amx_block<Q6>(xq, full ? xq.q.data() + r * K : sc.x.data(), K, b, r, full ? kAmxRows : static_cast<int>(m1 - r),
-                      p, sc.acc.data() + (r - m0) * 16, sc);
+      // Two groups of 16 rows a call, the last one alone; the last rows from sc.x.
+      auto rows_x = [&](int64_t r) { return r < full_end ? xq.q.data() + r * K : sc.x.data(); };
+      for (int64_t r = m0; r < m1; r += 2 * kAmxRows) {
+        const int R0 = static_cast<int>(std::min<int64_t>(kAmxRows, m1 - r));
+        float* acc = sc.acc.data() + (r - m0) * 16;
+        if (r + kAmxRows < m1)
+          x16_amx_block<Q6, true>(xq, rows_x(r), rows_x(r + kAmxRows), K, b, r, R0,
+                                  static_cast<int>(std::min<int64_t>(kAmxRows, m1 - r - kAmxRows)), p, acc, sc);
+        else
+          x16_amx_block<Q6, false>(xq, rows_x(r), nullptr, K, b, r, R0, 0, p, acc, sc);
       }
     }
     const int64_t col = w.col + n;
