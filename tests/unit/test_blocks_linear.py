@@ -374,6 +374,28 @@ def test_repacked_k_quants_hold_the_same_weights(ggml_type):
         ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.Q8_0, 16, 256, rng)), Q.Q8_0.value, 256)
 
 
+def _x16_case(ggml_type, rows_w, cols, rng, rows_x):
+    """A Q4_K / Q6_K weight (its first channels at the extremes: Q6_K values of -32 / 31
+    under scales of 127 / -128, Q4_K nibbles of 15 under scales and minimums of 63), it
+    repacked, a Q8_0 part to stack after it, a bias, and rows_x rows of x with a block of
+    zeros and full-scale rows: (raw, packed, other, bias, x)."""
+    raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
+    if ggml_type == Q.Q6_K:
+        q6 = raw.view(rows_w, -1, 210)
+        q6[0, :, :192], q6[0, :, 192:208] = 0, 127
+        q6[1, :, :192], q6[1, :, 192:208] = 0xFF, 0x80
+    else:
+        q4 = raw.view(rows_w, -1, 144)
+        q4[0, :, 4:16], q4[0, :, 16:] = 0xFF, 0xFF
+    packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
+    other = torch.from_numpy(random_blocks(Q.Q8_0, 8, cols, rng))
+    bias = torch.randn(rows_w + 8, generator=torch.Generator().manual_seed(cols))
+    x = torch.randn(rows_x, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
+    x[1, :256] = 0.0
+    x[6], x[9] = 2.0, -2.0
+    return raw, packed, other, bias, x
+
+
 @vnni_only
 @pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_repacked_k_quant_kernels_give_the_k_quant_kernels_bits(ggml_type):
@@ -385,17 +407,7 @@ def test_repacked_k_quant_kernels_give_the_k_quant_kernels_bits(ggml_type):
     try:
         rng = np.random.default_rng(40 + ggml_type.value)
         for rows_w, cols in ((32, 256), (48, 2048), (16, 33 * 256)):
-            raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
-            if ggml_type == Q.Q6_K:   # channels of all -32 / all 31 at full-scale sub-block scales
-                q6 = raw.view(rows_w, -1, 210)
-                q6[0, :, :192], q6[0, :, 192:208] = 0, 127
-                q6[1, :, :192], q6[1, :, 192:208] = 0xFF, 0x80
-            packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
-            other = torch.from_numpy(random_blocks(Q.Q8_0, 8, cols, rng))
-            bias = torch.randn(rows_w + 8, generator=torch.Generator().manual_seed(cols))
-            x = torch.randn(40, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
-            x[1, :256] = 0.0
-            x[6], x[9] = 2.0, -2.0
+            raw, packed, other, bias, x = _x16_case(ggml_type, rows_w, cols, rng, 40)
             for n_threads in (1, 2):
                 torch.set_num_threads(n_threads)
                 for rows in (*range(1, 10), 16, 17, 23, 40):
@@ -421,20 +433,7 @@ def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
     try:
         rng = np.random.default_rng(70 + ggml_type.value)
         for rows_w, cols in ((32, 256), (48, 3 * 256)):
-            raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
-            if ggml_type == Q.Q6_K:   # values of -32 / 31 under scales of 127 / -128
-                q6 = raw.view(rows_w, -1, 210)
-                q6[0, :, :192], q6[0, :, 192:208] = 0, 127
-                q6[1, :, :192], q6[1, :, 192:208] = 0xFF, 0x80
-            else:                     # nibbles of 15 under scales and minimums of 63
-                q4 = raw.view(rows_w, -1, 144)
-                q4[0, :, 4:16], q4[0, :, 16:] = 0xFF, 0xFF
-            packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
-            other = torch.from_numpy(random_blocks(Q.Q8_0, 8, cols, rng))
-            bias = torch.randn(rows_w + 8, generator=torch.Generator().manual_seed(cols))
-            x = torch.randn(600, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
-            x[1, :256] = 0.0
-            x[6], x[9] = 2.0, -2.0
+            _, packed, other, bias, x = _x16_case(ggml_type, rows_w, cols, rng, 600)
             for n_threads in (1, 2):
                 torch.set_num_threads(n_threads)
                 for rows in (16, 17, 31, 32, 100, 600):
