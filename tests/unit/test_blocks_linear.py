@@ -402,7 +402,7 @@ def test_repacked_k_quant_kernels_give_the_k_quant_kernels_bits(ggml_type):
     """The repacked layout's kernel (16 channels in the lanes, 1-4 rows a pass) computes the
     same integers per block and the same float32 operations as the Q4_K / Q6_K kernels of
     every step size: the same bits, for long rows, a block of zeros, full-scale inputs,
-    Q6_K values at both extremes, a bias, stacked parts of both layouts, one thread or two."""
+    weights at their extremes, a bias, stacked parts of both layouts, one thread or two."""
     threads = torch.get_num_threads()
     try:
         rng = np.random.default_rng(40 + ggml_type.value)
