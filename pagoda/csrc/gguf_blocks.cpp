@@ -2347,7 +2347,7 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
 }
 
 
-// ---- Q4_K repacked, on AMX int8 tiles ------------------------------------------------
+// ---- Q4_K / Q6_K repacked, on AMX int8 tiles -----------------------------------------
 // A step of many rows (a prompt, an expert's share of one, a dense layer at 16 streams)
 // multiplies each repacked group of 16 channels with tdpbsud: 16 rows of x's int8
 // (signed, A) against unsigned weights (B). A Q4_K scale is per channel and per 32 inputs;
@@ -2394,6 +2394,17 @@ struct AmxScratch {
   Buffer<float> acc;
 };
 
+// Row `row` of B_lo / B_hi from 64 unsigned values n (channel c's four at 4c) and their
+// scales, those of the even bytes alone (s_even) and of the odd ones (s_odd): vpmaddubsw
+// then gives one product a 16-bit lane, w = value x scale; lo takes its low byte, hi its
+// high byte (vpternlogd 0xCA: a ? b : c per bit, a the even bytes' mask).
+PAGODA_AMX inline void amx_scaled_row(__m512i n, __m512i s_even, __m512i s_odd, int row, AmxScratch& sc) {
+  const __m512i even = _mm512_set1_epi16(0x00FF);
+  const __m512i we = _mm512_maddubs_epi16(n, s_even), wo = _mm512_maddubs_epi16(n, s_odd);
+  _mm512_store_si512(sc.lo + 64 * row, _mm512_ternarylogic_epi32(even, we, _mm512_slli_epi16(wo, 8), 0xCA));
+  _mm512_store_si512(sc.hi + 64 * row, _mm512_ternarylogic_epi32(even, _mm512_srli_epi16(we, 8), wo, 0xCA));
+}
+
 // Block p of a repacked group (16 channels, 256 inputs) -> B_hi and B_lo: w = scale x
 // nibble in 16-bit lanes (a byte's value in each), its low byte to lo, its high byte to hi.
 PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
@@ -2406,21 +2417,12 @@ PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
   for (int j = 0; j < 8; ++j) {
     const __m512i s = _mm512_shuffle_epi8(
         _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kX16Scales + 16 * j))), spread);
-    // The scales of the even bytes alone, of the odd ones alone: vpmaddubsw's pairs then
-    // give one product a 16-bit lane (unsigned nibble x scale, 0 .. 945).
     const __m512i s_even = _mm512_and_si512(s, even), s_odd = _mm512_andnot_si512(even, s);
     for (int q = 0; q < 4; ++q) {
       const __m512i v = _mm512_loadu_si512(p + kX16Nibbles + 256 * j + 64 * q);
       // Inputs 32j + 8q + (0..3) (low nibbles), then + 4 .. + 7 (high): rows 8j + 2q, 8j + 2q + 1.
       const __m512i n[2] = {_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)};
-      for (int h = 0; h < 2; ++h) {
-        const __m512i we = _mm512_maddubs_epi16(n[h], s_even), wo = _mm512_maddubs_epi16(n[h], s_odd);
-        const int64_t at = (8 * j + 2 * q + h) * 64;
-        // lo: we's low byte in the even bytes, wo's in the odd; hi: their high bytes
-        // (vpternlogd 0xCA: a ? b : c per bit, a the even bytes' mask).
-        _mm512_store_si512(sc.lo + at, _mm512_ternarylogic_epi32(even, we, _mm512_slli_epi16(wo, 8), 0xCA));
-        _mm512_store_si512(sc.hi + at, _mm512_ternarylogic_epi32(even, _mm512_srli_epi16(we, 8), wo, 0xCA));
-      }
+      for (int h = 0; h < 2; ++h) amx_scaled_row(n[h], s_even, s_odd, 8 * j + 2 * q + h, sc);
     }
   }
 }
@@ -2452,12 +2454,7 @@ PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
         const __m512i th = u ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
         const __m512i n[2] = {_mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(tl, m30)),
                               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(th, m30))};
-        for (int e = 0; e < 2; ++e) {
-          const __m512i we = _mm512_maddubs_epi16(n[e], s_even), wo = _mm512_maddubs_epi16(n[e], s_odd);
-          const int64_t at = (8 * j + 2 * q + e) * 64;
-          _mm512_store_si512(sc.lo + at, _mm512_ternarylogic_epi32(even, we, _mm512_slli_epi16(wo, 8), 0xCA));
-          _mm512_store_si512(sc.hi + at, _mm512_ternarylogic_epi32(even, _mm512_srli_epi16(we, 8), wo, 0xCA));
-        }
+        for (int e = 0; e < 2; ++e) amx_scaled_row(n[e], s_even, s_odd, 8 * j + 2 * q + e, sc);
       }
     }
   }
@@ -3045,8 +3042,10 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   // kChannels output channels (the VNNI kernels' K-quant parts: 2 panels), decoded once,
   // that every row of the chunk runs over.
   const std::vector<Tile> tiles = tiles_of(parts, kChannels, k_channels_per_tile(M, vnni));
-  // The AMX kernel makes its weights' tiles once per unit: longer chunks share them.
-  const int64_t chunk = xk.amx && M >= kAmxMinRows ? kAmxRowChunk : kRowChunk;
+  // The AMX kernel makes its weights' tiles once per unit: longer chunks share them (where
+  // every part is repacked; the other kernels keep a chunk's x in L2).
+  const bool amx_only = xk.amx && M >= kAmxMinRows && !kinds.rows && !kinds.other;
+  const int64_t chunk = amx_only ? kAmxRowChunk : kRowChunk;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m1 = std::min(M, m0 + chunk);
     for_each_unit<Int8Scratch>(static_cast<int64_t>(tiles.size()), [&](int64_t t, Int8Scratch& sc) {

@@ -522,7 +522,10 @@ def _int8_activations(model: nn.Module) -> nn.Module:
             if lanes:
                 repacked += layer.repack_for_lanes(q6k=layer is not head)
     if repacked:
-        logger.info("gguf mode: %d Q4_K / Q6_K weights repacked with 16 channels in the AVX-512 VNNI lanes", repacked)
+        ops = cpu_kernels.kernels()
+        tiles = ops is not None and ops.amx_enabled()
+        logger.info("gguf mode: %d Q4_K / Q6_K weights repacked with 16 channels in the AVX-512 VNNI lanes%s",
+                    repacked, "; steps of 16+ rows on the AMX int8 tiles" if tiles else "")
     return model
 
 
