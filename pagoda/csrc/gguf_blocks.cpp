@@ -2147,18 +2147,20 @@ void x16_unpack_block(const uint8_t* src, int c, uint8_t* p) {
 }
 
 
-// y[(r0 + r) * N + col + c] for rows r < R of x (quantized in groups of 256) and the 16
-// channels of the repacked group at grp. Per block and row: I_b per channel from
-// vpdpbusd (4 inputs a lane) summed per sub-block, times its scale (vpmulld); M_b from
-// the minimums' pairs against x's sums per 32 (vpdpwssd); then q4k_rows' float32
-// operations in the lanes.
 // How far ahead of its reads x16_rows / x16_q6k_rows ask for the weights (bytes, spread
 // over a block's sub-blocks). Streaming a 310 MB repacked part (beyond the caches, as the
 // experts of a 16-stream MoE step are), two threads, this machine class (AMX Xeon): Q4_K
 // 17.5 / 16.1 / 14.1 -> 19.5 / 18.7 / 16.7 GB/s at 1 / 2 / 4 rows, Q6_K 14.6 / 13.4 / 12.0
 // -> 17.3 / 15.9 / 15.0 (a torch sum of the same bytes: 20-23 GB/s); the hardware
-// prefetchers alone keep too few lines in flight. Nearer (384) or farther (4-19 KiB) gained less.
+// prefetchers alone keep too few lines in flight (benchmarks/x16_stream.py). Nearer (384) or
+// farther (4-19 KiB) gained less; prefetches never fault, so the last block's run past the end.
 constexpr int64_t kX16Ahead = 1024, kX16Q6Ahead = 1536;
+
+// y[(r0 + r) * N + col + c] for rows r < R of x (quantized in groups of 256) and the 16
+// channels of the repacked group at grp. Per block and row: I_b per channel from
+// vpdpbusd (4 inputs a lane) summed per sub-block, times its scale (vpmulld); M_b from
+// the minimums' pairs against x's sums per 32 (vpdpwssd); then q4k_rows' float32
+// operations in the lanes.
 template <int R>
 PAGODA_AVX512 __attribute__((noinline)) void x16_rows(const QuantizedX& xq, int64_t K, int64_t r0,
                                                         const uint8_t* grp, const float* bias, float* y, int64_t N,
