@@ -2148,13 +2148,15 @@ void x16_unpack_block(const uint8_t* src, int c, uint8_t* p) {
 
 
 // How far ahead of its reads x16_rows / x16_q6k_rows ask for the weights (bytes, spread
-// over a block's sub-blocks). Streaming a 310 MB repacked part (beyond the caches, as the
-// experts of a 16-stream MoE step are), two threads, this machine class (AMX Xeon): Q4_K
-// 17.5 / 16.1 / 14.1 -> 19.5 / 18.7 / 16.7 GB/s at 1 / 2 / 4 rows, Q6_K 14.6 / 13.4 / 12.0
-// -> 17.3 / 15.9 / 15.0 (a torch sum of the same bytes: 20-23 GB/s); the hardware
-// prefetchers alone keep too few lines in flight (benchmarks/x16_stream.py). Nearer (384) or
-// farther (4-19 KiB) gained less; prefetches never fault, so the last block's run past the end.
-constexpr int64_t kX16Ahead = 1024, kX16Q6Ahead = 1536;
+// over a block's sub-blocks): into L1 ~0.45 block ahead, into L2 4 KiB ahead. Streaming a
+// ~300 MB repacked part (beyond the caches, as the experts of a 16-stream MoE step are), two
+// threads, this machine class (AMX Xeon; benchmarks/x16_stream.py): Q4_K 17.5 / 16.1 / 14.1
+// GB/s at 1 / 2 / 4 rows without, 19.5 / 18.7 / 16.7 with the L1 ones alone (384 bytes or
+// 4-19 KiB ahead gained less), the two levels +17-21 % over that in the same run; Q6_K (K =
+// 512) 14.6 / 13.4 / 12.0 -> 17.3 / 15.9 / 15.0, the two levels +8-9 % more (a torch sum of
+// the same bytes: 19-23 GB/s). The hardware prefetchers alone keep too few lines in flight.
+// Prefetches never fault, so the last block's may run past the part's end.
+constexpr int64_t kX16Ahead = 1024, kX16Q6Ahead = 1536, kX16FarAhead = 4096;
 
 // y[(r0 + r) * N + col + c] for rows r < R of x (quantized in groups of 256) and the 16
 // channels of the repacked group at grp. Per block and row: I_b per channel from
@@ -2180,8 +2182,10 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_rows(const QuantizedX& xq, int6
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      const char* ahead = reinterpret_cast<const char*>(p) + kX16Ahead + 320 * j;  // 8 x 320 >= kX16Bytes
-      for (int i = 0; i < 5; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+      const char* near = reinterpret_cast<const char*>(p) + kX16Ahead + 320 * j;  // 8 x 320 >= kX16Bytes
+      const char* far = reinterpret_cast<const char*>(p) + kX16FarAhead + 320 * j;
+      for (int i = 0; i < 5; ++i) _mm_prefetch(far + 64 * i, _MM_HINT_T1);
+      for (int i = 0; i < 5; ++i) _mm_prefetch(near + 64 * i, _MM_HINT_T0);
       __m512i s[R], t[R];
       for (int r = 0; r < R; ++r) s[r] = t[r] = _mm512_setzero_si512();
       const uint8_t* pj = p + kX16Nibbles + 256 * j;
@@ -2319,8 +2323,10 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      const char* ahead = reinterpret_cast<const char*>(p) + kX16Q6Ahead + 420 * j;  // 8 x 420 = kX16Q6Bytes
-      for (int i = 0; i < 7; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+      const char* near = reinterpret_cast<const char*>(p) + kX16Q6Ahead + 420 * j;  // 8 x 420 = kX16Q6Bytes
+      const char* far = reinterpret_cast<const char*>(p) + kX16FarAhead + 420 * j;
+      for (int i = 0; i < 7; ++i) _mm_prefetch(far + 64 * i, _MM_HINT_T1);
+      for (int i = 0; i < 7; ++i) _mm_prefetch(near + 64 * i, _MM_HINT_T0);
       // Scales 2j and 2j + 1 per channel, as int16 pairs and as int32 each; the pairs
       // times -32 (|32 sc| < 2^15) against x's sums per 16: the -32 of every stored value.
       const __m512i sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j))));
