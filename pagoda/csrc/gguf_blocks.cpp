@@ -2403,11 +2403,14 @@ PAGODA_AMX inline void amx_config() {
   _tile_loadconfig(&cfg);
 }
 
-// Thread scratch of the AMX kernels: a block's B_hi and B_lo, the last rows of x padded
-// to 16, two groups' two sums each, the rows' float32 sums.
+// Thread scratch of the AMX kernels: a block's B_hi and B_lo and the terms its every row
+// takes (x16_amx_terms), the last rows of x padded to 16, two groups' two sums each, the
+// rows' float32 sums.
 struct AmxScratch {
   alignas(64) uint8_t hi[4096];
   alignas(64) uint8_t lo[4096];
+  alignas(64) float d[2][16];     // Q4_K: d, dmin; Q6_K: d
+  alignas(64) int16_t v[8][32];   // Q4_K: the minimums (4); Q6_K: -32 x the scales' pairs (8)
   alignas(64) int32_t c[4][kAmxRows * 16];
   Buffer<int8_t> x;
   Buffer<float> acc;
@@ -2479,40 +2482,52 @@ PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
   }
 }
 
-// The terms of block b (p: the group's repacked block) for R rows from r0 of xq, from the
-// two sums of their tile products (chi, clo: 16 x 16 int32): acc[r] (16 floats a row) +=
-// them, x16_rows' / x16_q6k_rows' integers and float32 operations.
+// The terms of block p that every row of it takes (x16_amx_take), once a block into sc:
+// Q4_K's d, dmin and minimums; Q6_K's d and its scales' pairs times -32, as x16_rows /
+// x16_q6k_rows take them.
 template <bool Q6>
-PAGODA_AMX inline void x16_amx_take(const QuantizedX& xq, int64_t K, int64_t b, int64_t r0, int R, const uint8_t* p,
-                                    const int32_t* chi, const int32_t* clo, float* acc) {
-  const int64_t nb = K / 256;
+PAGODA_AMX inline void x16_amx_terms(const uint8_t* p, AmxScratch& sc) {
   if constexpr (Q6) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D)));
-    __m512i neg[8];  // -32 x the scales' pairs, as x16_q6k_rows takes them
+    _mm512_store_ps(sc.d[0], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D))));
     for (int j = 0; j < 8; ++j)
-      neg[j] = _mm512_sub_epi16(_mm512_setzero_si512(),
-                                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                                      reinterpret_cast<const __m256i*>(p + q6x16_pair(j)))), 5));
+      _mm512_store_si512(sc.v[j], _mm512_sub_epi16(_mm512_setzero_si512(),
+                                                   _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                                                         reinterpret_cast<const __m256i*>(
+                                                                             p + q6x16_pair(j)))), 5)));
+  } else {
+    _mm512_store_ps(sc.d[0], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+    _mm512_store_ps(sc.d[1], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))));
+    for (int i = 0; i < 4; ++i)
+      _mm512_store_si512(sc.v[i], _mm512_cvtepu8_epi16(
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Mins + 32 * i))));
+  }
+}
+
+// The terms of block b (its x16_amx_terms in sc) for R rows from r0 of xq, from the two
+// sums of their tile products (chi, clo: 16 x 16 int32): acc[r] (16 floats a row) += them,
+// x16_rows' / x16_q6k_rows' integers and float32 operations.
+template <bool Q6>
+PAGODA_AMX inline void x16_amx_take(const QuantizedX& xq, int64_t K, int64_t b, int64_t r0, int R,
+                                    const AmxScratch& sc, const int32_t* chi, const int32_t* clo, float* acc) {
+  const int64_t nb = K / 256;
+  const __m512 d = _mm512_load_ps(sc.d[0]);
+  if constexpr (Q6) {
     for (int r = 0; r < R; ++r) {
       __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * r), 8), _mm512_load_si512(clo + 16 * r));
       const int16_t* hr = xq.h16.data() + (r0 + r) * (K / 16) + b * 16;
-      for (int j = 0; j < 8; ++j) isum = _mm512_dpwssd_epi32(isum, neg[j], bcast32(hr + 2 * j));
+      for (int j = 0; j < 8; ++j) isum = _mm512_dpwssd_epi32(isum, _mm512_load_si512(sc.v[j]), bcast32(hr + 2 * j));
       const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
       _mm512_storeu_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum),
                                                      _mm512_loadu_ps(acc + 16 * r)));
     }
   } else {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-    __m512i mn[4];
-    for (int i = 0; i < 4; ++i)
-      mn[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Mins + 32 * i)));
+    const __m512 dmin = _mm512_load_ps(sc.d[1]);
     for (int r = 0; r < R; ++r) {
       const __m512i isum =
           _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * r), 8), _mm512_load_si512(clo + 16 * r));
       const int16_t* hr = xq.h32.data() + (r0 + r) * (K / 32) + b * 8;
       __m512i msum = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i) msum = _mm512_dpwssd_epi32(msum, mn[i], bcast32(hr + 2 * i));
+      for (int i = 0; i < 4; ++i) msum = _mm512_dpwssd_epi32(msum, _mm512_load_si512(sc.v[i]), bcast32(hr + 2 * i));
       const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
       __m512 a = _mm512_loadu_ps(acc + 16 * r);
       a = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), a);
@@ -2522,14 +2537,14 @@ PAGODA_AMX inline void x16_amx_take(const QuantizedX& xq, int64_t K, int64_t b, 
   }
 }
 
-// One block (p: the group's repacked block b, its B in sc) for one group of 16 rows (x0:
+// One block (block b of the group, its B and terms in sc) for one group of 16 rows (x0:
 // 16 rows of K int8, those past R0 ignored; their d / h32 rows from r0 of xq) or, Two, a
 // second group (x1, R1 rows from r0 + 16) sharing each B tile: acc[r] += the block's terms.
 // Tiles: 0-1 the first group's sums (hi, lo), 2-3 the second's, 4-5 their A, 6-7 B.
 template <bool Q6, bool Two>
 PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, const int8_t* x0, const int8_t* x1,
                                                       int64_t K, int64_t b, int64_t r0, int R0, int R1,
-                                                      const uint8_t* p, float* acc, AmxScratch& sc) {
+                                                      float* acc, AmxScratch& sc) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (Two) {
@@ -2562,8 +2577,8 @@ PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, co
     _tile_stored(2, sc.c[2], 64);
     _tile_stored(3, sc.c[3], 64);
   }
-  x16_amx_take<Q6>(xq, K, b, r0, R0, p, sc.c[0], sc.c[1], acc);
-  if constexpr (Two) x16_amx_take<Q6>(xq, K, b, r0 + kAmxRows, R1, p, sc.c[2], sc.c[3], acc + kAmxRows * 16);
+  x16_amx_take<Q6>(xq, K, b, r0, R0, sc, sc.c[0], sc.c[1], acc);
+  if constexpr (Two) x16_amx_take<Q6>(xq, K, b, r0 + kAmxRows, R1, sc, sc.c[2], sc.c[3], acc + kAmxRows * 16);
 }
 
 // Channels [n0, n1) (multiples of 16) of a repacked Q4_K or Q6_K part for rows [m0, m1)
@@ -2594,6 +2609,7 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
         x16_amx_weights_q6k(p, sc);
       else
         x16_amx_weights(p, sc);
+      x16_amx_terms<Q6>(p, sc);
       // Two groups of 16 rows a call, the last one alone; the last rows from sc.x.
       auto rows_x = [&](int64_t r) { return r < full_end ? xq.q.data() + r * K : sc.x.data(); };
       for (int64_t r = m0; r < m1; r += 2 * kAmxRows) {
@@ -2601,9 +2617,9 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
         float* acc = sc.acc.data() + (r - m0) * 16;
         if (r + kAmxRows < m1)
           x16_amx_block<Q6, true>(xq, rows_x(r), rows_x(r + kAmxRows), K, b, r, R0,
-                                  static_cast<int>(std::min<int64_t>(kAmxRows, m1 - r - kAmxRows)), p, acc, sc);
+                                  static_cast<int>(std::min<int64_t>(kAmxRows, m1 - r - kAmxRows)), acc, sc);
         else
-          x16_amx_block<Q6, false>(xq, rows_x(r), nullptr, K, b, r, R0, 0, p, acc, sc);
+          x16_amx_block<Q6, false>(xq, rows_x(r), nullptr, K, b, r, R0, 0, acc, sc);
       }
     }
     const int64_t col = w.col + n;
