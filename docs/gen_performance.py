@@ -90,7 +90,8 @@ OFFLINE = [
 ]
 
 # Runs made since `--quantization auto` became the default: their "pagoda" row is the default
-# (the gguf mode for a GGUF file of 256 MiB or more on the CPU, else exact), "pagoda-exact"
+# (the gguf mode for a GGUF file of 256 MiB or more on the CPU, mostly of Q4_K / Q6_K / MXFP4 since
+# 2026-12-07, else exact), "pagoda-exact"
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
 AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b"}
 MODE_NAMES = {

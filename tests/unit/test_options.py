@@ -153,13 +153,33 @@ def test_help_text_survives_percent_signs():
     assert isinstance(parser, argparse.ArgumentParser)
 
 
+def _gguf_of(path, size: int, **bytes_of_type: int) -> str:
+    """A GGUF file with one tensor of each named type holding about that many bytes, padded
+    (sparse) to ``size`` bytes: the mode's choice reads the types and the size alone."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, "llama")
+    for i, (name, nbytes) in enumerate(bytes_of_type.items()):
+        qtype = gguf.GGMLQuantizationType[name]
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = max(1, nbytes // block_bytes)
+        w.add_tensor(f"t{i}", np.zeros((1, blocks * block_bytes), dtype=np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    return str(path)
+
+
 def test_quantization_auto_picks_the_gguf_mode_for_large_gguf_files_on_the_cpu(tmp_path):
     from pagoda.config.engine import GGUF_MODE_MIN_BYTES, auto_quantization
 
-    small, large = tmp_path / "small.gguf", tmp_path / "large.gguf"
+    small = tmp_path / "small.gguf"
     small.write_bytes(b"GGUF" + bytes(1000))
-    with open(large, "wb") as f:
-        f.truncate(GGUF_MODE_MIN_BYTES)   # sparse: only its size matters
+    large = _gguf_of(tmp_path / "large.gguf", GGUF_MODE_MIN_BYTES, Q4_K=60_000, Q6_K=20_000, Q8_0=30_000)
     assert auto_quantization(str(large), "cpu", "auto")[0] == "gguf"
     assert auto_quantization(str(small), "cpu", "auto")[0] == "none"
     assert auto_quantization(str(large), "cuda", "auto")[0] == "none"
@@ -175,3 +195,31 @@ def test_quantization_auto_picks_the_gguf_mode_for_large_gguf_files_on_the_cpu(t
     # auto is no mode of its own: the bf16 mode and pipeline stages take it
     assert EngineConfig(dtype="bfloat16").quantization == "bf16"
     assert EngineConfig(pipeline_parallel_size=2).quantization == "auto"
+
+
+def test_quantization_auto_keeps_the_exact_mode_for_files_mostly_of_other_types(tmp_path):
+    """Large GGUF files run in the gguf mode only when most of their quantized bytes are of the
+    types it has kernels of its own for (Q4_K, Q6_K, MXFP4): of Q8_0, Q4_0, Q5_K, ... the exact
+    mode is the faster (docs/benchmarks.md). Float tensors are not counted; a file of float
+    tensors alone keeps the size rule."""
+    from pagoda.config.engine import GGUF_MODE_MIN_BYTES, auto_quantization
+
+    size = GGUF_MODE_MIN_BYTES
+    q8 = _gguf_of(tmp_path / "q8.gguf", size, Q8_0=100_000, Q6_K=8_000, F32=50_000)
+    mode, why = auto_quantization(q8, "cpu", "auto")
+    assert mode == "none" and "mostly of Q8_0" in why and "--quantization gguf" in why
+    assert auto_quantization(_gguf_of(tmp_path / "q40.gguf", size, Q4_0=60_000, Q4_K=40_000), "cpu", "auto")[0] == "none"
+    assert auto_quantization(_gguf_of(tmp_path / "q5k.gguf", size, Q5_K=70_000, Q6_K=30_000), "cpu", "auto")[0] == "none"
+    # at least half in those types: the gguf mode; float bytes do not dilute the share
+    assert auto_quantization(_gguf_of(tmp_path / "q4km.gguf", size, Q4_K=51_000, Q8_0=49_000), "cpu", "auto")[0] == "gguf"
+    assert auto_quantization(_gguf_of(tmp_path / "mx.gguf", size, MXFP4=80_000, F16=400_000, Q8_0=10_000),
+                             "cpu", "auto")[0] == "gguf"
+    assert auto_quantization(_gguf_of(tmp_path / "f16.gguf", size, F16=100_000), "cpu", "auto")[0] == "gguf"
+    # the size rule first: a small file of Q4_K runs exact
+    assert auto_quantization(_gguf_of(tmp_path / "small.gguf", 1 << 20, Q4_K=100_000), "cpu", "auto")[0] == "none"
+    # a file that is no GGUF at all fails with the reader's error, naming it
+    bad = tmp_path / "bad.gguf"
+    with open(bad, "wb") as f:
+        f.truncate(size)
+    with pytest.raises(ValueError, match="bad.gguf: not a GGUF file"):
+        auto_quantization(str(bad), "cpu", "auto")
