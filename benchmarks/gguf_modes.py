@@ -1,6 +1,6 @@
 """One product per GGUF block type, the exact mode's kernel against the gguf mode's.
 
-What `--quantization auto` rests on (pagoda/config/engine.py, GGUF_MODE_TYPES): for each
+What `--quantization auto` rests on (pagoda/model/auto_mode.py, GGUF_MODE_TYPES): for each
 type, a part of about ``--mb`` MB (far larger than the caches, so its bytes come from memory
 as a model's do) multiplied by 1, 2 and 16 rows of activations, in the exact mode
 (`gguf_linear`: float32 products from the blocks) and in the gguf mode (`gguf_linear_int8`:

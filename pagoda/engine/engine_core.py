@@ -32,6 +32,7 @@ from pagoda.lora.errors import LoRAInUseError
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.step import StepStatsCollector
+from pagoda.model.auto_mode import resolve_quantization
 from pagoda.model.loader import LoadedModel, load_model, parameter_bytes, parse_dtype
 from pagoda.model.models import model_class
 from pagoda.pooling import (
@@ -115,7 +116,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, collect_stats: bool = True) -> None:
         """``collect_stats``: attach a StepRecord (batch, FLOPs/bytes estimate) to each step's
         outputs and now and then a KV pool picture, for metrics and the dashboard."""
-        config, why = config.resolve_quantization(resolve_model_path(config.model))
+        config, why = resolve_quantization(config, resolve_model_path(config.model))
         if why is not None:
             logger.info(why)
         self.config = config

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from pagoda.config.engine import PIPELINE_MODES, auto_quantization
+from pagoda.config.engine import PIPELINE_MODES
+from pagoda.model.auto_mode import auto_quantization
 from pagoda.hub.paths import ModelLoadError
 from pagoda.hub.stores import resolve_model_path
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError

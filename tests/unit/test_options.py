@@ -175,7 +175,7 @@ def _gguf_of(path, size: int, **bytes_of_type: int) -> str:
 
 
 def test_quantization_auto_picks_the_gguf_mode_for_large_gguf_files_on_the_cpu(tmp_path):
-    from pagoda.config.engine import GGUF_MODE_MIN_BYTES, auto_quantization
+    from pagoda.model.auto_mode import GGUF_MODE_MIN_BYTES, auto_quantization, resolve_quantization
 
     small = tmp_path / "small.gguf"
     small.write_bytes(b"GGUF" + bytes(1000))
@@ -187,10 +187,10 @@ def test_quantization_auto_picks_the_gguf_mode_for_large_gguf_files_on_the_cpu(t
     assert auto_quantization(str(tmp_path), "cpu", "auto")[0] == "none"   # an HF folder
     config = EngineConfig()
     assert config.quantization == "auto"
-    resolved, why = config.resolve_quantization(str(large))
+    resolved, why = resolve_quantization(config, str(large))
     assert resolved.quantization == "gguf" and "gguf mode" in why and "--quantization none" in why
     assert resolved.resolved_kv_cache_dtype == "float16"
-    assert EngineConfig(quantization="none").resolve_quantization(str(large)) == (EngineConfig(quantization="none"),
+    assert resolve_quantization(EngineConfig(quantization="none"), str(large)) == (EngineConfig(quantization="none"),
                                                                                    None)
     # auto is no mode of its own: the bf16 mode and pipeline stages take it
     assert EngineConfig(dtype="bfloat16").quantization == "bf16"
@@ -202,7 +202,7 @@ def test_quantization_auto_keeps_the_exact_mode_for_files_mostly_of_other_types(
     types it has kernels of its own for (Q4_K, Q6_K, MXFP4): of Q8_0, Q4_0, Q5_K, ... the exact
     mode is the faster (docs/benchmarks.md). Float tensors are not counted; a file of float
     tensors alone keeps the size rule."""
-    from pagoda.config.engine import GGUF_MODE_MIN_BYTES, auto_quantization
+    from pagoda.model.auto_mode import GGUF_MODE_MIN_BYTES, auto_quantization
 
     size = GGUF_MODE_MIN_BYTES
     q8 = _gguf_of(tmp_path / "q8.gguf", size, Q8_0=100_000, Q6_K=8_000, F32=50_000)

@@ -1,0 +1,75 @@
+"""``--quantization auto`` made concrete for a model file: which mode it loads in, and why.
+
+Reads a GGUF file's header (pagoda.hub.gguf_file) for its size and tensor types; the
+configuration itself (pagoda.config) reads no file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+
+from pagoda.config import EngineConfig
+from pagoda.hub.gguf_file import GGUFFile
+
+# --quantization auto: a GGUF file of at least this many bytes runs in the gguf mode on the
+# CPU (float32), a smaller one in the exact mode. Measured (docs/benchmarks.md, "Defaults"):
+# the 1B-shaped Q4_K_M file (638 MiB) decodes one stream 2.1x faster in the gguf mode (28.8
+# against 13.9 tok/s; llama-server 25.7), where the bundled 135M Q4_1 file is as fast or
+# faster in the exact mode (73.7 / 236 tok/s at 1 / 16 streams against 70.5 / 158).
+GGUF_MODE_MIN_BYTES = 256 << 20
+# ... and only when most of its quantized bytes are of the types the gguf mode has its own
+# kernels for (the repacked Q4_K / Q6_K ones, on the AMX tiles where there are some; MXFP4's
+# experts). Of other types the exact mode is the faster (docs/benchmarks.md, "Which mode a
+# GGUF file runs in"): 1B-shaped files, 1 / 16 streams against llama-server -t 2 in the same
+# run, Q8_0 exact 1.21x / 1.32x, gguf 0.97x / 0.84x; Q4_0 exact 0.95x / 0.93x, gguf 0.81x /
+# 0.62x (one stream decodes level, the exact mode prefills in half the time); one product of
+# each type from memory, gguf against exact at 1 / 16 rows (benchmarks/gguf_modes.py): Q4_0,
+# Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL 0.95-1.13x / 0.69-1.01x, Q2_K, Q3_K, Q5_K, IQ4_XS
+# 0.75-0.90x / 0.51-0.98x, Q4_K 1.97x / 4.69x, Q6_K 1.61x / 3.76x.
+GGUF_MODE_TYPES = ("Q4_K", "Q6_K", "MXFP4")
+# Types whose weights the gguf mode leaves to the exact mode's kernels (float ones).
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def gguf_mode_share(path: str) -> tuple[float, str] | None:
+    """The share of a GGUF file's quantized bytes in GGUF_MODE_TYPES, and its type holding
+    the most bytes; None when it has no quantized tensor."""
+    nbytes: Counter[str] = Counter()
+    with GGUFFile(path) as f:
+        for info in f.tensors.values():
+            if info.ggml_type.name not in _FLOAT_TYPES:
+                nbytes[info.ggml_type.name] += info.nbytes
+    total = sum(nbytes.values())
+    if not total:
+        return None
+    return sum(nbytes[t] for t in GGUF_MODE_TYPES) / total, nbytes.most_common(1)[0][0]
+
+
+def auto_quantization(path: str, device: str, dtype: str) -> tuple[str, str]:
+    """``--quantization auto`` for the model at ``path``: the mode, and why (for the log)."""
+    if not os.path.isfile(path):
+        return "none", "an HF checkpoint runs in the exact mode"
+    if device.split(":")[0] != "cpu" or dtype not in ("auto", "float32", "fp32", "float"):
+        return "none", f"a GGUF file on {device} in {dtype} is dequantized at load (the exact mode)"
+    size = os.path.getsize(path)
+    if size < GGUF_MODE_MIN_BYTES:
+        return "none", (f"a GGUF file under {GGUF_MODE_MIN_BYTES >> 20} MiB runs in the exact mode (as fast there); "
+                        f"--quantization gguf for llama.cpp's arithmetic")
+    share = gguf_mode_share(path)
+    if share is not None and share[0] < 0.5:
+        return "none", (f"a GGUF file mostly of {share[1]} runs in the exact mode (faster there: "
+                        f"{', '.join(GGUF_MODE_TYPES)}, the types the gguf mode has kernels of its own for, are "
+                        f"{share[0]:.0%} of its quantized bytes); --quantization gguf for llama.cpp's arithmetic")
+    return "gguf", (f"a GGUF file of {size / 2**20:.0f} MiB on the CPU runs in the gguf mode (llama.cpp's "
+                    f"arithmetic: int8 activations times the file's blocks); --quantization none for the exact one")
+
+
+def resolve_quantization(config: EngineConfig, path: str) -> tuple[EngineConfig, str | None]:
+    """``config`` with ``--quantization auto`` made concrete for the model at ``path``, and
+    why (None when it was not auto)."""
+    if config.quantization != "auto":
+        return config, None
+    mode, why = auto_quantization(path, config.device, config.dtype)
+    return dataclasses.replace(config, quantization=mode), f"--quantization auto: {why}"
