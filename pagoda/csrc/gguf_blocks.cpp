@@ -72,6 +72,8 @@ enum GgmlType : int {
   // Q4_K repacked at load, 16 channels in the lanes (the gguf mode on AVX-512 VNNI CPUs;
   // Q4_K_X16 in blocks.py; its layout above x16_rows).
   kQ4KX16 = 204, kQ6KX16 = 205,
+  // Q4_0, Q4_1 and Q8_0 repacked the same way (their layouts above x32_rows).
+  kQ40X16 = 206, kQ41X16 = 207, kQ80X16 = 208,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -105,6 +107,9 @@ bool known_format(int type, BlockFormat* f) {
     case kPQ8ZF: *f = {32, 38}; return true;
     case kQ4KX16: *f = {256, 148}; return true;  // 16 channels' blocks in 2,368 bytes
     case kQ6KX16: *f = {256, 210}; return true;  // 16 channels' blocks in 3,360 bytes
+    case kQ40X16: *f = {32, 18}; return true;    // 16 channels' blocks in 288 bytes
+    case kQ41X16: *f = {32, 20}; return true;    // ... in 320 bytes
+    case kQ80X16: *f = {32, 34}; return true;    // ... in 544 bytes
     case kFP8_32: *f = {32, 36}; return true;
     case kFP8_128: *f = {128, 132}; return true;
     case kNVFP4_32: *f = {32, 22}; return true;
@@ -112,6 +117,12 @@ bool known_format(int type, BlockFormat* f) {
     default: return false;
   }
 }
+
+// The repacked K-quant types, the repacked 32-weight ones, and either: 16 channels in the
+// lanes (a part's channels in groups of 16).
+constexpr bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16; }
+constexpr bool is_x32(int type) { return type == kQ40X16 || type == kQ41X16 || type == kQ80X16; }
+constexpr bool is_lanes(int type) { return is_x16(type) || is_x32(type); }
 
 BlockFormat format_of(int64_t type) {
   BlockFormat f;
@@ -639,8 +650,8 @@ std::vector<Part> check_parts(const std::vector<torch::Tensor>& parts, const std
     TORCH_CHECK(K % f.block == 0, "in_features ", K, " is not a multiple of the block size ", f.block);
     TORCH_CHECK(t.size(1) == K / f.block * f.bytes, "weight part ", i, " has ", t.size(1),
                 " bytes per row; in_features ", K, " of type ", types[i], " needs ", K / f.block * f.bytes);
-    TORCH_CHECK((types[i] != kQ4KX16 && types[i] != kQ6KX16) || t.size(0) % 16 == 0,
-                "a repacked K-quant part holds channels in groups of 16");
+    TORCH_CHECK(!is_lanes(static_cast<int>(types[i])) || t.size(0) % 16 == 0,
+                "a repacked part holds channels in groups of 16");
     out.push_back({t.data_ptr<uint8_t>(), static_cast<int>(types[i]), t.size(0), t.size(1), col});
     col += t.size(0);
   }
@@ -686,9 +697,8 @@ std::vector<Tile> tiles_of(const std::vector<Part>& parts, int64_t rows_per_tile
   std::vector<Tile> tiles;
   for (size_t p = 0; p < parts.size(); ++p) {
     const bool k = k_rows_per_tile > 0 && (parts[p].type == kQ4_K || parts[p].type == kQ6_K);
-    // A repacked Q4_K part: two groups of 16 channels a tile.
-    const bool x16 = parts[p].type == kQ4KX16 || parts[p].type == kQ6KX16;
-    const int64_t step = x16 ? 32 : k ? k_rows_per_tile : rows_per_tile;
+    // A repacked part: two groups of 16 channels a tile.
+    const int64_t step = is_lanes(parts[p].type) ? 32 : k ? k_rows_per_tile : rows_per_tile;
     for (int64_t n0 = 0; n0 < parts[p].rows; n0 += step)
       tiles.push_back({static_cast<int>(p), n0, std::min(parts[p].rows, n0 + step)});
   }
@@ -1086,6 +1096,9 @@ struct QuantizedX {
   bool avx512 = false;
   // Whether the AMX kernels run for this x (use_amx(), read once per call the same way).
   bool amx = false;
+  // For the AMX kernel of the repacked 32-weight types (amx_rows32): in groups of 16 rows,
+  // [group][block][row] dx and (Q4_1) dx x sum(x) per 32.
+  std::vector<float> t32d, t32o;
 };
 
 // x quantized in groups of `group` inputs (32, or 256 for the K-quant kernels) with one
@@ -1523,9 +1536,11 @@ bool has_k_kernel(int type) { return type == kQ4_K || type == kQ6_K; }
 
 // Which kernels a call's parts need: K-quant ones (x quantized in groups of 256; `rows`:
 // some part in the file's layout, whose kernels may want x's rows laid out for them), the
-// others (x in groups of 32).
+// others (x in groups of 32; `x32`: the repacked 32-weight types, `min`: some of them Q4_1,
+// `other`: the rest).
 struct PartKinds {
-  bool k = false, rows = false, other = false;
+  bool k = false, rows = false, other = false, x32 = false, min = false;
+  bool groups32() const { return other || x32; }
 };
 PartKinds part_kinds(const std::vector<Part>& parts);
 
@@ -2288,7 +2303,7 @@ void x16_unpack_q6k_block(const uint8_t* src, int c, uint8_t* p) {
 }
 
 // The Q6_K version of x16_rows.
-// Row n of a repacked part as its Q4_K / Q6_K row into out.
+// Row n of a repacked Q4_K / Q6_K part as its Q4_K / Q6_K row into out.
 void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
   const int c = static_cast<int>(n % 16);
@@ -2414,6 +2429,7 @@ struct AmxScratch {
   alignas(64) int32_t c[4][kAmxRows * 16];
   Buffer<int8_t> x;
   Buffer<float> acc;
+  Buffer<uint8_t> b32;  // a repacked 32-weight group's B tiles (x32_amx_tile)
 };
 
 // Row `row` of B_lo / B_hi from 64 unsigned values n (channel c's four at 4c) and their
@@ -2632,12 +2648,360 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
   _tile_release();
 }
 
-inline bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16; }
+// ---- Q4_0, Q4_1 and Q8_0 repacked: 16 channels in the lanes (kQ40X16 ...) --------------
+// The 32-weight block types' few-row kernels (int8_dot32) reduce each channel's sums
+// across lanes and decode a block per channel: compute-bound at ~11-14 GB/s from memory,
+// half what the repacked Q4_K kernel streams (benchmarks/gguf_modes.py). Repacked at load
+// like Q4_K (gguf_repack_x16), a block of 32 inputs of 16 channels holds
+//   Q4_0_X16 (288 bytes): [0, 32) d of each channel (float16, as stored); [32, 288) the
+//     nibbles, [quad pair q][channel][4 bytes]: byte i of channel c's 4 holds input
+//     8q + i in its low nibble and input 8q + 4 + i in its high one;
+//   Q4_1_X16 (320 bytes): d, then [32, 64) m of each channel, then the nibbles as Q4_0's;
+//   Q8_0_X16 (544 bytes): d, then [32, 544) the values as stored (int8), [quad k][channel]
+//     [4 bytes]: inputs 4k .. 4k + 3 of channel c at 4c.
+// Either way row kk of the block's 8 x 64 bytes of values (nibbles split) holds inputs
+// 4kk .. 4kk + 3 of the 16 channels: one vpdpbusd against 4 broadcast inputs of x, and
+// one row of an AMX B tile. Per block and row the integer sum I = sum_k w_k x_k of the
+// block's values w (Q4_0: nibble - 8; Q8_0: the int8; Q4_1: the nibble) is exact in int32,
+// then acc += (d dx) I in float32 (Q4_1: then acc += m (dx sum x)), per channel in its lane:
+// the same integers and float32 operations on the VNNI kernel (x32_rows) and the AMX one
+// (x32_amx_tile), so every row's result is the same whatever the step's size.
+
+template <int T>
+struct Lanes32 {
+  static constexpr bool kNibbles = T != kQ80X16;
+  static constexpr bool kMin = T == kQ41X16;
+  static constexpr int64_t kBytes = T == kQ40X16 ? 288 : T == kQ41X16 ? 320 : 544;
+  static constexpr int kCodes = kMin ? 64 : 32;
+  // vpdpbusd takes unsigned weights: the VNNI kernel's are the values plus this (the
+  // nibbles as stored; Q8_0's sign bit flipped), taken off again as kOffset x sum(x).
+  static constexpr int kOffset = T == kQ40X16 ? 8 : T == kQ80X16 ? 128 : 0;
+  static constexpr int kPlain = T == kQ40X16 ? kQ4_0 : T == kQ41X16 ? kQ4_1 : kQ8_0;
+  static constexpr int kPlainBytes = T == kQ40X16 ? 18 : T == kQ41X16 ? 20 : 34;
+};
+
+// 16 channels' blocks of the plain type (src[c]) -> one repacked block.
+template <int T>
+void x32_pack_block(const uint8_t* const* src, uint8_t* dst) {
+  using L = Lanes32<T>;
+  for (int c = 0; c < 16; ++c) {
+    const uint8_t* p = src[c];
+    std::memcpy(dst + 2 * c, p, 2);
+    if constexpr (L::kMin) std::memcpy(dst + 32 + 2 * c, p + 2, 2);
+    const uint8_t* qs = p + (L::kMin ? 4 : 2);
+    if constexpr (L::kNibbles) {
+      auto nibble = [&](int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; };
+      for (int q = 0; q < 4; ++q)
+        for (int i = 0; i < 4; ++i)
+          dst[L::kCodes + 64 * q + 4 * c + i] = static_cast<uint8_t>(nibble(8 * q + i) | (nibble(8 * q + 4 + i) << 4));
+    } else {
+      for (int k = 0; k < 8; ++k) std::memcpy(dst + L::kCodes + 64 * k + 4 * c, qs + 4 * k, 4);
+    }
+  }
+}
+
+// Channel c of a repacked block -> its plain block, byte for byte the original.
+template <int T>
+void x32_unpack_block(const uint8_t* src, int c, uint8_t* p) {
+  using L = Lanes32<T>;
+  std::memcpy(p, src + 2 * c, 2);
+  if constexpr (L::kMin) std::memcpy(p + 2, src + 32 + 2 * c, 2);
+  uint8_t* qs = p + (L::kMin ? 4 : 2);
+  if constexpr (L::kNibbles) {
+    std::memset(qs, 0, 16);
+    auto put = [&](int k, uint8_t v) { qs[k % 16] |= static_cast<uint8_t>(k < 16 ? v : v << 4); };
+    for (int q = 0; q < 4; ++q)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t b = src[L::kCodes + 64 * q + 4 * c + i];
+        put(8 * q + i, b & 0x0F);
+        put(8 * q + 4 + i, b >> 4);
+      }
+  } else {
+    for (int k = 0; k < 8; ++k) std::memcpy(qs + 4 * k, src + L::kCodes + 64 * k + 4 * c, 4);
+  }
+}
+
+// y[(r0 + r) * N + col + c] for rows r < R of x (quantized in groups of 32) and the 16
+// channels of the repacked group at grp: per block, 8 rows of unsigned values, per row
+// of x 8 vpdpbusd (two chains) against its inputs four at a time.
+template <int T, int R>
+PAGODA_AVX512 __attribute__((noinline)) void x32_rows(const QuantizedX& xq, int64_t K, int64_t r0,
+                                                        const uint8_t* grp, const float* bias, float* y, int64_t N,
+                                                        int64_t col) {
+  using L = Lanes32<T>;
+  const int64_t nb = K / 32;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* xr[R];
+  const float* dr[R];
+  const int16_t* hr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q.data() + (r0 + r) * K;
+    dr[r] = xq.d.data() + (r0 + r) * nb;
+    hr[r] = xq.h32.data() + (r0 + r) * nb;
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = grp + b * L::kBytes;
+    const char* pc = reinterpret_cast<const char*>(p);
+    for (int64_t i = 0; i < L::kBytes; i += 64) {
+      _mm_prefetch(pc + kX16FarAhead + i, _MM_HINT_T1);
+      _mm_prefetch(pc + kX16Ahead + i, _MM_HINT_T0);
+    }
+    __m512i v[8];
+    if constexpr (L::kNibbles) {
+      for (int q = 0; q < 4; ++q) {
+        const __m512i raw = _mm512_loadu_si512(p + L::kCodes + 64 * q);
+        v[2 * q] = _mm512_and_si512(raw, m4);
+        v[2 * q + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+      }
+    } else {
+      for (int k = 0; k < 8; ++k) v[k] = _mm512_xor_si512(_mm512_loadu_si512(p + L::kCodes + 64 * k), flip);
+    }
+    __m512i s[R], t[R];
+    for (int r = 0; r < R; ++r) {
+      s[r] = t[r] = _mm512_setzero_si512();
+      const int8_t* xb = xr[r] + 32 * b;
+      for (int kk = 0; kk < 8; kk += 2) {
+        s[r] = _mm512_dpbusd_epi32(s[r], v[kk], bcast32(xb + 4 * kk));
+        t[r] = _mm512_dpbusd_epi32(t[r], v[kk + 1], bcast32(xb + 4 * kk + 4));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    for (int r = 0; r < R; ++r) {
+      __m512i isum = _mm512_add_epi32(s[r], t[r]);
+      if constexpr (L::kOffset != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(L::kOffset * hr[r][b]));
+      const float dx = dr[r][b];
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum), acc[r]);
+      if constexpr (L::kMin) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(hr[r][b])), acc[r]);
+      }
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + col, bias ? _mm512_add_ps(acc[r], bv) : acc[r]);
+}
+
+// x's per-block terms for the AMX kernel (x quantized in groups of 32, M rows): in groups
+// of 16 rows, [group][block][row] dx (xq.t32d) and, for Q4_1, dx x sum(x) (xq.t32o); rows
+// past M zeros.
+void amx_rows32(QuantizedX& xq, int64_t M, int64_t K, bool offsets) {
+  const int64_t G = (M + 15) / 16, nb = K / 32;
+  xq.t32d.assign(G * nb * 16, 0.f);
+  if (offsets) xq.t32o.assign(G * nb * 16, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    float* td = xq.t32d.data() + (m / 16) * nb * 16 + m % 16;
+    const float* dx = xq.d.data() + m * nb;
+    for (int64_t b = 0; b < nb; ++b) td[16 * b] = dx[b];
+    if (offsets) {
+      float* to = xq.t32o.data() + (m / 16) * nb * 16 + m % 16;
+      const int16_t* h = xq.h32.data() + m * nb;
+      for (int64_t b = 0; b < nb; ++b) to[16 * b] = dx[b] * static_cast<float>(h[b]);
+    }
+  }
+}
+
+// ldtilecfg for x32_amx_rows: tiles 0-1 the sums (16 x 16 int32), 2-3 A (16 rows of 32
+// inputs), 4-5 B (8 rows of 16 channels' four values).
+PAGODA_AMX inline void amx_config32() {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = t >= 4 ? 8 : kAmxRows;
+    cfg.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Block p's sums c (16 rows x 16 channels, int32) of one group of 16 rows into acc: per
+// row r, acc[r] += (d dx) c[r] (Q4_1: then += m (dx sum x)); td / to: the rows' terms of
+// this block (xq.t32d / t32o).
+template <int T>
+PAGODA_AMX inline void x32_amx_take(const uint8_t* p, const float* td, const float* to, const int32_t* c,
+                                    __m512 (&acc)[kAmxRows]) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  for (int r = 0; r < kAmxRows; ++r)
+    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(td[r])), _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)),
+                             acc[r]);
+  if constexpr (Lanes32<T>::kMin) {
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(to[r]), acc[r]);
+  }
+}
+
+// One group of 16 channels (grp; its blocks' B tiles at bm, 512 bytes a block, or, for
+// Q8_0, in the group's own bytes) against 16 rows of x (x: stride K; td / to: their terms,
+// xq.t32d / t32o's group): out[16 r + c] = row r's sum of channel c. Two blocks a pass,
+// the second's tile product running while the first's sums are taken.
+template <int T>
+PAGODA_AMX __attribute__((noinline)) void x32_amx_rows(const int8_t* x, int64_t K, const uint8_t* grp,
+                                                       const uint8_t* bm, const float* td, const float* to,
+                                                       float* out, AmxScratch& sc) {
+  using L = Lanes32<T>;
+  const int64_t nb = K / 32;
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* bq = L::kNibbles ? bm : grp + L::kCodes;  // block b's B tile: bq + b * bstep
+  const int64_t bstep = L::kNibbles ? 512 : L::kBytes;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, x + 32 * b, K);
+    _tile_loadd(4, bq + b * bstep, 64);
+    _tile_loadd(3, x + 32 * b + 32, K);
+    _tile_loadd(5, bq + (b + 1) * bstep, 64);
+    if constexpr (L::kMin) {
+      _tile_dpbsud(0, 2, 4);
+      _tile_dpbsud(1, 3, 5);
+    } else {
+      _tile_dpbssd(0, 2, 4);
+      _tile_dpbssd(1, 3, 5);
+    }
+    _tile_stored(0, sc.c[0], 64);
+    x32_amx_take<T>(grp + b * L::kBytes, td + 16 * b, to ? to + 16 * b : nullptr, sc.c[0], acc);
+    _tile_stored(1, sc.c[1], 64);
+    x32_amx_take<T>(grp + (b + 1) * L::kBytes, td + 16 * b + 16, to ? to + 16 * b + 16 : nullptr, sc.c[1], acc);
+  }
+  if (b < nb) {
+    _tile_zero(0);
+    _tile_loadd(2, x + 32 * b, K);
+    _tile_loadd(4, bq + b * bstep, 64);
+    if constexpr (L::kMin) {
+      _tile_dpbsud(0, 2, 4);
+    } else {
+      _tile_dpbssd(0, 2, 4);
+    }
+    _tile_stored(0, sc.c[0], 64);
+    x32_amx_take<T>(grp + b * L::kBytes, td + 16 * b, to ? to + 16 * b : nullptr, sc.c[0], acc);
+  }
+  for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+// Channels [n0, n1) (multiples of 16) of a repacked 32-weight part for rows [m0, m1) (m0 a
+// multiple of 16; xq's terms laid out by amx_rows32) on the tiles: per group of 16
+// channels the B tiles of its every block made once (nibbles split; Q4_0's less 8),
+// then every 16 rows over them.
+template <int T>
+PAGODA_AMX void x32_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
+                             int64_t n1, const float* bias, float* y, int64_t N, AmxScratch& sc) {
+  using L = Lanes32<T>;
+  const int64_t nb = K / 32, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
+  amx_config32();
+  if (full_end < m1) {  // the last rows, padded with zeros to 16
+    sc.x.resize(kAmxRows * K);
+    std::memcpy(sc.x.data(), xq.q.data() + full_end * K, (m1 - full_end) * K);
+    std::memset(sc.x.data() + (m1 - full_end) * K, 0, (kAmxRows - (m1 - full_end)) * K);
+  }
+  if constexpr (L::kNibbles) sc.b32.resize(nb * 512);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  alignas(64) float out[kAmxRows * 16];
+  for (int64_t n = n0; n < n1; n += 16) {
+    const uint8_t* grp = w.data + n * w.row_bytes;
+    if constexpr (L::kNibbles)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int q = 0; q < 4; ++q) {
+          const __m512i raw = _mm512_loadu_si512(grp + b * L::kBytes + L::kCodes + 64 * q);
+          __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+          if constexpr (L::kOffset != 0) {
+            lo = _mm512_sub_epi8(lo, eight);
+            hi = _mm512_sub_epi8(hi, eight);
+          }
+          _mm512_storeu_si512(sc.b32.data() + 512 * b + 128 * q, lo);
+          _mm512_storeu_si512(sc.b32.data() + 512 * b + 128 * q + 64, hi);
+        }
+    const int64_t col = w.col + n;
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+    for (int64_t r = m0; r < m1; r += kAmxRows) {
+      const int64_t g = r / kAmxRows;
+      const float* to = L::kMin ? xq.t32o.data() + g * nb * 16 : nullptr;
+      x32_amx_rows<T>(r < full_end ? xq.q.data() + r * K : sc.x.data(), K, grp, sc.b32.data(),
+                      xq.t32d.data() + g * nb * 16, to, out, sc);
+      for (int64_t i = 0; i < std::min<int64_t>(kAmxRows, m1 - r); ++i) {
+        const __m512 a = _mm512_load_ps(out + 16 * i);
+        _mm512_storeu_ps(y + (r + i) * N + col, bias ? _mm512_add_ps(a, bv) : a);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Channels [n0, n1) of a repacked 32-weight part for rows [m0, m1): four rows at a time
+// on the VNNI kernel, then the rest.
+template <int T>
+PAGODA_AVX512 void x32_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
+                              int64_t n1, const float* bias, float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; n += 16) {
+    const uint8_t* grp = w.data + n * w.row_bytes;
+    const int64_t col = w.col + n;
+    int64_t r = m0;
+    for (; r + 4 <= m1; r += 4) x32_rows<T, 4>(xq, K, r, grp, bias, y, N, col);
+    switch (m1 - r) {
+      case 3: x32_rows<T, 3>(xq, K, r, grp, bias, y, N, col); break;
+      case 2: x32_rows<T, 2>(xq, K, r, grp, bias, y, N, col); break;
+      case 1: x32_rows<T, 1>(xq, K, r, grp, bias, y, N, col); break;
+      default: break;
+    }
+  }
+}
+
+void x32_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
+              const float* bias, float* y, int64_t N, AmxScratch& amx) {
+  const bool tiles = !xq.t32d.empty() && m1 - m0 >= kAmxMinRows;
+  auto run = [&](auto tt) {
+    constexpr int T = decltype(tt)::value;
+    if (tiles)
+      x32_amx_tile<T>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
+    else
+      x32_tile_t<T>(xq, m0, m1, K, w, n0, n1, bias, y, N);
+  };
+  switch (w.type) {
+    case kQ40X16: run(std::integral_constant<int, kQ40X16>{}); break;
+    case kQ41X16: run(std::integral_constant<int, kQ41X16>{}); break;
+    default: run(std::integral_constant<int, kQ80X16>{}); break;
+  }
+}
+
+// The plain type of a repacked one.
+int64_t lanes_plain(int type) {
+  switch (type) {
+    case kQ4KX16: return kQ4_K;
+    case kQ6KX16: return kQ6_K;
+    case kQ40X16: return kQ4_0;
+    case kQ41X16: return kQ4_1;
+    default: return kQ8_0;
+  }
+}
+
+// The 32-weight type T's repacked block of the 16 channels src[c] (pack) or its plain
+// blocks (unpack).
+template <typename F>
+void with_x32_type(int type, F&& f) {
+  switch (type) {
+    case kQ40X16: f(std::integral_constant<int, kQ40X16>{}); return;
+    case kQ41X16: f(std::integral_constant<int, kQ41X16>{}); return;
+    case kQ80X16: f(std::integral_constant<int, kQ80X16>{}); return;
+    default: TORCH_CHECK(false, "not a repacked 32-weight type: ", type);
+  }
+}
+
+// Row n of a repacked part as its plain row (the file's bytes) into out.
+void lanes_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
+  if (is_x16(w.type)) return x16_unpack_row(w, n, K, out);
+  const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
+  const int c = static_cast<int>(n % 16);
+  with_x32_type(w.type, [&](auto tt) {
+    using L = Lanes32<decltype(tt)::value>;
+    for (int64_t b = 0; b < K / 32; ++b) x32_unpack_block<decltype(tt)::value>(g + b * L::kBytes, c, out + b * L::kPlainBytes);
+  });
+}
 
 PartKinds part_kinds(const std::vector<Part>& parts) {
   PartKinds out;
   for (const Part& p : parts) {
-    if (is_x16(p.type))
+    if (is_x32(p.type))
+      out.x32 = true, out.min |= p.type == kQ41X16;
+    else if (is_x16(p.type))
       out.k = true;
     else if (has_k_kernel(p.type))
       out.k = out.rows = true;
@@ -2803,13 +3167,13 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
   auto y = torch::empty({R, K}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    const bool x16 = is_x16(w.type);
-    const int64_t plain = w.type == kQ6KX16 ? kQ6_K : kQ4_K;
-    Buffer<uint8_t> row(x16 ? K / 256 * format_of(plain).bytes : 0);
+    const bool x16 = is_lanes(w.type);
+    const int64_t plain = lanes_plain(w.type);
+    Buffer<uint8_t> row(x16 ? K / format_of(plain).block * format_of(plain).bytes : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t src = idx ? idx[r] : r;
       if (x16) {  // the channel's row in the file's layout again, then dequantized as such
-        x16_unpack_row(w, src, K, row.data());
+        lanes_unpack_row(w, src, K, row.data());
         dequantize_row(static_cast<int>(plain), row.data(), K, yp + r * K);
       } else {
         dequantize_row(w.type, w.data + src * w.row_bytes, K, yp + r * K);
@@ -2820,12 +3184,18 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
 }
 
 torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
-  TORCH_CHECK(type == kQ4_K || type == kQ6_K, "only Q4_K and Q6_K repack with 16 channels in the lanes, not type ", type);
+  static const std::pair<int64_t, int> kLanes[] = {
+      {kQ4_K, kQ4KX16}, {kQ6_K, kQ6KX16}, {kQ4_0, kQ40X16}, {kQ4_1, kQ41X16}, {kQ8_0, kQ80X16}};
+  int lanes = -1;
+  for (const auto& [plain, packed] : kLanes)
+    if (plain == type) lanes = packed;
+  TORCH_CHECK(lanes >= 0, "only Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 repack with 16 channels in the lanes, not type ", type);
   const std::vector<Part> parts = check_parts({data}, {type}, K);
   const Part& w = parts[0];
   TORCH_CHECK(w.rows % 16 == 0, "repacking needs a multiple of 16 channels, not ", w.rows);
   // bytes: a channel's block in the file; packed: in the repacked layout (16 of them a group).
-  const int64_t nb = K / 256, bytes = format_of(type).bytes, packed = format_of(type == kQ6_K ? kQ6KX16 : kQ4KX16).bytes;
+  const BlockFormat f = format_of(type);
+  const int64_t nb = K / f.block, bytes = f.bytes, packed = format_of(lanes).bytes;
   auto out = torch::empty({w.rows, nb * packed}, torch::kUInt8);
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, w.rows / 16, 4, [&](int64_t g0, int64_t g1) {
@@ -2834,10 +3204,12 @@ torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
         const uint8_t* src[16];
         for (int c = 0; c < 16; ++c) src[c] = w.data + (16 * g + c) * w.row_bytes + b * bytes;
         uint8_t* dst = op + (g * nb + b) * 16 * packed;
-        if (type == kQ6_K)
+        if (lanes == kQ6KX16)
           x16_pack_q6k_block(src, dst);
-        else
+        else if (lanes == kQ4KX16)
           x16_pack_block(src, dst);
+        else
+          with_x32_type(lanes, [&](auto tt) { x32_pack_block<decltype(tt)::value>(src, dst); });
       }
   });
   return out;
@@ -2913,7 +3285,7 @@ torch::Tensor gguf_linear(torch::Tensor x_in, std::vector<torch::Tensor> weights
                           c10::optional<torch::Tensor> bias) {
   const LinearCall call = check_linear(x_in, weights, types, bias, 8);
   for (const Part& p : call.parts)
-    TORCH_CHECK(!is_x16(p.type), "repacked K-quant weights multiply in the gguf mode only (gguf_linear_int8)");
+    TORCH_CHECK(!is_lanes(p.type), "repacked weights multiply in the gguf mode only (gguf_linear_int8)");
   const torch::Tensor& x = call.x;
   const int64_t M = call.M, K = call.K, N = call.N;
   const std::vector<Part>& parts = call.parts;
@@ -3010,9 +3382,12 @@ void k_rows_layout(QuantizedX& xk, int64_t M, int64_t K, bool vnni) {
 void int8_tile(const QuantizedX& xq, const QuantizedX& xk, int64_t m0, int64_t m1, int64_t K, const Part& w,
                const Tile& tile, const float* bp, float* yp, int64_t N, Int8Scratch& sc) {
   DecodedRows& dr = sc.dr;
-  if (is_x16(w.type)) {
-    TORCH_CHECK(cpu_has_avx512_vnni(), "repacked K-quant weights need an AVX-512 VNNI CPU");
-    x16_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.amx);
+  if (is_lanes(w.type)) {
+    TORCH_CHECK(cpu_has_avx512_vnni(), "repacked weights need an AVX-512 VNNI CPU");
+    if (is_x32(w.type))
+      x32_tile(xq, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.amx);
+    else
+      x16_tile(xk, m0, m1, K, w, tile.n0, tile.n1, bp, yp, N, sc.amx);
     return;
   }
   if (has_k_kernel(w.type)) {
@@ -3068,7 +3443,8 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   const float* bp = call.bias;
   auto y = torch::empty({M, N}, x.options());
   const PartKinds kinds = part_kinds(parts);
-  const QuantizedX xq = kinds.other ? quantize_x(x.data_ptr<float>(), M, K) : QuantizedX{};
+  QuantizedX xq = kinds.groups32() ? quantize_x(x.data_ptr<float>(), M, K) : QuantizedX{};
+  if (kinds.x32 && xq.amx && M >= kAmxMinRows) amx_rows32(xq, M, K, kinds.min);
   QuantizedX xk = kinds.k ? quantize_x(x.data_ptr<float>(), M, K, 256) : QuantizedX{};
   const bool vnni = kinds.rows && vnni_k_rows(M);
   if (kinds.rows) k_rows_layout(xk, M, K, vnni);
@@ -3079,7 +3455,7 @@ torch::Tensor gguf_linear_int8(torch::Tensor x_in, std::vector<torch::Tensor> we
   const std::vector<Tile> tiles = tiles_of(parts, kChannels, k_channels_per_tile(M, vnni));
   // The AMX kernel makes its weights' tiles once per unit: longer chunks share them (where
   // every part is repacked; the other kernels keep a chunk's x in L2).
-  const bool amx_only = xk.amx && M >= kAmxMinRows && !kinds.rows && !kinds.other;
+  const bool amx_only = (xk.amx || xq.amx) && M >= kAmxMinRows && !kinds.rows && !kinds.other;
   const int64_t chunk = amx_only ? kAmxRowChunk : kRowChunk;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m1 = std::min(M, m0 + chunk);
@@ -3214,14 +3590,14 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
     for (const Part& p : a.gu) TORCH_CHECK(int8_type(p.type), "the int8 product needs quantized blocks of integers");
     TORCH_CHECK(int8_type(a.dn[0].type), "the int8 product needs quantized blocks of integers");
     const PartKinds k = part_kinds(a.gu);
-    first_kinds.k |= k.k, first_kinds.rows |= k.rows, first_kinds.other |= k.other;
+    first_kinds.k |= k.k, first_kinds.rows |= k.rows, first_kinds.other |= k.other, first_kinds.x32 |= k.x32;
     act.push_back(std::move(a));
   }
   // The experts share the layer's x: each token's row quantized once (a row is quantized
   // on its own, so each expert's rows are the values quantize_x gives them alone), then
   // each expert's rows gathered.
   const float* xp = c.x.data_ptr<float>();
-  const QuantizedX x32 = first_kinds.other ? quantize_x(xp, c.T, H) : QuantizedX{};
+  const QuantizedX x32 = first_kinds.groups32() ? quantize_x(xp, c.T, H) : QuantizedX{};
   const QuantizedX x256 = first_kinds.k ? quantize_x(xp, c.T, H, 256) : QuantizedX{};
   const int64_t n_act = static_cast<int64_t>(act.size());
   // Each expert's inputs of one projection (its rows of x gathered, or its activations
@@ -3235,7 +3611,10 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
       const PartKinds kinds = part_kinds(parts);
       QuantizedX& xq = first ? s.xq : s.hq;
       QuantizedX& xk = first ? s.xk : s.hk;
-      if (kinds.other) xq = first ? gather_quantized(x32, c.rows[s.e], H, 32) : quantize_x(s.he.data(), s.n, K);
+      if (kinds.groups32()) {
+        xq = first ? gather_quantized(x32, c.rows[s.e], H, 32) : quantize_x(s.he.data(), s.n, K);
+        if (kinds.x32 && xq.amx && s.n >= kAmxMinRows) amx_rows32(xq, s.n, K, kinds.min);
+      }
       const bool vnni = kinds.rows && vnni_k_rows(s.n);
       (first ? s.vnni_in : s.vnni_hidden) = vnni;
       if (kinds.k) {
@@ -3296,8 +3675,8 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
                        std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation) {
   const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
-  for (int64_t t : gate_up_types) TORCH_CHECK(!is_x16(t), "repacked K-quant weights multiply in the gguf mode only");
-  for (int64_t t : down_types) TORCH_CHECK(!is_x16(t), "repacked K-quant weights multiply in the gguf mode only");
+  for (int64_t t : gate_up_types) TORCH_CHECK(!is_lanes(t), "repacked weights multiply in the gguf mode only");
+  for (int64_t t : down_types) TORCH_CHECK(!is_lanes(t), "repacked weights multiply in the gguf mode only");
   const int64_t H = c.H, I = c.I;
   struct Active {
     int64_t e, n;

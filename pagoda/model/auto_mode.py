@@ -29,13 +29,25 @@ GGUF_MODE_MIN_BYTES = 256 << 20
 # Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL 0.95-1.13x / 0.69-1.01x, Q2_K, Q3_K, Q5_K, IQ4_XS
 # 0.75-0.90x / 0.51-0.98x, Q4_K 1.97x / 4.69x, Q6_K 1.61x / 3.76x.
 GGUF_MODE_TYPES = ("Q4_K", "Q6_K", "MXFP4")
+# ... and, on CPUs where the gguf mode repacks them with 16 channels in the vector lanes
+# (AVX-512 VNNI: pagoda.model.layers.quantization.gguf_repacks), these: one product from
+# memory, gguf against exact, 1 / 16 / 128 rows (benchmarks/gguf_modes.py, AMX Xeon): Q8_0
+# 1.71x / 3.42x / 2.87x, Q4_0 2.15x / 3.68x / 2.97x, Q4_1 2.24x / 3.36x / 2.61x.
+LANES_MODE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # Types whose weights the gguf mode leaves to the exact mode's kernels (float ones).
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
-def gguf_mode_share(path: str) -> tuple[float, str] | None:
-    """The share of a GGUF file's quantized bytes in GGUF_MODE_TYPES, and its type holding
-    the most bytes; None when it has no quantized tensor."""
+def gguf_mode_types() -> tuple[str, ...]:
+    """The types the gguf mode has kernels of its own for on this CPU."""
+    from pagoda.model.layers.quantization import gguf_repacks
+
+    return GGUF_MODE_TYPES + LANES_MODE_TYPES if gguf_repacks() else GGUF_MODE_TYPES
+
+
+def gguf_mode_share(path: str, types: tuple[str, ...] = GGUF_MODE_TYPES) -> tuple[float, str] | None:
+    """The share of a GGUF file's quantized bytes in ``types``, and its type holding the
+    most bytes; None when it has no quantized tensor."""
     nbytes: Counter[str] = Counter()
     with GGUFFile(path) as f:
         for info in f.tensors.values():
@@ -44,7 +56,7 @@ def gguf_mode_share(path: str) -> tuple[float, str] | None:
     total = sum(nbytes.values())
     if not total:
         return None
-    return sum(nbytes[t] for t in GGUF_MODE_TYPES) / total, nbytes.most_common(1)[0][0]
+    return sum(nbytes[t] for t in types) / total, nbytes.most_common(1)[0][0]
 
 
 def auto_quantization(path: str, device: str, dtype: str) -> tuple[str, str]:
@@ -57,10 +69,11 @@ def auto_quantization(path: str, device: str, dtype: str) -> tuple[str, str]:
     if size < GGUF_MODE_MIN_BYTES:
         return "none", (f"a GGUF file under {GGUF_MODE_MIN_BYTES >> 20} MiB runs in the exact mode (as fast there); "
                         f"--quantization gguf for llama.cpp's arithmetic")
-    share = gguf_mode_share(path)
+    types = gguf_mode_types()
+    share = gguf_mode_share(path, types)
     if share is not None and share[0] < 0.5:
         return "none", (f"a GGUF file mostly of {share[1]} runs in the exact mode (faster there: "
-                        f"{', '.join(GGUF_MODE_TYPES)}, the types the gguf mode has kernels of its own for, are "
+                        f"{', '.join(types)}, the types the gguf mode has kernels of its own for on this CPU, are "
                         f"{share[0]:.0%} of its quantized bytes); --quantization gguf for llama.cpp's arithmetic")
     return "gguf", (f"a GGUF file of {size / 2**20:.0f} MiB on the CPU runs in the gguf mode (llama.cpp's "
                     f"arithmetic: int8 activations times the file's blocks); --quantization none for the exact one")

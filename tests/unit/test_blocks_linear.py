@@ -352,26 +352,28 @@ def test_int8_mode_quantizes_blocks_a_block_of_rows_at_a_time(monkeypatch):
 
 # ---- K-quants repacked with 16 channels in the lanes (the gguf mode on AVX-512 VNNI) ----
 vnni_only = pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
-X16 = {Q.Q4_K: 204, Q.Q6_K: 205}
+X16 = {Q.Q4_K: 204, Q.Q6_K: 205, Q.Q4_0: 206, Q.Q4_1: 207, Q.Q8_0: 208}
+X32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 
-@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_repacked_k_quants_hold_the_same_weights(ggml_type):
+@pytest.mark.parametrize("ggml_type", list(X16), ids=lambda t: t.name)
+def test_repacked_blocks_hold_the_same_weights(ggml_type):
     """gguf_repack_x16 rearranges 16 channels' blocks (any CPU): each channel reads back as
     its own blocks (the dequantized values of every row, and of rows picked by index)."""
     rng = np.random.default_rng(ggml_type.value)
-    for rows, cols in ((16, 256), (48, 2048), (32, 33 * 256)):
+    block = 256 if ggml_type in (Q.Q4_K, Q.Q6_K) else 32
+    for rows, cols in ((16, block), (48, 2048), (32, 33 * block)):
         raw = torch.from_numpy(random_blocks(ggml_type, rows, cols, rng))
         packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
-        assert packed.shape == (rows, cols // 256 * (148 if ggml_type == Q.Q4_K else 210))
+        assert packed.shape == (raw.shape if ggml_type != Q.Q4_K else (rows, cols // 256 * 148))
         plain = ops.gguf_dequantize(raw, ggml_type.value, cols, None)
         assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, None), plain)
         idx = torch.tensor([rows - 1, 0, 5, 15])
         assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, idx), plain[idx])
     with pytest.raises(RuntimeError, match="multiple of 16 channels"):
         ops.gguf_repack_x16(torch.from_numpy(random_blocks(ggml_type, 24, 256, rng)), ggml_type.value, 256)
-    with pytest.raises(RuntimeError, match="only Q4_K and Q6_K"):
-        ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.Q8_0, 16, 256, rng)), Q.Q8_0.value, 256)
+    with pytest.raises(RuntimeError, match="only Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0"):
+        ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.Q5_0, 16, 256, rng)), Q.Q5_0.value, 256)
 
 
 def _x16_case(ggml_type, rows_w, cols, rng, rows_x):
@@ -448,21 +450,107 @@ def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
         torch.set_num_threads(threads)
 
 
+def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
+    """A Q4_0 / Q4_1 / Q8_0 weight (its first channels at the extremes: the largest and
+    smallest values under a large scale), it repacked, a Q4_K part to stack after it, a
+    bias, and rows_x rows of x with a block of zeros and full-scale rows: (raw, packed,
+    other, bias, x)."""
+    raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
+    nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[ggml_type]
+    blocks = raw.view(rows_w, -1, nbytes)
+    values = 4 if ggml_type == Q.Q4_1 else 2
+    big = torch.tensor([0x00, 0x5C], dtype=torch.uint8)   # float16 256.0
+    blocks[0, :, :2], blocks[1, :, :2] = big, big
+    blocks[0, :, values:] = 0xFF if ggml_type != Q.Q8_0 else 0x7F          # 15 / 127
+    blocks[1, :, values:] = 0x00 if ggml_type != Q.Q8_0 else 0x80          # 0 / -128
+    packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
+    other = torch.from_numpy(random_blocks(Q.Q4_K, 16, cols, rng))
+    bias = torch.randn(rows_w + 16, generator=torch.Generator().manual_seed(cols))
+    x = torch.randn(rows_x, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
+    x[1, :64] = 0.0
+    x[6], x[9] = 2.0, -2.0
+    return raw, packed, other, bias, x
+
+
+@vnni_only
+@pytest.mark.parametrize("ggml_type", X32_TYPES, ids=lambda t: t.name)
+def test_repacked_32_weight_kernels_multiply_quantized_x_the_same_at_every_step(ggml_type):
+    """The repacked Q4_0 / Q4_1 / Q8_0 layouts' kernel (16 channels in the lanes, each
+    block's integer sum whole, then one float32 step a block) gives W x' for the int8 x'
+    within float32 rounding, as the plain layout's kernel does, and a row's bits do not
+    depend on its step (1-40 rows, long rows, a block of zeros, full-scale inputs, weights
+    at their extremes, a bias, stacked with a repacked Q4_K part, one thread or two)."""
+    threads = torch.get_num_threads()
+    try:
+        rng = np.random.default_rng(90 + ggml_type.value)
+        for rows_w, cols in ((32, 256), (48, 2048), (16, 33 * 32 * 8)):
+            raw, packed, other, bias, x = _x32_case(ggml_type, rows_w, cols, rng, 40)
+            packed_k = ops.gguf_repack_x16(other, Q.Q4_K.value, cols)
+            ref = torch.cat([ops.gguf_dequantize(raw, ggml_type.value, cols, None),
+                             ops.gguf_dequantize(other, Q.Q4_K.value, cols, None)]).numpy()
+            whole = ops.gguf_linear_int8(x, [packed, packed_k], [X16[ggml_type], X16[Q.Q4_K]], bias)
+            plain = ops.gguf_linear_int8(x, [raw], [ggml_type.value], bias[:rows_w])
+            _close(whole[:, :rows_w], _quantized_x(x, 32), ref[:rows_w], bias[:rows_w])
+            _close(whole[:, rows_w:], _quantized_x(x, 256), ref[rows_w:], bias[rows_w:])
+            assert torch.allclose(whole[:, :rows_w], plain, rtol=1e-5, atol=1e-4 * float(plain.abs().max()))
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (*range(1, 10), 16, 17, 23, 40):
+                    got = ops.gguf_linear_int8(x[:rows], [packed, packed_k], [X16[ggml_type], X16[Q.Q4_K]], bias)
+                    assert torch.equal(got.view(torch.int32), whole[:rows].view(torch.int32)), (cols, rows, n_threads)
+                last = ops.gguf_linear_int8(x[39:], [packed, packed_k], [X16[ggml_type], X16[Q.Q4_K]], bias)
+                assert torch.equal(last, whole[39:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@amx_only
+@pytest.mark.parametrize("ggml_type", X32_TYPES, ids=lambda t: t.name)
+def test_amx_tiles_give_the_vnni_kernels_bits_for_32_weight_blocks(ggml_type, monkeypatch):
+    """Steps of 16+ rows multiply the repacked Q4_0 / Q4_1 / Q8_0 parts on int8 tiles
+    (signed values against x; Q4_1's unsigned): the same integers per block and float32
+    operations as the VNNI kernel (PAGODA_CPU_ISA=avx512), so the same bits: whole and
+    partial groups of 16 rows, steps past one unit's 512 rows, an odd count of blocks,
+    extreme values, a bias, stacked parts, one thread or two."""
+    threads = torch.get_num_threads()
+    try:
+        rng = np.random.default_rng(80 + ggml_type.value)
+        for rows_w, cols in ((32, 256), (48, 7 * 32 * 8)):
+            _, packed, other, bias, x = _x32_case(ggml_type, rows_w, cols, rng, 600)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (16, 17, 31, 32, 100, 600):
+                    args = (x[:rows], [packed, other], [X16[ggml_type], Q.Q4_K.value], bias)
+                    monkeypatch.setenv("PAGODA_CPU_ISA", "avx512")
+                    assert not ops.amx_enabled()
+                    vnni = ops.gguf_linear_int8(*args)
+                    monkeypatch.delenv("PAGODA_CPU_ISA")
+                    tiles = ops.gguf_linear_int8(*args)
+                    assert torch.equal(tiles.view(torch.int32), vnni.view(torch.int32)), (cols, rows, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @vnni_only
 def test_blocks_linear_repacks_for_the_gguf_mode_only():
-    """repack_for_lanes swaps the Q4_K / Q6_K parts of 16-channel multiples for their
-    repacked layout and leaves the rest; the exact mode refuses the layout by name."""
+    """repack_for_lanes swaps the Q4_K / Q6_K / Q4_0 / Q4_1 / Q8_0 parts of 16-channel
+    multiples for their repacked layout and leaves the rest; the K-quants' results keep
+    their bits; the exact mode refuses the layout by name."""
     parts = [_weight(Q.Q4_K, 32, 512, seed=1)[0], _weight(Q.Q6_K, 16, 512, seed=2)[0],
-             _weight(Q.Q4_K, 8, 512, seed=3)[0], _weight(Q.Q8_0, 16, 512, seed=4)[0]]
+             _weight(Q.Q4_K, 8, 512, seed=3)[0], _weight(Q.Q5_0, 16, 512, seed=4)[0],
+             _weight(Q.Q8_0, 16, 512, seed=5)[0], _weight(Q.Q4_0, 8, 512, seed=6)[0]]
     layer = BlocksLinear(parts)
     with pytest.raises(RuntimeError, match="gguf mode"):
         layer.repack_for_lanes()
     layer.int8_activations = True
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
     before = layer(x)
-    assert layer.repack_for_lanes() == 2
-    assert [p.ggml_type.name for p in layer.parts] == ["Q4_K_X16", "Q6_K_X16", "Q4_K", "Q8_0"]
-    assert torch.equal(layer(x), before)
+    assert layer.repack_for_lanes() == 3
+    assert [p.ggml_type.name for p in layer.parts] == ["Q4_K_X16", "Q6_K_X16", "Q4_K", "Q5_0", "Q8_0_X16", "Q4_0"]
+    after = layer(x)
+    q8 = slice(72, 88)
+    assert torch.equal(after[:, :72], before[:, :72]) and torch.equal(after[:, 88:], before[:, 88:])
+    assert torch.allclose(after[:, q8], before[:, q8], rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.dequantized(), torch.cat([p.dequantize() for p in parts]))
     with pytest.raises(RuntimeError, match="gguf mode only"):
         ops.gguf_linear(x, layer._data, layer._types, None)

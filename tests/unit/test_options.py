@@ -197,13 +197,15 @@ def test_quantization_auto_picks_the_gguf_mode_for_large_gguf_files_on_the_cpu(t
     assert EngineConfig(pipeline_parallel_size=2).quantization == "auto"
 
 
-def test_quantization_auto_keeps_the_exact_mode_for_files_mostly_of_other_types(tmp_path):
+def test_quantization_auto_keeps_the_exact_mode_for_files_mostly_of_other_types(tmp_path, monkeypatch):
     """Large GGUF files run in the gguf mode only when most of their quantized bytes are of the
-    types it has kernels of its own for (Q4_K, Q6_K, MXFP4): of Q8_0, Q4_0, Q5_K, ... the exact
-    mode is the faster (docs/benchmarks.md). Float tensors are not counted; a file of float
-    tensors alone keeps the size rule."""
+    types it has kernels of its own for (Q4_K, Q6_K, MXFP4; without the repacked layouts,
+    PAGODA_GGUF_REPACK=0 or no AVX-512 VNNI): of Q8_0, Q4_0, Q5_K, ... the exact mode is the
+    faster there (docs/benchmarks.md). Float tensors are not counted; a file of float tensors
+    alone keeps the size rule."""
     from pagoda.model.auto_mode import GGUF_MODE_MIN_BYTES, auto_quantization
 
+    monkeypatch.setenv("PAGODA_GGUF_REPACK", "0")
     size = GGUF_MODE_MIN_BYTES
     q8 = _gguf_of(tmp_path / "q8.gguf", size, Q8_0=100_000, Q6_K=8_000, F32=50_000)
     mode, why = auto_quantization(q8, "cpu", "auto")
@@ -223,3 +225,24 @@ def test_quantization_auto_keeps_the_exact_mode_for_files_mostly_of_other_types(
         f.truncate(size)
     with pytest.raises(ValueError, match="bad.gguf: not a GGUF file"):
         auto_quantization(str(bad), "cpu", "auto")
+
+
+def test_quantization_auto_counts_the_repacked_32_weight_types_where_they_run(tmp_path, monkeypatch):
+    """Where the gguf mode repacks Q4_0 / Q4_1 / Q8_0 into the vector lanes (AVX-512 VNNI),
+    files mostly of them run in the gguf mode too (faster there: docs/benchmarks.md); Q5_K
+    and Q5_0 files keep the exact mode."""
+    from pagoda.model.auto_mode import GGUF_MODE_MIN_BYTES, auto_quantization
+    from pagoda.ops import cpu_kernels
+
+    if not cpu_kernels.has_avx512_vnni():
+        pytest.skip("needs a CPU with AVX-512 VNNI")
+    size = GGUF_MODE_MIN_BYTES
+    q8 = _gguf_of(tmp_path / "q8.gguf", size, Q8_0=100_000, Q6_K=8_000, F32=50_000)
+    assert auto_quantization(q8, "cpu", "auto")[0] == "gguf"
+    assert auto_quantization(_gguf_of(tmp_path / "q40.gguf", size, Q4_0=60_000, Q6_K=10_000), "cpu", "auto")[0] == "gguf"
+    assert auto_quantization(_gguf_of(tmp_path / "q41.gguf", size, Q4_1=60_000, Q5_0=50_000), "cpu", "auto")[0] == "gguf"
+    mode, why = auto_quantization(_gguf_of(tmp_path / "q5k.gguf", size, Q5_K=70_000, Q6_K=30_000), "cpu", "auto")
+    assert mode == "none" and "Q4_0, Q4_1, Q8_0" in why
+    assert auto_quantization(_gguf_of(tmp_path / "q50.gguf", size, Q5_0=70_000, Q8_0=30_000), "cpu", "auto")[0] == "none"
+    monkeypatch.setenv("PAGODA_GGUF_REPACK", "0")
+    assert auto_quantization(q8, "cpu", "auto")[0] == "none"

@@ -501,6 +501,13 @@ def _as_float_linear(module: nn.Module) -> nn.Linear:
     return lin
 
 
+def gguf_repacks() -> bool:
+    """Whether the gguf mode repacks its Q4_K / Q6_K / Q4_0 / Q4_1 / Q8_0 weights with 16
+    channels in the vector lanes here (BlocksLinear.repack_for_lanes): CPUs with AVX-512
+    VNNI, unless PAGODA_GGUF_REPACK=0."""
+    return cpu_kernels.has_avx512_vnni() and os.environ.get("PAGODA_GGUF_REPACK", "1") != "0"
+
+
 def _int8_activations(model: nn.Module) -> nn.Module:
     """``gguf``: every projection and LM head kept as GGUF blocks multiplies them with
     int8 activations (``BlocksLinear.int8_activations``); the weights stay as they are."""
@@ -510,7 +517,7 @@ def _int8_activations(model: nn.Module) -> nn.Module:
                          "their blocks); for other checkpoints use int8 or q4")
     suffixes = tuple(getattr(model, "unquantized_modules", ()))   # MoE routers stay in float
     keep = {id(m) for n, m in model.named_modules() if n.endswith(suffixes)}
-    lanes = cpu_kernels.has_avx512_vnni() and os.environ.get("PAGODA_GGUF_REPACK", "1") != "0"
+    lanes = gguf_repacks()
     # A Q6_K LM head stays in the file's layout: one row against it (a one-stream decode
     # step's largest read) ran 2.68 -> 3.12 ms repacked (the 49,152 x 2,048 head, Zen 4; the
     # 6-bit unpacking then outweighs the blocks it saves decoding), 16 rows the same.
@@ -524,7 +531,7 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     if repacked:
         ops = cpu_kernels.kernels()
         tiles = ops is not None and ops.amx_enabled()
-        logger.info("gguf mode: %d Q4_K / Q6_K weights repacked with 16 channels in the AVX-512 VNNI lanes%s",
+        logger.info("gguf mode: %d weights repacked with 16 channels in the AVX-512 VNNI lanes%s",
                     repacked, "; steps of 16+ rows on the AMX int8 tiles" if tiles else "")
     return model
 
