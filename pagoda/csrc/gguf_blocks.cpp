@@ -72,8 +72,8 @@ enum GgmlType : int {
   // Q4_K repacked at load, 16 channels in the lanes (the gguf mode on AVX-512 VNNI CPUs;
   // Q4_K_X16 in blocks.py; its layout above x16_rows).
   kQ4KX16 = 204, kQ6KX16 = 205,
-  // Q4_0, Q4_1 and Q8_0 repacked the same way (their layouts above x32_rows).
-  kQ40X16 = 206, kQ41X16 = 207, kQ80X16 = 208,
+  // Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked the same way (their layouts above x32_rows).
+  kQ40X16 = 206, kQ41X16 = 207, kQ80X16 = 208, kIQ4NLX16 = 209, kMXFP4X16 = 210,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -110,6 +110,8 @@ bool known_format(int type, BlockFormat* f) {
     case kQ40X16: *f = {32, 18}; return true;    // 16 channels' blocks in 288 bytes
     case kQ41X16: *f = {32, 20}; return true;    // ... in 320 bytes
     case kQ80X16: *f = {32, 34}; return true;    // ... in 544 bytes
+    case kIQ4NLX16: *f = {32, 18}; return true;  // ... in 288 bytes
+    case kMXFP4X16: *f = {32, 17}; return true;  // ... in 272 bytes
     case kFP8_32: *f = {32, 36}; return true;
     case kFP8_128: *f = {128, 132}; return true;
     case kNVFP4_32: *f = {32, 22}; return true;
@@ -121,7 +123,9 @@ bool known_format(int type, BlockFormat* f) {
 // The repacked K-quant types, the repacked 32-weight ones, and either: 16 channels in the
 // lanes (a part's channels in groups of 16).
 constexpr bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16; }
-constexpr bool is_x32(int type) { return type == kQ40X16 || type == kQ41X16 || type == kQ80X16; }
+constexpr bool is_x32(int type) {
+  return type == kQ40X16 || type == kQ41X16 || type == kQ80X16 || type == kIQ4NLX16 || type == kMXFP4X16;
+}
 constexpr bool is_lanes(int type) { return is_x16(type) || is_x32(type); }
 
 BlockFormat format_of(int64_t type) {
@@ -2648,7 +2652,7 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
   _tile_release();
 }
 
-// ---- Q4_0, Q4_1 and Q8_0 repacked: 16 channels in the lanes (kQ40X16 ...) --------------
+// ---- Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked: 16 channels in the lanes (kQ40X16 ...) --
 // The 32-weight block types' few-row kernels (int8_dot32) reduce each channel's sums
 // across lanes and decode a block per channel: compute-bound at ~11-14 GB/s from memory,
 // half what the repacked Q4_K kernel streams (benchmarks/gguf_modes.py). Repacked at load
@@ -2658,11 +2662,15 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
 //     8q + i in its low nibble and input 8q + 4 + i in its high one;
 //   Q4_1_X16 (320 bytes): d, then [32, 64) m of each channel, then the nibbles as Q4_0's;
 //   Q8_0_X16 (544 bytes): d, then [32, 544) the values as stored (int8), [quad k][channel]
-//     [4 bytes]: inputs 4k .. 4k + 3 of channel c at 4c.
-// Either way row kk of the block's 8 x 64 bytes of values (nibbles split) holds inputs
+//     [4 bytes]: inputs 4k .. 4k + 3 of channel c at 4c;
+//   IQ4_NL_X16 (288 bytes): as Q4_0_X16, the nibbles indices into IQ4_NL's table;
+//   MXFP4_X16 (272 bytes): [0, 16) the E8M0 scale byte of each channel, then the nibbles as
+//     Q4_0's, indices into MXFP4's table (its values doubled, the scale halved).
+// Either way row kk of the block's 8 x 64 bytes of values (nibbles split, looked up) holds inputs
 // 4kk .. 4kk + 3 of the 16 channels: one vpdpbusd against 4 broadcast inputs of x, and
 // one row of an AMX B tile. Per block and row the integer sum I = sum_k w_k x_k of the
-// block's values w (Q4_0: nibble - 8; Q8_0: the int8; Q4_1: the nibble) is exact in int32,
+// block's values w (Q4_0: nibble - 8; Q8_0: the int8; Q4_1: the nibble; IQ4_NL, MXFP4: the
+// table's value) is exact in int32,
 // then acc += (d dx) I in float32 (Q4_1: then acc += m (dx sum x)), per channel in its lane:
 // the same integers and float32 operations on the VNNI kernel (x32_rows) and the AMX one
 // (x32_amx_tile), so every row's result is the same whatever the step's size.
@@ -2671,14 +2679,40 @@ template <int T>
 struct Lanes32 {
   static constexpr bool kNibbles = T != kQ80X16;
   static constexpr bool kMin = T == kQ41X16;
-  static constexpr int64_t kBytes = T == kQ40X16 ? 288 : T == kQ41X16 ? 320 : 544;
-  static constexpr int kCodes = kMin ? 64 : 32;
+  static constexpr bool kE8M0 = T == kMXFP4X16;                   // one scale byte a channel
+  static constexpr bool kTable = T == kIQ4NLX16 || T == kMXFP4X16;  // nibbles index a table
+  static constexpr int kPlain = T == kQ40X16 ? kQ4_0 : T == kQ41X16 ? kQ4_1 : T == kQ80X16 ? kQ8_0
+                                : T == kIQ4NLX16 ? kIQ4_NL : kMXFP4;
+  static constexpr int kScaleBytes = kE8M0 ? 1 : 2;
+  static constexpr int kPlainBytes = kScaleBytes + (kMin ? 2 : 0) + (kNibbles ? 16 : 32);
+  static constexpr int kCodes = 16 * (kScaleBytes + (kMin ? 2 : 0));
+  static constexpr int64_t kBytes = 16 * kPlainBytes;
   // vpdpbusd takes unsigned weights: the VNNI kernel's are the values plus this (the
-  // nibbles as stored; Q8_0's sign bit flipped), taken off again as kOffset x sum(x).
-  static constexpr int kOffset = T == kQ40X16 ? 8 : T == kQ80X16 ? 128 : 0;
-  static constexpr int kPlain = T == kQ40X16 ? kQ4_0 : T == kQ41X16 ? kQ4_1 : kQ8_0;
-  static constexpr int kPlainBytes = T == kQ40X16 ? 18 : T == kQ41X16 ? 20 : 34;
+  // nibbles as stored; Q8_0's sign bit flipped; the tables' values plus 128), taken off
+  // again as kOffset x sum(x).
+  static constexpr int kOffset = T == kQ40X16 ? 8 : T == kQ41X16 ? 0 : 128;
+  static const int8_t* table() { return T == kIQ4NLX16 ? kIQ4Values : kMXFP4Values; }
 };
+
+// The 16 channels' scales of a repacked 32-weight block p (float16 d, or MXFP4's E8M0
+// halved: e8m0_half's values).
+template <int T>
+PAGODA_AVX512 inline __m512 lanes_scale(const uint8_t* p) {
+  if constexpr (Lanes32<T>::kE8M0) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __mmask16 sub = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, sub, _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e)));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// A table's 16 values (plus `plus`) in every 128-bit lane, for vpshufb.
+PAGODA_AVX512 inline __m512i lanes_table(const int8_t* table, int plus) {
+  return _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))),
+                         _mm512_set1_epi8(static_cast<char>(plus)));
+}
 
 // 16 channels' blocks of the plain type (src[c]) -> one repacked block.
 template <int T>
@@ -2686,9 +2720,9 @@ void x32_pack_block(const uint8_t* const* src, uint8_t* dst) {
   using L = Lanes32<T>;
   for (int c = 0; c < 16; ++c) {
     const uint8_t* p = src[c];
-    std::memcpy(dst + 2 * c, p, 2);
+    std::memcpy(dst + L::kScaleBytes * c, p, L::kScaleBytes);
     if constexpr (L::kMin) std::memcpy(dst + 32 + 2 * c, p + 2, 2);
-    const uint8_t* qs = p + (L::kMin ? 4 : 2);
+    const uint8_t* qs = p + L::kCodes / 16;
     if constexpr (L::kNibbles) {
       auto nibble = [&](int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; };
       for (int q = 0; q < 4; ++q)
@@ -2704,9 +2738,9 @@ void x32_pack_block(const uint8_t* const* src, uint8_t* dst) {
 template <int T>
 void x32_unpack_block(const uint8_t* src, int c, uint8_t* p) {
   using L = Lanes32<T>;
-  std::memcpy(p, src + 2 * c, 2);
+  std::memcpy(p, src + L::kScaleBytes * c, L::kScaleBytes);
   if constexpr (L::kMin) std::memcpy(p + 2, src + 32 + 2 * c, 2);
-  uint8_t* qs = p + (L::kMin ? 4 : 2);
+  uint8_t* qs = p + L::kCodes / 16;
   if constexpr (L::kNibbles) {
     std::memset(qs, 0, 16);
     auto put = [&](int k, uint8_t v) { qs[k % 16] |= static_cast<uint8_t>(k < 16 ? v : v << 4); };
@@ -2731,6 +2765,7 @@ PAGODA_AVX512 __attribute__((noinline)) void x32_rows(const QuantizedX& xq, int6
   using L = Lanes32<T>;
   const int64_t nb = K / 32;
   const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i table = L::kTable ? lanes_table(L::table(), L::kOffset) : m4;
   const int8_t* xr[R];
   const float* dr[R];
   const int16_t* hr[R];
@@ -2754,6 +2789,10 @@ PAGODA_AVX512 __attribute__((noinline)) void x32_rows(const QuantizedX& xq, int6
         const __m512i raw = _mm512_loadu_si512(p + L::kCodes + 64 * q);
         v[2 * q] = _mm512_and_si512(raw, m4);
         v[2 * q + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        if constexpr (L::kTable) {
+          v[2 * q] = _mm512_shuffle_epi8(table, v[2 * q]);
+          v[2 * q + 1] = _mm512_shuffle_epi8(table, v[2 * q + 1]);
+        }
       }
     } else {
       for (int k = 0; k < 8; ++k) v[k] = _mm512_xor_si512(_mm512_loadu_si512(p + L::kCodes + 64 * k), flip);
@@ -2767,7 +2806,7 @@ PAGODA_AVX512 __attribute__((noinline)) void x32_rows(const QuantizedX& xq, int6
         t[r] = _mm512_dpbusd_epi32(t[r], v[kk + 1], bcast32(xb + 4 * kk + 4));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 d = lanes_scale<T>(p);
     for (int r = 0; r < R; ++r) {
       __m512i isum = _mm512_add_epi32(s[r], t[r]);
       if constexpr (L::kOffset != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(L::kOffset * hr[r][b]));
@@ -2819,7 +2858,7 @@ PAGODA_AMX inline void amx_config32() {
 template <int T>
 PAGODA_AMX inline void x32_amx_take(const uint8_t* p, const float* td, const float* to, const int32_t* c,
                                     __m512 (&acc)[kAmxRows]) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512 d = lanes_scale<T>(p);
   for (int r = 0; r < kAmxRows; ++r)
     acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(td[r])), _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)),
                              acc[r]);
@@ -2895,6 +2934,7 @@ PAGODA_AMX void x32_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
   }
   if constexpr (L::kNibbles) sc.b32.resize(nb * 512);
   const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const __m512i table = L::kTable ? lanes_table(L::table(), 0) : m4;
   alignas(64) float out[kAmxRows * 16];
   for (int64_t n = n0; n < n1; n += 16) {
     const uint8_t* grp = w.data + n * w.row_bytes;
@@ -2903,7 +2943,10 @@ PAGODA_AMX void x32_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
         for (int q = 0; q < 4; ++q) {
           const __m512i raw = _mm512_loadu_si512(grp + b * L::kBytes + L::kCodes + 64 * q);
           __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-          if constexpr (L::kOffset != 0) {
+          if constexpr (L::kTable) {  // the table's signed values
+            lo = _mm512_shuffle_epi8(table, lo);
+            hi = _mm512_shuffle_epi8(table, hi);
+          } else if constexpr (L::kOffset != 0) {  // Q4_0's nibbles less 8
             lo = _mm512_sub_epi8(lo, eight);
             hi = _mm512_sub_epi8(hi, eight);
           }
@@ -2958,6 +3001,8 @@ void x32_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Par
   switch (w.type) {
     case kQ40X16: run(std::integral_constant<int, kQ40X16>{}); break;
     case kQ41X16: run(std::integral_constant<int, kQ41X16>{}); break;
+    case kIQ4NLX16: run(std::integral_constant<int, kIQ4NLX16>{}); break;
+    case kMXFP4X16: run(std::integral_constant<int, kMXFP4X16>{}); break;
     default: run(std::integral_constant<int, kQ80X16>{}); break;
   }
 }
@@ -2969,6 +3014,8 @@ int64_t lanes_plain(int type) {
     case kQ6KX16: return kQ6_K;
     case kQ40X16: return kQ4_0;
     case kQ41X16: return kQ4_1;
+    case kIQ4NLX16: return kIQ4_NL;
+    case kMXFP4X16: return kMXFP4;
     default: return kQ8_0;
   }
 }
@@ -2981,6 +3028,8 @@ void with_x32_type(int type, F&& f) {
     case kQ40X16: f(std::integral_constant<int, kQ40X16>{}); return;
     case kQ41X16: f(std::integral_constant<int, kQ41X16>{}); return;
     case kQ80X16: f(std::integral_constant<int, kQ80X16>{}); return;
+    case kIQ4NLX16: f(std::integral_constant<int, kIQ4NLX16>{}); return;
+    case kMXFP4X16: f(std::integral_constant<int, kMXFP4X16>{}); return;
     default: TORCH_CHECK(false, "not a repacked 32-weight type: ", type);
   }
 }
@@ -3185,11 +3234,13 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
 
 torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
   static const std::pair<int64_t, int> kLanes[] = {
-      {kQ4_K, kQ4KX16}, {kQ6_K, kQ6KX16}, {kQ4_0, kQ40X16}, {kQ4_1, kQ41X16}, {kQ8_0, kQ80X16}};
+      {kQ4_K, kQ4KX16}, {kQ6_K, kQ6KX16}, {kQ4_0, kQ40X16}, {kQ4_1, kQ41X16}, {kQ8_0, kQ80X16},
+      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}};
   int lanes = -1;
   for (const auto& [plain, packed] : kLanes)
     if (plain == type) lanes = packed;
-  TORCH_CHECK(lanes >= 0, "only Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 repack with 16 channels in the lanes, not type ", type);
+  TORCH_CHECK(lanes >= 0, "only Q4_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 channels in the lanes, "
+              "not type ", type);
   const std::vector<Part> parts = check_parts({data}, {type}, K);
   const Part& w = parts[0];
   TORCH_CHECK(w.rows % 16 == 0, "repacking needs a multiple of 16 channels, not ", w.rows);

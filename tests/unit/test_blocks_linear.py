@@ -353,7 +353,8 @@ def test_int8_mode_quantizes_blocks_a_block_of_rows_at_a_time(monkeypatch):
 # ---- K-quants repacked with 16 channels in the lanes (the gguf mode on AVX-512 VNNI) ----
 vnni_only = pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
 X16 = {Q.Q4_K: 204, Q.Q6_K: 205, Q.Q4_0: 206, Q.Q4_1: 207, Q.Q8_0: 208}
-X32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+X16.update({Q.IQ4_NL: 209, Q.MXFP4: 210})
+X32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4]
 
 
 @pytest.mark.parametrize("ggml_type", list(X16), ids=lambda t: t.name)
@@ -372,7 +373,7 @@ def test_repacked_blocks_hold_the_same_weights(ggml_type):
         assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, idx), plain[idx])
     with pytest.raises(RuntimeError, match="multiple of 16 channels"):
         ops.gguf_repack_x16(torch.from_numpy(random_blocks(ggml_type, 24, 256, rng)), ggml_type.value, 256)
-    with pytest.raises(RuntimeError, match="only Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0"):
+    with pytest.raises(RuntimeError, match="only Q4_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4"):
         ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.Q5_0, 16, 256, rng)), Q.Q5_0.value, 256)
 
 
@@ -451,18 +452,19 @@ def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
 
 
 def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
-    """A Q4_0 / Q4_1 / Q8_0 weight (its first channels at the extremes: the largest and
-    smallest values under a large scale), it repacked, a Q4_K part to stack after it, a
-    bias, and rows_x rows of x with a block of zeros and full-scale rows: (raw, packed,
-    other, bias, x)."""
+    """A Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 weight (its first channels at the extremes: the
+    largest and smallest values under a large scale), it repacked, a Q4_K part to stack
+    after it, a bias, and rows_x rows of x with a block of zeros and full-scale rows: (raw,
+    packed, other, bias, x)."""
     raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
-    nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[ggml_type]
+    nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.IQ4_NL: 18, Q.MXFP4: 17}[ggml_type]
     blocks = raw.view(rows_w, -1, nbytes)
-    values = 4 if ggml_type == Q.Q4_1 else 2
-    big = torch.tensor([0x00, 0x5C], dtype=torch.uint8)   # float16 256.0
-    blocks[0, :, :2], blocks[1, :, :2] = big, big
-    blocks[0, :, values:] = 0xFF if ggml_type != Q.Q8_0 else 0x7F          # 15 / 127
-    blocks[1, :, values:] = 0x00 if ggml_type != Q.Q8_0 else 0x80          # 0 / -128
+    values = {Q.Q4_1: 4, Q.MXFP4: 1}.get(ggml_type, 2)
+    # a large scale: float16 256.0, or E8M0 2^8 (halved, as the values are doubled)
+    big = torch.tensor([0x89] if ggml_type == Q.MXFP4 else [0x00, 0x5C], dtype=torch.uint8)
+    blocks[0, :, :values] = blocks[1, :, :values] = big if ggml_type != Q.Q4_1 else torch.tensor([0, 0x5C, 0, 0x5C])
+    blocks[0, :, values:] = 0x7F if ggml_type == Q.Q8_0 else 0xFF if ggml_type != Q.MXFP4 else 0x77   # largest
+    blocks[1, :, values:] = 0x80 if ggml_type == Q.Q8_0 else 0x00 if ggml_type != Q.MXFP4 else 0xFF   # smallest
     packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
     other = torch.from_numpy(random_blocks(Q.Q4_K, 16, cols, rng))
     bias = torch.randn(rows_w + 16, generator=torch.Generator().manual_seed(cols))
@@ -475,24 +477,25 @@ def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
 @vnni_only
 @pytest.mark.parametrize("ggml_type", X32_TYPES, ids=lambda t: t.name)
 def test_repacked_32_weight_kernels_multiply_quantized_x_the_same_at_every_step(ggml_type):
-    """The repacked Q4_0 / Q4_1 / Q8_0 layouts' kernel (16 channels in the lanes, each
-    block's integer sum whole, then one float32 step a block) gives W x' for the int8 x'
-    within float32 rounding, as the plain layout's kernel does, and a row's bits do not
-    depend on its step (1-40 rows, long rows, a block of zeros, full-scale inputs, weights
-    at their extremes, a bias, stacked with a repacked Q4_K part, one thread or two)."""
+    """The repacked 32-weight layouts' kernel (16 channels in the lanes, each block's
+    integer sum whole, then one float32 step a block) gives the plain layout's kernel's
+    products (W x' for the int8 x': the same integers, float32 sums in another order), and
+    a row's bits do not depend on its step (1-40 rows, long rows, a block of zeros,
+    full-scale inputs, weights at their extremes, a bias, stacked with a repacked Q4_K part,
+    one thread or two)."""
     threads = torch.get_num_threads()
     try:
         rng = np.random.default_rng(90 + ggml_type.value)
         for rows_w, cols in ((32, 256), (48, 2048), (16, 33 * 32 * 8)):
             raw, packed, other, bias, x = _x32_case(ggml_type, rows_w, cols, rng, 40)
             packed_k = ops.gguf_repack_x16(other, Q.Q4_K.value, cols)
-            ref = torch.cat([ops.gguf_dequantize(raw, ggml_type.value, cols, None),
-                             ops.gguf_dequantize(other, Q.Q4_K.value, cols, None)]).numpy()
             whole = ops.gguf_linear_int8(x, [packed, packed_k], [X16[ggml_type], X16[Q.Q4_K]], bias)
-            plain = ops.gguf_linear_int8(x, [raw], [ggml_type.value], bias[:rows_w])
-            _close(whole[:, :rows_w], _quantized_x(x, 32), ref[:rows_w], bias[:rows_w])
-            _close(whole[:, rows_w:], _quantized_x(x, 256), ref[rows_w:], bias[rows_w:])
-            assert torch.allclose(whole[:, :rows_w], plain, rtol=1e-5, atol=1e-4 * float(plain.abs().max()))
+            plain = ops.gguf_linear_int8(x, [raw, other], [ggml_type.value, Q.Q4_K.value], bias)
+            # float32 sums of the same integer products: within float32 rounding of |W| |x'|
+            bound = x.abs() @ ops.gguf_dequantize(raw, ggml_type.value, cols, None).abs().T
+            tol = 8 * cols ** 0.5 * torch.finfo(torch.float32).eps * bound + 1e-6
+            assert bool(((whole[:, :rows_w] - plain[:, :rows_w]).abs() <= tol).all())
+            assert torch.equal(whole[:, rows_w:], plain[:, rows_w:])    # the Q4_K part: its own bits
             for n_threads in (1, 2):
                 torch.set_num_threads(n_threads)
                 for rows in (*range(1, 10), 16, 17, 23, 40):
