@@ -37,6 +37,8 @@ class Machine:
 
 
 CPU_MACHINES = [
+    Machine("xeon-amx", "Intel Xeon with AMX, 2 vCPUs", "AMX (int8, bf16 tiles), AVX-512 (VNNI, BF16); 24 GB; no GPU",
+            "the-32-weight-block-types-in-the-lanes-2026-12-07-sixteenth-session"),
     Machine("zen4", "AMD EPYC Zen 4, 2 vCPUs", "AVX-512 (VNNI, BF16), no AMX; 24 GB; no GPU",
             "the-cpu-roof-issue-28-both-cores-bf16-on-onednn-openvino-genai-as-a-peer"),
     Machine("zen3", "AMD EPYC Zen 3, 2 vCPUs", "AVX2, no AVX-512; 24 GB; no GPU",
@@ -57,11 +59,16 @@ MODELS = {
     "1b-awq": "Llama-3.2-1B shape, AWQ 4-bit HF folder (707 MB)",
     "1b-fp8": "Llama-3.2-1B shape, FP8 128x128-block HF folder (1175 MB)",
     "1b-q8_0": "Llama-3.2-1B shape, Q8_0 (1119 MB)",
+    "1b-q4_0": "Llama-3.2-1B shape, Q4_0 (632 MB)",
 }
 
 # (machine, model, folder under docs/results, table): served runs, every pagoda mode in the
 # folder against llama-server in the same run. Order: the order of the tables' rows.
 SERVED = [
+    ("xeon-amx", "smollm2", "lanes32/bundled", "main"),
+    ("xeon-amx", "llama1b", "auto-by-type/llama1b-q4_k_m-final", "main"),
+    ("xeon-amx", "1b-q4_0", "lanes32/q4_0", "main"),
+    ("xeon-amx", "1b-q8_0", "lanes32/q8_0", "main"),
     ("zen4", "smollm2", "defaults-bundled", "main"),
     ("zen4", "llama1b", "defaults-1b-q4_k_m", "main"),
     ("zen4", "smollm2", "cpu-roof-served", "main"),
@@ -91,9 +98,11 @@ OFFLINE = [
 
 # Runs made since `--quantization auto` became the default: their "pagoda" row is the default
 # (the gguf mode for a GGUF file of 256 MiB or more on the CPU, mostly of Q4_K / Q6_K / MXFP4 since
-# 2026-12-07, else exact), "pagoda-exact"
+# 2026-12-07, else exact; on AVX-512 VNNI CPUs also Q4_0 / Q4_1 / Q8_0 / IQ4_NL files, of any
+# size, since the sixteenth session), "pagoda-exact"
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
-AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b"}
+AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b", "auto-by-type/llama1b-q4_k_m-final",
+                     "lanes32/q8_0"}
 MODE_NAMES = {
     "pagoda": "exact",
     "pagoda-exact": "exact",

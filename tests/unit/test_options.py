@@ -245,7 +245,7 @@ def test_quantization_auto_counts_the_repacked_32_weight_types_where_they_run(tm
     assert auto_quantization(_gguf_of(tmp_path / "q40.gguf", size, Q4_0=60_000, Q6_K=10_000), "cpu", "auto")[0] == "gguf"
     assert auto_quantization(_gguf_of(tmp_path / "q41.gguf", size, Q4_1=60_000, Q5_0=50_000), "cpu", "auto")[0] == "gguf"
     mode, why = auto_quantization(_gguf_of(tmp_path / "q5k.gguf", size, Q5_K=70_000, Q6_K=30_000), "cpu", "auto")
-    assert mode == "none" and "Q4_0, Q4_1, Q8_0" in why
+    assert mode == "none" and "Q4_0, Q4_1, Q8_0, IQ4_NL" in why
     assert auto_quantization(_gguf_of(tmp_path / "q50.gguf", size, Q5_0=70_000, Q8_0=30_000), "cpu", "auto")[0] == "none"
     # no size rule for files of those types (the bundled 135M Q4_1 file: twice the exact
     # mode's speed); a small file of float tensors alone keeps it, of other types runs exact
