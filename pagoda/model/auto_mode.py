@@ -70,24 +70,17 @@ def auto_quantization(path: str, device: str, dtype: str) -> tuple[str, str]:
     if device.split(":")[0] != "cpu" or dtype not in ("auto", "float32", "fp32", "float"):
         return "none", f"a GGUF file on {device} in {dtype} is dequantized at load (the exact mode)"
     size = os.path.getsize(path)
-    types = gguf_mode_types()
-    repacked = types != GGUF_MODE_TYPES
-    # Where the gguf mode repacks the blocks into the lanes, a small file of those types is
-    # faster in it too (the bundled 135M Q4_1 file: 2.2x / 4.3x llama-server at 1 / 16
-    # streams against the exact mode's 1.2x / 2.1x); elsewhere, and for float files, the size
-    # rule holds.
-    share = gguf_mode_share(path, types) if repacked or size >= GGUF_MODE_MIN_BYTES else None
-    if size < GGUF_MODE_MIN_BYTES and share is None:
+    if size < GGUF_MODE_MIN_BYTES:
         return "none", (f"a GGUF file under {GGUF_MODE_MIN_BYTES >> 20} MiB runs in the exact mode (as fast there); "
                         f"--quantization gguf for llama.cpp's arithmetic")
+    types = gguf_mode_types()
+    share = gguf_mode_share(path, types)
     if share is not None and share[0] < 0.5:
         return "none", (f"a GGUF file mostly of {share[1]} runs in the exact mode (faster there: "
                         f"{', '.join(types)}, the types the gguf mode has kernels of its own for on this CPU, are "
                         f"{share[0]:.0%} of its quantized bytes); --quantization gguf for llama.cpp's arithmetic")
     return "gguf", (f"a GGUF file of {size / 2**20:.0f} MiB on the CPU runs in the gguf mode (llama.cpp's "
-                    f"arithmetic: int8 activations times the file's blocks"
-                    f"{', repacked into the AVX-512 lanes' if repacked else ''}); --quantization none for the exact "
-                    f"one")
+                    f"arithmetic: int8 activations times the file's blocks); --quantization none for the exact one")
 
 
 def resolve_quantization(config: EngineConfig, path: str) -> tuple[EngineConfig, str | None]:
