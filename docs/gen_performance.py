@@ -98,8 +98,8 @@ OFFLINE = [
 
 # Runs made since `--quantization auto` became the default: their "pagoda" row is the default
 # (the gguf mode for a GGUF file of 256 MiB or more on the CPU, mostly of Q4_K / Q6_K / MXFP4 since
-# 2026-12-07, else exact; on AVX-512 VNNI CPUs also Q4_0 / Q4_1 / Q8_0 / IQ4_NL files, of any
-# size, since the sixteenth session), "pagoda-exact"
+# 2026-12-07, else exact; on AVX-512 VNNI CPUs also Q4_0 / Q4_1 / Q8_0 / IQ4_NL files since
+# the sixteenth session), "pagoda-exact"
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
 AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b", "auto-by-type/llama1b-q4_k_m-final",
                      "lanes32/q8_0"}

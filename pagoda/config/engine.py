@@ -67,10 +67,10 @@ class ModelOptions(OptionGroup):
                 "(same as --quantization bf16): bfloat16 weights and GEMM inputs on oneDNN (AMX / AVX512_BF16 "
                 "where the CPU has them), float32 sums, norms and attention")
     quantization: str = option(
-        "auto", "auto: a GGUF file on the CPU in float32 most of whose quantized bytes are of the types the "
-                "gguf mode has kernels of its own for (Q4_K, Q6_K, MXFP4; on AVX-512 VNNI CPUs also Q4_0, Q4_1, "
-                "Q8_0, IQ4_NL) runs in the gguf mode (without AVX-512 VNNI only from 256 MiB), anything else in none (the "
-                "start-up log says which and why); none: exact (reference-equal output; on CPU in float32 a GGUF file's weights stay in its "
+        "auto", "auto: a GGUF file of 256 MiB or more on the CPU in float32 most of whose quantized bytes "
+                "are of the types the gguf mode has kernels of its own for (Q4_K, Q6_K, MXFP4; on AVX-512 VNNI "
+                "CPUs also Q4_0, Q4_1, Q8_0, IQ4_NL, Q5_K) runs in the gguf mode, anything else in none (the start-up "
+                "log says which and why); none: exact (reference-equal output; on CPU in float32 a GGUF file's weights stay in its "
                 "blocks, memory-mapped, and are dequantized in cache to the same values; elsewhere dequantized "
                 "to --dtype at load); gguf: a GGUF file's blocks (any type) times activations in int8 per group "
                 "of 32, llama.cpp's arithmetic; int8: int8 weights per channel, activations int8 per token (16 "

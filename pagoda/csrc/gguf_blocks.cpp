@@ -74,6 +74,8 @@ enum GgmlType : int {
   kQ4KX16 = 204, kQ6KX16 = 205,
   // Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked the same way (their layouts above x32_rows).
   kQ40X16 = 206, kQ41X16 = 207, kQ80X16 = 208, kIQ4NLX16 = 209, kMXFP4X16 = 210,
+  // Q5_K repacked as Q4_K, its fifth bits beside (layout above x16_pack_q5k_block).
+  kQ5KX16 = 211,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -107,6 +109,7 @@ bool known_format(int type, BlockFormat* f) {
     case kPQ8ZF: *f = {32, 38}; return true;
     case kQ4KX16: *f = {256, 148}; return true;  // 16 channels' blocks in 2,368 bytes
     case kQ6KX16: *f = {256, 210}; return true;  // 16 channels' blocks in 3,360 bytes
+    case kQ5KX16: *f = {256, 180}; return true;  // 16 channels' blocks in 2,880 bytes
     case kQ40X16: *f = {32, 18}; return true;    // 16 channels' blocks in 288 bytes
     case kQ41X16: *f = {32, 20}; return true;    // ... in 320 bytes
     case kQ80X16: *f = {32, 34}; return true;    // ... in 544 bytes
@@ -122,7 +125,7 @@ bool known_format(int type, BlockFormat* f) {
 
 // The repacked K-quant types, the repacked 32-weight ones, and either: 16 channels in the
 // lanes (a part's channels in groups of 16).
-constexpr bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16; }
+constexpr bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16 || type == kQ5KX16; }
 constexpr bool is_x32(int type) {
   return type == kQ40X16 || type == kQ41X16 || type == kQ80X16 || type == kIQ4NLX16 || type == kMXFP4X16;
 }
@@ -2165,6 +2168,63 @@ void x16_unpack_block(const uint8_t* src, int c, uint8_t* p) {
       }
 }
 
+// ---- Q5_K repacked the same way (kQ5KX16) --------------------------------------------
+// A block of 256 inputs of 16 channels (2,880 bytes): Q4_K_X16's 2,368 bytes of the Q5_K
+// blocks' d, dmin, scales, minimums and low nibbles (a Q5_K block's fields are Q4_K's plus
+// its fifth bits), then [2368, 2880) the fifth bits: for sub-block j 64 bytes at 2368 + 64 j,
+// byte 4c + i's bit 2q + h the fifth bit of weight 32j + 8q + 4h + i of channel c (the weight
+// in nibble h of byte 4c + i of the nibbles' quad q). The kernels are Q4_K_X16's with the
+// values' fifth bit ORed in (0 .. 31 for 0 .. 15): the same operations besides.
+constexpr int64_t kX16Q5Bytes = 2880;
+constexpr int kX16Q5High = 2368;
+
+// The fifth bit of weight w (0-255) of a Q5_K block p (bit w / 32 of qh[w % 32]).
+inline int q5k_high(const uint8_t* p, int w) { return (p[16 + w % 32] >> (w / 32)) & 1; }
+
+// 16 channels' Q5_K blocks (src[c]: 176 bytes each) -> one repacked block.
+void x16_pack_q5k_block(const uint8_t* const* src, uint8_t* dst) {
+  uint8_t q4[16][144];
+  const uint8_t* q4p[16];
+  for (int c = 0; c < 16; ++c) {  // the Q4_K fields: d, dmin, scales; the low nibbles
+    std::memcpy(q4[c], src[c], 16);
+    std::memcpy(q4[c] + 16, src[c] + 48, 128);
+    q4p[c] = q4[c];
+  }
+  x16_pack_block(q4p, dst);
+  uint8_t* hb = dst + kX16Q5High;
+  std::memset(hb, 0, 512);
+  for (int c = 0; c < 16; ++c)
+    for (int j = 0; j < 8; ++j)
+      for (int q = 0; q < 4; ++q)
+        for (int h = 0; h < 2; ++h)
+          for (int i = 0; i < 4; ++i)
+            hb[64 * j + 4 * c + i] |= static_cast<uint8_t>(q5k_high(src[c], 32 * j + 8 * q + 4 * h + i) << (2 * q + h));
+}
+
+// Channel c of a repacked block -> its Q5_K block (176 bytes), byte for byte the original.
+void x16_unpack_q5k_block(const uint8_t* src, int c, uint8_t* p) {
+  uint8_t q4[144];
+  x16_unpack_block(src, c, q4);
+  std::memcpy(p, q4, 16);
+  std::memcpy(p + 48, q4 + 16, 128);
+  uint8_t* qh = p + 16;
+  std::memset(qh, 0, 32);
+  for (int j = 0; j < 8; ++j)
+    for (int q = 0; q < 4; ++q)
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 4; ++i) {
+          const int w = 32 * j + 8 * q + 4 * h + i;
+          if ((src[kX16Q5High + 64 * j + 4 * c + i] >> (2 * q + h)) & 1) qh[w % 32] |= static_cast<uint8_t>(1 << (w / 32));
+        }
+}
+
+// Bit b (0-7) of every byte of v moved to bit 4, the rest cleared (a 16-bit shift, then the
+// mask drops what it carried in from the neighbouring byte).
+PAGODA_AVX512 inline __m512i bit_to_16(__m512i v, int b) {
+  const __m512i v4 = b <= 4 ? _mm512_slli_epi16(v, 4 - b) : _mm512_srli_epi16(v, b - 4);
+  return _mm512_and_si512(v4, _mm512_set1_epi8(0x10));
+}
+
 
 // How far ahead of its reads x16_rows / x16_q6k_rows ask for the weights (bytes, spread
 // over a block's sub-blocks): into L1 ~0.45 block ahead, into L2 4 KiB ahead. Streaming a
@@ -2182,11 +2242,14 @@ constexpr int64_t kX16Ahead = 1024, kX16Q6Ahead = 1536, kX16FarAhead = 4096;
 // vpdpbusd (4 inputs a lane) summed per sub-block, times its scale (vpmulld); M_b from
 // the minimums' pairs against x's sums per 32 (vpdpwssd); then q4k_rows' float32
 // operations in the lanes.
-template <int R>
+template <int R, bool Q5 = false>
 PAGODA_AVX512 __attribute__((noinline)) void x16_rows(const QuantizedX& xq, int64_t K, int64_t r0,
                                                         const uint8_t* grp, const float* bias, float* y, int64_t N,
                                                         int64_t col) {
   const int64_t nb = K / 256;
+  // A block's bytes, and the prefetches' stride and lines per sub-block (8 x stride >= bytes).
+  constexpr int64_t kBytes = Q5 ? kX16Q5Bytes : kX16Bytes;
+  constexpr int kStride = Q5 ? 360 : 320, kLines = Q5 ? 6 : 5;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const int8_t* xr[R];
   const int16_t* hr[R];
@@ -2197,20 +2260,25 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_rows(const QuantizedX& xq, int6
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = grp + b * kX16Bytes;
+    const uint8_t* p = grp + b * kBytes;
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      const char* near = reinterpret_cast<const char*>(p) + kX16Ahead + 320 * j;  // 8 x 320 >= kX16Bytes
-      const char* far = reinterpret_cast<const char*>(p) + kX16FarAhead + 320 * j;
-      for (int i = 0; i < 5; ++i) _mm_prefetch(far + 64 * i, _MM_HINT_T1);
-      for (int i = 0; i < 5; ++i) _mm_prefetch(near + 64 * i, _MM_HINT_T0);
+      const char* near = reinterpret_cast<const char*>(p) + kX16Ahead + kStride * j;
+      const char* far = reinterpret_cast<const char*>(p) + kX16FarAhead + kStride * j;
+      for (int i = 0; i < kLines; ++i) _mm_prefetch(far + 64 * i, _MM_HINT_T1);
+      for (int i = 0; i < kLines; ++i) _mm_prefetch(near + 64 * i, _MM_HINT_T0);
       __m512i s[R], t[R];
       for (int r = 0; r < R; ++r) s[r] = t[r] = _mm512_setzero_si512();
       const uint8_t* pj = p + kX16Nibbles + 256 * j;
+      const __m512i high = Q5 ? _mm512_loadu_si512(p + kX16Q5High + 64 * j) : m4;
       for (int q = 0; q < 4; ++q) {
         const __m512i v = _mm512_loadu_si512(pj + 64 * q);
-        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if constexpr (Q5) {
+          lo = _mm512_or_si512(lo, bit_to_16(high, 2 * q));
+          hi = _mm512_or_si512(hi, bit_to_16(high, 2 * q + 1));
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xj = xr[r] + b * 256 + 32 * j + 8 * q;
           s[r] = _mm512_dpbusd_epi32(s[r], lo, bcast32(xj));
@@ -2307,13 +2375,15 @@ void x16_unpack_q6k_block(const uint8_t* src, int c, uint8_t* p) {
 }
 
 // The Q6_K version of x16_rows.
-// Row n of a repacked Q4_K / Q6_K part as its Q4_K / Q6_K row into out.
+// Row n of a repacked Q4_K / Q5_K / Q6_K part as its plain row into out.
 void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
   const int c = static_cast<int>(n % 16);
   for (int64_t b = 0; b < K / 256; ++b) {
     if (w.type == kQ6KX16)
       x16_unpack_q6k_block(g + b * kX16Q6Bytes, c, out + b * 210);
+    else if (w.type == kQ5KX16)
+      x16_unpack_q5k_block(g + b * kX16Q5Bytes, c, out + b * 176);
     else
       x16_unpack_block(g + b * kX16Bytes, c, out + b * 144);
   }
@@ -2448,7 +2518,9 @@ PAGODA_AMX inline void amx_scaled_row(__m512i n, __m512i s_even, __m512i s_odd, 
 }
 
 // Block p of a repacked group (16 channels, 256 inputs) -> B_hi and B_lo: w = scale x
-// nibble in 16-bit lanes (a byte's value in each), its low byte to lo, its high byte to hi.
+// nibble in 16-bit lanes (a byte's value in each), its low byte to lo, its high byte to hi
+// (Q5: the value's fifth bit ORed in first: w <= 31 x 63).
+template <bool Q5 = false>
 PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), even = _mm512_set1_epi16(0x00FF);
   // Channel c's 4 bytes of a row lie at 4c: the scale of channel c in each of them (the 16
@@ -2460,10 +2532,13 @@ PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
     const __m512i s = _mm512_shuffle_epi8(
         _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kX16Scales + 16 * j))), spread);
     const __m512i s_even = _mm512_and_si512(s, even), s_odd = _mm512_andnot_si512(even, s);
+    const __m512i high = Q5 ? _mm512_loadu_si512(p + kX16Q5High + 64 * j) : m4;
     for (int q = 0; q < 4; ++q) {
       const __m512i v = _mm512_loadu_si512(p + kX16Nibbles + 256 * j + 64 * q);
       // Inputs 32j + 8q + (0..3) (low nibbles), then + 4 .. + 7 (high): rows 8j + 2q, 8j + 2q + 1.
-      const __m512i n[2] = {_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)};
+      __m512i n[2] = {_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)};
+      if constexpr (Q5)
+        for (int h = 0; h < 2; ++h) n[h] = _mm512_or_si512(n[h], bit_to_16(high, 2 * q + h));
       for (int h = 0; h < 2; ++h) amx_scaled_row(n[h], s_even, s_odd, 8 * j + 2 * q + h, sc);
     }
   }
@@ -2601,11 +2676,12 @@ PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, co
   if constexpr (Two) x16_amx_take<Q6>(xq, K, b, r0 + kAmxRows, R1, sc, sc.c[2], sc.c[3], acc + kAmxRows * 16);
 }
 
-// Channels [n0, n1) (multiples of 16) of a repacked Q4_K or Q6_K part for rows [m0, m1)
-// on the tiles.
-template <bool Q6>
+// Channels [n0, n1) (multiples of 16) of a repacked Q4_K, Q5_K or Q6_K part (KT) for rows
+// [m0, m1) on the tiles.
+template <int KT>
 PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
                              int64_t n1, const float* bias, float* y, int64_t N, AmxScratch& sc) {
+  constexpr bool Q6 = KT == kQ6KX16;
   const int64_t nb = K / 256, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
   amx_config();
   if (full_end < m1) {  // the last rows, padded with zeros to 16
@@ -2618,7 +2694,7 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
     const uint8_t* grp = w.data + n * w.row_bytes;
     std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      constexpr int64_t bytes = Q6 ? kX16Q6Bytes : kX16Bytes;
+      constexpr int64_t bytes = Q6 ? kX16Q6Bytes : KT == kQ5KX16 ? kX16Q5Bytes : kX16Bytes;
       const uint8_t* p = grp + b * bytes;
       // The next block's weights on their way while this one's rows run (they come from
       // memory once a step; the prefetchers stopped at the block: a step's rows over it
@@ -2628,7 +2704,7 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
       if constexpr (Q6)
         x16_amx_weights_q6k(p, sc);
       else
-        x16_amx_weights(p, sc);
+        x16_amx_weights<KT == kQ5KX16>(p, sc);
       x16_amx_terms<Q6>(p, sc);
       // Two groups of 16 rows a call, the last one alone; the last rows from sc.x.
       auto rows_x = [&](int64_t r) { return r < full_end ? xq.q.data() + r * K : sc.x.data(); };
@@ -3012,6 +3088,7 @@ int64_t lanes_plain(int type) {
   switch (type) {
     case kQ4KX16: return kQ4_K;
     case kQ6KX16: return kQ6_K;
+    case kQ5KX16: return kQ5_K;
     case kQ40X16: return kQ4_0;
     case kQ41X16: return kQ4_1;
     case kIQ4NLX16: return kIQ4_NL;
@@ -3062,14 +3139,15 @@ PartKinds part_kinds(const std::vector<Part>& parts) {
 
 // Channels [n0, n1) (multiples of 16) of a repacked part for rows [m0, m1): each group of
 // 16 channels against four rows at a time, then the rest.
-template <bool Q6>
+template <int KT>
 PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
                               int64_t n1, const float* bias, float* y, int64_t N) {
+  constexpr bool Q6 = KT == kQ6KX16;
   auto rows = [&](auto rr, int64_t r, const uint8_t* grp, int64_t col) {
     if constexpr (Q6)
       x16_q6k_rows<decltype(rr)::value>(xq, K, r, grp, bias, y, N, col);
     else
-      x16_rows<decltype(rr)::value>(xq, K, r, grp, bias, y, N, col);
+      x16_rows<decltype(rr)::value, KT == kQ5KX16>(xq, K, r, grp, bias, y, N, col);
   };
   for (int64_t n = n0; n < n1; n += 16) {
     const uint8_t* grp = w.data + n * w.row_bytes;
@@ -3089,16 +3167,19 @@ PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int6
 
 void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
               const float* bias, float* y, int64_t N, AmxScratch& amx) {
-  if (xq.amx && m1 - m0 >= kAmxMinRows) {
-    if (w.type == kQ6KX16)
-      x16_amx_tile<true>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
+  auto run = [&](auto kt) {
+    constexpr int KT = decltype(kt)::value;
+    if (xq.amx && m1 - m0 >= kAmxMinRows)
+      x16_amx_tile<KT>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
     else
-      x16_amx_tile<false>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
-  } else if (w.type == kQ6KX16) {
-    x16_tile_t<true>(xq, m0, m1, K, w, n0, n1, bias, y, N);
-  } else {
-    x16_tile_t<false>(xq, m0, m1, K, w, n0, n1, bias, y, N);
-  }
+      x16_tile_t<KT>(xq, m0, m1, K, w, n0, n1, bias, y, N);
+  };
+  if (w.type == kQ6KX16)
+    run(std::integral_constant<int, kQ6KX16>{});
+  else if (w.type == kQ5KX16)
+    run(std::integral_constant<int, kQ5KX16>{});
+  else
+    run(std::integral_constant<int, kQ4KX16>{});
 }
 
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
@@ -3235,12 +3316,12 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
 torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
   static const std::pair<int64_t, int> kLanes[] = {
       {kQ4_K, kQ4KX16}, {kQ6_K, kQ6KX16}, {kQ4_0, kQ40X16}, {kQ4_1, kQ41X16}, {kQ8_0, kQ80X16},
-      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}};
+      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}, {kQ5_K, kQ5KX16}};
   int lanes = -1;
   for (const auto& [plain, packed] : kLanes)
     if (plain == type) lanes = packed;
-  TORCH_CHECK(lanes >= 0, "only Q4_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 channels in the lanes, "
-              "not type ", type);
+  TORCH_CHECK(lanes >= 0, "only Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 channels in the "
+              "lanes, not type ", type);
   const std::vector<Part> parts = check_parts({data}, {type}, K);
   const Part& w = parts[0];
   TORCH_CHECK(w.rows % 16 == 0, "repacking needs a multiple of 16 channels, not ", w.rows);
@@ -3257,6 +3338,8 @@ torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
         uint8_t* dst = op + (g * nb + b) * 16 * packed;
         if (lanes == kQ6KX16)
           x16_pack_q6k_block(src, dst);
+        else if (lanes == kQ5KX16)
+          x16_pack_q5k_block(src, dst);
         else if (lanes == kQ4KX16)
           x16_pack_block(src, dst);
         else

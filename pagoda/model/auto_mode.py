@@ -13,12 +13,17 @@ from collections import Counter
 from pagoda.config import EngineConfig
 from pagoda.hub.gguf_file import GGUFFile
 
-# --quantization auto: without the repacked layouts (AVX2 CPUs), a GGUF file of at least this
-# many bytes runs in the gguf mode on the CPU (float32), a smaller one in the exact mode (with
-# them, only files of float tensors alone keep this rule). Measured (docs/benchmarks.md, "Defaults"):
+# --quantization auto: a GGUF file of at least this many bytes runs in the gguf mode on the
+# CPU (float32), a smaller one in the exact mode. Measured (docs/benchmarks.md, "Defaults"):
 # the 1B-shaped Q4_K_M file (638 MiB) decodes one stream 2.1x faster in the gguf mode (28.8
-# against 13.9 tok/s; llama-server 25.7), where the bundled 135M Q4_1 file is as fast or
-# faster in the exact mode (73.7 / 236 tok/s at 1 / 16 streams against 70.5 / 158).
+# against 13.9 tok/s; llama-server 25.7), where the bundled 135M Q4_1 file was as fast or
+# faster in the exact mode (73.7 / 236 tok/s at 1 / 16 streams against 70.5 / 158). Since the
+# 32-weight types run repacked (AVX-512 VNNI), the gguf mode is the faster there too (2.23x /
+# 4.31x llama-server against the exact mode's 1.18x / 2.08x), but a small file stays exact:
+# the bundled model's default output stays transformers' own (its greedy tokens, its
+# logits; the gguf mode's int8 activations move its logits by up to ~2 and change some
+# greedy answers), which its reference tests and a first user's check rest on;
+# --quantization gguf takes the speed.
 GGUF_MODE_MIN_BYTES = 256 << 20
 # ... and only when most of its quantized bytes are of the types the gguf mode has its own
 # kernels for (the repacked Q4_K / Q6_K ones, on the AMX tiles where there are some; MXFP4's
@@ -34,10 +39,10 @@ GGUF_MODE_TYPES = ("Q4_K", "Q6_K", "MXFP4")
 # (AVX-512 VNNI: pagoda.model.layers.quantization.gguf_repacks), these: one product from
 # memory, gguf against exact, 1 / 16 / 128 rows (benchmarks/gguf_modes.py, AMX Xeon,
 # docs/results/lanes32/products.txt): Q8_0 1.57x / 3.48x / 2.86x, Q4_0 1.91x / 3.50x / 2.92x,
-# Q4_1 2.29x / 3.27x / 2.74x, IQ4_NL 2.17x / 3.65x / 2.96x; served, 1B-shaped files against
-# llama-server -t 2 at 1 / 16 streams: Q4_0 1.97x / 2.48x (exact 0.99x / 0.93x), Q8_0 1.83x /
-# 3.26x (exact 1.14x / 1.21x).
-LANES_MODE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL")
+# Q4_1 2.29x / 3.27x / 2.74x, IQ4_NL 2.17x / 3.65x / 2.96x, Q5_K 1.95x / 4.17x / 3.79x;
+# served, 1B-shaped files against llama-server -t 2 at 1 / 16 streams: Q4_0 1.97x / 2.48x
+# (exact 0.99x / 0.93x), Q8_0 1.83x / 3.26x (exact 1.14x / 1.21x).
+LANES_MODE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q5_K")
 # Types whose weights the gguf mode leaves to the exact mode's kernels (float ones).
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
