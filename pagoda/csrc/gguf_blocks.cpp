@@ -2506,6 +2506,15 @@ struct AmxScratch {
   Buffer<uint8_t> b32;  // a repacked 32-weight group's B tiles (x32_amx_tile)
 };
 
+// Rows [r0, r1) of xq (fewer than 16) into sc.x, padded with rows of zeros to 16: the
+// last A tile of a step whose rows are not a multiple of 16.
+inline void amx_pad_rows(const QuantizedX& xq, int64_t r0, int64_t r1, int64_t K, AmxScratch& sc) {
+  if (r0 >= r1) return;
+  sc.x.resize(kAmxRows * K);
+  std::memcpy(sc.x.data(), xq.q.data() + r0 * K, (r1 - r0) * K);
+  std::memset(sc.x.data() + (r1 - r0) * K, 0, (kAmxRows - (r1 - r0)) * K);
+}
+
 // Row `row` of B_lo / B_hi from 64 unsigned values n (channel c's four at 4c) and their
 // scales, those of the even bytes alone (s_even) and of the odd ones (s_odd): vpmaddubsw
 // then gives one product a 16-bit lane, w = value x scale; lo takes its low byte, hi its
@@ -2684,11 +2693,7 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
   constexpr bool Q6 = KT == kQ6KX16;
   const int64_t nb = K / 256, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
   amx_config();
-  if (full_end < m1) {  // the last rows, padded with zeros to 16
-    sc.x.resize(kAmxRows * K);
-    std::memcpy(sc.x.data(), xq.q.data() + full_end * K, (m1 - full_end) * K);
-    std::memset(sc.x.data() + (m1 - full_end) * K, 0, (kAmxRows - (m1 - full_end)) * K);
-  }
+  amx_pad_rows(xq, full_end, m1, K, sc);
   sc.acc.resize(M * 16);
   for (int64_t n = n0; n < n1; n += 16) {
     const uint8_t* grp = w.data + n * w.row_bytes;
@@ -3003,11 +3008,7 @@ PAGODA_AMX void x32_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
   using L = Lanes32<T>;
   const int64_t nb = K / 32, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
   amx_config32();
-  if (full_end < m1) {  // the last rows, padded with zeros to 16
-    sc.x.resize(kAmxRows * K);
-    std::memcpy(sc.x.data(), xq.q.data() + full_end * K, (m1 - full_end) * K);
-    std::memset(sc.x.data() + (m1 - full_end) * K, 0, (kAmxRows - (m1 - full_end)) * K);
-  }
+  amx_pad_rows(xq, full_end, m1, K, sc);
   if constexpr (L::kNibbles) sc.b32.resize(nb * 512);
   const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   const __m512i table = L::kTable ? lanes_table(L::table(), 0) : m4;

@@ -427,37 +427,11 @@ amx_only = pytest.mark.skipif(ops is None or not hasattr(ops, "amx_enabled") or 
                               reason="needs a CPU with AMX int8 tiles")
 
 
-@amx_only
-@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
-    """On AMX CPUs steps of 16+ rows multiply the repacked parts on int8 tiles, the scales
-    folded into the weights: the same integers and float32 operations as the VNNI kernels
-    (PAGODA_CPU_ISA=avx512), so the same bits: whole and partial groups of 16 rows, steps
-    past one unit's 512 rows, extreme values, a bias, stacked parts, one thread or two."""
-    threads = torch.get_num_threads()
-    try:
-        rng = np.random.default_rng(70 + ggml_type.value)
-        for rows_w, cols in ((32, 256), (48, 3 * 256)):
-            _, packed, other, bias, x = _x16_case(ggml_type, rows_w, cols, rng, 600)
-            for n_threads in (1, 2):
-                torch.set_num_threads(n_threads)
-                for rows in (16, 17, 31, 32, 100, 600):
-                    args = (x[:rows], [packed, other], [X16[ggml_type], Q.Q8_0.value], bias)
-                    monkeypatch.setenv("PAGODA_CPU_ISA", "avx512")
-                    assert not ops.amx_enabled()
-                    vnni = ops.gguf_linear_int8(*args)
-                    monkeypatch.delenv("PAGODA_CPU_ISA")
-                    tiles = ops.gguf_linear_int8(*args)
-                    assert torch.equal(tiles.view(torch.int32), vnni.view(torch.int32)), (cols, rows, n_threads)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
-    """A Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 weight (its first channels at the extremes: the
-    largest and smallest values under a large scale), it repacked, a Q4_K part to stack
-    after it, a bias, and rows_x rows of x with a block of zeros and full-scale rows: (raw,
-    packed, other, bias, x)."""
+    """A Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 / Q5_K weight (its first channels at the
+    extremes: the largest and smallest values under a large scale), it repacked, a Q4_K part
+    (Q8_0 where the columns are not whole Q4_K blocks) to stack after it, a bias, and rows_x
+    rows of x with a block of zeros and full-scale rows: (raw, packed, other, bias, x)."""
     raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
     nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.IQ4_NL: 18, Q.MXFP4: 17, Q.Q5_K: 176}[ggml_type]
     blocks = raw.view(rows_w, -1, nbytes)
@@ -475,7 +449,7 @@ def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
 
 def _x32_rest(ggml_type, raw, rows_w, cols, rng, rows_x):
     packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
-    other = torch.from_numpy(random_blocks(Q.Q4_K, 16, cols, rng))
+    other = torch.from_numpy(random_blocks(Q.Q4_K if cols % 256 == 0 else Q.Q8_0, 16, cols, rng))
     bias = torch.randn(rows_w + 16, generator=torch.Generator().manual_seed(cols))
     x = torch.randn(rows_x, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
     x[1, :64] = 0.0
@@ -520,22 +494,26 @@ def test_repacked_32_weight_kernels_multiply_quantized_x_the_same_at_every_step(
 
 
 @amx_only
-@pytest.mark.parametrize("ggml_type", [*X32_TYPES, Q.Q5_K], ids=lambda t: t.name)
-def test_amx_tiles_give_the_vnni_kernels_bits_for_32_weight_blocks(ggml_type, monkeypatch):
-    """Steps of 16+ rows multiply the repacked Q4_0 / Q4_1 / Q8_0 parts on int8 tiles
-    (signed values against x; Q4_1's unsigned): the same integers per block and float32
-    operations as the VNNI kernel (PAGODA_CPU_ISA=avx512), so the same bits: whole and
-    partial groups of 16 rows, steps past one unit's 512 rows, an odd count of blocks,
-    extreme values, a bias, stacked parts, one thread or two."""
+@pytest.mark.parametrize("ggml_type", list(X16), ids=lambda t: t.name)
+def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
+    """On AMX CPUs steps of 16+ rows multiply the repacked parts on int8 tiles (the K-quants
+    with their scales folded into the weights; the 32-weight types a tile product a block,
+    signed values against x, Q4_1's unsigned): the same integers and float32 operations as
+    the VNNI kernels (PAGODA_CPU_ISA=avx512), so the same bits: whole and partial groups of 16
+    rows, steps past one unit's 512 rows, an odd count of 32-weight blocks, extreme values, a
+    bias, stacked parts, one thread or two."""
     threads = torch.get_num_threads()
+    k_quant = ggml_type in (Q.Q4_K, Q.Q6_K)
     try:
-        rng = np.random.default_rng(80 + ggml_type.value)
-        for rows_w, cols in ((32, 256), (48, 7 * 32 * 8)):
-            _, packed, other, bias, x = _x32_case(ggml_type, rows_w, cols, rng, 600)
+        rng = np.random.default_rng(70 + ggml_type.value)
+        for rows_w, cols in ((32, 256), (48, 7 * 256 if ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 57 * 32)):
+            case = _x16_case if k_quant else _x32_case
+            _, packed, other, bias, x = case(ggml_type, rows_w, cols, rng, 600)
+            other_type = Q.Q8_0 if k_quant or cols % 256 else Q.Q4_K
             for n_threads in (1, 2):
                 torch.set_num_threads(n_threads)
                 for rows in (16, 17, 31, 32, 100, 600):
-                    args = (x[:rows], [packed, other], [X16[ggml_type], Q.Q4_K.value], bias)
+                    args = (x[:rows], [packed, other], [X16[ggml_type], other_type.value], bias)
                     monkeypatch.setenv("PAGODA_CPU_ISA", "avx512")
                     assert not ops.amx_enabled()
                     vnni = ops.gguf_linear_int8(*args)
