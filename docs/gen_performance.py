@@ -38,7 +38,7 @@ class Machine:
 
 CPU_MACHINES = [
     Machine("xeon-amx", "Intel Xeon with AMX, 2 vCPUs", "AMX (int8, bf16 tiles), AVX-512 (VNNI, BF16); 24 GB; no GPU",
-            "the-32-weight-block-types-in-the-lanes-2026-12-07-sixteenth-session"),
+            "the-32-weight-block-types-and-q5_k-in-the-lanes-2026-12-07-sixteenth-session"),
     Machine("zen4", "AMD EPYC Zen 4, 2 vCPUs", "AVX-512 (VNNI, BF16), no AMX; 24 GB; no GPU",
             "the-cpu-roof-issue-28-both-cores-bf16-on-onednn-openvino-genai-as-a-peer"),
     Machine("zen3", "AMD EPYC Zen 3, 2 vCPUs", "AVX2, no AVX-512; 24 GB; no GPU",
@@ -60,6 +60,7 @@ MODELS = {
     "1b-fp8": "Llama-3.2-1B shape, FP8 128x128-block HF folder (1175 MB)",
     "1b-q8_0": "Llama-3.2-1B shape, Q8_0 (1119 MB)",
     "1b-q4_0": "Llama-3.2-1B shape, Q4_0 (632 MB)",
+    "1b-q5_k_m": "Llama-3.2-1B shape, Q5_K_M (`llama-quantize` from F16, 773 MB)",
 }
 
 # (machine, model, folder under docs/results, table): served runs, every pagoda mode in the
@@ -69,6 +70,8 @@ SERVED = [
     ("xeon-amx", "llama1b", "auto-by-type/llama1b-q4_k_m-final", "main"),
     ("xeon-amx", "1b-q4_0", "lanes32/q4_0", "main"),
     ("xeon-amx", "1b-q8_0", "lanes32/q8_0", "main"),
+    ("xeon-amx", "1b-q5_k_m", "lanes32/q5_k_m", "main"),
+    ("xeon-amx", "gptoss", "lanes32/gptoss", "main"),
     ("zen4", "smollm2", "defaults-bundled", "main"),
     ("zen4", "llama1b", "defaults-1b-q4_k_m", "main"),
     ("zen4", "smollm2", "cpu-roof-served", "main"),
@@ -102,7 +105,7 @@ OFFLINE = [
 # the sixteenth session), "pagoda-exact"
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
 AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b", "auto-by-type/llama1b-q4_k_m-final",
-                     "lanes32/q8_0"}
+                     "lanes32/q8_0", "lanes32/q5_k_m", "lanes32/gptoss"}
 MODE_NAMES = {
     "pagoda": "exact",
     "pagoda-exact": "exact",

@@ -38,10 +38,11 @@ GGUF_MODE_TYPES = ("Q4_K", "Q6_K", "MXFP4")
 # ... and, on CPUs where the gguf mode repacks them with 16 channels in the vector lanes
 # (AVX-512 VNNI: pagoda.model.layers.quantization.gguf_repacks), these: one product from
 # memory, gguf against exact, 1 / 16 / 128 rows (benchmarks/gguf_modes.py, AMX Xeon,
-# docs/results/lanes32/products.txt): Q8_0 1.57x / 3.48x / 2.86x, Q4_0 1.91x / 3.50x / 2.92x,
-# Q4_1 2.29x / 3.27x / 2.74x, IQ4_NL 2.17x / 3.65x / 2.96x, Q5_K 1.95x / 4.17x / 3.79x;
+# docs/results/lanes32/products.txt): Q8_0 1.75x / 3.77x / 3.07x, Q4_0 2.28x / 3.68x / 3.17x,
+# Q4_1 2.53x / 3.69x / 2.81x, IQ4_NL 2.01x / 3.87x / 3.11x, Q5_K 1.77x / 3.67x / 3.77x;
 # served, 1B-shaped files against llama-server -t 2 at 1 / 16 streams: Q4_0 1.97x / 2.48x
-# (exact 0.99x / 0.93x), Q8_0 1.83x / 3.26x (exact 1.14x / 1.21x).
+# (exact 0.99x / 0.93x), Q8_0 1.83x / 3.26x (exact 1.14x / 1.21x), Q5_K_M 1.74x / 2.64x
+# (exact 0.93x / 0.86x).
 LANES_MODE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q5_K")
 # Types whose weights the gguf mode leaves to the exact mode's kernels (float ones).
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
