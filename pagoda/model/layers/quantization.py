@@ -518,19 +518,23 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     suffixes = tuple(getattr(model, "unquantized_modules", ()))   # MoE routers stay in float
     keep = {id(m) for n, m in model.named_modules() if n.endswith(suffixes)}
     lanes = gguf_repacks()
-    # A Q6_K LM head stays in the file's layout: one row against it (a one-stream decode
-    # step's largest read) ran 2.68 -> 3.12 ms repacked (the 49,152 x 2,048 head, Zen 4; the
-    # 6-bit unpacking then outweighs the blocks it saves decoding), 16 rows the same.
+    ops = cpu_kernels.kernels()
+    tiles = lanes and ops is not None and ops.amx_enabled()
+    # A Q6_K LM head stays in the file's layout on CPUs without AMX: one row against it (a
+    # one-stream decode step's largest read) ran 2.68 -> 3.12 ms repacked (the 49,152 x 2,048
+    # head, Zen 4, before the repacked kernels' prefetches; the 6-bit unpacking then
+    # outweighed the blocks it saves decoding). On the AMX Xeon the repacked head is the
+    # faster: 5.00 -> 2.08 ms for one row (2.12 with the AVX-512 kernels alone), a 1B Q4_0
+    # file's one-stream decode step 34.7 / 35.8 -> 31.9 / 32.3 ms, 16 streams level or better
+    # (docs/results/lanes32/head-ab).
     head = getattr(model, "lm_head", None)
     repacked = 0
     for layer in layers:
         if layer.quantized_parts and id(layer) not in keep:
             layer.int8_activations = True
             if lanes:
-                repacked += layer.repack_for_lanes(q6k=layer is not head)
+                repacked += layer.repack_for_lanes(q6k=layer is not head or tiles)
     if repacked:
-        ops = cpu_kernels.kernels()
-        tiles = ops is not None and ops.amx_enabled()
         logger.info("gguf mode: %d weights repacked with 16 channels in the AVX-512 VNNI lanes%s",
                     repacked, "; steps of 16+ rows on the AMX int8 tiles" if tiles else "")
     return model
