@@ -68,7 +68,7 @@ MODELS = {
 SERVED = [
     ("xeon-amx", "smollm2", "lanes32/bundled", "main"),
     ("xeon-amx", "llama1b", "auto-by-type/llama1b-q4_k_m-final", "main"),
-    ("xeon-amx", "1b-q4_0", "lanes32/q4_0", "main"),
+    ("xeon-amx", "1b-q4_0", "lanes32/q4_0-final", "main"),
     ("xeon-amx", "1b-q8_0", "lanes32/q8_0", "main"),
     ("xeon-amx", "1b-q5_k_m", "lanes32/q5_k_m", "main"),
     ("xeon-amx", "gptoss", "lanes32/gptoss", "main"),
@@ -105,7 +105,8 @@ OFFLINE = [
 # the sixteenth session), "pagoda-exact"
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
 AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b", "auto-by-type/llama1b-q4_k_m-final",
-                     "lanes32/q8_0", "lanes32/q5_k_m", "lanes32/gptoss"}
+                     "lanes32/q8_0", "lanes32/q5_k_m", "lanes32/gptoss",
+                     "lanes32/q4_0-final"}
 MODE_NAMES = {
     "pagoda": "exact",
     "pagoda-exact": "exact",
