@@ -392,11 +392,18 @@ def _x16_case(ggml_type, rows_w, cols, rng, rows_x):
     else:
         q4 = raw.view(rows_w, -1, 144)
         q4[0, :, 4:16], q4[0, :, 16:] = 0xFF, 0xFF
+    return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q8_0, 8, 256)
+
+
+def _lanes_case(ggml_type, raw, cols, rng, rows_x, other_type, other_rows, zeros):
+    """raw repacked, other_rows channels of other_type to stack after it, a bias, and rows_x
+    rows of x (row 1's first `zeros` inputs zero, rows 6 and 9 at full scale): (raw, packed,
+    other, bias, x)."""
     packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
-    other = torch.from_numpy(random_blocks(Q.Q8_0, 8, cols, rng))
-    bias = torch.randn(rows_w + 8, generator=torch.Generator().manual_seed(cols))
+    other = torch.from_numpy(random_blocks(other_type, other_rows, cols, rng))
+    bias = torch.randn(raw.shape[0] + other_rows, generator=torch.Generator().manual_seed(cols))
     x = torch.randn(rows_x, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
-    x[1, :256] = 0.0
+    x[1, :zeros] = 0.0
     x[6], x[9] = 2.0, -2.0
     return raw, packed, other, bias, x
 
@@ -437,24 +444,14 @@ def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
     blocks = raw.view(rows_w, -1, nbytes)
     if ggml_type == Q.Q5_K:   # scales and minimums of 63 and values of 31; values of 0
         blocks[0, :, 4:], blocks[1, :, 16:] = 0xFF, 0
-        return _x32_rest(ggml_type, raw, rows_w, cols, rng, rows_x)
+        return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q4_K, 16, 64)
     values = {Q.Q4_1: 4, Q.MXFP4: 1}.get(ggml_type, 2)
     # a large scale: float16 256.0, or E8M0 2^8 (halved, as the values are doubled)
     big = torch.tensor([0x89] if ggml_type == Q.MXFP4 else [0x00, 0x5C], dtype=torch.uint8)
     blocks[0, :, :values] = blocks[1, :, :values] = big if ggml_type != Q.Q4_1 else torch.tensor([0, 0x5C, 0, 0x5C])
     blocks[0, :, values:] = 0x7F if ggml_type == Q.Q8_0 else 0xFF if ggml_type != Q.MXFP4 else 0x77   # largest
     blocks[1, :, values:] = 0x80 if ggml_type == Q.Q8_0 else 0x00 if ggml_type != Q.MXFP4 else 0xFF   # smallest
-    return _x32_rest(ggml_type, raw, rows_w, cols, rng, rows_x)
-
-
-def _x32_rest(ggml_type, raw, rows_w, cols, rng, rows_x):
-    packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
-    other = torch.from_numpy(random_blocks(Q.Q4_K if cols % 256 == 0 else Q.Q8_0, 16, cols, rng))
-    bias = torch.randn(rows_w + 16, generator=torch.Generator().manual_seed(cols))
-    x = torch.randn(rows_x, cols, generator=torch.Generator().manual_seed(cols + 1)) * 3
-    x[1, :64] = 0.0
-    x[6], x[9] = 2.0, -2.0
-    return raw, packed, other, bias, x
+    return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q4_K if cols % 256 == 0 else Q.Q8_0, 16, 64)
 
 
 @vnni_only
