@@ -3065,41 +3065,7 @@ PAGODA_AVX512 void x32_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int6
   }
 }
 
-void x32_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
-              const float* bias, float* y, int64_t N, AmxScratch& amx) {
-  const bool tiles = !xq.t32d.empty() && m1 - m0 >= kAmxMinRows;
-  auto run = [&](auto tt) {
-    constexpr int T = decltype(tt)::value;
-    if (tiles)
-      x32_amx_tile<T>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
-    else
-      x32_tile_t<T>(xq, m0, m1, K, w, n0, n1, bias, y, N);
-  };
-  switch (w.type) {
-    case kQ40X16: run(std::integral_constant<int, kQ40X16>{}); break;
-    case kQ41X16: run(std::integral_constant<int, kQ41X16>{}); break;
-    case kIQ4NLX16: run(std::integral_constant<int, kIQ4NLX16>{}); break;
-    case kMXFP4X16: run(std::integral_constant<int, kMXFP4X16>{}); break;
-    default: run(std::integral_constant<int, kQ80X16>{}); break;
-  }
-}
-
-// The plain type of a repacked one.
-int64_t lanes_plain(int type) {
-  switch (type) {
-    case kQ4KX16: return kQ4_K;
-    case kQ6KX16: return kQ6_K;
-    case kQ5KX16: return kQ5_K;
-    case kQ40X16: return kQ4_0;
-    case kQ41X16: return kQ4_1;
-    case kIQ4NLX16: return kIQ4_NL;
-    case kMXFP4X16: return kMXFP4;
-    default: return kQ8_0;
-  }
-}
-
-// The 32-weight type T's repacked block of the 16 channels src[c] (pack) or its plain
-// blocks (unpack).
+// f(integral_constant<int, T>) for a repacked 32-weight type T.
 template <typename F>
 void with_x32_type(int type, F&& f) {
   switch (type) {
@@ -3110,6 +3076,28 @@ void with_x32_type(int type, F&& f) {
     case kMXFP4X16: f(std::integral_constant<int, kMXFP4X16>{}); return;
     default: TORCH_CHECK(false, "not a repacked 32-weight type: ", type);
   }
+}
+
+void x32_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0, int64_t n1,
+              const float* bias, float* y, int64_t N, AmxScratch& amx) {
+  const bool tiles = !xq.t32d.empty() && m1 - m0 >= kAmxMinRows;
+  with_x32_type(w.type, [&](auto tt) {
+    constexpr int T = decltype(tt)::value;
+    if (tiles)
+      x32_amx_tile<T>(xq, m0, m1, K, w, n0, n1, bias, y, N, amx);
+    else
+      x32_tile_t<T>(xq, m0, m1, K, w, n0, n1, bias, y, N);
+  });
+}
+
+// The plain type of a repacked one.
+int64_t lanes_plain(int type) {
+  if (type == kQ4KX16) return kQ4_K;
+  if (type == kQ5KX16) return kQ5_K;
+  if (type == kQ6KX16) return kQ6_K;
+  int64_t plain = -1;
+  with_x32_type(type, [&](auto tt) { plain = Lanes32<decltype(tt)::value>::kPlain; });
+  return plain;
 }
 
 // Row n of a repacked part as its plain row (the file's bytes) into out.
@@ -3299,7 +3287,7 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     const bool x16 = is_lanes(w.type);
-    const int64_t plain = lanes_plain(w.type);
+    const int64_t plain = x16 ? lanes_plain(w.type) : w.type;
     Buffer<uint8_t> row(x16 ? K / format_of(plain).block * format_of(plain).bytes : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t src = idx ? idx[r] : r;

@@ -17,10 +17,10 @@ from torch import nn
 from tqdm import tqdm
 
 from pagoda.config.engine import PIPELINE_MODES
-from pagoda.model.auto_mode import auto_quantization
 from pagoda.hub.paths import ModelLoadError
 from pagoda.hub.stores import resolve_model_path
 from pagoda.model.arch import ModelArchConfig, UnsupportedModelError
+from pagoda.model.auto_mode import auto_quantization
 from pagoda.model.gguf_tensors import copy_rows, load_tensor, tensor_rows
 from pagoda.model.hf_quant import QuantMethod, method_for
 from pagoda.model.layers.decoder import CausalLM

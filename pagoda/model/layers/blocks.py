@@ -270,9 +270,10 @@ class BlocksLinear(nn.Module):
         (Q4_K / Q6_K: the same integers and float32 operations as their plain kernels, the
         same bits; Q5_K: Q4_K's kernels, x in groups of 256 as llama.cpp's Q8_K; the
         32-weight types: each block's integer sum whole, then one float32 step a block;
-        every type the same bits for every step size). Call only with ``int8_activations`` set (the
-        exact mode does not read the layout). The file's pages the parts were read from are
-        let go. ``q6k=False`` leaves Q6_K parts as they are. Returns the parts repacked."""
+        every type the same bits for every step size). Call only with ``int8_activations``
+        set (the exact mode does not read the layout). The file's pages the parts were read
+        from are let go. ``q6k=False`` leaves Q6_K parts as they are. Returns the parts
+        repacked."""
         if not self.int8_activations:
             raise RuntimeError("repacked weights multiply in the gguf mode (int8 activations) only")
         done = 0

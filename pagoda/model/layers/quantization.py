@@ -502,7 +502,7 @@ def _as_float_linear(module: nn.Module) -> nn.Linear:
 
 
 def gguf_repacks() -> bool:
-    """Whether the gguf mode repacks its Q4_K / Q6_K / Q4_0 / Q4_1 / Q8_0 weights with 16
+    """Whether the gguf mode repacks its weights of the ``LANES_TYPES`` (blocks.py) with 16
     channels in the vector lanes here (BlocksLinear.repack_for_lanes): CPUs with AVX-512
     VNNI, unless PAGODA_GGUF_REPACK=0."""
     return cpu_kernels.has_avx512_vnni() and os.environ.get("PAGODA_GGUF_REPACK", "1") != "0"
