@@ -76,6 +76,8 @@ enum GgmlType : int {
   kQ40X16 = 206, kQ41X16 = 207, kQ80X16 = 208, kIQ4NLX16 = 209, kMXFP4X16 = 210,
   // Q5_K repacked as Q4_K, its fifth bits beside (layout above x16_pack_q5k_block).
   kQ5KX16 = 211,
+  // Q3_K repacked in Q6_K_X16's shape (layout above x16_pack_q3k_block).
+  kQ3KX16 = 212,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -110,6 +112,7 @@ bool known_format(int type, BlockFormat* f) {
     case kQ4KX16: *f = {256, 148}; return true;  // 16 channels' blocks in 2,368 bytes
     case kQ6KX16: *f = {256, 210}; return true;  // 16 channels' blocks in 3,360 bytes
     case kQ5KX16: *f = {256, 180}; return true;  // 16 channels' blocks in 2,880 bytes
+    case kQ3KX16: *f = {256, 114}; return true;  // 16 channels' blocks in 1,824 bytes
     case kQ40X16: *f = {32, 18}; return true;    // 16 channels' blocks in 288 bytes
     case kQ41X16: *f = {32, 20}; return true;    // ... in 320 bytes
     case kQ80X16: *f = {32, 34}; return true;    // ... in 544 bytes
@@ -125,7 +128,9 @@ bool known_format(int type, BlockFormat* f) {
 
 // The repacked K-quant types, the repacked 32-weight ones, and either: 16 channels in the
 // lanes (a part's channels in groups of 16).
-constexpr bool is_x16(int type) { return type == kQ4KX16 || type == kQ6KX16 || type == kQ5KX16; }
+constexpr bool is_x16(int type) {
+  return type == kQ4KX16 || type == kQ6KX16 || type == kQ5KX16 || type == kQ3KX16;
+}
 constexpr bool is_x32(int type) {
   return type == kQ40X16 || type == kQ41X16 || type == kQ80X16 || type == kIQ4NLX16 || type == kMXFP4X16;
 }
@@ -2218,12 +2223,13 @@ void x16_unpack_q5k_block(const uint8_t* src, int c, uint8_t* p) {
         }
 }
 
-// Bit b (0-7) of every byte of v moved to bit 4, the rest cleared (a 16-bit shift, then the
-// mask drops what it carried in from the neighbouring byte).
-PAGODA_AVX512 inline __m512i bit_to_16(__m512i v, int b) {
-  const __m512i v4 = b <= 4 ? _mm512_slli_epi16(v, 4 - b) : _mm512_srli_epi16(v, b - 4);
-  return _mm512_and_si512(v4, _mm512_set1_epi8(0x10));
+// Bit b (0-7) of every byte of v moved to bit `to`, the rest cleared (a 16-bit shift, then
+// the mask drops what it carried in from the neighbouring byte).
+PAGODA_AVX512 inline __m512i bit_to(__m512i v, int b, int to) {
+  const __m512i moved = b <= to ? _mm512_slli_epi16(v, to - b) : _mm512_srli_epi16(v, b - to);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(1 << to)));
 }
+PAGODA_AVX512 inline __m512i bit_to_16(__m512i v, int b) { return bit_to(v, b, 4); }
 
 
 // How far ahead of its reads x16_rows / x16_q6k_rows ask for the weights (bytes, spread
@@ -2374,13 +2380,80 @@ void x16_unpack_q6k_block(const uint8_t* src, int c, uint8_t* p) {
   }
 }
 
-// The Q6_K version of x16_rows.
-// Row n of a repacked Q4_K / Q5_K / Q6_K part as its plain row into out.
+// ---- Q3_K repacked in Q6_K_X16's shape (kQ3KX16) -----------------------------------------
+// A Q3_K block has Q6_K's structure: 16 sub-blocks of 16 under signed scales (6 bits, stored
+// + 32), one float16 d, values stored plus an offset (3 bits, + 4). A block of 256 inputs of
+// 16 channels (1,824 bytes against 1,760) holds
+//   [0, 256)      the scales (sc - 32, int8) in pairs, as Q6_K_X16's
+//   then for each 32 inputs j (192 bytes each):
+//     128 bytes   the stored values' low 2 bits, as Q6_K_X16's top 2 bits: [16 inputs h]
+//                 [channel][4 bytes], byte i holds those of weights 32j + 16h + i, + 4 + i,
+//                 + 8 + i, + 12 + i in its bits 0-1, 2-3, 4-5, 6-7
+//     64 bytes    their third bits, as Q5_K_X16's fifth: bit 2q + e of byte 4c + i that of
+//                 weight 32j + 8q + 4e + i of channel c
+//   [1792, 1824)  d of each channel (float16, as stored).
+// The stored values (0-7) go into vpdpbusd as Q6_K_X16's (0-63) do, the -4 folded in per
+// block as Q6_K's -32 (x16_q6k_rows<R, true>; on AMX x16_amx_weights_q6k<true>): llama.cpp's
+// Q3_K against Q8_K.
+constexpr int64_t kX16Q3Bytes = 1824;
+constexpr int q3x16_low(int j, int h) { return 256 + 192 * j + 64 * h; }
+constexpr int q3x16_high(int j) { return 256 + 192 * j + 128; }
+constexpr int kX16Q3D = 1792;
+
+// Weight w (0-255) of a Q3_K block p: its stored value (0-7; ggml's dequantize_row_q3_K:
+// 2 bits from qs, the third from hmask).
+inline int q3k_value(const uint8_t* p, int w) {
+  const int half = w / 128, sh = (w % 128) / 32, l = w % 32;
+  return ((p[32 + 32 * half + l] >> (2 * sh)) & 3) | (((p[l] >> (4 * half + sh)) & 1) << 2);
+}
+
+// Scale j (0-15) of a Q3_K block p, less 32 (its 12 bytes: low 4 bits in bytes 0-7, the
+// high 2 in bytes 8-11).
+inline int q3k_scale(const uint8_t* p, int j) {
+  const uint8_t* s = p + 96;
+  return (((s[j % 8] >> (4 * (j / 8))) & 0x0F) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+void x16_pack_q3k_block(const uint8_t* const* src, uint8_t* dst) {
+  std::memset(dst, 0, kX16Q3Bytes);
+  for (int c = 0; c < 16; ++c) {
+    const uint8_t* p = src[c];
+    std::memcpy(dst + kX16Q3D + 2 * c, p + 108, 2);
+    for (int s = 0; s < 16; ++s) dst[q6x16_pair(s / 2) + 2 * c + s % 2] = static_cast<uint8_t>(q3k_scale(p, s));
+    for (int w = 0; w < 256; ++w) {
+      const int j = w / 32, r = w % 32, u = q3k_value(p, w);
+      dst[q3x16_low(j, r / 16) + 4 * c + r % 4] |= static_cast<uint8_t>((u & 3) << (2 * ((r % 16) / 4)));
+      dst[q3x16_high(j) + 4 * c + r % 4] |= static_cast<uint8_t>((u >> 2) << (2 * (r / 8) + (r % 8) / 4));
+    }
+  }
+}
+
+void x16_unpack_q3k_block(const uint8_t* src, int c, uint8_t* p) {
+  std::memset(p, 0, 110);
+  std::memcpy(p + 108, src + kX16Q3D + 2 * c, 2);
+  uint8_t* s = p + 96;
+  for (int j = 0; j < 16; ++j) {
+    const int v = static_cast<int8_t>(src[q6x16_pair(j / 2) + 2 * c + j % 2]) + 32;
+    s[j % 8] |= static_cast<uint8_t>((v & 0x0F) << (4 * (j / 8)));
+    s[8 + j % 4] |= static_cast<uint8_t>((v >> 4) << (2 * (j / 4)));
+  }
+  for (int w = 0; w < 256; ++w) {
+    const int j = w / 32, r = w % 32, half = w / 128, sh = (w % 128) / 32, l = w % 32;
+    const int low = (src[q3x16_low(j, r / 16) + 4 * c + r % 4] >> (2 * ((r % 16) / 4))) & 3;
+    const int high = (src[q3x16_high(j) + 4 * c + r % 4] >> (2 * (r / 8) + (r % 8) / 4)) & 1;
+    p[32 + 32 * half + l] |= static_cast<uint8_t>(low << (2 * sh));
+    p[l] |= static_cast<uint8_t>(high << (4 * half + sh));
+  }
+}
+
+// Row n of a repacked Q3_K / Q4_K / Q5_K / Q6_K part as its plain row into out.
 void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
   const int c = static_cast<int>(n % 16);
   for (int64_t b = 0; b < K / 256; ++b) {
-    if (w.type == kQ6KX16)
+    if (w.type == kQ3KX16)
+      x16_unpack_q3k_block(g + b * kX16Q3Bytes, c, out + b * 110);
+    else if (w.type == kQ6KX16)
       x16_unpack_q6k_block(g + b * kX16Q6Bytes, c, out + b * 210);
     else if (w.type == kQ5KX16)
       x16_unpack_q5k_block(g + b * kX16Q5Bytes, c, out + b * 176);
@@ -2389,12 +2462,18 @@ void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   }
 }
 
-template <int R>
+// The Q6_K version of x16_rows; Q3, that of Q3_K_X16 (values of 3 bits, offset 4).
+template <int R, bool Q3 = false>
 PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0,
                                                             const uint8_t* grp, const float* bias, float* y,
                                                             int64_t N, int64_t col) {
   const int64_t nb = K / 256;
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  // A block's bytes, the prefetches' stride and lines per 32 inputs (8 x stride = bytes),
+  // the stored values' offset as a shift (32 = 1 << 5; 4 = 1 << 2), where d lies.
+  constexpr int64_t kBytes = Q3 ? kX16Q3Bytes : kX16Q6Bytes;
+  constexpr int kStride = Q3 ? 228 : 420, kLines = Q3 ? 4 : 7, kOffsetShift = Q3 ? 2 : 5;
+  constexpr int kD = Q3 ? kX16Q3D : kX16Q6D;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), m3 = _mm512_set1_epi8(3);
   const int8_t* xr[R];
   const int16_t* hr[R];
   for (int r = 0; r < R; ++r) {
@@ -2408,32 +2487,40 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = grp + b * kX16Q6Bytes;
+    const uint8_t* p = grp + b * kBytes;
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      const char* near = reinterpret_cast<const char*>(p) + kX16Q6Ahead + 420 * j;  // 8 x 420 = kX16Q6Bytes
-      const char* far = reinterpret_cast<const char*>(p) + kX16FarAhead + 420 * j;
-      for (int i = 0; i < 7; ++i) _mm_prefetch(far + 64 * i, _MM_HINT_T1);
-      for (int i = 0; i < 7; ++i) _mm_prefetch(near + 64 * i, _MM_HINT_T0);
+      const char* near = reinterpret_cast<const char*>(p) + kX16Q6Ahead + kStride * j;
+      const char* far = reinterpret_cast<const char*>(p) + kX16FarAhead + kStride * j;
+      for (int i = 0; i < kLines; ++i) _mm_prefetch(far + 64 * i, _MM_HINT_T1);
+      for (int i = 0; i < kLines; ++i) _mm_prefetch(near + 64 * i, _MM_HINT_T0);
       // Scales 2j and 2j + 1 per channel, as int16 pairs and as int32 each; the pairs
-      // times -32 (|32 sc| < 2^15) against x's sums per 16: the -32 of every stored value.
+      // times -32 (|32 sc| < 2^15; Q3: -4) against x's sums per 16: the offset of every
+      // stored value.
       const __m512i sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j))));
       const __m512i sc[2] = {_mm512_srai_epi32(_mm512_slli_epi32(sp, 16), 16), _mm512_srai_epi32(sp, 16)};
-      const __m512i neg = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sp, 5));
+      const __m512i neg = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sp, kOffsetShift));
       for (int r = 0; r < R; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], neg, bcast32(hr[r] + b * 16 + 2 * j));
+      const __m512i third = Q3 ? _mm512_loadu_si512(p + q3x16_high(j)) : m4;
       for (int h = 0; h < 2; ++h) {  // sub-block 2j + h: quads 2h, 2h + 1
-        const __m512i hb = _mm512_loadu_si512(p + q6x16_high(j, h));
+        const __m512i hb = _mm512_loadu_si512(p + (Q3 ? q3x16_low(j, h) : q6x16_high(j, h)));
         __m512i s[2][R];
         for (int r = 0; r < R; ++r) s[0][r] = s[T - 1][r] = _mm512_setzero_si512();
         for (int u = 0; u < 2; ++u) {
           const int q = 2 * h + u;
-          const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
-          // Top bits of the low-nibble weights: fields 2u; of the high-nibble ones: 2u + 1.
-          const __m512i tl = u ? hb : _mm512_slli_epi16(hb, 4);
-          const __m512i th = u ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
-          const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(tl, m30));
-          const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(th, m30));
+          __m512i lo, hi;
+          if constexpr (Q3) {  // fields 2u and 2u + 1 of hb, the third bits 2q and 2q + 1
+            lo = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u), m3), bit_to(third, 2 * q, 2));
+            hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u + 2), m3), bit_to(third, 2 * q + 1, 2));
+          } else {
+            const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
+            // Top bits of the low-nibble weights: fields 2u; of the high-nibble ones: 2u + 1.
+            const __m512i tl = u ? hb : _mm512_slli_epi16(hb, 4);
+            const __m512i th = u ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+            lo = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(tl, m30));
+            hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(th, m30));
+          }
           for (int r = 0; r < R; ++r) {
             const int8_t* xj = xr[r] + b * 256 + 32 * j + 8 * q;
             s[0][r] = _mm512_dpbusd_epi32(s[0][r], lo, bcast32(xj));
@@ -2446,7 +2533,7 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kD)));
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
   }
@@ -2555,9 +2642,12 @@ PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
 
 // The same for a repacked Q6_K block: w = scale x stored value (signed scales, values
 // 0 .. 63: -8128 .. 8001), lo its low byte (unsigned), hi its high byte (signed, -32 .. 31),
-// w = 256 hi + lo. The stored values' -32 is x16_q6k_rows' term per block.
+// w = 256 hi + lo. The stored values' -32 is x16_q6k_rows' term per block. Q3: a repacked
+// Q3_K block (values 0 .. 7, scales -32 .. 31: hi -1 .. 0), its -4 the term.
+template <bool Q3 = false>
 PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), even = _mm512_set1_epi16(0x00FF);
+  const __m512i m3 = _mm512_set1_epi8(3);
   // A pair block's 32 bytes (channel c's scales 2j, 2j + 1 at 2c, 2c + 1) with bytes 0-15 in
   // lanes 0 and 1, 16-31 in lanes 2 and 3; lane L picks channels 4L .. 4L + 3.
   const __m512i lanes = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
@@ -2569,17 +2659,24 @@ PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
   for (int j = 0; j < 8; ++j) {
     const __m512i pairs = _mm512_permutexvar_epi64(
         lanes, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j)))));
+    const __m512i third = Q3 ? _mm512_loadu_si512(p + q3x16_high(j)) : m4;
     for (int h = 0; h < 2; ++h) {  // sub-block 2j + h: quads 2h, 2h + 1
       const __m512i s = _mm512_shuffle_epi8(pairs, _mm512_add_epi8(pick_lanes, _mm512_set1_epi8(static_cast<char>(h))));
       const __m512i s_even = _mm512_and_si512(s, even), s_odd = _mm512_andnot_si512(even, s);
-      const __m512i hb = _mm512_loadu_si512(p + q6x16_high(j, h));
+      const __m512i hb = _mm512_loadu_si512(p + (Q3 ? q3x16_low(j, h) : q6x16_high(j, h)));
       for (int u = 0; u < 2; ++u) {
         const int q = 2 * h + u;
-        const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
-        const __m512i tl = u ? hb : _mm512_slli_epi16(hb, 4);
-        const __m512i th = u ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
-        const __m512i n[2] = {_mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(tl, m30)),
-                              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(th, m30))};
+        __m512i n[2];
+        if constexpr (Q3) {  // as x16_q6k_rows<R, true>
+          n[0] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u), m3), bit_to(third, 2 * q, 2));
+          n[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u + 2), m3), bit_to(third, 2 * q + 1, 2));
+        } else {
+          const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
+          const __m512i tl = u ? hb : _mm512_slli_epi16(hb, 4);
+          const __m512i th = u ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+          n[0] = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(tl, m30));
+          n[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(th, m30));
+        }
         for (int e = 0; e < 2; ++e) amx_scaled_row(n[e], s_even, s_odd, 8 * j + 2 * q + e, sc);
       }
     }
@@ -2587,17 +2684,19 @@ PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
 }
 
 // The terms of block p that every row of it takes (x16_amx_take), once a block into sc:
-// Q4_K's d, dmin and minimums; Q6_K's d and its scales' pairs times -32, as x16_rows /
-// x16_q6k_rows take them.
-template <bool Q6>
+// Q4_K's d, dmin and minimums; Q6_K's d and its scales' pairs times -32 (Q3_K's times -4),
+// as x16_rows / x16_q6k_rows take them.
+template <int KT>
 PAGODA_AMX inline void x16_amx_terms(const uint8_t* p, AmxScratch& sc) {
-  if constexpr (Q6) {
-    _mm512_store_ps(sc.d[0], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q6D))));
+  if constexpr (KT == kQ6KX16 || KT == kQ3KX16) {
+    constexpr bool Q3 = KT == kQ3KX16;
+    _mm512_store_ps(sc.d[0], _mm512_cvtph_ps(_mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(p + (Q3 ? kX16Q3D : kX16Q6D)))));
     for (int j = 0; j < 8; ++j)
       _mm512_store_si512(sc.v[j], _mm512_sub_epi16(_mm512_setzero_si512(),
                                                    _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
                                                                          reinterpret_cast<const __m256i*>(
-                                                                             p + q6x16_pair(j)))), 5)));
+                                                                             p + q6x16_pair(j)))), Q3 ? 2 : 5)));
   } else {
     _mm512_store_ps(sc.d[0], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
     _mm512_store_ps(sc.d[1], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))));
@@ -2685,12 +2784,12 @@ PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, co
   if constexpr (Two) x16_amx_take<Q6>(xq, K, b, r0 + kAmxRows, R1, sc, sc.c[2], sc.c[3], acc + kAmxRows * 16);
 }
 
-// Channels [n0, n1) (multiples of 16) of a repacked Q4_K, Q5_K or Q6_K part (KT) for rows
-// [m0, m1) on the tiles.
+// Channels [n0, n1) (multiples of 16) of a repacked Q3_K, Q4_K, Q5_K or Q6_K part (KT) for
+// rows [m0, m1) on the tiles (Q6: Q6_K's or Q3_K's signed scales per 16 inputs).
 template <int KT>
 PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
                              int64_t n1, const float* bias, float* y, int64_t N, AmxScratch& sc) {
-  constexpr bool Q6 = KT == kQ6KX16;
+  constexpr bool Q6 = KT == kQ6KX16 || KT == kQ3KX16;
   const int64_t nb = K / 256, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
   amx_config();
   amx_pad_rows(xq, full_end, m1, K, sc);
@@ -2699,7 +2798,10 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
     const uint8_t* grp = w.data + n * w.row_bytes;
     std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      constexpr int64_t bytes = Q6 ? kX16Q6Bytes : KT == kQ5KX16 ? kX16Q5Bytes : kX16Bytes;
+      constexpr int64_t bytes = KT == kQ6KX16   ? kX16Q6Bytes
+                                : KT == kQ3KX16 ? kX16Q3Bytes
+                                : KT == kQ5KX16 ? kX16Q5Bytes
+                                                : kX16Bytes;
       const uint8_t* p = grp + b * bytes;
       // The next block's weights on their way while this one's rows run (they come from
       // memory once a step; the prefetchers stopped at the block: a step's rows over it
@@ -2707,10 +2809,10 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
       if (b + 1 < nb || n + 16 < n1)
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + bytes + o), _MM_HINT_T0);
       if constexpr (Q6)
-        x16_amx_weights_q6k(p, sc);
+        x16_amx_weights_q6k<KT == kQ3KX16>(p, sc);
       else
         x16_amx_weights<KT == kQ5KX16>(p, sc);
-      x16_amx_terms<Q6>(p, sc);
+      x16_amx_terms<KT>(p, sc);
       // Two groups of 16 rows a call, the last one alone; the last rows from sc.x.
       auto rows_x = [&](int64_t r) { return r < full_end ? xq.q.data() + r * K : sc.x.data(); };
       for (int64_t r = m0; r < m1; r += 2 * kAmxRows) {
@@ -3092,6 +3194,7 @@ void x32_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Par
 
 // The plain type of a repacked one.
 int64_t lanes_plain(int type) {
+  if (type == kQ3KX16) return kQ3_K;
   if (type == kQ4KX16) return kQ4_K;
   if (type == kQ5KX16) return kQ5_K;
   if (type == kQ6KX16) return kQ6_K;
@@ -3131,10 +3234,10 @@ PartKinds part_kinds(const std::vector<Part>& parts) {
 template <int KT>
 PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
                               int64_t n1, const float* bias, float* y, int64_t N) {
-  constexpr bool Q6 = KT == kQ6KX16;
+  constexpr bool Q6 = KT == kQ6KX16 || KT == kQ3KX16;
   auto rows = [&](auto rr, int64_t r, const uint8_t* grp, int64_t col) {
     if constexpr (Q6)
-      x16_q6k_rows<decltype(rr)::value>(xq, K, r, grp, bias, y, N, col);
+      x16_q6k_rows<decltype(rr)::value, KT == kQ3KX16>(xq, K, r, grp, bias, y, N, col);
     else
       x16_rows<decltype(rr)::value, KT == kQ5KX16>(xq, K, r, grp, bias, y, N, col);
   };
@@ -3167,6 +3270,8 @@ void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Par
     run(std::integral_constant<int, kQ6KX16>{});
   else if (w.type == kQ5KX16)
     run(std::integral_constant<int, kQ5KX16>{});
+  else if (w.type == kQ3KX16)
+    run(std::integral_constant<int, kQ3KX16>{});
   else
     run(std::integral_constant<int, kQ4KX16>{});
 }
@@ -3305,12 +3410,12 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
 torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
   static const std::pair<int64_t, int> kLanes[] = {
       {kQ4_K, kQ4KX16}, {kQ6_K, kQ6KX16}, {kQ4_0, kQ40X16}, {kQ4_1, kQ41X16}, {kQ8_0, kQ80X16},
-      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}, {kQ5_K, kQ5KX16}};
+      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}, {kQ5_K, kQ5KX16}, {kQ3_K, kQ3KX16}};
   int lanes = -1;
   for (const auto& [plain, packed] : kLanes)
     if (plain == type) lanes = packed;
-  TORCH_CHECK(lanes >= 0, "only Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 channels in the "
-              "lanes, not type ", type);
+  TORCH_CHECK(lanes >= 0, "only Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 channels "
+              "in the lanes, not type ", type);
   const std::vector<Part> parts = check_parts({data}, {type}, K);
   const Part& w = parts[0];
   TORCH_CHECK(w.rows % 16 == 0, "repacking needs a multiple of 16 channels, not ", w.rows);
@@ -3327,6 +3432,8 @@ torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
         uint8_t* dst = op + (g * nb + b) * 16 * packed;
         if (lanes == kQ6KX16)
           x16_pack_q6k_block(src, dst);
+        else if (lanes == kQ3KX16)
+          x16_pack_q3k_block(src, dst);
         else if (lanes == kQ5KX16)
           x16_pack_q5k_block(src, dst);
         else if (lanes == kQ4KX16)

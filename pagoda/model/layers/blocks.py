@@ -69,9 +69,10 @@ def own_type(value: int, name: str, block: int, nbytes: int) -> OwnType:
     return OWN_TYPES[value]
 
 
-# Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked at load with 16 channels in
-# the vector lanes (gguf_repack_x16; the same bytes per channel but Q4_K's and Q5_K's): the
-# gguf mode's layout for their parts on AVX-512 VNNI CPUs (BlocksLinear.repack_for_lanes).
+# Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked at load with 16
+# channels in the vector lanes (gguf_repack_x16; the same bytes per channel but Q3_K's,
+# Q4_K's and Q5_K's): the gguf mode's layout for their parts on AVX-512 VNNI CPUs
+# (BlocksLinear.repack_for_lanes).
 Q4_K_X16 = own_type(204, "Q4_K_X16", 256, 148)
 Q6_K_X16 = own_type(205, "Q6_K_X16", 256, 210)
 Q4_0_X16 = own_type(206, "Q4_0_X16", 32, 18)
@@ -80,8 +81,9 @@ Q8_0_X16 = own_type(208, "Q8_0_X16", 32, 34)
 IQ4_NL_X16 = own_type(209, "IQ4_NL_X16", 32, 18)
 MXFP4_X16 = own_type(210, "MXFP4_X16", 32, 17)
 Q5_K_X16 = own_type(211, "Q5_K_X16", 256, 180)
-LANES_TYPES = {_Q.Q4_K: Q4_K_X16, _Q.Q5_K: Q5_K_X16, _Q.Q6_K: Q6_K_X16, _Q.Q4_0: Q4_0_X16, _Q.Q4_1: Q4_1_X16,
-               _Q.Q8_0: Q8_0_X16, _Q.IQ4_NL: IQ4_NL_X16, _Q.MXFP4: MXFP4_X16}
+Q3_K_X16 = own_type(212, "Q3_K_X16", 256, 114)
+LANES_TYPES = {_Q.Q3_K: Q3_K_X16, _Q.Q4_K: Q4_K_X16, _Q.Q5_K: Q5_K_X16, _Q.Q6_K: Q6_K_X16, _Q.Q4_0: Q4_0_X16,
+               _Q.Q4_1: Q4_1_X16, _Q.Q8_0: Q8_0_X16, _Q.IQ4_NL: IQ4_NL_X16, _Q.MXFP4: MXFP4_X16}
 
 
 def block_format(ggml_type: int) -> tuple[int, int]:
@@ -263,17 +265,16 @@ class BlocksLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def repack_for_lanes(self, q6k: bool = True) -> int:
-        """Repack the Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 parts (those of
-        a multiple of 16 channels, inputs in order) into their ``LANES_TYPES``, 16 channels
-        side by side in the vector lanes: the gguf mode's few-row and prompt products on
-        AVX-512 VNNI CPUs then run without decoding blocks or reducing sums across lanes
-        (Q4_K / Q6_K: the same integers and float32 operations as their plain kernels, the
-        same bits; Q5_K: Q4_K's kernels, x in groups of 256 as llama.cpp's Q8_K; the
-        32-weight types: each block's integer sum whole, then one float32 step a block;
-        every type the same bits for every step size). Call only with ``int8_activations``
-        set (the exact mode does not read the layout). The file's pages the parts were read
-        from are let go. ``q6k=False`` leaves Q6_K parts as they are. Returns the parts
-        repacked."""
+        """Repack the parts of the ``LANES_TYPES`` (those of a multiple of 16 channels,
+        inputs in order) into their repacked layouts, 16 channels side by side in the vector
+        lanes: the gguf mode's few-row and prompt products on AVX-512 VNNI CPUs then run
+        without decoding blocks or reducing sums across lanes (Q4_K / Q6_K: the same integers
+        and float32 operations as their plain kernels, the same bits; Q5_K / Q3_K: Q4_K's /
+        Q6_K's kernels, x in groups of 256 as llama.cpp's Q8_K; the 32-weight types: each
+        block's integer sum whole, then one float32 step a block; every type the same bits
+        for every step size). Call only with ``int8_activations`` set (the exact mode does
+        not read the layout). The file's pages the parts were read from are let go.
+        ``q6k=False`` leaves Q6_K parts as they are. Returns the parts repacked."""
         if not self.int8_activations:
             raise RuntimeError("repacked weights multiply in the gguf mode (int8 activations) only")
         done = 0
