@@ -76,8 +76,9 @@ enum GgmlType : int {
   kQ40X16 = 206, kQ41X16 = 207, kQ80X16 = 208, kIQ4NLX16 = 209, kMXFP4X16 = 210,
   // Q5_K repacked as Q4_K, its fifth bits beside (layout above x16_pack_q5k_block).
   kQ5KX16 = 211,
-  // Q3_K repacked in Q6_K_X16's shape (layout above x16_pack_q3k_block).
-  kQ3KX16 = 212,
+  // Q3_K and Q2_K repacked in Q6_K_X16's shape (layouts above x16_pack_q3k_block and
+  // x16_pack_q2k_block).
+  kQ3KX16 = 212, kQ2KX16 = 213,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -113,6 +114,7 @@ bool known_format(int type, BlockFormat* f) {
     case kQ6KX16: *f = {256, 210}; return true;  // 16 channels' blocks in 3,360 bytes
     case kQ5KX16: *f = {256, 180}; return true;  // 16 channels' blocks in 2,880 bytes
     case kQ3KX16: *f = {256, 114}; return true;  // 16 channels' blocks in 1,824 bytes
+    case kQ2KX16: *f = {256, 84}; return true;   // ... in 1,344 bytes
     case kQ40X16: *f = {32, 18}; return true;    // 16 channels' blocks in 288 bytes
     case kQ41X16: *f = {32, 20}; return true;    // ... in 320 bytes
     case kQ80X16: *f = {32, 34}; return true;    // ... in 544 bytes
@@ -129,7 +131,7 @@ bool known_format(int type, BlockFormat* f) {
 // The repacked K-quant types, the repacked 32-weight ones, and either: 16 channels in the
 // lanes (a part's channels in groups of 16).
 constexpr bool is_x16(int type) {
-  return type == kQ4KX16 || type == kQ6KX16 || type == kQ5KX16 || type == kQ3KX16;
+  return type == kQ4KX16 || type == kQ6KX16 || type == kQ5KX16 || type == kQ3KX16 || type == kQ2KX16;
 }
 constexpr bool is_x32(int type) {
   return type == kQ40X16 || type == kQ41X16 || type == kQ80X16 || type == kIQ4NLX16 || type == kMXFP4X16;
@@ -2446,12 +2448,59 @@ void x16_unpack_q3k_block(const uint8_t* src, int c, uint8_t* p) {
   }
 }
 
-// Row n of a repacked Q3_K / Q4_K / Q5_K / Q6_K part as its plain row into out.
+// ---- Q2_K repacked the same way (kQ2KX16) --------------------------------------------
+// A Q2_K block: 16 sub-blocks of 16 under 4-bit scales and 4-bit minimums (a byte each pair:
+// scale low, minimum high), float16 d and dmin, values of 2 bits; w = d sc q - dmin m. A
+// block of 256 inputs of 16 channels (1,344 bytes: the 16 blocks' bytes rearranged) holds
+//   [0, 256)      the scale-and-minimum bytes as stored, in pairs, as Q6_K_X16's scales
+//   then for each 32 inputs j (128 bytes each): the values, as Q3_K_X16's low 2 bits
+//   [1280, 1312)  d of each channel, [1312, 1344) dmin (float16, as stored).
+// Per block and row the kernels sum I_b = sum_s sc_s I_s (vpdpbusd, vpmulld, as Q3_K's) and
+// M_b = sum_s m_s X_s against x's sums per 16 (vpdpwssd), then acc += (d dx) I_b, then
+// acc -= (dmin dx) M_b: llama.cpp's Q2_K against Q8_K.
+constexpr int64_t kX16Q2Bytes = 1344;
+constexpr int q2x16_low(int j, int h) { return 256 + 128 * j + 64 * h; }
+constexpr int kX16Q2D = 1280;
+
+// Weight w (0-255) of a Q2_K block p: its value (0-3; 2 bits of qs, as Q3_K's low ones).
+inline int q2k_value(const uint8_t* p, int w) {
+  return (p[16 + 32 * (w / 128) + w % 32] >> (2 * ((w % 128) / 32))) & 3;
+}
+
+void x16_pack_q2k_block(const uint8_t* const* src, uint8_t* dst) {
+  std::memset(dst, 0, kX16Q2Bytes);
+  for (int c = 0; c < 16; ++c) {
+    const uint8_t* p = src[c];
+    std::memcpy(dst + kX16Q2D + 2 * c, p + 80, 2);
+    std::memcpy(dst + kX16Q2D + 32 + 2 * c, p + 82, 2);
+    for (int s = 0; s < 16; ++s) dst[q6x16_pair(s / 2) + 2 * c + s % 2] = p[s];
+    for (int w = 0; w < 256; ++w) {
+      const int j = w / 32, r = w % 32;
+      dst[q2x16_low(j, r / 16) + 4 * c + r % 4] |= static_cast<uint8_t>(q2k_value(p, w) << (2 * ((r % 16) / 4)));
+    }
+  }
+}
+
+void x16_unpack_q2k_block(const uint8_t* src, int c, uint8_t* p) {
+  std::memset(p, 0, 84);
+  std::memcpy(p + 80, src + kX16Q2D + 2 * c, 2);
+  std::memcpy(p + 82, src + kX16Q2D + 32 + 2 * c, 2);
+  for (int s = 0; s < 16; ++s) p[s] = src[q6x16_pair(s / 2) + 2 * c + s % 2];
+  for (int w = 0; w < 256; ++w) {
+    const int j = w / 32, r = w % 32;
+    const int v = (src[q2x16_low(j, r / 16) + 4 * c + r % 4] >> (2 * ((r % 16) / 4))) & 3;
+    p[16 + 32 * (w / 128) + w % 32] |= static_cast<uint8_t>(v << (2 * ((w % 128) / 32)));
+  }
+}
+
+// Row n of a repacked Q2_K / Q3_K / Q4_K / Q5_K / Q6_K part as its plain row into out.
 void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
   const int c = static_cast<int>(n % 16);
   for (int64_t b = 0; b < K / 256; ++b) {
-    if (w.type == kQ3KX16)
+    if (w.type == kQ2KX16)
+      x16_unpack_q2k_block(g + b * kX16Q2Bytes, c, out + b * 84);
+    else if (w.type == kQ3KX16)
       x16_unpack_q3k_block(g + b * kX16Q3Bytes, c, out + b * 110);
     else if (w.type == kQ6KX16)
       x16_unpack_q6k_block(g + b * kX16Q6Bytes, c, out + b * 210);
@@ -2462,17 +2511,19 @@ void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   }
 }
 
-// The Q6_K version of x16_rows; Q3, that of Q3_K_X16 (values of 3 bits, offset 4).
-template <int R, bool Q3 = false>
+// The Q6_K version of x16_rows; KT = kQ3KX16 that of Q3_K_X16 (values of 3 bits, offset 4),
+// kQ2KX16 that of Q2_K_X16 (values of 2 bits, unsigned scales, minimums).
+template <int R, int KT = kQ6KX16>
 PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, int64_t K, int64_t r0,
                                                             const uint8_t* grp, const float* bias, float* y,
                                                             int64_t N, int64_t col) {
   const int64_t nb = K / 256;
   // A block's bytes, the prefetches' stride and lines per 32 inputs (8 x stride = bytes),
   // the stored values' offset as a shift (32 = 1 << 5; 4 = 1 << 2), where d lies.
-  constexpr int64_t kBytes = Q3 ? kX16Q3Bytes : kX16Q6Bytes;
-  constexpr int kStride = Q3 ? 228 : 420, kLines = Q3 ? 4 : 7, kOffsetShift = Q3 ? 2 : 5;
-  constexpr int kD = Q3 ? kX16Q3D : kX16Q6D;
+  constexpr bool Q3 = KT == kQ3KX16, Q2 = KT == kQ2KX16;
+  constexpr int64_t kBytes = Q2 ? kX16Q2Bytes : Q3 ? kX16Q3Bytes : kX16Q6Bytes;
+  constexpr int kStride = Q2 ? 168 : Q3 ? 228 : 420, kLines = Q2 ? 3 : Q3 ? 4 : 7, kOffsetShift = Q3 ? 2 : 5;
+  constexpr int kD = Q2 ? kX16Q2D : Q3 ? kX16Q3D : kX16Q6D;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), m3 = _mm512_set1_epi8(3);
   const int8_t* xr[R];
   const int16_t* hr[R];
@@ -2488,8 +2539,8 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = grp + b * kBytes;
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    __m512i isum[R], msum[R];
+    for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       const char* near = reinterpret_cast<const char*>(p) + kX16Q6Ahead + kStride * j;
       const char* far = reinterpret_cast<const char*>(p) + kX16FarAhead + kStride * j;
@@ -2498,13 +2549,22 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
       // Scales 2j and 2j + 1 per channel, as int16 pairs and as int32 each; the pairs
       // times -32 (|32 sc| < 2^15; Q3: -4) against x's sums per 16: the offset of every
       // stored value.
-      const __m512i sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j))));
+      // Q2: the bytes' low nibbles the scales, their high ones the minimums, against x's
+      // sums per 16 into M_b.
+      const __m256i pair_bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j)));
+      const __m512i sp = Q2 ? _mm512_and_si512(_mm512_cvtepu8_epi16(pair_bytes), _mm512_set1_epi16(0x0F))
+                            : _mm512_cvtepi8_epi16(pair_bytes);
       const __m512i sc[2] = {_mm512_srai_epi32(_mm512_slli_epi32(sp, 16), 16), _mm512_srai_epi32(sp, 16)};
-      const __m512i neg = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sp, kOffsetShift));
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], neg, bcast32(hr[r] + b * 16 + 2 * j));
+      if constexpr (Q2) {
+        const __m512i mn = _mm512_srli_epi16(_mm512_cvtepu8_epi16(pair_bytes), 4);
+        for (int r = 0; r < R; ++r) msum[r] = _mm512_dpwssd_epi32(msum[r], mn, bcast32(hr[r] + b * 16 + 2 * j));
+      } else {
+        const __m512i neg = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sp, kOffsetShift));
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], neg, bcast32(hr[r] + b * 16 + 2 * j));
+      }
       const __m512i third = Q3 ? _mm512_loadu_si512(p + q3x16_high(j)) : m4;
       for (int h = 0; h < 2; ++h) {  // sub-block 2j + h: quads 2h, 2h + 1
-        const __m512i hb = _mm512_loadu_si512(p + (Q3 ? q3x16_low(j, h) : q6x16_high(j, h)));
+        const __m512i hb = _mm512_loadu_si512(p + (Q2 ? q2x16_low(j, h) : Q3 ? q3x16_low(j, h) : q6x16_high(j, h)));
         __m512i s[2][R];
         for (int r = 0; r < R; ++r) s[0][r] = s[T - 1][r] = _mm512_setzero_si512();
         for (int u = 0; u < 2; ++u) {
@@ -2513,6 +2573,9 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
           if constexpr (Q3) {  // fields 2u and 2u + 1 of hb, the third bits 2q and 2q + 1
             lo = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u), m3), bit_to(third, 2 * q, 2));
             hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u + 2), m3), bit_to(third, 2 * q + 1, 2));
+          } else if constexpr (Q2) {  // fields 2u and 2u + 1 of hb
+            lo = _mm512_and_si512(_mm512_srli_epi16(hb, 4 * u), m3);
+            hi = _mm512_and_si512(_mm512_srli_epi16(hb, 4 * u + 2), m3);
           } else {
             const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
             // Top bits of the low-nibble weights: fields 2u; of the high-nibble ones: 2u + 1.
@@ -2534,8 +2597,14 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kD)));
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+      if constexpr (Q2) {
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kD + 32)));
+        acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum[r]), acc[r]);
+      }
+    }
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + col, bias ? _mm512_add_ps(acc[r], bv) : acc[r]);
@@ -2642,10 +2711,12 @@ PAGODA_AMX inline void x16_amx_weights(const uint8_t* p, AmxScratch& sc) {
 
 // The same for a repacked Q6_K block: w = scale x stored value (signed scales, values
 // 0 .. 63: -8128 .. 8001), lo its low byte (unsigned), hi its high byte (signed, -32 .. 31),
-// w = 256 hi + lo. The stored values' -32 is x16_q6k_rows' term per block. Q3: a repacked
-// Q3_K block (values 0 .. 7, scales -32 .. 31: hi -1 .. 0), its -4 the term.
-template <bool Q3 = false>
+// w = 256 hi + lo. The stored values' -32 is x16_q6k_rows' term per block. KT = kQ3KX16: a
+// repacked Q3_K block (values 0 .. 7, scales -32 .. 31: hi -1 .. 0), its -4 the term;
+// kQ2KX16: a repacked Q2_K block (values 0 .. 3, scales 0 .. 15: hi 0), its minimums the term.
+template <int KT = kQ6KX16>
 PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
+  constexpr bool Q3 = KT == kQ3KX16, Q2 = KT == kQ2KX16;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), even = _mm512_set1_epi16(0x00FF);
   const __m512i m3 = _mm512_set1_epi8(3);
   // A pair block's 32 bytes (channel c's scales 2j, 2j + 1 at 2c, 2c + 1) with bytes 0-15 in
@@ -2657,19 +2728,23 @@ PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
   const __m512i pick_lanes = _mm512_add_epi8(pick, _mm512_set_epi64(0x0808080808080808, 0x0808080808080808, 0, 0,
                                                                     0x0808080808080808, 0x0808080808080808, 0, 0));
   for (int j = 0; j < 8; ++j) {
-    const __m512i pairs = _mm512_permutexvar_epi64(
+    __m512i pairs = _mm512_permutexvar_epi64(
         lanes, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q6x16_pair(j)))));
+    if constexpr (Q2) pairs = _mm512_and_si512(pairs, m4);  // the scales (low nibbles)
     const __m512i third = Q3 ? _mm512_loadu_si512(p + q3x16_high(j)) : m4;
     for (int h = 0; h < 2; ++h) {  // sub-block 2j + h: quads 2h, 2h + 1
       const __m512i s = _mm512_shuffle_epi8(pairs, _mm512_add_epi8(pick_lanes, _mm512_set1_epi8(static_cast<char>(h))));
       const __m512i s_even = _mm512_and_si512(s, even), s_odd = _mm512_andnot_si512(even, s);
-      const __m512i hb = _mm512_loadu_si512(p + (Q3 ? q3x16_low(j, h) : q6x16_high(j, h)));
+      const __m512i hb = _mm512_loadu_si512(p + (Q2 ? q2x16_low(j, h) : Q3 ? q3x16_low(j, h) : q6x16_high(j, h)));
       for (int u = 0; u < 2; ++u) {
         const int q = 2 * h + u;
         __m512i n[2];
-        if constexpr (Q3) {  // as x16_q6k_rows<R, true>
+        if constexpr (Q3) {  // as x16_q6k_rows<R, kQ3KX16>
           n[0] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u), m3), bit_to(third, 2 * q, 2));
           n[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * u + 2), m3), bit_to(third, 2 * q + 1, 2));
+        } else if constexpr (Q2) {
+          n[0] = _mm512_and_si512(_mm512_srli_epi16(hb, 4 * u), m3);
+          n[1] = _mm512_and_si512(_mm512_srli_epi16(hb, 4 * u + 2), m3);
         } else {
           const __m512i v = _mm512_loadu_si512(p + q6x16_low(j, q));
           const __m512i tl = u ? hb : _mm512_slli_epi16(hb, 4);
@@ -2684,11 +2759,17 @@ PAGODA_AMX inline void x16_amx_weights_q6k(const uint8_t* p, AmxScratch& sc) {
 }
 
 // The terms of block p that every row of it takes (x16_amx_take), once a block into sc:
-// Q4_K's d, dmin and minimums; Q6_K's d and its scales' pairs times -32 (Q3_K's times -4),
-// as x16_rows / x16_q6k_rows take them.
+// Q4_K's d, dmin and minimums; Q6_K's d and its scales' pairs times -32 (Q3_K's times -4);
+// Q2_K's d, dmin and minimums' pairs, as x16_rows / x16_q6k_rows take them.
 template <int KT>
 PAGODA_AMX inline void x16_amx_terms(const uint8_t* p, AmxScratch& sc) {
-  if constexpr (KT == kQ6KX16 || KT == kQ3KX16) {
+  if constexpr (KT == kQ2KX16) {
+    _mm512_store_ps(sc.d[0], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q2D))));
+    _mm512_store_ps(sc.d[1], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kX16Q2D + 32))));
+    for (int j = 0; j < 8; ++j)
+      _mm512_store_si512(sc.v[j], _mm512_srli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                                        reinterpret_cast<const __m256i*>(p + q6x16_pair(j)))), 4));
+  } else if constexpr (KT == kQ6KX16 || KT == kQ3KX16) {
     constexpr bool Q3 = KT == kQ3KX16;
     _mm512_store_ps(sc.d[0], _mm512_cvtph_ps(_mm256_loadu_si256(
                                  reinterpret_cast<const __m256i*>(p + (Q3 ? kX16Q3D : kX16Q6D)))));
@@ -2708,13 +2789,13 @@ PAGODA_AMX inline void x16_amx_terms(const uint8_t* p, AmxScratch& sc) {
 
 // The terms of block b (its x16_amx_terms in sc) for R rows from r0 of xq, from the two
 // sums of their tile products (chi, clo: 16 x 16 int32): acc[r] (16 floats a row) += them,
-// x16_rows' / x16_q6k_rows' integers and float32 operations.
-template <bool Q6>
+// x16_rows' / x16_q6k_rows' integers and float32 operations (Q2_K: no high bytes, chi unused).
+template <int KT>
 PAGODA_AMX inline void x16_amx_take(const QuantizedX& xq, int64_t K, int64_t b, int64_t r0, int R,
                                     const AmxScratch& sc, const int32_t* chi, const int32_t* clo, float* acc) {
   const int64_t nb = K / 256;
   const __m512 d = _mm512_load_ps(sc.d[0]);
-  if constexpr (Q6) {
+  if constexpr (KT == kQ6KX16 || KT == kQ3KX16) {
     for (int r = 0; r < R; ++r) {
       __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * r), 8), _mm512_load_si512(clo + 16 * r));
       const int16_t* hr = xq.h16.data() + (r0 + r) * (K / 16) + b * 16;
@@ -2726,11 +2807,16 @@ PAGODA_AMX inline void x16_amx_take(const QuantizedX& xq, int64_t K, int64_t b, 
   } else {
     const __m512 dmin = _mm512_load_ps(sc.d[1]);
     for (int r = 0; r < R; ++r) {
-      const __m512i isum =
-          _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * r), 8), _mm512_load_si512(clo + 16 * r));
-      const int16_t* hr = xq.h32.data() + (r0 + r) * (K / 32) + b * 8;
-      __m512i msum = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i) msum = _mm512_dpwssd_epi32(msum, _mm512_load_si512(sc.v[i]), bcast32(hr + 2 * i));
+      __m512i isum, msum = _mm512_setzero_si512();
+      if constexpr (KT == kQ2KX16) {  // the minimums per 16 inputs
+        isum = _mm512_load_si512(clo + 16 * r);
+        const int16_t* hr = xq.h16.data() + (r0 + r) * (K / 16) + b * 16;
+        for (int j = 0; j < 8; ++j) msum = _mm512_dpwssd_epi32(msum, _mm512_load_si512(sc.v[j]), bcast32(hr + 2 * j));
+      } else {
+        isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * r), 8), _mm512_load_si512(clo + 16 * r));
+        const int16_t* hr = xq.h32.data() + (r0 + r) * (K / 32) + b * 8;
+        for (int i = 0; i < 4; ++i) msum = _mm512_dpwssd_epi32(msum, _mm512_load_si512(sc.v[i]), bcast32(hr + 2 * i));
+      }
       const __m512 dx = _mm512_set1_ps(xq.d[(r0 + r) * nb + b]);
       __m512 a = _mm512_loadu_ps(acc + 16 * r);
       a = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), a);
@@ -2743,53 +2829,55 @@ PAGODA_AMX inline void x16_amx_take(const QuantizedX& xq, int64_t K, int64_t b, 
 // One block (block b of the group, its B and terms in sc) for one group of 16 rows (x0:
 // 16 rows of K int8, those past R0 ignored; their d / h32 rows from r0 of xq) or, Two, a
 // second group (x1, R1 rows from r0 + 16) sharing each B tile: acc[r] += the block's terms.
-// Tiles: 0-1 the first group's sums (hi, lo), 2-3 the second's, 4-5 their A, 6-7 B.
-template <bool Q6, bool Two>
+// Tiles: 0-1 the first group's sums (hi, lo), 2-3 the second's, 4-5 their A, 6-7 B. Q2_K's
+// weights (0 .. 45) have no high bytes: its tiles 0 and 2 stay unused.
+template <int KT, bool Two>
 PAGODA_AMX __attribute__((noinline)) void x16_amx_block(const QuantizedX& xq, const int8_t* x0, const int8_t* x1,
                                                       int64_t K, int64_t b, int64_t r0, int R0, int R1,
                                                       float* acc, AmxScratch& sc) {
-  _tile_zero(0);
+  constexpr bool kHi = KT != kQ2KX16, kSigned = KT == kQ6KX16 || KT == kQ3KX16;  // signed high bytes
+  if constexpr (kHi) _tile_zero(0);
   _tile_zero(1);
   if constexpr (Two) {
-    _tile_zero(2);
+    if constexpr (kHi) _tile_zero(2);
     _tile_zero(3);
   }
   for (int t = 0; t < 4; ++t) {
-    _tile_loadd(6, sc.hi + 1024 * t, 64);
+    if constexpr (kHi) _tile_loadd(6, sc.hi + 1024 * t, 64);
     _tile_loadd(7, sc.lo + 1024 * t, 64);
     _tile_loadd(4, x0 + b * 256 + 64 * t, K);
-    if constexpr (Q6) {
-      _tile_dpbssd(0, 4, 6);  // Q6_K's high bytes are signed
-    } else {
+    if constexpr (kSigned) {
+      _tile_dpbssd(0, 4, 6);
+    } else if constexpr (kHi) {
       _tile_dpbsud(0, 4, 6);
     }
     _tile_dpbsud(1, 4, 7);
     if constexpr (Two) {
       _tile_loadd(5, x1 + b * 256 + 64 * t, K);
-      if constexpr (Q6) {
+      if constexpr (kSigned) {
         _tile_dpbssd(2, 5, 6);
-      } else {
+      } else if constexpr (kHi) {
         _tile_dpbsud(2, 5, 6);
       }
       _tile_dpbsud(3, 5, 7);
     }
   }
-  _tile_stored(0, sc.c[0], 64);
+  if constexpr (kHi) _tile_stored(0, sc.c[0], 64);
   _tile_stored(1, sc.c[1], 64);
   if constexpr (Two) {
-    _tile_stored(2, sc.c[2], 64);
+    if constexpr (kHi) _tile_stored(2, sc.c[2], 64);
     _tile_stored(3, sc.c[3], 64);
   }
-  x16_amx_take<Q6>(xq, K, b, r0, R0, sc, sc.c[0], sc.c[1], acc);
-  if constexpr (Two) x16_amx_take<Q6>(xq, K, b, r0 + kAmxRows, R1, sc, sc.c[2], sc.c[3], acc + kAmxRows * 16);
+  x16_amx_take<KT>(xq, K, b, r0, R0, sc, sc.c[0], sc.c[1], acc);
+  if constexpr (Two) x16_amx_take<KT>(xq, K, b, r0 + kAmxRows, R1, sc, sc.c[2], sc.c[3], acc + kAmxRows * 16);
 }
 
-// Channels [n0, n1) (multiples of 16) of a repacked Q3_K, Q4_K, Q5_K or Q6_K part (KT) for
-// rows [m0, m1) on the tiles (Q6: Q6_K's or Q3_K's signed scales per 16 inputs).
+// Channels [n0, n1) (multiples of 16) of a repacked Q2_K, Q3_K, Q4_K, Q5_K or Q6_K part (KT)
+// for rows [m0, m1) on the tiles (Q16: scales per 16 inputs, Q6_K_X16's shape).
 template <int KT>
 PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
                              int64_t n1, const float* bias, float* y, int64_t N, AmxScratch& sc) {
-  constexpr bool Q6 = KT == kQ6KX16 || KT == kQ3KX16;
+  constexpr bool Q16 = KT == kQ6KX16 || KT == kQ3KX16 || KT == kQ2KX16;
   const int64_t nb = K / 256, M = m1 - m0, full_end = m0 + M / kAmxRows * kAmxRows;
   amx_config();
   amx_pad_rows(xq, full_end, m1, K, sc);
@@ -2800,6 +2888,7 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
     for (int64_t b = 0; b < nb; ++b) {
       constexpr int64_t bytes = KT == kQ6KX16   ? kX16Q6Bytes
                                 : KT == kQ3KX16 ? kX16Q3Bytes
+                                : KT == kQ2KX16 ? kX16Q2Bytes
                                 : KT == kQ5KX16 ? kX16Q5Bytes
                                                 : kX16Bytes;
       const uint8_t* p = grp + b * bytes;
@@ -2808,8 +2897,8 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
       // take longer than they look ahead).
       if (b + 1 < nb || n + 16 < n1)
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + bytes + o), _MM_HINT_T0);
-      if constexpr (Q6)
-        x16_amx_weights_q6k<KT == kQ3KX16>(p, sc);
+      if constexpr (Q16)
+        x16_amx_weights_q6k<KT>(p, sc);
       else
         x16_amx_weights<KT == kQ5KX16>(p, sc);
       x16_amx_terms<KT>(p, sc);
@@ -2819,10 +2908,10 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
         const int R0 = static_cast<int>(std::min<int64_t>(kAmxRows, m1 - r));
         float* acc = sc.acc.data() + (r - m0) * 16;
         if (r + kAmxRows < m1)
-          x16_amx_block<Q6, true>(xq, rows_x(r), rows_x(r + kAmxRows), K, b, r, R0,
+          x16_amx_block<KT, true>(xq, rows_x(r), rows_x(r + kAmxRows), K, b, r, R0,
                                   static_cast<int>(std::min<int64_t>(kAmxRows, m1 - r - kAmxRows)), acc, sc);
         else
-          x16_amx_block<Q6, false>(xq, rows_x(r), nullptr, K, b, r, R0, 0, acc, sc);
+          x16_amx_block<KT, false>(xq, rows_x(r), nullptr, K, b, r, R0, 0, acc, sc);
       }
     }
     const int64_t col = w.col + n;
@@ -3194,6 +3283,7 @@ void x32_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Par
 
 // The plain type of a repacked one.
 int64_t lanes_plain(int type) {
+  if (type == kQ2KX16) return kQ2_K;
   if (type == kQ3KX16) return kQ3_K;
   if (type == kQ4KX16) return kQ4_K;
   if (type == kQ5KX16) return kQ5_K;
@@ -3234,10 +3324,10 @@ PartKinds part_kinds(const std::vector<Part>& parts) {
 template <int KT>
 PAGODA_AVX512 void x16_tile_t(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Part& w, int64_t n0,
                               int64_t n1, const float* bias, float* y, int64_t N) {
-  constexpr bool Q6 = KT == kQ6KX16 || KT == kQ3KX16;
+  constexpr bool Q6 = KT == kQ6KX16 || KT == kQ3KX16 || KT == kQ2KX16;  // Q6_K_X16's shape
   auto rows = [&](auto rr, int64_t r, const uint8_t* grp, int64_t col) {
     if constexpr (Q6)
-      x16_q6k_rows<decltype(rr)::value, KT == kQ3KX16>(xq, K, r, grp, bias, y, N, col);
+      x16_q6k_rows<decltype(rr)::value, KT>(xq, K, r, grp, bias, y, N, col);
     else
       x16_rows<decltype(rr)::value, KT == kQ5KX16>(xq, K, r, grp, bias, y, N, col);
   };
@@ -3272,6 +3362,8 @@ void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Par
     run(std::integral_constant<int, kQ5KX16>{});
   else if (w.type == kQ3KX16)
     run(std::integral_constant<int, kQ3KX16>{});
+  else if (w.type == kQ2KX16)
+    run(std::integral_constant<int, kQ2KX16>{});
   else
     run(std::integral_constant<int, kQ4KX16>{});
 }
@@ -3410,12 +3502,12 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
 torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
   static const std::pair<int64_t, int> kLanes[] = {
       {kQ4_K, kQ4KX16}, {kQ6_K, kQ6KX16}, {kQ4_0, kQ40X16}, {kQ4_1, kQ41X16}, {kQ8_0, kQ80X16},
-      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}, {kQ5_K, kQ5KX16}, {kQ3_K, kQ3KX16}};
+      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}, {kQ5_K, kQ5KX16}, {kQ3_K, kQ3KX16}, {kQ2_K, kQ2KX16}};
   int lanes = -1;
   for (const auto& [plain, packed] : kLanes)
     if (plain == type) lanes = packed;
-  TORCH_CHECK(lanes >= 0, "only Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 channels "
-              "in the lanes, not type ", type);
+  TORCH_CHECK(lanes >= 0, "only Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 "
+              "channels in the lanes, not type ", type);
   const std::vector<Part> parts = check_parts({data}, {type}, K);
   const Part& w = parts[0];
   TORCH_CHECK(w.rows % 16 == 0, "repacking needs a multiple of 16 channels, not ", w.rows);
@@ -3434,6 +3526,8 @@ torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
           x16_pack_q6k_block(src, dst);
         else if (lanes == kQ3KX16)
           x16_pack_q3k_block(src, dst);
+        else if (lanes == kQ2KX16)
+          x16_pack_q2k_block(src, dst);
         else if (lanes == kQ5KX16)
           x16_pack_q5k_block(src, dst);
         else if (lanes == kQ4KX16)

@@ -353,12 +353,12 @@ def test_int8_mode_quantizes_blocks_a_block_of_rows_at_a_time(monkeypatch):
 # ---- K-quants repacked with 16 channels in the lanes (the gguf mode on AVX-512 VNNI) ----
 vnni_only = pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
 X16 = {Q.Q4_K: 204, Q.Q6_K: 205, Q.Q4_0: 206, Q.Q4_1: 207, Q.Q8_0: 208}
-X16.update({Q.IQ4_NL: 209, Q.MXFP4: 210, Q.Q5_K: 211, Q.Q3_K: 212})
+X16.update({Q.IQ4_NL: 209, Q.MXFP4: 210, Q.Q5_K: 211, Q.Q3_K: 212, Q.Q2_K: 213})
 X32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4]
 # The repacked types that take x in groups of 256 (llama.cpp's Q8_K) where their plain
 # kernels take groups of 32.
-Q8K_TYPES = (Q.Q5_K, Q.Q3_K)
-K_QUANTS = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+Q8K_TYPES = (Q.Q5_K, Q.Q3_K, Q.Q2_K)
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Repacked bytes per channel and block, where they differ from the plain type's.
 X16_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q3_K: 114}
 
@@ -379,7 +379,7 @@ def test_repacked_blocks_hold_the_same_weights(ggml_type):
         assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, idx), plain[idx])
     with pytest.raises(RuntimeError, match="multiple of 16 channels"):
         ops.gguf_repack_x16(torch.from_numpy(random_blocks(ggml_type, 24, 256, rng)), ggml_type.value, 256)
-    with pytest.raises(RuntimeError, match="only Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4"):
+    with pytest.raises(RuntimeError, match="only Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4"):
         ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.Q5_0, 16, 256, rng)), Q.Q5_0.value, 256)
 
 
@@ -439,18 +439,21 @@ amx_only = pytest.mark.skipif(ops is None or not hasattr(ops, "amx_enabled") or 
 
 
 def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
-    """A Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 / Q5_K / Q3_K weight (its first channels at the
+    """A Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 / Q5_K / Q3_K / Q2_K weight (its first channels at the
     extremes: the largest and smallest values under a large scale), it repacked, a Q4_K part
     (Q8_0 where the columns are not whole Q4_K blocks) to stack after it, a bias, and rows_x
     rows of x with a block of zeros and full-scale rows: (raw, packed, other, bias, x)."""
     raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
-    nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.IQ4_NL: 18, Q.MXFP4: 17, Q.Q5_K: 176, Q.Q3_K: 110}[ggml_type]
+    nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.IQ4_NL: 18, Q.MXFP4: 17, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84}[ggml_type]
     blocks = raw.view(rows_w, -1, nbytes)
     if ggml_type == Q.Q5_K:   # scales and minimums of 63 and values of 31; values of 0
         blocks[0, :, 4:], blocks[1, :, 16:] = 0xFF, 0
         return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q4_K, 16, 64)
     if ggml_type == Q.Q3_K:   # values of 3 under scales of 31; values of -4 under scales of -32
         blocks[0, :, :108], blocks[1, :, :108] = 0xFF, 0
+        return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q4_K, 16, 64)
+    if ggml_type == Q.Q2_K:   # values of 3 under scales and minimums of 15; values of 0, minimums of 0
+        blocks[0, :, :80], blocks[1, :, :16], blocks[1, :, 16:80] = 0xFF, 0x0F, 0
         return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q4_K, 16, 64)
     values = {Q.Q4_1: 4, Q.MXFP4: 1}.get(ggml_type, 2)
     # a large scale: float16 256.0, or E8M0 2^8 (halved, as the values are doubled)
@@ -469,7 +472,7 @@ def test_repacked_32_weight_kernels_multiply_quantized_x_the_same_at_every_step(
     products (W x' for the int8 x': the same integers, float32 sums in another order), and
     a row's bits do not depend on its step (1-40 rows, long rows, a block of zeros,
     full-scale inputs, weights at their extremes, a bias, stacked with a repacked Q4_K part,
-    one thread or two). Q5_K and Q3_K take x in groups of 256 (llama.cpp's Q8_K; their plain
+    one thread or two). Q5_K, Q3_K and Q2_K take x in groups of 256 (llama.cpp's Q8_K; their plain
     kernels take groups of 32): against W x' for that x'."""
     threads = torch.get_num_threads()
     try:

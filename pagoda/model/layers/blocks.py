@@ -69,7 +69,7 @@ def own_type(value: int, name: str, block: int, nbytes: int) -> OwnType:
     return OWN_TYPES[value]
 
 
-# Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked at load with 16
+# Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked at load with 16
 # channels in the vector lanes (gguf_repack_x16; the same bytes per channel but Q3_K's,
 # Q4_K's and Q5_K's): the gguf mode's layout for their parts on AVX-512 VNNI CPUs
 # (BlocksLinear.repack_for_lanes).
@@ -82,7 +82,8 @@ IQ4_NL_X16 = own_type(209, "IQ4_NL_X16", 32, 18)
 MXFP4_X16 = own_type(210, "MXFP4_X16", 32, 17)
 Q5_K_X16 = own_type(211, "Q5_K_X16", 256, 180)
 Q3_K_X16 = own_type(212, "Q3_K_X16", 256, 114)
-LANES_TYPES = {_Q.Q3_K: Q3_K_X16, _Q.Q4_K: Q4_K_X16, _Q.Q5_K: Q5_K_X16, _Q.Q6_K: Q6_K_X16, _Q.Q4_0: Q4_0_X16,
+Q2_K_X16 = own_type(213, "Q2_K_X16", 256, 84)
+LANES_TYPES = {_Q.Q2_K: Q2_K_X16, _Q.Q3_K: Q3_K_X16, _Q.Q4_K: Q4_K_X16, _Q.Q5_K: Q5_K_X16, _Q.Q6_K: Q6_K_X16, _Q.Q4_0: Q4_0_X16,
                _Q.Q4_1: Q4_1_X16, _Q.Q8_0: Q8_0_X16, _Q.IQ4_NL: IQ4_NL_X16, _Q.MXFP4: MXFP4_X16}
 
 
@@ -269,7 +270,7 @@ class BlocksLinear(nn.Module):
         inputs in order) into their repacked layouts, 16 channels side by side in the vector
         lanes: the gguf mode's few-row and prompt products on AVX-512 VNNI CPUs then run
         without decoding blocks or reducing sums across lanes (Q4_K / Q6_K: the same integers
-        and float32 operations as their plain kernels, the same bits; Q5_K / Q3_K: Q4_K's /
+        and float32 operations as their plain kernels, the same bits; Q5_K / Q3_K, Q2_K: Q4_K's /
         Q6_K's kernels, x in groups of 256 as llama.cpp's Q8_K; the 32-weight types: each
         block's integer sum whole, then one float32 step a block; every type the same bits
         for every step size). Call only with ``int8_activations`` set (the exact mode does
