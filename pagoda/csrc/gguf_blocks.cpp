@@ -79,6 +79,8 @@ enum GgmlType : int {
   // Q3_K and Q2_K repacked in Q6_K_X16's shape (layouts above x16_pack_q3k_block and
   // x16_pack_q2k_block).
   kQ3KX16 = 212, kQ2KX16 = 213,
+  // Q5_0, Q5_1 and IQ4_XS repacked as the 32-weight types (their layouts above x32_rows).
+  kQ50X16 = 214, kQ51X16 = 215, kIQ4XSX16 = 216,
   // pagoda's own float layouts (OWN_TYPES, blocks.py; pagoda/model/hf_quant/float_blocks.py).
   kFP8_32 = 220, kFP8_128 = 221, kNVFP4_32 = 222, kNVFP4_128 = 223,
 };
@@ -120,6 +122,9 @@ bool known_format(int type, BlockFormat* f) {
     case kQ80X16: *f = {32, 34}; return true;    // ... in 544 bytes
     case kIQ4NLX16: *f = {32, 18}; return true;  // ... in 288 bytes
     case kMXFP4X16: *f = {32, 17}; return true;  // ... in 272 bytes
+    case kQ50X16: *f = {32, 22}; return true;    // ... in 352 bytes
+    case kQ51X16: *f = {32, 24}; return true;    // ... in 384 bytes
+    case kIQ4XSX16: *f = {256, 138}; return true;  // 16 channels' 256 inputs in 2,208 bytes
     case kFP8_32: *f = {32, 36}; return true;
     case kFP8_128: *f = {128, 132}; return true;
     case kNVFP4_32: *f = {32, 22}; return true;
@@ -134,7 +139,8 @@ constexpr bool is_x16(int type) {
   return type == kQ4KX16 || type == kQ6KX16 || type == kQ5KX16 || type == kQ3KX16 || type == kQ2KX16;
 }
 constexpr bool is_x32(int type) {
-  return type == kQ40X16 || type == kQ41X16 || type == kQ80X16 || type == kIQ4NLX16 || type == kMXFP4X16;
+  return type == kQ40X16 || type == kQ41X16 || type == kQ80X16 || type == kIQ4NLX16 || type == kMXFP4X16 ||
+         type == kQ50X16 || type == kQ51X16 || type == kIQ4XSX16;
 }
 constexpr bool is_lanes(int type) { return is_x16(type) || is_x32(type); }
 
@@ -2937,7 +2943,13 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
 //     [4 bytes]: inputs 4k .. 4k + 3 of channel c at 4c;
 //   IQ4_NL_X16 (288 bytes): as Q4_0_X16, the nibbles indices into IQ4_NL's table;
 //   MXFP4_X16 (272 bytes): [0, 16) the E8M0 scale byte of each channel, then the nibbles as
-//     Q4_0's, indices into MXFP4's table (its values doubled, the scale halved).
+//     Q4_0's, indices into MXFP4's table (its values doubled, the scale halved);
+//   Q5_0_X16 (352 bytes) / Q5_1_X16 (384 bytes): as Q4_0_X16 / Q4_1_X16, then 64 bytes of
+//     fifth bits: 8 bytes a row kk of the values below, bit 4c + i that of the row's byte
+//     4c + i (a mask of the 64 values that take 16);
+//   IQ4_XS_X16 (2,208 bytes for 256 inputs, 8 blocks of 32): [0, 32) d of each channel
+//     (float16), [32, 160) the blocks' scales less 32 (int8), [block][channel], then the 8
+//     blocks' nibbles as IQ4_NL_X16's; a block's scale d (ls - 32), exact in float32.
 // Either way row kk of the block's 8 x 64 bytes of values (nibbles split, looked up) holds inputs
 // 4kk .. 4kk + 3 of the 16 channels: one vpdpbusd against 4 broadcast inputs of x, and
 // one row of an AMX B tile. Per block and row the integer sum I = sum_k w_k x_k of the
@@ -2950,27 +2962,47 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
 template <int T>
 struct Lanes32 {
   static constexpr bool kNibbles = T != kQ80X16;
-  static constexpr bool kMin = T == kQ41X16;
+  static constexpr bool kMin = T == kQ41X16 || T == kQ51X16;
+  static constexpr bool kHigh = T == kQ50X16 || T == kQ51X16;       // fifth bits
   static constexpr bool kE8M0 = T == kMXFP4X16;                   // one scale byte a channel
-  static constexpr bool kTable = T == kIQ4NLX16 || T == kMXFP4X16;  // nibbles index a table
+  static constexpr bool kSuper = T == kIQ4XSX16;                  // 8 blocks under one d
+  static constexpr bool kTable = T == kIQ4NLX16 || T == kMXFP4X16 || kSuper;  // nibbles index a table
   static constexpr int kPlain = T == kQ40X16 ? kQ4_0 : T == kQ41X16 ? kQ4_1 : T == kQ80X16 ? kQ8_0
-                                : T == kIQ4NLX16 ? kIQ4_NL : kMXFP4;
+                                : T == kIQ4NLX16 ? kIQ4_NL : T == kQ50X16 ? kQ5_0 : T == kQ51X16 ? kQ5_1
+                                : kSuper ? kIQ4_XS : kMXFP4;
   static constexpr int kScaleBytes = kE8M0 ? 1 : 2;
-  static constexpr int kPlainBytes = kScaleBytes + (kMin ? 2 : 0) + (kNibbles ? 16 : 32);
-  static constexpr int kCodes = 16 * (kScaleBytes + (kMin ? 2 : 0));
-  static constexpr int64_t kBytes = 16 * kPlainBytes;
+  // A plain block's bytes before its qh (Q5) and nibbles / values, and in all.
+  static constexpr int kHead = kScaleBytes + (kMin ? 2 : 0);
+  static constexpr int kPlainBytes = kHead + (kHigh ? 4 : 0) + (kNibbles ? 16 : 32);
+  static constexpr int kCodes = kSuper ? 160 : 16 * kHead;  // the values' first byte in a block
+  static constexpr int64_t kBytes = kSuper ? 2208 / 8 : 16 * kPlainBytes;  // a block's share
   // vpdpbusd takes unsigned weights: the VNNI kernel's are the values plus this (the
-  // nibbles as stored; Q8_0's sign bit flipped; the tables' values plus 128), taken off
-  // again as kOffset x sum(x).
-  static constexpr int kOffset = T == kQ40X16 ? 8 : T == kQ41X16 ? 0 : 128;
-  static const int8_t* table() { return T == kIQ4NLX16 ? kIQ4Values : kMXFP4Values; }
+  // nibbles as stored, Q5's with their fifth bit; Q8_0's sign bit flipped; the tables'
+  // values plus 128), taken off again as kOffset x sum(x).
+  static constexpr int kOffset = T == kQ40X16 ? 8 : T == kQ50X16 ? 16 : kMin ? 0 : 128;
+  static const int8_t* table() { return T == kMXFP4X16 ? kMXFP4Values : kIQ4Values; }
+  // Block b's first byte of values and its 64-byte rows of fifth bits, in a group at grp.
+  static const uint8_t* codes(const uint8_t* grp, int64_t b) {
+    if constexpr (kSuper) return grp + (b / 8) * 2208 + kCodes + 256 * (b % 8);
+    return grp + b * kBytes + kCodes;
+  }
+  static const uint8_t* high(const uint8_t* grp, int64_t b) { return grp + b * kBytes + kCodes + 256; }
+  // Where block b's scales (or its super-block's d) and minimums begin.
+  static const uint8_t* head(const uint8_t* grp, int64_t b) {
+    if constexpr (kSuper) return grp + (b / 8) * 2208;
+    return grp + b * kBytes;
+  }
 };
 
-// The 16 channels' scales of a repacked 32-weight block p (float16 d, or MXFP4's E8M0
-// halved: e8m0_half's values).
+// The 16 channels' scales of block b of a repacked 32-weight group grp (float16 d, MXFP4's
+// E8M0 halved: e8m0_half's values; IQ4_XS's d (ls - 32)).
 template <int T>
-PAGODA_AVX512 inline __m512 lanes_scale(const uint8_t* p) {
-  if constexpr (Lanes32<T>::kE8M0) {
+PAGODA_AVX512 inline __m512 lanes_scale(const uint8_t* grp, int64_t b) {
+  const uint8_t* p = Lanes32<T>::head(grp, b);
+  if constexpr (Lanes32<T>::kSuper) {
+    const __m512i ls = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * (b % 8))));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), _mm512_cvtepi32_ps(ls));
+  } else if constexpr (Lanes32<T>::kE8M0) {
     const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __mmask16 sub = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
     const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
@@ -2986,22 +3018,64 @@ PAGODA_AVX512 inline __m512i lanes_table(const int8_t* table, int plus) {
                          _mm512_set1_epi8(static_cast<char>(plus)));
 }
 
-// 16 channels' blocks of the plain type (src[c]) -> one repacked block.
+// Channel c's 32 nibbles qs (byte k's low nibble value k, its high one k + 16) into the
+// repacked nibbles at codes, and back.
+inline void x32_pack_nibbles(const uint8_t* qs, int c, uint8_t* codes) {
+  auto nibble = [&](int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; };
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < 4; ++i)
+      codes[64 * q + 4 * c + i] = static_cast<uint8_t>(nibble(8 * q + i) | (nibble(8 * q + 4 + i) << 4));
+}
+inline void x32_unpack_nibbles(const uint8_t* codes, int c, uint8_t* qs) {
+  std::memset(qs, 0, 16);
+  auto put = [&](int k, uint8_t v) { qs[k % 16] |= static_cast<uint8_t>(k < 16 ? v : v << 4); };
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t b = codes[64 * q + 4 * c + i];
+      put(8 * q + i, b & 0x0F);
+      put(8 * q + 4 + i, b >> 4);
+    }
+}
+
+// Scale ib (0-7) of an IQ4_XS block p (6 bits: low 4 in scales_l, high 2 in scales_h).
+inline int iq4xs_scale(const uint8_t* p, int ib) {
+  return ((p[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((p[2] | (p[3] << 8)) >> (2 * ib) & 3) << 4);
+}
+
+// 16 channels' blocks of the plain type (src[c]) -> one repacked block (IQ4_XS: one block
+// of 256 inputs -> its 8 repacked blocks).
 template <int T>
 void x32_pack_block(const uint8_t* const* src, uint8_t* dst) {
   using L = Lanes32<T>;
+  if constexpr (L::kSuper) {
+    for (int c = 0; c < 16; ++c) {
+      std::memcpy(dst + 2 * c, src[c], 2);
+      for (int ib = 0; ib < 8; ++ib) {
+        dst[32 + 16 * ib + c] = static_cast<uint8_t>(iq4xs_scale(src[c], ib) - 32);
+        x32_pack_nibbles(src[c] + 8 + 16 * ib, c, dst + L::kCodes + 256 * ib);
+      }
+    }
+    return;
+  }
+  if constexpr (L::kHigh) std::memset(dst + L::kCodes + 256, 0, 64);
   for (int c = 0; c < 16; ++c) {
     const uint8_t* p = src[c];
     std::memcpy(dst + L::kScaleBytes * c, p, L::kScaleBytes);
     if constexpr (L::kMin) std::memcpy(dst + 32 + 2 * c, p + 2, 2);
-    const uint8_t* qs = p + L::kCodes / 16;
+    const uint8_t* qs = p + L::kHead + (L::kHigh ? 4 : 0);
     if constexpr (L::kNibbles) {
-      auto nibble = [&](int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; };
-      for (int q = 0; q < 4; ++q)
-        for (int i = 0; i < 4; ++i)
-          dst[L::kCodes + 64 * q + 4 * c + i] = static_cast<uint8_t>(nibble(8 * q + i) | (nibble(8 * q + 4 + i) << 4));
+      x32_pack_nibbles(qs, c, dst + L::kCodes);
     } else {
       for (int k = 0; k < 8; ++k) std::memcpy(dst + L::kCodes + 64 * k + 4 * c, qs + 4 * k, 4);
+    }
+    if constexpr (L::kHigh) {  // value k's fifth bit: bit k of qh; in row kk = 2q + half, byte 4c + i
+      uint32_t qh;
+      std::memcpy(&qh, p + L::kHead, 4);
+      for (int kk = 0; kk < 8; ++kk)
+        for (int i = 0; i < 4; ++i) {
+          const int k = 8 * (kk / 2) + 4 * (kk % 2) + i;
+          if ((qh >> k) & 1) dst[L::kCodes + 256 + 8 * kk + (4 * c + i) / 8] |= static_cast<uint8_t>(1 << ((4 * c + i) % 8));
+        }
     }
   }
 }
@@ -3010,21 +3084,44 @@ void x32_pack_block(const uint8_t* const* src, uint8_t* dst) {
 template <int T>
 void x32_unpack_block(const uint8_t* src, int c, uint8_t* p) {
   using L = Lanes32<T>;
+  if constexpr (L::kSuper) {
+    std::memcpy(p, src + 2 * c, 2);
+    uint16_t sh = 0;
+    std::memset(p + 4, 0, 4);
+    for (int ib = 0; ib < 8; ++ib) {
+      const int ls = static_cast<int8_t>(src[32 + 16 * ib + c]) + 32;
+      p[4 + ib / 2] |= static_cast<uint8_t>((ls & 0x0F) << (4 * (ib % 2)));
+      sh = static_cast<uint16_t>(sh | ((ls >> 4) << (2 * ib)));
+      x32_unpack_nibbles(src + L::kCodes + 256 * ib, c, p + 8 + 16 * ib);
+    }
+    std::memcpy(p + 2, &sh, 2);
+    return;
+  }
   std::memcpy(p, src + L::kScaleBytes * c, L::kScaleBytes);
   if constexpr (L::kMin) std::memcpy(p + 2, src + 32 + 2 * c, 2);
-  uint8_t* qs = p + L::kCodes / 16;
+  uint8_t* qs = p + L::kHead + (L::kHigh ? 4 : 0);
   if constexpr (L::kNibbles) {
-    std::memset(qs, 0, 16);
-    auto put = [&](int k, uint8_t v) { qs[k % 16] |= static_cast<uint8_t>(k < 16 ? v : v << 4); };
-    for (int q = 0; q < 4; ++q)
-      for (int i = 0; i < 4; ++i) {
-        const uint8_t b = src[L::kCodes + 64 * q + 4 * c + i];
-        put(8 * q + i, b & 0x0F);
-        put(8 * q + 4 + i, b >> 4);
-      }
+    x32_unpack_nibbles(src + L::kCodes, c, qs);
   } else {
     for (int k = 0; k < 8; ++k) std::memcpy(qs + 4 * k, src + L::kCodes + 64 * k + 4 * c, 4);
   }
+  if constexpr (L::kHigh) {
+    uint32_t qh = 0;
+    for (int kk = 0; kk < 8; ++kk)
+      for (int i = 0; i < 4; ++i) {
+        const int k = 8 * (kk / 2) + 4 * (kk % 2) + i;
+        qh |= static_cast<uint32_t>((src[L::kCodes + 256 + 8 * kk + (4 * c + i) / 8] >> ((4 * c + i) % 8)) & 1) << k;
+      }
+    std::memcpy(p + L::kHead, &qh, 4);
+  }
+}
+
+// Row kk of a repacked Q5_0 / Q5_1 block's values v (its nibbles) with the fifth bits
+// (high: the block's 64 bytes of them) added: 16 more in the bytes whose bit is set.
+PAGODA_AVX512 inline __m512i lanes_fifth(__m512i v, const uint8_t* high, int kk) {
+  uint64_t m;
+  std::memcpy(&m, high + 8 * kk, 8);
+  return _mm512_mask_add_epi8(v, _cvtu64_mask64(m), v, _mm512_set1_epi8(16));
 }
 
 // y[(r0 + r) * N + col + c] for rows r < R of x (quantized in groups of 32) and the 16
@@ -3049,16 +3146,21 @@ PAGODA_AVX512 __attribute__((noinline)) void x32_rows(const QuantizedX& xq, int6
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = grp + b * L::kBytes;
-    const char* pc = reinterpret_cast<const char*>(p);
-    for (int64_t i = 0; i < L::kBytes; i += 64) {
+    const uint8_t* codes = L::codes(grp, b);
+    // A block's bytes from its first (its scales; IQ4_XS: its values, the super-block's
+    // head prefetched with its first block's far ahead of it).
+    const char* pc = reinterpret_cast<const char*>(L::kSuper ? codes : grp + b * L::kBytes);
+    for (int64_t i = 0; i < (L::kSuper ? 256 : L::kBytes); i += 64) {
       _mm_prefetch(pc + kX16FarAhead + i, _MM_HINT_T1);
       _mm_prefetch(pc + kX16Ahead + i, _MM_HINT_T0);
     }
+    if constexpr (L::kSuper)
+      if (b % 8 == 0)
+        for (int i = 0; i < 160; i += 64) _mm_prefetch(reinterpret_cast<const char*>(L::head(grp, b + 8)) + i, _MM_HINT_T0);
     __m512i v[8];
     if constexpr (L::kNibbles) {
       for (int q = 0; q < 4; ++q) {
-        const __m512i raw = _mm512_loadu_si512(p + L::kCodes + 64 * q);
+        const __m512i raw = _mm512_loadu_si512(codes + 64 * q);
         v[2 * q] = _mm512_and_si512(raw, m4);
         v[2 * q + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
         if constexpr (L::kTable) {
@@ -3066,8 +3168,10 @@ PAGODA_AVX512 __attribute__((noinline)) void x32_rows(const QuantizedX& xq, int6
           v[2 * q + 1] = _mm512_shuffle_epi8(table, v[2 * q + 1]);
         }
       }
+      if constexpr (L::kHigh)  // the fifth bits: 16 more where set
+        for (int kk = 0; kk < 8; ++kk) v[kk] = lanes_fifth(v[kk], L::high(grp, b), kk);
     } else {
-      for (int k = 0; k < 8; ++k) v[k] = _mm512_xor_si512(_mm512_loadu_si512(p + L::kCodes + 64 * k), flip);
+      for (int k = 0; k < 8; ++k) v[k] = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * k), flip);
     }
     __m512i s[R], t[R];
     for (int r = 0; r < R; ++r) {
@@ -3078,14 +3182,14 @@ PAGODA_AVX512 __attribute__((noinline)) void x32_rows(const QuantizedX& xq, int6
         t[r] = _mm512_dpbusd_epi32(t[r], v[kk + 1], bcast32(xb + 4 * kk + 4));
       }
     }
-    const __m512 d = lanes_scale<T>(p);
+    const __m512 d = lanes_scale<T>(grp, b);
     for (int r = 0; r < R; ++r) {
       __m512i isum = _mm512_add_epi32(s[r], t[r]);
       if constexpr (L::kOffset != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(L::kOffset * hr[r][b]));
       const float dx = dr[r][b];
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum), acc[r]);
       if constexpr (L::kMin) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(L::head(grp, b) + 32)));
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(hr[r][b])), acc[r]);
       }
     }
@@ -3124,18 +3228,18 @@ PAGODA_AMX inline void amx_config32() {
   _tile_loadconfig(&cfg);
 }
 
-// Block p's sums c (16 rows x 16 channels, int32) of one group of 16 rows into acc: per
-// row r, acc[r] += (d dx) c[r] (Q4_1: then += m (dx sum x)); td / to: the rows' terms of
-// this block (xq.t32d / t32o).
+// Block b's sums c (16 rows x 16 channels, int32) of one group of 16 rows into acc: per
+// row r, acc[r] += (d dx) c[r] (Q4_1, Q5_1: then += m (dx sum x)); td / to: the rows' terms
+// of this block (xq.t32d / t32o).
 template <int T>
-PAGODA_AMX inline void x32_amx_take(const uint8_t* p, const float* td, const float* to, const int32_t* c,
-                                    __m512 (&acc)[kAmxRows]) {
-  const __m512 d = lanes_scale<T>(p);
+PAGODA_AMX inline void x32_amx_take(const uint8_t* grp, int64_t b, const float* td, const float* to,
+                                    const int32_t* c, __m512 (&acc)[kAmxRows]) {
+  const __m512 d = lanes_scale<T>(grp, b);
   for (int r = 0; r < kAmxRows; ++r)
     acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(td[r])), _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)),
                              acc[r]);
   if constexpr (Lanes32<T>::kMin) {
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Lanes32<T>::head(grp, b) + 32)));
     for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(to[r]), acc[r]);
   }
 }
@@ -3170,9 +3274,9 @@ PAGODA_AMX __attribute__((noinline)) void x32_amx_rows(const int8_t* x, int64_t 
       _tile_dpbssd(1, 3, 5);
     }
     _tile_stored(0, sc.c[0], 64);
-    x32_amx_take<T>(grp + b * L::kBytes, td + 16 * b, to ? to + 16 * b : nullptr, sc.c[0], acc);
+    x32_amx_take<T>(grp, b, td + 16 * b, to ? to + 16 * b : nullptr, sc.c[0], acc);
     _tile_stored(1, sc.c[1], 64);
-    x32_amx_take<T>(grp + (b + 1) * L::kBytes, td + 16 * b + 16, to ? to + 16 * b + 16 : nullptr, sc.c[1], acc);
+    x32_amx_take<T>(grp, b + 1, td + 16 * b + 16, to ? to + 16 * b + 16 : nullptr, sc.c[1], acc);
   }
   if (b < nb) {
     _tile_zero(0);
@@ -3184,7 +3288,7 @@ PAGODA_AMX __attribute__((noinline)) void x32_amx_rows(const int8_t* x, int64_t 
       _tile_dpbssd(0, 2, 4);
     }
     _tile_stored(0, sc.c[0], 64);
-    x32_amx_take<T>(grp + b * L::kBytes, td + 16 * b, to ? to + 16 * b : nullptr, sc.c[0], acc);
+    x32_amx_take<T>(grp, b, td + 16 * b, to ? to + 16 * b : nullptr, sc.c[0], acc);
   }
   for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
@@ -3201,7 +3305,7 @@ PAGODA_AMX void x32_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
   amx_config32();
   amx_pad_rows(xq, full_end, m1, K, sc);
   if constexpr (L::kNibbles) sc.b32.resize(nb * 512);
-  const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(static_cast<char>(L::kOffset));
   const __m512i table = L::kTable ? lanes_table(L::table(), 0) : m4;
   alignas(64) float out[kAmxRows * 16];
   for (int64_t n = n0; n < n1; n += 16) {
@@ -3209,14 +3313,18 @@ PAGODA_AMX void x32_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
     if constexpr (L::kNibbles)
       for (int64_t b = 0; b < nb; ++b)
         for (int q = 0; q < 4; ++q) {
-          const __m512i raw = _mm512_loadu_si512(grp + b * L::kBytes + L::kCodes + 64 * q);
+          const __m512i raw = _mm512_loadu_si512(L::codes(grp, b) + 64 * q);
           __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+          if constexpr (L::kHigh) {  // Q5_0 / Q5_1: the fifth bits
+            lo = lanes_fifth(lo, L::high(grp, b), 2 * q);
+            hi = lanes_fifth(hi, L::high(grp, b), 2 * q + 1);
+          }
           if constexpr (L::kTable) {  // the table's signed values
             lo = _mm512_shuffle_epi8(table, lo);
             hi = _mm512_shuffle_epi8(table, hi);
-          } else if constexpr (L::kOffset != 0) {  // Q4_0's nibbles less 8
-            lo = _mm512_sub_epi8(lo, eight);
-            hi = _mm512_sub_epi8(hi, eight);
+          } else if constexpr (L::kOffset != 0) {  // Q4_0's nibbles less 8, Q5_0's values less 16
+            lo = _mm512_sub_epi8(lo, offset);
+            hi = _mm512_sub_epi8(hi, offset);
           }
           _mm512_storeu_si512(sc.b32.data() + 512 * b + 128 * q, lo);
           _mm512_storeu_si512(sc.b32.data() + 512 * b + 128 * q + 64, hi);
@@ -3265,6 +3373,9 @@ void with_x32_type(int type, F&& f) {
     case kQ80X16: f(std::integral_constant<int, kQ80X16>{}); return;
     case kIQ4NLX16: f(std::integral_constant<int, kIQ4NLX16>{}); return;
     case kMXFP4X16: f(std::integral_constant<int, kMXFP4X16>{}); return;
+    case kQ50X16: f(std::integral_constant<int, kQ50X16>{}); return;
+    case kQ51X16: f(std::integral_constant<int, kQ51X16>{}); return;
+    case kIQ4XSX16: f(std::integral_constant<int, kIQ4XSX16>{}); return;
     default: TORCH_CHECK(false, "not a repacked 32-weight type: ", type);
   }
 }
@@ -3300,7 +3411,10 @@ void lanes_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   const int c = static_cast<int>(n % 16);
   with_x32_type(w.type, [&](auto tt) {
     using L = Lanes32<decltype(tt)::value>;
-    for (int64_t b = 0; b < K / 32; ++b) x32_unpack_block<decltype(tt)::value>(g + b * L::kBytes, c, out + b * L::kPlainBytes);
+    if constexpr (L::kSuper)  // a block of 256 inputs at a time
+      for (int64_t b = 0; b < K / 256; ++b) x32_unpack_block<decltype(tt)::value>(g + b * 2208, c, out + b * 136);
+    else
+      for (int64_t b = 0; b < K / 32; ++b) x32_unpack_block<decltype(tt)::value>(g + b * L::kBytes, c, out + b * L::kPlainBytes);
   });
 }
 
@@ -3308,7 +3422,7 @@ PartKinds part_kinds(const std::vector<Part>& parts) {
   PartKinds out;
   for (const Part& p : parts) {
     if (is_x32(p.type))
-      out.x32 = true, out.min |= p.type == kQ41X16;
+      out.x32 = true, out.min |= p.type == kQ41X16 || p.type == kQ51X16;
     else if (is_x16(p.type))
       out.k = true;
     else if (has_k_kernel(p.type))
@@ -3502,12 +3616,13 @@ torch::Tensor gguf_dequantize(torch::Tensor data, int64_t type, int64_t K, c10::
 torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
   static const std::pair<int64_t, int> kLanes[] = {
       {kQ4_K, kQ4KX16}, {kQ6_K, kQ6KX16}, {kQ4_0, kQ40X16}, {kQ4_1, kQ41X16}, {kQ8_0, kQ80X16},
-      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}, {kQ5_K, kQ5KX16}, {kQ3_K, kQ3KX16}, {kQ2_K, kQ2KX16}};
+      {kIQ4_NL, kIQ4NLX16}, {kMXFP4, kMXFP4X16}, {kQ5_K, kQ5KX16}, {kQ3_K, kQ3KX16}, {kQ2_K, kQ2KX16},
+      {kQ5_0, kQ50X16}, {kQ5_1, kQ51X16}, {kIQ4_XS, kIQ4XSX16}};
   int lanes = -1;
   for (const auto& [plain, packed] : kLanes)
     if (plain == type) lanes = packed;
-  TORCH_CHECK(lanes >= 0, "only Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repack with 16 "
-              "channels in the lanes, not type ", type);
+  TORCH_CHECK(lanes >= 0, "only Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS and MXFP4 "
+              "repack with 16 channels in the lanes, not type ", type);
   const std::vector<Part> parts = check_parts({data}, {type}, K);
   const Part& w = parts[0];
   TORCH_CHECK(w.rows % 16 == 0, "repacking needs a multiple of 16 channels, not ", w.rows);

@@ -353,14 +353,16 @@ def test_int8_mode_quantizes_blocks_a_block_of_rows_at_a_time(monkeypatch):
 # ---- K-quants repacked with 16 channels in the lanes (the gguf mode on AVX-512 VNNI) ----
 vnni_only = pytest.mark.skipif(ops is None or not ops.avx512_enabled(), reason="needs a CPU with AVX-512 VNNI")
 X16 = {Q.Q4_K: 204, Q.Q6_K: 205, Q.Q4_0: 206, Q.Q4_1: 207, Q.Q8_0: 208}
-X16.update({Q.IQ4_NL: 209, Q.MXFP4: 210, Q.Q5_K: 211, Q.Q3_K: 212, Q.Q2_K: 213})
-X32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4]
+X16.update({Q.IQ4_NL: 209, Q.MXFP4: 210, Q.Q5_K: 211, Q.Q3_K: 212, Q.Q2_K: 213, Q.Q5_0: 214, Q.Q5_1: 215, Q.IQ4_XS: 216})
+X32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
 # The repacked types that take x in groups of 256 (llama.cpp's Q8_K) where their plain
 # kernels take groups of 32.
 Q8K_TYPES = (Q.Q5_K, Q.Q3_K, Q.Q2_K)
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Repacked bytes per channel and block, where they differ from the plain type's.
-X16_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q3_K: 114}
+X16_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q3_K: 114, Q.IQ4_XS: 138}
+# Types of 256-weight blocks.
+BLOCKS256 = (*K_QUANTS, Q.IQ4_XS)
 
 
 @pytest.mark.parametrize("ggml_type", list(X16), ids=lambda t: t.name)
@@ -368,19 +370,20 @@ def test_repacked_blocks_hold_the_same_weights(ggml_type):
     """gguf_repack_x16 rearranges 16 channels' blocks (any CPU): each channel reads back as
     its own blocks (the dequantized values of every row, and of rows picked by index)."""
     rng = np.random.default_rng(ggml_type.value)
-    block = 256 if ggml_type in K_QUANTS else 32
+    block = 256 if ggml_type in BLOCKS256 else 32
     for rows, cols in ((16, block), (48, 2048), (32, 33 * block)):
         raw = torch.from_numpy(random_blocks(ggml_type, rows, cols, rng))
         packed = ops.gguf_repack_x16(raw, ggml_type.value, cols)
-        assert packed.shape == ((rows, cols // 256 * X16_BYTES[ggml_type]) if ggml_type in X16_BYTES else raw.shape)
+        assert packed.shape == ((rows, cols // block * X16_BYTES[ggml_type]) if ggml_type in X16_BYTES else raw.shape)
         plain = ops.gguf_dequantize(raw, ggml_type.value, cols, None)
         assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, None), plain)
         idx = torch.tensor([rows - 1, 0, 5, 15])
         assert torch.equal(ops.gguf_dequantize(packed, X16[ggml_type], cols, idx), plain[idx])
     with pytest.raises(RuntimeError, match="multiple of 16 channels"):
         ops.gguf_repack_x16(torch.from_numpy(random_blocks(ggml_type, 24, 256, rng)), ggml_type.value, 256)
-    with pytest.raises(RuntimeError, match="only Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4"):
-        ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.Q5_0, 16, 256, rng)), Q.Q5_0.value, 256)
+    with pytest.raises(RuntimeError, match="only Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, "
+                       "IQ4_XS and MXFP4"):
+        ops.gguf_repack_x16(torch.from_numpy(random_blocks(Q.F16, 16, 256, rng)), Q.F16.value, 256)
 
 
 def _x16_case(ggml_type, rows_w, cols, rng, rows_x):
@@ -439,12 +442,13 @@ amx_only = pytest.mark.skipif(ops is None or not hasattr(ops, "amx_enabled") or 
 
 
 def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
-    """A Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4 / Q5_K / Q3_K / Q2_K weight (its first channels at the
-    extremes: the largest and smallest values under a large scale), it repacked, a Q4_K part
+    """A weight of a repacked type but Q4_K / Q6_K (its first channels at the extremes: the
+    largest and smallest values under a large scale), it repacked, a Q4_K part
     (Q8_0 where the columns are not whole Q4_K blocks) to stack after it, a bias, and rows_x
     rows of x with a block of zeros and full-scale rows: (raw, packed, other, bias, x)."""
     raw = torch.from_numpy(random_blocks(ggml_type, rows_w, cols, rng))
-    nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.IQ4_NL: 18, Q.MXFP4: 17, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84}[ggml_type]
+    nbytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.IQ4_NL: 18, Q.IQ4_XS: 136, Q.MXFP4: 17,
+              Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84}[ggml_type]
     blocks = raw.view(rows_w, -1, nbytes)
     if ggml_type == Q.Q5_K:   # scales and minimums of 63 and values of 31; values of 0
         blocks[0, :, 4:], blocks[1, :, 16:] = 0xFF, 0
@@ -455,10 +459,10 @@ def _x32_case(ggml_type, rows_w, cols, rng, rows_x):
     if ggml_type == Q.Q2_K:   # values of 3 under scales and minimums of 15; values of 0, minimums of 0
         blocks[0, :, :80], blocks[1, :, :16], blocks[1, :, 16:80] = 0xFF, 0x0F, 0
         return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q4_K, 16, 64)
-    values = {Q.Q4_1: 4, Q.MXFP4: 1}.get(ggml_type, 2)
+    values = {Q.Q4_1: 4, Q.Q5_1: 4, Q.MXFP4: 1}.get(ggml_type, 2)
     # a large scale: float16 256.0, or E8M0 2^8 (halved, as the values are doubled)
     big = torch.tensor([0x89] if ggml_type == Q.MXFP4 else [0x00, 0x5C], dtype=torch.uint8)
-    blocks[0, :, :values] = blocks[1, :, :values] = big if ggml_type != Q.Q4_1 else torch.tensor([0, 0x5C, 0, 0x5C])
+    blocks[0, :, :values] = blocks[1, :, :values] = big if values != 4 else torch.tensor([0, 0x5C, 0, 0x5C])
     blocks[0, :, values:] = 0x7F if ggml_type == Q.Q8_0 else 0xFF if ggml_type != Q.MXFP4 else 0x77   # largest
     blocks[1, :, values:] = 0x80 if ggml_type == Q.Q8_0 else 0x00 if ggml_type != Q.MXFP4 else 0xFF   # smallest
     return _lanes_case(ggml_type, raw, cols, rng, rows_x, Q.Q4_K if cols % 256 == 0 else Q.Q8_0, 16, 64)
@@ -513,7 +517,7 @@ def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
     k_quant = ggml_type in (Q.Q4_K, Q.Q6_K)
     try:
         rng = np.random.default_rng(70 + ggml_type.value)
-        for rows_w, cols in ((32, 256), (48, 7 * 256 if ggml_type in K_QUANTS else 57 * 32)):
+        for rows_w, cols in ((32, 256), (48, 7 * 256 if ggml_type in BLOCKS256 else 57 * 32)):
             case = _x16_case if k_quant else _x32_case
             _, packed, other, bias, x = case(ggml_type, rows_w, cols, rng, 600)
             other_type = Q.Q8_0 if k_quant or cols % 256 else Q.Q4_K
@@ -533,9 +537,9 @@ def test_amx_tiles_give_the_vnni_kernels_bits(ggml_type, monkeypatch):
 
 @vnni_only
 def test_blocks_linear_repacks_for_the_gguf_mode_only():
-    """repack_for_lanes swaps the Q4_K / Q6_K / Q4_0 / Q4_1 / Q8_0 parts of 16-channel
-    multiples for their repacked layout and leaves the rest; the K-quants' results keep
-    their bits; the exact mode refuses the layout by name."""
+    """repack_for_lanes swaps the parts of 16-channel multiples for their repacked layout
+    and leaves the rest; the K-quants' results keep their bits, the 32-weight types' within
+    float32 rounding; the exact mode refuses the layout by name."""
     parts = [_weight(Q.Q4_K, 32, 512, seed=1)[0], _weight(Q.Q6_K, 16, 512, seed=2)[0],
              _weight(Q.Q4_K, 8, 512, seed=3)[0], _weight(Q.Q5_0, 16, 512, seed=4)[0],
              _weight(Q.Q8_0, 16, 512, seed=5)[0], _weight(Q.Q4_0, 8, 512, seed=6)[0]]
@@ -545,12 +549,12 @@ def test_blocks_linear_repacks_for_the_gguf_mode_only():
     layer.int8_activations = True
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
     before = layer(x)
-    assert layer.repack_for_lanes() == 3
-    assert [p.ggml_type.name for p in layer.parts] == ["Q4_K_X16", "Q6_K_X16", "Q4_K", "Q5_0", "Q8_0_X16", "Q4_0"]
+    assert layer.repack_for_lanes() == 4
+    assert [p.ggml_type.name for p in layer.parts] == ["Q4_K_X16", "Q6_K_X16", "Q4_K", "Q5_0_X16", "Q8_0_X16", "Q4_0"]
     after = layer(x)
-    q8 = slice(72, 88)
-    assert torch.equal(after[:, :72], before[:, :72]) and torch.equal(after[:, 88:], before[:, 88:])
-    assert torch.allclose(after[:, q8], before[:, q8], rtol=1e-5, atol=1e-5)
+    blocks32 = slice(56, 88)   # the Q5_0 and Q8_0 parts
+    assert torch.equal(after[:, :56], before[:, :56]) and torch.equal(after[:, 88:], before[:, 88:])
+    assert torch.allclose(after[:, blocks32], before[:, blocks32], rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.dequantized(), torch.cat([p.dequantize() for p in parts]))
     with pytest.raises(RuntimeError, match="gguf mode only"):
         ops.gguf_linear(x, layer._data, layer._types, None)

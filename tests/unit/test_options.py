@@ -227,10 +227,11 @@ def test_quantization_auto_keeps_the_exact_mode_for_files_mostly_of_other_types(
         auto_quantization(str(bad), "cpu", "auto")
 
 
-def test_quantization_auto_counts_the_repacked_32_weight_types_where_they_run(tmp_path, monkeypatch):
-    """Where the gguf mode repacks Q4_0 / Q4_1 / Q8_0 / IQ4_NL / Q5_K into the vector lanes
-    (AVX-512 VNNI), files mostly of them run in the gguf mode too (faster there:
-    docs/benchmarks.md); Q3_K and Q5_0 files keep the exact mode."""
+def test_quantization_auto_counts_the_repacked_types_where_they_run(tmp_path, monkeypatch):
+    """Where the gguf mode repacks every integer block type into the vector lanes (AVX-512
+    VNNI), files mostly of any of them run in the gguf mode (faster there: docs/benchmarks.md);
+    a file of types it has no kernels of its own for keeps the exact mode, and without the
+    repacking (PAGODA_GGUF_REPACK=0, AVX2 CPUs) the rule counts Q4_K, Q6_K and MXFP4 alone."""
     from pagoda.model.auto_mode import GGUF_MODE_MIN_BYTES, auto_quantization
     from pagoda.ops import cpu_kernels
 
@@ -242,8 +243,14 @@ def test_quantization_auto_counts_the_repacked_32_weight_types_where_they_run(tm
     assert auto_quantization(_gguf_of(tmp_path / "q40.gguf", size, Q4_0=60_000, Q6_K=10_000), "cpu", "auto")[0] == "gguf"
     assert auto_quantization(_gguf_of(tmp_path / "q41.gguf", size, Q4_1=60_000, Q5_0=50_000), "cpu", "auto")[0] == "gguf"
     assert auto_quantization(_gguf_of(tmp_path / "q5k.gguf", size, Q5_K=70_000, Q6_K=30_000), "cpu", "auto")[0] == "gguf"
-    mode, why = auto_quantization(_gguf_of(tmp_path / "q3k.gguf", size, Q3_K=70_000, Q6_K=30_000), "cpu", "auto")
-    assert mode == "none" and "Q4_0, Q4_1, Q8_0, IQ4_NL, Q5_K" in why
-    assert auto_quantization(_gguf_of(tmp_path / "q50.gguf", size, Q5_0=70_000, Q8_0=30_000), "cpu", "auto")[0] == "none"
+    q3k = _gguf_of(tmp_path / "q3k.gguf", size, Q3_K=70_000, Q6_K=30_000)
+    assert auto_quantization(q3k, "cpu", "auto")[0] == "gguf"
+    assert auto_quantization(_gguf_of(tmp_path / "q2k.gguf", size, Q2_K=50_000, Q3_K=40_000), "cpu", "auto")[0] == "gguf"
+    assert auto_quantization(_gguf_of(tmp_path / "q50.gguf", size, Q5_0=70_000, Q8_0=30_000), "cpu", "auto")[0] == "gguf"
+    assert auto_quantization(_gguf_of(tmp_path / "q51.gguf", size, Q5_1=70_000, IQ4_XS=40_000), "cpu", "auto")[0] == "gguf"
+    mode, why = auto_quantization(_gguf_of(tmp_path / "iq3.gguf", size, IQ3_S=70_000, Q6_K=20_000), "cpu", "auto")
+    assert mode == "none" and "mostly of IQ3_S" in why and "Q2_K, Q3_K" in why
     monkeypatch.setenv("PAGODA_GGUF_REPACK", "0")
     assert auto_quantization(q8, "cpu", "auto")[0] == "none"
+    mode, why = auto_quantization(q3k, "cpu", "auto")
+    assert mode == "none" and "Q4_K, Q6_K, MXFP4, the types" in why

@@ -69,10 +69,10 @@ def own_type(value: int, name: str, block: int, nbytes: int) -> OwnType:
     return OWN_TYPES[value]
 
 
-# Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0, IQ4_NL and MXFP4 repacked at load with 16
-# channels in the vector lanes (gguf_repack_x16; the same bytes per channel but Q3_K's,
-# Q4_K's and Q5_K's): the gguf mode's layout for their parts on AVX-512 VNNI CPUs
-# (BlocksLinear.repack_for_lanes).
+# Every integer block type (Q2_K .. Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, MXFP4)
+# repacked at load with 16 channels in the vector lanes (gguf_repack_x16; the same bytes
+# per channel but Q3_K's, Q4_K's, Q5_K's and IQ4_XS's): the gguf mode's layout for their
+# parts on AVX-512 VNNI CPUs (BlocksLinear.repack_for_lanes).
 Q4_K_X16 = own_type(204, "Q4_K_X16", 256, 148)
 Q6_K_X16 = own_type(205, "Q6_K_X16", 256, 210)
 Q4_0_X16 = own_type(206, "Q4_0_X16", 32, 18)
@@ -83,8 +83,12 @@ MXFP4_X16 = own_type(210, "MXFP4_X16", 32, 17)
 Q5_K_X16 = own_type(211, "Q5_K_X16", 256, 180)
 Q3_K_X16 = own_type(212, "Q3_K_X16", 256, 114)
 Q2_K_X16 = own_type(213, "Q2_K_X16", 256, 84)
-LANES_TYPES = {_Q.Q2_K: Q2_K_X16, _Q.Q3_K: Q3_K_X16, _Q.Q4_K: Q4_K_X16, _Q.Q5_K: Q5_K_X16, _Q.Q6_K: Q6_K_X16, _Q.Q4_0: Q4_0_X16,
-               _Q.Q4_1: Q4_1_X16, _Q.Q8_0: Q8_0_X16, _Q.IQ4_NL: IQ4_NL_X16, _Q.MXFP4: MXFP4_X16}
+Q5_0_X16 = own_type(214, "Q5_0_X16", 32, 22)
+Q5_1_X16 = own_type(215, "Q5_1_X16", 32, 24)
+IQ4_XS_X16 = own_type(216, "IQ4_XS_X16", 256, 138)
+LANES_TYPES = {_Q.Q2_K: Q2_K_X16, _Q.Q3_K: Q3_K_X16, _Q.Q4_K: Q4_K_X16, _Q.Q5_K: Q5_K_X16, _Q.Q6_K: Q6_K_X16,
+               _Q.Q4_0: Q4_0_X16, _Q.Q4_1: Q4_1_X16, _Q.Q5_0: Q5_0_X16, _Q.Q5_1: Q5_1_X16, _Q.Q8_0: Q8_0_X16,
+               _Q.IQ4_NL: IQ4_NL_X16, _Q.IQ4_XS: IQ4_XS_X16, _Q.MXFP4: MXFP4_X16}
 
 
 def block_format(ggml_type: int) -> tuple[int, int]:
