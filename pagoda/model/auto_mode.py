@@ -44,8 +44,8 @@ GGUF_MODE_TYPES = ("Q4_K", "Q6_K", "MXFP4")
 # (exact 0.99x / 0.93x), Q8_0 1.83x / 3.26x (exact 1.14x / 1.21x), Q5_K_M 1.74x / 2.64x
 # (exact 0.93x / 0.86x).
 # Q2_K, Q3_K, Q5_0, Q5_1, IQ4_XS, repacked since (docs/results/lanes-all/products.txt): Q2_K
-# 2.28x / 6.30x / 4.58x, Q3_K 2.83x / 4.77x / 3.78x, Q5_0 2.24x / 3.93x / 2.95x, Q5_1 2.13x /
-# 3.15x / 2.86x, IQ4_XS 2.01x / 3.66x / 2.82x: every integer block type pagoda reads.
+# 2.62x / 6.39x / 4.18x, Q3_K 2.84x / 5.12x / 3.70x, Q5_0 2.02x / 3.64x / 2.95x, Q5_1 2.11x /
+# 3.60x / 2.79x, IQ4_XS 1.81x / 3.78x / 2.87x: every integer block type pagoda reads.
 LANES_MODE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q5_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "IQ4_XS")
 # Types whose weights the gguf mode leaves to the exact mode's kernels (float ones).
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
