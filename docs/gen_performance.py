@@ -38,7 +38,7 @@ class Machine:
 
 CPU_MACHINES = [
     Machine("xeon-amx", "Intel Xeon with AMX, 2 vCPUs", "AMX (int8, bf16 tiles), AVX-512 (VNNI, BF16); 24 GB; no GPU",
-            "the-32-weight-block-types-and-q5_k-in-the-lanes-2026-12-07-sixteenth-session"),
+            "every-integer-block-type-in-the-lanes-2026-12-08-seventeenth-session"),
     Machine("zen4", "AMD EPYC Zen 4, 2 vCPUs", "AVX-512 (VNNI, BF16), no AMX; 24 GB; no GPU",
             "the-cpu-roof-issue-28-both-cores-bf16-on-onednn-openvino-genai-as-a-peer"),
     Machine("zen3", "AMD EPYC Zen 3, 2 vCPUs", "AVX2, no AVX-512; 24 GB; no GPU",
@@ -61,6 +61,10 @@ MODELS = {
     "1b-q8_0": "Llama-3.2-1B shape, Q8_0 (1119 MB)",
     "1b-q4_0": "Llama-3.2-1B shape, Q4_0 (632 MB)",
     "1b-q5_k_m": "Llama-3.2-1B shape, Q5_K_M (`llama-quantize` from F16, 773 MB)",
+    "1b-q3_k_m": "Llama-3.2-1B shape, Q3_K_M (`llama-quantize` from F16, 552 MB)",
+    "1b-q2_k": "Llama-3.2-1B shape, Q2_K (`llama-quantize` from F16, 442 MB)",
+    "1b-iq4_xs": "Llama-3.2-1B shape, IQ4_XS (`llama-quantize` from F16, 609 MB)",
+    "1b-q5_0": "Llama-3.2-1B shape, Q5_0 (`llama-quantize` from F16, 754 MB)",
 }
 
 # (machine, model, folder under docs/results, table): served runs, every pagoda mode in the
@@ -72,6 +76,10 @@ SERVED = [
     ("xeon-amx", "1b-q8_0", "lanes32/q8_0", "main"),
     ("xeon-amx", "1b-q5_k_m", "lanes32/q5_k_m", "main"),
     ("xeon-amx", "gptoss", "lanes32/gptoss", "main"),
+    ("xeon-amx", "1b-q3_k_m", "lanes-all/q3_k_m", "main"),
+    ("xeon-amx", "1b-q2_k", "lanes-all/q2_k", "main"),
+    ("xeon-amx", "1b-iq4_xs", "lanes-all/iq4_xs", "main"),
+    ("xeon-amx", "1b-q5_0", "lanes-all/q5_0", "main"),
     ("zen4", "smollm2", "defaults-bundled", "main"),
     ("zen4", "llama1b", "defaults-1b-q4_k_m", "main"),
     ("zen4", "smollm2", "cpu-roof-served", "main"),

@@ -2401,8 +2401,8 @@ void x16_unpack_q6k_block(const uint8_t* src, int c, uint8_t* p) {
 //                 weight 32j + 8q + 4e + i of channel c
 //   [1792, 1824)  d of each channel (float16, as stored).
 // The stored values (0-7) go into vpdpbusd as Q6_K_X16's (0-63) do, the -4 folded in per
-// block as Q6_K's -32 (x16_q6k_rows<R, true>; on AMX x16_amx_weights_q6k<true>): llama.cpp's
-// Q3_K against Q8_K.
+// block as Q6_K's -32 (x16_q6k_rows<R, kQ3KX16>; on AMX x16_amx_weights_q6k<kQ3KX16>):
+// llama.cpp's Q3_K against Q8_K.
 constexpr int64_t kX16Q3Bytes = 1824;
 constexpr int q3x16_low(int j, int h) { return 256 + 192 * j + 64 * h; }
 constexpr int q3x16_high(int j) { return 256 + 192 * j + 128; }

@@ -28,9 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv, "rotary embedding of fused qkv -> q, k, v (k and v also into the cache)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("kv_cache") = py::none(), py::arg("slot_mapping") = py::none(), py::arg("kv_scales") = py::none());
-  m.def("gguf_repack_x16", &gguf_repack_x16, "Q4_K, Q6_K, Q4_0, Q4_1 or Q8_0 blocks [N, row bytes] -> 16 channels in the "
-        "lanes (Q4_K_X16 [N, K / 256 x 148], Q6_K_X16 [N, K / 256 x 210], Q4_0_X16 / Q4_1_X16 / Q8_0_X16: the "
-        "plain type's bytes) for the gguf mode's AVX-512 VNNI kernels",
+  m.def("gguf_repack_x16", &gguf_repack_x16, "blocks of an integer GGUF type [N, row bytes] -> 16 channels in the "
+        "lanes (blocks.py LANES_TYPES: the plain type's bytes a channel, but Q3_K_X16's 114, Q4_K_X16's 148, "
+        "Q5_K_X16's 180 a block, IQ4_XS_X16's 138) for the gguf mode's AVX-512 VNNI and AMX kernels",
         py::arg("data"), py::arg("ggml_type"), py::arg("K"));
   m.def("gguf_dequantize", &gguf_dequantize, "rows of a GGUF tensor (all, or those indexed) as float32",
         py::arg("data"), py::arg("ggml_type"), py::arg("in_features"), py::arg("rows") = py::none());
