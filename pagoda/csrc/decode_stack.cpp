@@ -67,14 +67,10 @@ DecodeLinear make_linear(int64_t kind, std::vector<torch::Tensor> parts, std::ve
   return l;
 }
 
-// A gated MLP as GatedMLP.forward computes it: gate_up, the activation (0 SiLU: the fused
-// silu_mul where the width allows, as the module; 1 tanh-GELU), down.
+// A gated MLP as GatedMLP.forward computes it: gate_up, the activation (gated_activation's
+// codes), down.
 torch::Tensor gated_mlp(const DecodeLinear& gate_up, const DecodeLinear& down, int64_t act, const torch::Tensor& x) {
-  const torch::Tensor gu = gate_up(x);
-  const int64_t I = gu.size(1) / 2;
-  if (act == 1) return down(at::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I));
-  if (gu.size(1) % 64 == 0) return down(silu_mul(gu.contiguous()));
-  return down(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I));
+  return down(gated_activation(gate_up(x), act));
 }
 
 // A mixture-of-experts block as SparseMoeBlock.route and experts_forward compute it, the
@@ -97,6 +93,7 @@ struct DecodeMoe {
   std::vector<torch::Tensor> gate_up, down;
   std::vector<int64_t> gate_up_types, down_types;
   int64_t activation = 0;
+  std::vector<torch::Tensor> gate_up_bias, down_bias;  // the GGUF experts' biases (GPT-OSS), or none
   c10::optional<DecodeLinear> shared_gate_up, shared_down, shared_gate;
   int64_t shared_act = 0;
   torch::Tensor expert_tokens;  // the block's counts (/metrics), added to in place
@@ -191,8 +188,10 @@ struct DecodeMoe {
     if (!expert_down.empty())
       out = experts_sum(routed_in, weights, ids);
     else
-      out = int8 ? gguf_moe_int8(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation)
-                 : gguf_moe(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation);
+      out = int8 ? gguf_moe_int8(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation,
+                                 gate_up_bias, down_bias)
+                 : gguf_moe(routed_in, ids, weights, gate_up, gate_up_types, down, down_types, activation,
+                            gate_up_bias, down_bias);
     if (!shared_gate_up) return out;
     torch::Tensor shared = gated_mlp(*shared_gate_up, *shared_down, shared_act, x);
     if (shared_gate) shared = torch::sigmoid((*shared_gate)(x)) * shared;
@@ -476,6 +475,8 @@ void bind_decode_stack(pybind11::module& m) {
       .def_readwrite("shared_down", &DecodeMoe::shared_down)
       .def_readwrite("shared_gate", &DecodeMoe::shared_gate)
       .def_readwrite("shared_act", &DecodeMoe::shared_act)
+      .def_readwrite("gate_up_bias", &DecodeMoe::gate_up_bias)
+      .def_readwrite("down_bias", &DecodeMoe::down_bias)
       .def_readwrite("router_scale", &DecodeMoe::router_scale)
       .def_readwrite("router_unit", &DecodeMoe::router_unit)
       .def_readwrite("router_eps", &DecodeMoe::router_eps)

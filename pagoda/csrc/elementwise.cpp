@@ -84,6 +84,24 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+torch::Tensor gated_activation(const torch::Tensor& gu, int64_t act) {
+  const int64_t I = gu.size(1) / 2;
+  const torch::Tensor gate = gu.narrow(1, 0, I), up = gu.narrow(1, I, I);
+  switch (act) {
+    case kActSilu:  // the fused silu_mul where the width allows, as the module
+      if (gu.size(1) % 64 == 0) return silu_mul(gu.contiguous());
+      return at::silu(gate) * up;
+    case kActGeluTanh:
+      return at::gelu(gate, "tanh") * up;
+    case kActSwigluOai: {
+      const torch::Tensor g = gate.clamp_max(kSwigluLimit);
+      return (up.clamp(-kSwigluLimit, kSwigluLimit) + 1) * (g * at::sigmoid(g * kSwigluAlpha));
+    }
+    default:
+      TORCH_CHECK(false, "activation ", act, " is not 0 (SiLU), 1 (tanh-GELU) or 2 (GPT-OSS's clamped SwiGLU)");
+  }
+}
+
 // ---- per-layer elementwise work -------------------------------------------------------
 // A decode step of a small model is dominated by per-op overhead: each torch op costs a
 // few microseconds whatever its size, and a layer had ~40 of them. These fuse the

@@ -3923,9 +3923,11 @@ struct MoeCall {
   const std::vector<int64_t>& gate_up_types;
   const std::vector<torch::Tensor>& down;
   const std::vector<int64_t>& down_types;
+  std::vector<torch::Tensor> gate_up_bias, down_bias;  // per expert, float32, or none
 
   MoeCall(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in, const std::vector<torch::Tensor>& gu,
-          const std::vector<int64_t>& gut, const std::vector<torch::Tensor>& dn, const std::vector<int64_t>& dnt)
+          const std::vector<int64_t>& gut, const std::vector<torch::Tensor>& dn, const std::vector<int64_t>& dnt,
+          const std::vector<torch::Tensor>& gub, const std::vector<torch::Tensor>& dnb)
       : gate_up(gu), gate_up_types(gut), down(dn), down_types(dnt) {
     TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
     x = x_in.contiguous();
@@ -3937,6 +3939,14 @@ struct MoeCall {
                 static_cast<int64_t>(dnt.size()) == E && E > 0, "two gate/up parts and one down part per expert");
     k = ids.size(1), I = gu[0].size(0);
     TORCH_CHECK(H % 32 == 0 && I % 32 == 0, "hidden and intermediate sizes must be multiples of 32");
+    TORCH_CHECK(gub.size() == dnb.size() && (gub.empty() || static_cast<int64_t>(gub.size()) == E),
+                "expert biases: none, or one gate/up and one down bias per expert");
+    for (int64_t e = 0; e < static_cast<int64_t>(gub.size()); ++e) {
+      TORCH_CHECK(gub[e].numel() == 2 * I && dnb[e].numel() == H, "expert ", e, "'s biases must have ", 2 * I,
+                  " and ", H, " values");
+      gate_up_bias.push_back(gub[e].to(torch::kFloat32).contiguous());
+      down_bias.push_back(dnb[e].to(torch::kFloat32).contiguous());
+    }
     const int64_t* ip = ids.data_ptr<int64_t>();
     rows.resize(E);
     for (int64_t t = 0; t < T; ++t)
@@ -3957,6 +3967,16 @@ struct MoeCall {
     auto parts = check_parts({down[e]}, {down_types[e]}, I);
     TORCH_CHECK(parts[0].rows == H, "expert ", e, "'s down projection has the wrong shape");
     return parts;
+  }
+
+  // Expert e's gate/up (first) or down bias, or null.
+  const float* bias(int64_t e, bool first) const {
+    if (gate_up_bias.empty()) return nullptr;
+    return (first ? gate_up_bias : down_bias)[e].data_ptr<float>();
+  }
+  c10::optional<torch::Tensor> bias_tensor(int64_t e, bool first) const {
+    if (gate_up_bias.empty()) return c10::nullopt;
+    return (first ? gate_up_bias : down_bias)[e];
   }
 
   // Expert e's rows of x, [n, H].
@@ -3986,15 +4006,12 @@ struct MoeCall {
 
 // An expert's activation of [n, 2I] gate/up rows into [n, I]: act 0 SiLU(gate) x up (pagoda's
 // one-pass kernel), 1 tanh-GELU(gate) x up (Gemma's; torch's own gelu, as the per-expert path).
-static void gated_activation(float* gu, float* out, int64_t n, int64_t I, int64_t act) {
-  if (act == 0) {
+static void activate_rows(float* gu, float* out, int64_t n, int64_t I, int64_t act) {
+  if (act == kActSilu) {
     pagoda_silu_mul_rows(gu, out, n, I);
     return;
   }
-  TORCH_CHECK(act == 1, "activation ", act, " is not 0 (SiLU) or 1 (tanh-GELU)");
-  auto g = torch::from_blob(gu, {n, 2 * I});
-  auto o = torch::from_blob(out, {n, I});
-  at::mul_out(o, at::gelu(g.narrow(1, 0, I), "tanh"), g.narrow(1, I, I));
+  torch::from_blob(out, {n, I}).copy_(gated_activation(torch::from_blob(gu, {n, 2 * I}), act));
 }
 
 // f(a) for every active expert a, the experts shared between the threads: each expert's
@@ -4011,8 +4028,9 @@ void activate_experts(int64_t n, F&& f) {
 
 torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
                             std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation) {
-  const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
+                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation,
+                            std::vector<torch::Tensor> gate_up_bias, std::vector<torch::Tensor> down_bias) {
+  const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types, gate_up_bias, down_bias);
   const int64_t H = c.H, I = c.I;
   struct Active {
     int64_t e, n;
@@ -4077,15 +4095,15 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
       Active& s = act[units[u].first];
       const Tile& t = units[u].second;
       if (first)
-        int8_tile(s.xq, s.xk, 0, s.n, H, s.gu[t.part], t, nullptr, s.ge.data(), 2 * I, sc);
+        int8_tile(s.xq, s.xk, 0, s.n, H, s.gu[t.part], t, c.bias(s.e, true), s.ge.data(), 2 * I, sc);
       else
-        int8_tile(s.hq, s.hk, 0, s.n, I, s.dn[t.part], t, nullptr, s.ye.data(), H, sc);
+        int8_tile(s.hq, s.hk, 0, s.n, I, s.dn[t.part], t, c.bias(s.e, false), s.ye.data(), H, sc);
     });
   };
   project(true);
   for (Active& s : act) s.he.resize(s.n * I);
   activate_experts(n_act, [&](int64_t a) {
-    gated_activation(act[a].ge.data(), act[a].he.data(), act[a].n, I, activation);
+    activate_rows(act[a].ge.data(), act[a].he.data(), act[a].n, I, activation);
   });
   project(false);
   // out[t] = sum over its experts, in expert order, of weight x expert output: columns
@@ -4112,8 +4130,9 @@ torch::Tensor gguf_moe_int8(torch::Tensor x_in, torch::Tensor ids_in, torch::Ten
 // gguf_linear's BLAS panels on its own. Bit for bit the per-expert path.
 torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor weights_in,
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation) {
-  const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types);
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation,
+                       std::vector<torch::Tensor> gate_up_bias, std::vector<torch::Tensor> down_bias) {
+  const MoeCall c(x_in, ids_in, weights_in, gate_up, gate_up_types, down, down_types, gate_up_bias, down_bias);
   for (int64_t t : gate_up_types) TORCH_CHECK(!is_lanes(t), "repacked weights multiply in the gguf mode only");
   for (int64_t t : down_types) TORCH_CHECK(!is_lanes(t), "repacked weights multiply in the gguf mode only");
   const int64_t H = c.H, I = c.I;
@@ -4140,7 +4159,7 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
                                               : std::vector<torch::Tensor>{c.down[s.e]};
         std::vector<int64_t> ts;
         for (const Part& p : parts) ts.push_back(p.type);
-        (first ? s.ge : s.ye) = gguf_linear(in, ws, ts, c10::nullopt);
+        (first ? s.ge : s.ye) = gguf_linear(in, ws, ts, c.bias_tensor(s.e, first));
         continue;
       }
       (first ? s.ge : s.ye) = torch::empty({s.n, first ? 2 * I : H}, c.x.options());
@@ -4152,17 +4171,17 @@ torch::Tensor gguf_moe(torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w
       Active& s = act[a];
       const Tile& t = units[u].second;
       if (first)
-        small_step_tile(s.xe.data_ptr<float>(), s.n, H, s.gu[t.part], t, sums[a].data(), nullptr,
+        small_step_tile(s.xe.data_ptr<float>(), s.n, H, s.gu[t.part], t, sums[a].data(), c.bias(s.e, true),
                         s.ge.data_ptr<float>(), 2 * I, per_tile[a], sc.buf);
       else
-        small_step_tile(s.he.data_ptr<float>(), s.n, I, s.dn[t.part], t, sums[a].data(), nullptr,
+        small_step_tile(s.he.data_ptr<float>(), s.n, I, s.dn[t.part], t, sums[a].data(), c.bias(s.e, false),
                         s.ye.data_ptr<float>(), H, per_tile[a], sc.buf);
     });
   };
   project(true);
   for (Active& s : act) s.he = torch::empty({s.n, I}, c.x.options());
   activate_experts(static_cast<int64_t>(act.size()), [&](int64_t a) {
-    gated_activation(act[a].ge.data_ptr<float>(), act[a].he.data_ptr<float>(), act[a].n, I, activation);
+    activate_rows(act[a].ge.data_ptr<float>(), act[a].he.data_ptr<float>(), act[a].n, I, activation);
   });
   project(false);
   auto out = torch::zeros({c.T, H}, c.x.options());

@@ -67,6 +67,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 torch::Tensor silu_mul(torch::Tensor gate_up);
 // silu_mul's rows, for callers in C++ (gguf_blocks.cpp's MoE kernel).
 void pagoda_silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I);
+// The gated MLPs' activations (GatedMLP.forward): [gate | up] [M, 2I] -> [M, I] with the
+// module's own ops, so its bits: 0 SiLU(gate) x up, 1 tanh-GELU(gate) x up, 2 GPT-OSS's
+// clamped SwiGLU, (clamp(up, -7, 7) + 1) x g x sigmoid(1.702 g) for g = min(gate, 7) (the
+// kernels' limit and alpha, SWIGLU_OAI in Python; a model with others keeps its Python path).
+constexpr int64_t kActSilu = 0, kActGeluTanh = 1, kActSwigluOai = 2;
+constexpr double kSwigluLimit = 7.0, kSwigluAlpha = 1.702;
+torch::Tensor gated_activation(const torch::Tensor& gu, int64_t act);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                        c10::optional<torch::Tensor> residual);
 std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
@@ -87,12 +94,15 @@ torch::Tensor gguf_linear_direct_reference(torch::Tensor x, std::vector<torch::T
                                            std::vector<int64_t> types, c10::optional<torch::Tensor> bias);
 torch::Tensor gguf_linear_int8(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                                c10::optional<torch::Tensor> bias);
+// gate_up_bias / down_bias: none, or one a expert ([2I] / [H] float32: GPT-OSS's).
 torch::Tensor gguf_moe_int8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                             std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation = 0);
+                            std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation = 0,
+                            std::vector<torch::Tensor> gate_up_bias = {}, std::vector<torch::Tensor> down_bias = {});
 torch::Tensor gguf_moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                        std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_types,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation = 0);
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, int64_t activation = 0,
+                       std::vector<torch::Tensor> gate_up_bias = {}, std::vector<torch::Tensor> down_bias = {});
 
 // ---- recurrent.cpp ----
 void gated_delta_rule(torch::Tensor states, torch::Tensor slots, torch::Tensor starts, torch::Tensor mixed,

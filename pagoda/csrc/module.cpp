@@ -43,13 +43,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "as integers (llama.cpp's arithmetic)",
         py::arg("x"), py::arg("weights"), py::arg("ggml_types"), py::arg("bias") = py::none());
   m.def("gguf_moe_int8", &gguf_moe_int8, "a mixture-of-experts layer in the gguf mode: tokens grouped by expert, "
-        "each expert's gate/up, SiLU (activation 0) or tanh-GELU (1) x up and down as gguf_linear_int8 computes "
-        "them, weighted sums in expert order",
+        "each expert's gate/up (+ its bias), the activation (0 SiLU, 1 tanh-GELU, 2 GPT-OSS's clamped SwiGLU) and "
+        "down (+ its bias) as gguf_linear_int8 computes them, weighted sums in expert order",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("gate_up_types"),
-        py::arg("down"), py::arg("down_types"), py::arg("activation") = 0);
+        py::arg("down"), py::arg("down_types"), py::arg("activation") = 0,
+        py::arg("gate_up_bias") = std::vector<torch::Tensor>{}, py::arg("down_bias") = std::vector<torch::Tensor>{});
   m.def("gguf_moe", &gguf_moe, "a mixture-of-experts layer in the exact mode: gguf_moe_int8's grouping with "
         "gguf_linear's float32 products", py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"),
-        py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"), py::arg("activation") = 0);
+        py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"), py::arg("activation") = 0,
+        py::arg("gate_up_bias") = std::vector<torch::Tensor>{}, py::arg("down_bias") = std::vector<torch::Tensor>{});
+  // gated_activation's code 2: GPT-OSS's clamped SwiGLU at this limit and alpha.
+  m.attr("SWIGLU_OAI") = py::make_tuple(kSwigluLimit, kSwigluAlpha);
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("kv_scales") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="the stack
 
 LLAMA = ModelShape("llama", 256, 2, 4, 2, 512, True, 10000.0)
 QWEN2 = ModelShape("qwen2", 320, 2, 5, 1, 768, False, 1000000.0, qkv_bias=True)
+# GPT-OSS's layers in llama.cpp's MXFP4 file: sinks, biases everywhere (the experts' too), a
+# window on even layers, YaRN, the clamped SwiGLU.
+GPT_OSS = ModelShape("gpt-oss", 256, 2, 4, 2, 256, False, 150000.0, qkv_bias=True, head_dim=64, experts=4,
+                     experts_used=2, expert_ffn=256, gpt_oss=True, sliding_window=4, yarn=(4.0, 64))
 PROMPTS = [[1, 504, 231, 17, 9, 400, 123], [5, 6, 7], list(range(100, 141)), [77] * 12, [300, 1, 2, 3, 4]]   # vocab 512
 # A fixed KV pool: sized from the memory budget, these small models' pools hold millions of blocks of 4,
 # whose bookkeeping alone takes seconds to build. The prompts need 32 of them; 256 blocks also
@@ -121,20 +125,39 @@ def test_hf_families_stack_equals_python_layers(monkeypatch, request, family):
     _assert_same(monkeypatch, request.getfixturevalue(f"tiny_{family}_dir"))
 
 
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_gpt_oss_file_stack_equals_python_layers(monkeypatch, tmp_path, quantization):
+    """GPT-OSS's MXFP4 experts with their biases and clamped SwiGLU in the one-call MoE
+    kernel, sinks and windows in the attention: the Python layers' bits."""
+    path = write_model(str(tmp_path / "gpt-oss.gguf"), GPT_OSS, "MXFP4", show_progress=False)
+    _assert_same(monkeypatch, str(path), perturb=True, quantization=quantization)
+
+
+def test_hf_gpt_oss_stack_equals_python_layers(monkeypatch, tiny_gptoss_dir):
+    _assert_same(monkeypatch, tiny_gptoss_dir)   # float32 experts, one MLP each, with biases
+
+
 def test_layers_the_stack_does_not_take_run_from_python(monkeypatch, tiny_gptoss_dir, tiny_olmo2_dir):
     from pagoda.model.layers import decode_stack
 
-    for path, why in ((tiny_gptoss_dir, "gated MLPs of one activation"),   # (GPT-OSS's clamped SwiGLU)
-                      (tiny_olmo2_dir, "not a pre-norm or sandwich layer")):
-        llm = _llm(monkeypatch, path)
-        model = llm.engine.runner.model
-        assert model.decode_stack is None
-        outs, _ = _generate(llm, None)
-        assert all(len(o.token_ids) == 10 for o in outs)
-        built, reason = decode_stack.build(model)
-        assert built is None and reason.startswith("layer 0:") and why in reason
-        monkeypatch.setenv("PAGODA_DECODE_STACK", "0")
-        assert decode_stack.build(model) == (None, "PAGODA_DECODE_STACK=0")
+    llm = _llm(monkeypatch, tiny_olmo2_dir)
+    model = llm.engine.runner.model
+    assert model.decode_stack is None
+    outs, _ = _generate(llm, None)
+    assert all(len(o.token_ids) == 10 for o in outs)
+    built, reason = decode_stack.build(model)
+    assert built is None and reason.startswith("layer 0:") and "not a pre-norm or sandwich layer" in reason
+    monkeypatch.setenv("PAGODA_DECODE_STACK", "0")
+    assert decode_stack.build(model) == (None, "PAGODA_DECODE_STACK=0")
+    monkeypatch.delenv("PAGODA_DECODE_STACK")
+    # GPT-OSS's clamped SwiGLU at another limit than the kernels' own: its Python layers.
+    model = _llm(monkeypatch, tiny_gptoss_dir).engine.runner.model
+    assert model.decode_stack is not None
+    for layer in model.model.layers:
+        for expert in layer.mlp.experts:
+            expert.limit = 6.0
+    built, reason = decode_stack.build(model)
+    assert built is None and "gated MLPs of one activation" in reason
 
 
 def test_stack_checks_its_arguments():

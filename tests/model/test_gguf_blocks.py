@@ -223,6 +223,17 @@ def test_gpt_oss_mxfp4_file_from_its_blocks_equals_its_dequantized_model(tmp_pat
     assert loaded.arch.layer_types == ("sliding_attention", "full_attention")
     reference = _load_gguf(path, torch.float32, torch.device("cpu"), False)  # dequantized by gguf's numpy code
     ref = pagoda_prompt_logits(reference.model, PROMPT, [len(PROMPT)])
+    fast = load_model(path, show_progress=False, quantization="gguf").model
     for chunks in ([len(PROMPT)], [1] * len(PROMPT), [3, 4, 3]):
         got = pagoda_prompt_logits(loaded.model, PROMPT, chunks)
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (got - ref).abs().max()
+        # The experts (biases, clamped SwiGLU) in one kernel call a layer, in either mode:
+        # the per-expert path's very numbers.
+        for model, want in ((loaded.model, got), (fast, pagoda_prompt_logits(fast, PROMPT, chunks))):
+            assert all(lyr.mlp._fused_args() for lyr in model.model.layers)
+            for block in (lyr.mlp for lyr in model.model.layers):
+                block._fused = False
+            per_expert = pagoda_prompt_logits(model, PROMPT, chunks)
+            for block in (lyr.mlp for lyr in model.model.layers):
+                block._fused = None
+            assert torch.isfinite(want).all() and torch.equal(want, per_expert)

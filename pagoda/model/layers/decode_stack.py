@@ -11,9 +11,10 @@ arguments: the same bits (tested against the Python path).
 The layers it takes: pre-norm and sandwich-norm (Gemma's) ``DecoderLayer`` with
 ``Attention`` (per-head or whole-projection q/k norms, weightless ones, norms after RoPE
 (HunYuan), partial rotary, values normed (Gemma 4), no RoPE with per-token query scales
-(Llama 4), windows, caps, sinks) and a SiLU or tanh-GELU ``GatedMLP`` or a ``SparseMoeBlock``
-(every router the Python block has; experts in the fused GGUF kernel, or one projection pair
-each as ``_experts_sum`` runs them; shared experts, gated or not); Gemma 4's layer (experts
+(Llama 4), windows, caps, sinks) and a ``GatedMLP`` (SiLU, tanh-GELU, GPT-OSS's clamped
+SwiGLU) or a ``SparseMoeBlock`` (every router the Python block has; experts in the fused
+GGUF kernel, biased or not, or one projection pair each as ``_experts_sum`` runs them;
+shared experts, gated or not); Gemma 4's layer (experts
 beside the dense MLP, layer scalars); a hybrid model's ``HybridDecoderLayer`` (Qwen3.5's: a
 Gated DeltaNet, or attention with an output gate and partial rotary; the state layers' slots
 updated in place). Layers of several KV groups (chunked attention) read each their group's
@@ -182,7 +183,7 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
         return None, "sharded q/k norms, or partial rotary with norms after RoPE"
     if attn.rope_table == "tuned" and (attn.qk_norm is not None or attn.output_gate):
         return None, "q/k norms or an output gate on a layer without RoPE"
-    act = _ACTIVATIONS.get(mlp.act) if moe is None else 0
+    act = mlp.kernel_activation(ops) if moe is None else 0
     if act is None:
         return None, f"MLP activation {mlp.act}"
     if moe is None:
@@ -229,10 +230,6 @@ def _layer(ops: Any, layer: nn.Module, tables: list[str]) -> tuple[Any, str]:
     return entry, ""
 
 
-# The MLP activations the stack computes (GatedMLP.forward's): 0 SiLU, 1 tanh-GELU.
-_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
-
-
 def _float_norm(n: nn.Module) -> bool:
     """An RMSNorm (or a weightless one) of float32 weights on the CPU, all its eps in one field."""
     return type(n) in (RMSNorm, UnitRMSNorm) and n.weight.dtype == torch.float32 and n.weight.device.type == "cpu"
@@ -252,17 +249,18 @@ def _moe(ops: Any, block: nn.Module) -> Any:
     fused = block._fused_args()
     mlps = None
     if fused:
-        kernel, gate_up, gate_up_types, down, down_types, activation = fused
+        kernel, gate_up, gate_up_types, down, down_types, activation, gate_up_bias, down_bias = fused
     else:   # one MLP per expert (the int8 mode's, a float checkpoint's), as _experts_sum runs them
         experts = list(block.experts)
-        if any(type(m) is not GatedMLP or m.act not in _ACTIVATIONS for m in experts) or len(
-                {m.act for m in experts}) != 1:
+        if any(type(m) is not GatedMLP or m.kernel_activation(ops) is None for m in experts) or len(
+                {(m.act, m.limit, m.alpha) for m in experts}) != 1:
             return "experts that are not gated MLPs of one activation the stack computes"
         mlps = [_projections(ops, (m.gate_up_proj, m.down_proj)) for m in experts]
         bad = next((m for m in mlps if isinstance(m, str)), None)
         if bad is not None:
             return f"an expert's {bad}"
         kernel, gate_up, gate_up_types, down, down_types, activation = None, [], [], [], [], 0
+        gate_up_bias, down_bias = [], []
     router = _linear(ops, block.gate)
     if router is None:
         return f"router {type(block.gate).__name__} is not a projection the stack calls"
@@ -274,11 +272,12 @@ def _moe(ops: Any, block: nn.Module) -> Any:
                         None if block.score_bias is None else block.score_bias.detach(), groups, kept,
                         block.group_score == "max", kernel is ops.gguf_moe_int8, gate_up, gate_up_types, down,
                         down_types, activation, block.expert_tokens)
+    moe.gate_up_bias, moe.down_bias = gate_up_bias, down_bias
     if mlps is not None:
-        moe.set_experts([m[0] for m in mlps], [m[1] for m in mlps], _ACTIVATIONS[block.experts[0].act])
+        moe.set_experts([m[0] for m in mlps], [m[1] for m in mlps], block.experts[0].kernel_activation(ops))
     if block.shared_experts is not None:
         shared = block.shared_experts
-        act = _ACTIVATIONS.get(shared.act)
+        act = shared.kernel_activation(ops)
         parts = _projections(ops, (shared.gate_up_proj, shared.down_proj))
         if act is None or isinstance(parts, str):
             return f"shared expert: {parts if isinstance(parts, str) else shared.act}"

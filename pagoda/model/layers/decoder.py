@@ -200,6 +200,10 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    # The C++ kernels' codes of the activations (gated_activation in pagoda/csrc): the
+    # decode stack and the one-call MoE kernel compute these with the module's own ops.
+    KERNEL_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "swiglu_oai": 2}
+
     def __init__(self, config: ModelArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         h, i = config.hidden_size, intermediate_size or config.intermediate_size
@@ -209,6 +213,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
         self.act = config.hidden_act
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+
+    def kernel_activation(self, ops: Any) -> int | None:
+        """This MLP's activation as the C++ kernels' code, or None where they do not
+        compute it (GPT-OSS's clamped SwiGLU at another limit or alpha than theirs)."""
+        if self.act == "swiglu_oai" and (self.limit, self.alpha) != tuple(ops.SWIGLU_OAI):
+            return None
+        return self.KERNEL_ACTIVATIONS.get(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -262,21 +273,23 @@ class SparseMoeBlock(nn.Module):
         self.expert_tokens: torch.Tensor | None = None
 
     def _fused_args(self) -> tuple | bool:
-        """(kernel, gate/up parts, their types, down parts, their types, activation: 0 SiLU,
-        1 tanh-GELU) when every expert's
-        weights are kept as blocks (GGUF, or an HF checkpoint's bfloat16/float16): one kernel
-        call then runs the layer, ``gguf_moe_int8`` in the gguf mode (int8 activations),
-        ``gguf_moe`` in the exact mode, the same numbers as the per-expert path. False
-        otherwise (nn.Linear experts, int8 / q4 / bf16 modes)."""
+        """(kernel, gate/up parts, their types, down parts, their types, activation (the
+        kernels' code: GatedMLP.kernel_activation), gate/up biases, down biases (one per
+        expert, or none)) when every expert's weights are kept as blocks (GGUF, or an HF
+        checkpoint's bfloat16/float16): one kernel call then runs the layer,
+        ``gguf_moe_int8`` in the gguf mode (int8 activations), ``gguf_moe`` in the exact
+        mode, the same numbers as the per-expert path. False otherwise (nn.Linear experts,
+        int8 / q4 / bf16 modes)."""
         if self._fused is None:
             from pagoda.model.layers.blocks import BlocksLinear
 
             layers = [(e.gate_up_proj, e.down_proj) for e in self.experts]
             modules = [m for pair in layers for m in pair]
             ops = cpu_kernels.kernels()
-            activation = {"silu": 0, "gelu_pytorch_tanh": 1}.get(self.experts[0].act)
-            ok = (ops is not None and activation is not None
-                  and all(isinstance(m, BlocksLinear) and m.bias is None for m in modules)
+            activation = None if ops is None else self.experts[0].kernel_activation(ops)
+            biased = {m.bias is not None for m in modules}   # every expert's (GPT-OSS) or none
+            ok = (activation is not None and len({(e.act, e.limit, e.alpha) for e in self.experts}) == 1
+                  and all(isinstance(m, BlocksLinear) for m in modules) and len(biased) == 1
                   and all(len(g.parts) == 2 and len(d.parts) == 1 for g, d in layers)
                   and not any(m.permutes_inputs for m in modules)   # GPTQ act-order: per expert
                   and len({m.int8_activations for m in modules}) == 1)
@@ -284,6 +297,8 @@ class SparseMoeBlock(nn.Module):
                 ops.gguf_moe_int8 if modules[0].int8_activations else ops.gguf_moe,
                 [p.data for g, _ in layers for p in g.parts], [int(p.ggml_type) for g, _ in layers for p in g.parts],
                 [d.parts[0].data for _, d in layers], [int(d.parts[0].ggml_type) for _, d in layers], activation,
+                [g.bias for g, _ in layers] if True in biased else [],
+                [d.bias for _, d in layers] if True in biased else [],
             ) if ok else False
         return self._fused
 
