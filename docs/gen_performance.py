@@ -75,7 +75,7 @@ SERVED = [
     ("xeon-amx", "1b-q4_0", "lanes32/q4_0-final", "main"),
     ("xeon-amx", "1b-q8_0", "lanes32/q8_0", "main"),
     ("xeon-amx", "1b-q5_k_m", "lanes32/q5_k_m", "main"),
-    ("xeon-amx", "gptoss", "lanes32/gptoss", "main"),
+    ("xeon-amx", "gptoss", "gptoss-stack", "main"),
     ("xeon-amx", "1b-q3_k_m", "lanes-all/q3_k_m", "main"),
     ("xeon-amx", "1b-q2_k", "lanes-all/q2_k", "main"),
     ("xeon-amx", "1b-iq4_xs", "lanes-all/iq4_xs", "main"),
@@ -114,7 +114,7 @@ OFFLINE = [
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
 AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b", "auto-by-type/llama1b-q4_k_m-final",
                      "lanes32/q8_0", "lanes32/q5_k_m", "lanes32/gptoss",
-                     "lanes32/q4_0-final"}
+                     "lanes32/q4_0-final", "gptoss-stack"}
 MODE_NAMES = {
     "pagoda": "exact",
     "pagoda-exact": "exact",
