@@ -61,6 +61,7 @@ MODELS = {
     "1b-q8_0": "Llama-3.2-1B shape, Q8_0 (1119 MB)",
     "1b-q4_0": "Llama-3.2-1B shape, Q4_0 (632 MB)",
     "1b-q5_k_m": "Llama-3.2-1B shape, Q5_K_M (`llama-quantize` from F16, 773 MB)",
+    "qwen3moe-q8_0": "Qwen3-MoE 1.6B-A0.3B shape, Q8_0 (1.85 GB)",
     "1b-q3_k_m": "Llama-3.2-1B shape, Q3_K_M (`llama-quantize` from F16, 552 MB)",
     "1b-q2_k": "Llama-3.2-1B shape, Q2_K (`llama-quantize` from F16, 442 MB)",
     "1b-iq4_xs": "Llama-3.2-1B shape, IQ4_XS (`llama-quantize` from F16, 609 MB)",
@@ -76,6 +77,7 @@ SERVED = [
     ("xeon-amx", "1b-q8_0", "lanes32/q8_0", "main"),
     ("xeon-amx", "1b-q5_k_m", "lanes32/q5_k_m", "main"),
     ("xeon-amx", "gptoss", "gptoss-stack", "main"),
+    ("xeon-amx", "qwen3moe-q8_0", "qwen3moe-q8_0-lanes", "main"),
     ("xeon-amx", "1b-q3_k_m", "lanes-all/q3_k_m", "main"),
     ("xeon-amx", "1b-q2_k", "lanes-all/q2_k", "main"),
     ("xeon-amx", "1b-iq4_xs", "lanes-all/iq4_xs", "main"),
@@ -114,7 +116,7 @@ OFFLINE = [
 # the exact mode. In earlier runs "pagoda" was the exact mode, then the default.
 AUTO_DEFAULT_RUNS = {"defaults-1b-q4_k_m", "defaults-bundled", "hybrid-qwen35-2b", "auto-by-type/llama1b-q4_k_m-final",
                      "lanes32/q8_0", "lanes32/q5_k_m", "lanes32/gptoss",
-                     "lanes32/q4_0-final", "gptoss-stack"}
+                     "lanes32/q4_0-final", "gptoss-stack", "qwen3moe-q8_0-lanes"}
 MODE_NAMES = {
     "pagoda": "exact",
     "pagoda-exact": "exact",

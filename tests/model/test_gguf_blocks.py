@@ -142,6 +142,19 @@ MOE = ModelShape("qwen3moe", 256, 2, 4, 2, 512, True, 1000000.0, head_dim=64, qk
                  experts=4, experts_used=2, expert_ffn=256)
 
 
+def _per_expert_logits(model, prompt, chunks) -> torch.Tensor:
+    """The prompt's logits with every MoE layer's experts run one at a time (no one-call
+    kernel)."""
+    blocks = [lyr.mlp for lyr in model.model.layers]
+    for block in blocks:
+        block._fused = False
+    try:
+        return pagoda_prompt_logits(model, prompt, chunks)
+    finally:
+        for block in blocks:
+            block._fused = None
+
+
 def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
     from pagoda.model.layers.decoder import SparseMoeBlock
 
@@ -162,12 +175,7 @@ def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
         got = pagoda_prompt_logits(model, prompt, chunks)
         ref = pagoda_prompt_logits(reference.model, prompt, [len(prompt)])
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (got - ref).abs().max()
-        # The per-expert path's very numbers.
-        for block in (lyr.mlp for lyr in model.model.layers):
-            block._fused = False
-        assert torch.equal(pagoda_prompt_logits(model, prompt, chunks), got)
-        for block in (lyr.mlp for lyr in model.model.layers):
-            block._fused = None
+        assert torch.equal(_per_expert_logits(model, prompt, chunks), got)   # the per-expert path's numbers
     # The gguf mode: int8 activations for the experts, the router left in float32.
     fast = load_model(path, show_progress=False, quantization="gguf").model
     layer = fast.model.layers[0].mlp
@@ -177,12 +185,7 @@ def test_moe_experts_stay_blocks_and_compute_the_dequantized_model(tmp_path):
     assert layer._fused_args()
     for chunks in ([len(PROMPT)], [1] * len(PROMPT)):
         fused = pagoda_prompt_logits(fast, PROMPT, chunks)
-        for block in (lyr.mlp for lyr in fast.model.layers):
-            block._fused = False
-        per_expert = pagoda_prompt_logits(fast, PROMPT, chunks)
-        for block in (lyr.mlp for lyr in fast.model.layers):
-            block._fused = None
-        assert torch.isfinite(fused).all() and torch.equal(fused, per_expert)
+        assert torch.isfinite(fused).all() and torch.equal(fused, _per_expert_logits(fast, PROMPT, chunks))
 
 
 @pytest.mark.skipif(not cpu_kernels.has_avx512_vnni(), reason="needs a CPU with AVX-512 VNNI")
@@ -231,9 +234,4 @@ def test_gpt_oss_mxfp4_file_from_its_blocks_equals_its_dequantized_model(tmp_pat
         # the per-expert path's very numbers.
         for model, want in ((loaded.model, got), (fast, pagoda_prompt_logits(fast, PROMPT, chunks))):
             assert all(lyr.mlp._fused_args() for lyr in model.model.layers)
-            for block in (lyr.mlp for lyr in model.model.layers):
-                block._fused = False
-            per_expert = pagoda_prompt_logits(model, PROMPT, chunks)
-            for block in (lyr.mlp for lyr in model.model.layers):
-                block._fused = None
-            assert torch.isfinite(want).all() and torch.equal(want, per_expert)
+            assert torch.isfinite(want).all() and torch.equal(want, _per_expert_logits(model, PROMPT, chunks))
