@@ -69,7 +69,7 @@ class ModelOptions(OptionGroup):
     quantization: str = option(
         "auto", "auto: a GGUF file of 256 MiB or more on the CPU in float32 most of whose quantized bytes "
                 "are of the types the gguf mode has kernels of its own for (Q4_K, Q6_K, MXFP4; on AVX-512 VNNI "
-                "CPUs also Q4_0, Q4_1, Q8_0, IQ4_NL, Q5_K) runs in the gguf mode, anything else in none (the start-up "
+                "CPUs every integer block type) runs in the gguf mode, anything else in none (the start-up "
                 "log says which and why); none: exact (reference-equal output; on CPU in float32 a GGUF file's weights stay in its "
                 "blocks, memory-mapped, and are dequantized in cache to the same values; elsewhere dequantized "
                 "to --dtype at load); gguf: a GGUF file's blocks (any type) times activations in int8 per group "
