@@ -85,11 +85,13 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 torch::Tensor gated_activation(const torch::Tensor& gu, int64_t act) {
+  // The fused silu_mul where the width allows, as the module (no views made: a decode
+  // step calls this once a layer).
+  if (act == kActSilu && gu.size(1) % 64 == 0) return silu_mul(gu.contiguous());
   const int64_t I = gu.size(1) / 2;
   const torch::Tensor gate = gu.narrow(1, 0, I), up = gu.narrow(1, I, I);
   switch (act) {
-    case kActSilu:  // the fused silu_mul where the width allows, as the module
-      if (gu.size(1) % 64 == 0) return silu_mul(gu.contiguous());
+    case kActSilu:
       return at::silu(gate) * up;
     case kActGeluTanh:
       return at::gelu(gate, "tanh") * up;

@@ -235,3 +235,16 @@ def test_gpt_oss_mxfp4_file_from_its_blocks_equals_its_dequantized_model(tmp_pat
         for model, want in ((loaded.model, got), (fast, pagoda_prompt_logits(fast, PROMPT, chunks))):
             assert all(lyr.mlp._fused_args() for lyr in model.model.layers)
             assert torch.isfinite(want).all() and torch.equal(want, _per_expert_logits(model, PROMPT, chunks))
+    # The kernel's arguments checked by name: biases for every expert or none, of the right
+    # sizes; an activation it has.
+    kernel, gate_up, gate_up_types, down, down_types, act, gate_up_bias, down_bias = fast.model.layers[0].mlp._fused_args()
+    assert act == 2 and len(gate_up_bias) == len(down_bias) == 4
+    x, ids, weights = torch.randn(3, 256), torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.full((3, 2), 0.5)
+    args = [x, ids, weights, gate_up, gate_up_types, down, down_types]
+    with pytest.raises(RuntimeError, match="none, or one gate/up and one down bias per expert"):
+        kernel(*args, act, gate_up_bias[:3], down_bias[:3])
+    with pytest.raises(RuntimeError, match="expert 1's biases must have 512 and 256 values"):
+        kernel(*args, act, gate_up_bias[:1] + [down_bias[1]] + gate_up_bias[2:], down_bias)
+    with pytest.raises(RuntimeError, match="activation 7 is not 0"):
+        kernel(*args, 7, gate_up_bias, down_bias)
+    assert torch.isfinite(kernel(*args, act, gate_up_bias, down_bias)).all()
