@@ -2499,22 +2499,69 @@ void x16_unpack_q2k_block(const uint8_t* src, int c, uint8_t* p) {
   }
 }
 
-// Row n of a repacked Q2_K / Q3_K / Q4_K / Q5_K / Q6_K part as its plain row into out.
+// The repacked K-quant layouts, one traits struct a type (as Lanes32 for the 32-weight
+// ones): the plain type, its block's bytes in the file and repacked (16 channels), and the
+// block's packing (16 channels' plain blocks -> one repacked block) and unpacking (channel
+// c -> its plain block, byte for byte).
+template <int KT>
+struct Lanes16;
+template <>
+struct Lanes16<kQ4KX16> {
+  static constexpr int kPlain = kQ4_K, kPlainBytes = 144;
+  static constexpr int64_t kBytes = kX16Bytes;
+  static void pack(const uint8_t* const* src, uint8_t* dst) { x16_pack_block(src, dst); }
+  static void unpack(const uint8_t* src, int c, uint8_t* p) { x16_unpack_block(src, c, p); }
+};
+template <>
+struct Lanes16<kQ5KX16> {
+  static constexpr int kPlain = kQ5_K, kPlainBytes = 176;
+  static constexpr int64_t kBytes = kX16Q5Bytes;
+  static void pack(const uint8_t* const* src, uint8_t* dst) { x16_pack_q5k_block(src, dst); }
+  static void unpack(const uint8_t* src, int c, uint8_t* p) { x16_unpack_q5k_block(src, c, p); }
+};
+template <>
+struct Lanes16<kQ6KX16> {
+  static constexpr int kPlain = kQ6_K, kPlainBytes = 210;
+  static constexpr int64_t kBytes = kX16Q6Bytes;
+  static void pack(const uint8_t* const* src, uint8_t* dst) { x16_pack_q6k_block(src, dst); }
+  static void unpack(const uint8_t* src, int c, uint8_t* p) { x16_unpack_q6k_block(src, c, p); }
+};
+template <>
+struct Lanes16<kQ3KX16> {
+  static constexpr int kPlain = kQ3_K, kPlainBytes = 110;
+  static constexpr int64_t kBytes = kX16Q3Bytes;
+  static void pack(const uint8_t* const* src, uint8_t* dst) { x16_pack_q3k_block(src, dst); }
+  static void unpack(const uint8_t* src, int c, uint8_t* p) { x16_unpack_q3k_block(src, c, p); }
+};
+template <>
+struct Lanes16<kQ2KX16> {
+  static constexpr int kPlain = kQ2_K, kPlainBytes = 84;
+  static constexpr int64_t kBytes = kX16Q2Bytes;
+  static void pack(const uint8_t* const* src, uint8_t* dst) { x16_pack_q2k_block(src, dst); }
+  static void unpack(const uint8_t* src, int c, uint8_t* p) { x16_unpack_q2k_block(src, c, p); }
+};
+
+// f(integral_constant<int, KT>) for a repacked K-quant type KT.
+template <typename F>
+void with_x16_type(int type, F&& f) {
+  switch (type) {
+    case kQ4KX16: f(std::integral_constant<int, kQ4KX16>{}); return;
+    case kQ5KX16: f(std::integral_constant<int, kQ5KX16>{}); return;
+    case kQ6KX16: f(std::integral_constant<int, kQ6KX16>{}); return;
+    case kQ3KX16: f(std::integral_constant<int, kQ3KX16>{}); return;
+    case kQ2KX16: f(std::integral_constant<int, kQ2KX16>{}); return;
+    default: TORCH_CHECK(false, "not a repacked K-quant type: ", type);
+  }
+}
+
+// Row n of a repacked K-quant part as its plain row into out.
 void x16_unpack_row(const Part& w, int64_t n, int64_t K, uint8_t* out) {
   const uint8_t* g = w.data + (n / 16) * 16 * w.row_bytes;
   const int c = static_cast<int>(n % 16);
-  for (int64_t b = 0; b < K / 256; ++b) {
-    if (w.type == kQ2KX16)
-      x16_unpack_q2k_block(g + b * kX16Q2Bytes, c, out + b * 84);
-    else if (w.type == kQ3KX16)
-      x16_unpack_q3k_block(g + b * kX16Q3Bytes, c, out + b * 110);
-    else if (w.type == kQ6KX16)
-      x16_unpack_q6k_block(g + b * kX16Q6Bytes, c, out + b * 210);
-    else if (w.type == kQ5KX16)
-      x16_unpack_q5k_block(g + b * kX16Q5Bytes, c, out + b * 176);
-    else
-      x16_unpack_block(g + b * kX16Bytes, c, out + b * 144);
-  }
+  with_x16_type(w.type, [&](auto kt) {
+    using L = Lanes16<decltype(kt)::value>;
+    for (int64_t b = 0; b < K / 256; ++b) L::unpack(g + b * L::kBytes, c, out + b * L::kPlainBytes);
+  });
 }
 
 // The Q6_K version of x16_rows; KT = kQ3KX16 that of Q3_K_X16 (values of 3 bits, offset 4),
@@ -2527,7 +2574,7 @@ PAGODA_AVX512 __attribute__((noinline)) void x16_q6k_rows(const QuantizedX& xq, 
   // A block's bytes, the prefetches' stride and lines per 32 inputs (8 x stride = bytes),
   // the stored values' offset as a shift (32 = 1 << 5; 4 = 1 << 2), where d lies.
   constexpr bool Q3 = KT == kQ3KX16, Q2 = KT == kQ2KX16;
-  constexpr int64_t kBytes = Q2 ? kX16Q2Bytes : Q3 ? kX16Q3Bytes : kX16Q6Bytes;
+  constexpr int64_t kBytes = Lanes16<KT>::kBytes;
   constexpr int kStride = Q2 ? 168 : Q3 ? 228 : 420, kLines = Q2 ? 3 : Q3 ? 4 : 7, kOffsetShift = Q3 ? 2 : 5;
   constexpr int kD = Q2 ? kX16Q2D : Q3 ? kX16Q3D : kX16Q6D;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), m3 = _mm512_set1_epi8(3);
@@ -2892,11 +2939,7 @@ PAGODA_AMX void x16_amx_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64
     const uint8_t* grp = w.data + n * w.row_bytes;
     std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      constexpr int64_t bytes = KT == kQ6KX16   ? kX16Q6Bytes
-                                : KT == kQ3KX16 ? kX16Q3Bytes
-                                : KT == kQ2KX16 ? kX16Q2Bytes
-                                : KT == kQ5KX16 ? kX16Q5Bytes
-                                                : kX16Bytes;
+      constexpr int64_t bytes = Lanes16<KT>::kBytes;
       const uint8_t* p = grp + b * bytes;
       // The next block's weights on their way while this one's rows run (they come from
       // memory once a step; the prefetchers stopped at the block: a step's rows over it
@@ -3394,13 +3437,11 @@ void x32_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Par
 
 // The plain type of a repacked one.
 int64_t lanes_plain(int type) {
-  if (type == kQ2KX16) return kQ2_K;
-  if (type == kQ3KX16) return kQ3_K;
-  if (type == kQ4KX16) return kQ4_K;
-  if (type == kQ5KX16) return kQ5_K;
-  if (type == kQ6KX16) return kQ6_K;
   int64_t plain = -1;
-  with_x32_type(type, [&](auto tt) { plain = Lanes32<decltype(tt)::value>::kPlain; });
+  if (is_x16(type))
+    with_x16_type(type, [&](auto kt) { plain = Lanes16<decltype(kt)::value>::kPlain; });
+  else
+    with_x32_type(type, [&](auto tt) { plain = Lanes32<decltype(tt)::value>::kPlain; });
   return plain;
 }
 
@@ -3470,16 +3511,7 @@ void x16_tile(const QuantizedX& xq, int64_t m0, int64_t m1, int64_t K, const Par
     else
       x16_tile_t<KT>(xq, m0, m1, K, w, n0, n1, bias, y, N);
   };
-  if (w.type == kQ6KX16)
-    run(std::integral_constant<int, kQ6KX16>{});
-  else if (w.type == kQ5KX16)
-    run(std::integral_constant<int, kQ5KX16>{});
-  else if (w.type == kQ3KX16)
-    run(std::integral_constant<int, kQ3KX16>{});
-  else if (w.type == kQ2KX16)
-    run(std::integral_constant<int, kQ2KX16>{});
-  else
-    run(std::integral_constant<int, kQ4KX16>{});
+  with_x16_type(w.type, run);
 }
 
 // y for rows [r0, r0 + MR) and decoded channels [c0, c0 + NC), int8 products.
@@ -3637,16 +3669,8 @@ torch::Tensor gguf_repack_x16(torch::Tensor data, int64_t type, int64_t K) {
         const uint8_t* src[16];
         for (int c = 0; c < 16; ++c) src[c] = w.data + (16 * g + c) * w.row_bytes + b * bytes;
         uint8_t* dst = op + (g * nb + b) * 16 * packed;
-        if (lanes == kQ6KX16)
-          x16_pack_q6k_block(src, dst);
-        else if (lanes == kQ3KX16)
-          x16_pack_q3k_block(src, dst);
-        else if (lanes == kQ2KX16)
-          x16_pack_q2k_block(src, dst);
-        else if (lanes == kQ5KX16)
-          x16_pack_q5k_block(src, dst);
-        else if (lanes == kQ4KX16)
-          x16_pack_block(src, dst);
+        if (is_x16(lanes))
+          with_x16_type(lanes, [&](auto kt) { Lanes16<decltype(kt)::value>::pack(src, dst); });
         else
           with_x32_type(lanes, [&](auto tt) { x32_pack_block<decltype(tt)::value>(src, dst); });
       }
